@@ -1,0 +1,139 @@
+"""Domain values of the desired state: what the YAML files declare.
+
+Everything here is frozen and validated by the loader; the planner and the
+drivers can rely on names being kernel-safe and addresses being well formed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Literal, NewType
+
+BridgeName = NewType("BridgeName", str)
+SubnetName = NewType("SubnetName", str)
+AllocId = NewType("AllocId", str)
+DockerNetworkName = NewType("DockerNetworkName", str)
+
+Protocol = Literal["tcp", "udp", "both"]
+Kind = Literal["bridge", "subnet", "alloc", "docker_network"]
+
+#: Creation order; deletion runs in reverse.
+KIND_ORDER: tuple[Kind, ...] = ("bridge", "subnet", "alloc", "docker_network")
+
+#: The YAML top-level list that holds each kind, and the key that names it.
+KIND_SECTION: dict[Kind, tuple[str, str]] = {
+    "bridge": ("bridges", "name"),
+    "subnet": ("subnets", "name"),
+    "alloc": ("allocs", "id"),
+    "docker_network": ("docker_networks", "name"),
+}
+
+
+@dataclass(frozen=True, order=True)
+class Source:
+    """Where a resource was declared."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Bridge:
+    name: BridgeName
+    mtu: int | None = None
+    hairpin: bool = True
+    source: Source = field(default=Source("<memory>", 0), compare=False)
+
+
+@dataclass(frozen=True)
+class AddrRange:
+    start: ipaddress.IPv4Address
+    end: ipaddress.IPv4Address
+
+
+@dataclass(frozen=True)
+class Subnet:
+    name: SubnetName
+    bridge: BridgeName
+    cidr: ipaddress.IPv4Network
+    gateway: ipaddress.IPv4Address
+    cidr6: ipaddress.IPv6Network | None = None
+    gateway6: ipaddress.IPv6Address | None = None
+    range: AddrRange | None = None
+    masquerade: bool = True
+    source: Source = field(default=Source("<memory>", 0), compare=False)
+
+    @property
+    def gateway_interface(self) -> ipaddress.IPv4Interface:
+        return ipaddress.IPv4Interface(f"{self.gateway}/{self.cidr.prefixlen}")
+
+    @property
+    def gateway6_interface(self) -> ipaddress.IPv6Interface | None:
+        if self.cidr6 is None or self.gateway6 is None:
+            return None
+        return ipaddress.IPv6Interface(f"{self.gateway6}/{self.cidr6.prefixlen}")
+
+
+@dataclass(frozen=True)
+class PortMap:
+    """One declared port map. ``host`` is None for ``host: auto``."""
+
+    host: int | None
+    to: int
+    protocol: Protocol = "tcp"
+    host_ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        return ("tcp", "udp") if self.protocol == "both" else (self.protocol,)
+
+
+@dataclass(frozen=True)
+class Alloc:
+    id: AllocId
+    subnet: SubnetName
+    address: ipaddress.IPv4Address | None = None
+    address6: ipaddress.IPv6Address | None = None
+    ports: tuple[PortMap, ...] = ()
+    source: Source = field(default=Source("<memory>", 0), compare=False)
+
+
+@dataclass(frozen=True)
+class DockerNetwork:
+    name: DockerNetworkName
+    ipv6: bool = False
+    subnet: ipaddress.IPv4Network | None = None
+    subnet6: ipaddress.IPv6Network | None = None
+    mtu: int | None = None
+    masquerade: bool = True
+    internal: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+    source: Source = field(default=Source("<memory>", 0), compare=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Host-wide settings (top-level ``settings:``); all optional."""
+
+    #: inclusive range that ``host: auto`` picks ports from
+    auto_port_range: tuple[int, int] = (20000, 32000)
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """The merged desired state of all files, keyed by identity."""
+
+    bridges: dict[BridgeName, Bridge] = field(default_factory=dict)
+    subnets: dict[SubnetName, Subnet] = field(default_factory=dict)
+    allocs: dict[AllocId, Alloc] = field(default_factory=dict)
+    docker_networks: dict[DockerNetworkName, DockerNetwork] = field(default_factory=dict)
+    settings: Settings = field(default_factory=Settings)
+    files: tuple[str, ...] = ()
+
+    def resource_count(self) -> int:
+        return (len(self.bridges) + len(self.subnets) + len(self.allocs)
+                + len(self.docker_networks))
