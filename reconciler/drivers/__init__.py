@@ -1,0 +1,1 @@
+"""Drivers: the only layer that talks to the kernel, iptables and Docker."""

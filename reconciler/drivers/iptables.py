@@ -1,0 +1,151 @@
+"""iptables through ``iptables-save`` / ``iptables-restore --noflush``.
+
+Why iptables and not a table of our own in nftables: Docker (and firewalld,
+and most hosts) filter FORWARD through iptables, and in netfilter an ACCEPT
+in one base chain does not stop a DROP in another. Only a rule inside the
+same ``filter FORWARD`` chain that Docker sets to policy DROP can let our
+subnets' traffic through, so we place one jump there and keep everything
+else in chains we own (prefix ``RECONCILER-``). Each run changes all owned
+chains of a family in one ``iptables-restore`` transaction: atomic, one
+process, however many rules change. We use whichever backend the
+``iptables`` command on PATH uses (nf_tables on Debian), and refuse to run
+when the other backend holds Docker's rules, since the two hide rules from
+each other.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+from reconciler.errors import DriverError, PreconditionError, TemporaryError
+from reconciler.live import LiveChainSet
+
+RESTORE_WAIT_SECONDS = "10"
+_TOOLS = {4: ("iptables-save", "iptables-restore", "iptables"),
+          6: ("ip6tables-save", "ip6tables-restore", "ip6tables")}
+
+
+def parse_save(text: str) -> LiveChainSet:
+    """Parse ``iptables-save`` output (pure).
+
+    Rules are kept as the token tuple after ``-A CHAIN`` (shlex-split, so the
+    quoting iptables-save applies to comments does not matter).
+    """
+    chains: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+    policies: dict[tuple[str, str], str] = {}
+    table = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or line == "COMMIT":
+            continue
+        if line.startswith("*"):
+            table = line[1:]
+            continue
+        if line.startswith(":"):
+            name, policy, *_ = line[1:].split()
+            chains.setdefault((table, name), [])
+            policies[(table, name)] = policy
+            continue
+        if line.startswith("-A "):
+            tokens = tuple(shlex.split(line))
+            chains.setdefault((table, tokens[1]), []).append(tokens[2:])
+    return LiveChainSet(
+        available=True,
+        chains={k: tuple(" ".join(r) for r in v) for k, v in chains.items()},
+        policies=policies,
+    )
+
+
+def rule_tokens(rule: str) -> tuple[str, ...]:
+    return tuple(shlex.split(rule))
+
+
+def backend_of(version_output: str) -> str:
+    """``iptables -V`` → "nf_tables" or "legacy"."""
+    if "nf_tables" in version_output:
+        return "nf_tables"
+    return "legacy"
+
+
+class IptablesDriver:
+    """Reads and atomically rewrites the rules of one address family."""
+
+    def __init__(self, family: int) -> None:
+        self.family = family
+        self.save_cmd, self.restore_cmd, self.cmd = _TOOLS[family]
+
+    def available(self) -> bool:
+        return shutil.which(self.save_cmd) is not None and shutil.which(self.restore_cmd) is not None
+
+    def observe(self) -> LiveChainSet:
+        if not self.available():
+            return LiveChainSet(available=False, error=f"{self.save_cmd} is not installed")
+        try:
+            out = subprocess.run([self.save_cmd], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return LiveChainSet(available=False, error=f"{self.save_cmd}: {exc}")
+        if out.returncode != 0:
+            msg = (out.stderr.strip().splitlines() or ["failed"])[-1]
+            return LiveChainSet(available=False, error=f"{self.save_cmd}: {msg}")
+        return parse_save(out.stdout)
+
+    def restore(self, script: str) -> None:
+        """Apply a ``--noflush`` restore script as one transaction."""
+        try:
+            out = subprocess.run([self.restore_cmd, "--noflush", "--wait", RESTORE_WAIT_SECONDS],
+                                 input=script, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise PreconditionError(f"{self.restore_cmd} is not installed") from None
+        except subprocess.TimeoutExpired:
+            raise TemporaryError(f"{self.restore_cmd} timed out", delay=1.0) from None
+        if out.returncode == 4 or "xtables lock" in out.stderr:
+            raise TemporaryError(f"{self.restore_cmd}: xtables lock busy", delay=0.5)
+        if out.returncode != 0:
+            detail = " ".join(out.stderr.split())[:300] or f"exit status {out.returncode}"
+            raise DriverError(f"{self.restore_cmd} failed: {detail}")
+
+    def backend(self) -> str | None:
+        try:
+            out = subprocess.run([self.cmd, "-V"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return backend_of(out.stdout + out.stderr)
+
+
+def other_backend_problem(active: str, docker_chains_elsewhere: Sequence[str]) -> str | None:
+    """A clear message when Docker's chains live in the backend we are not using."""
+    if not docker_chains_elsewhere:
+        return None
+    other = "legacy" if active == "nf_tables" else "nf_tables"
+    return (f"iptables uses the {active} backend but Docker's chains "
+            f"({', '.join(docker_chains_elsewhere[:3])}) are in the {other} backend; the two hide "
+            "rules from each other. Switch `update-alternatives --config iptables` to match "
+            "Docker, then run again")
+
+
+def check_backend_mismatch() -> str | None:
+    """Detect EDGE-CASES #26: our iptables and Docker's on different backends."""
+    active = IptablesDriver(4).backend()
+    if active is None:
+        return None
+    other_save = "iptables-legacy-save" if active == "nf_tables" else "iptables-nft-save"
+    if shutil.which(other_save) is None:
+        return None
+    try:
+        out = subprocess.run([other_save], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    mine = parse_save(out.stdout)
+    docker = sorted({c for (_t, c) in mine.chains if c.startswith("DOCKER")})
+    if not docker:
+        return None
+    # Docker's chains in both backends: it is happy with ours too.
+    here = IptablesDriver(4).observe()
+    if any(c.startswith("DOCKER") for (_t, c) in here.chains):
+        return None
+    return other_backend_problem(active, docker)

@@ -1,0 +1,230 @@
+"""The plan: a frozen, JSON-serialisable value.
+
+A plan is a tuple of ``Change``s. Each change names one resource, says what
+will happen to it (Terraform's closed set of actions), why, which attributes
+differ, and lists the idempotent ``Op``s the executor will run for it. The
+reason is for people; the executor only ever looks at the ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, TextIO
+
+FORMAT_VERSION = 1
+
+
+class Action(str, Enum):
+    NOOP = "no-op"
+    CREATE = "create"
+    UPDATE = "update"
+    DELETE = "delete"
+    REPLACE = "replace"
+    CONFLICT = "conflict"  # exists but not ours: blocks apply, never touched
+
+    @property
+    def symbol(self) -> str:
+        return _SYMBOLS[self]
+
+
+_SYMBOLS = {
+    Action.NOOP: " ", Action.CREATE: "+", Action.UPDATE: "~", Action.DELETE: "-",
+    Action.REPLACE: "-/+", Action.CONFLICT: "!",
+}
+
+Json = Any
+
+
+@dataclass(frozen=True)
+class Op:
+    """One idempotent driver operation, e.g. ``Op("link.add_bridge", {"name": "nomad"})``."""
+
+    name: str
+    args: dict[str, Json] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Json]:
+        return {"op": self.name, "args": self.args}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Op:
+        return cls(raw["op"], dict(raw.get("args", {})))
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.args.items() if k != "rules")
+        return f"{self.name}({args})"
+
+
+@dataclass(frozen=True)
+class AttrChange:
+    field: str
+    before: Json
+    after: Json
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str
+    name: str
+    action: Action
+    reason: str = ""
+    attrs: tuple[AttrChange, ...] = ()
+    ops: tuple[Op, ...] = ()
+    source: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def address(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "kind": self.kind, "name": self.name, "action": self.action.value,
+            "reason": self.reason, "source": self.source,
+            "attrs": [{"field": a.field, "before": a.before, "after": a.after}
+                      for a in self.attrs],
+            "ops": [o.to_json() for o in self.ops],
+            "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Change:
+        return cls(raw["kind"], raw["name"], Action(raw["action"]), raw.get("reason", ""),
+                   tuple(AttrChange(a["field"], a["before"], a["after"])
+                         for a in raw.get("attrs", [])),
+                   tuple(Op.from_json(o) for o in raw.get("ops", [])), raw.get("source"),
+                   tuple(raw.get("warnings", [])))
+
+
+@dataclass(frozen=True)
+class Plan:
+    changes: tuple[Change, ...] = ()
+    #: hash of the live view of every managed object the plan was computed from
+    live_fingerprint: str = ""
+    #: sha256 of each desired-state file the plan was computed from
+    files: tuple[tuple[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()  # e.g. Docker unreachable: those resources are not planned
+
+    @property
+    def actionable(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.action not in (Action.NOOP, Action.CONFLICT))
+
+    @property
+    def conflicts(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.action is Action.CONFLICT)
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self.actionable)
+
+    def summary(self) -> dict[str, int]:
+        counts = Counter(c.action for c in self.changes)
+        return {
+            "create": counts[Action.CREATE], "update": counts[Action.UPDATE],
+            "replace": counts[Action.REPLACE], "delete": counts[Action.DELETE],
+            "conflict": counts[Action.CONFLICT], "unchanged": counts[Action.NOOP],
+        }
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "changes": [c.to_json() for c in self.changes if c.action is not Action.NOOP],
+            "summary": self.summary(),
+            "live_fingerprint": self.live_fingerprint,
+            "files": [{"path": p, "sha256": h} for p, h in self.files],
+            "warnings": list(self.warnings),
+            "errors": list(self.errors),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Plan:
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"unsupported plan format {raw.get('format_version')!r}")
+        return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
+                   tuple((f["path"], f["sha256"]) for f in raw.get("files", [])),
+                   tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])))
+
+    def same_work(self, other: Plan) -> bool:
+        """True when both plans would run the same ops on the same live state."""
+        mine = [c.to_json() for c in self.changes if c.action is not Action.NOOP]
+        theirs = [c.to_json() for c in other.changes if c.action is not Action.NOOP]
+        return mine == theirs and self.live_fingerprint == other.live_fingerprint
+
+
+def fingerprint(view: Json) -> str:
+    """Stable hash of a JSON-able value (sorted keys)."""
+    blob = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- text rendering
+
+_COLOURS = {
+    Action.CREATE: "\033[32m", Action.UPDATE: "\033[33m", Action.DELETE: "\033[31m",
+    Action.REPLACE: "\033[35m", Action.CONFLICT: "\033[1;31m",
+}
+_RESET = "\033[0m"
+
+
+def _fmt(value: Json) -> str:
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> str:
+    """Terraform-style text: one block per change, then a summary line."""
+    lines: list[str] = []
+    for c in plan.changes:
+        if c.action is Action.NOOP:
+            continue
+        sym = c.action.symbol
+        head = f"{sym:>3} {c.kind} {c.name}"
+        if c.reason:
+            head += f": {c.reason}"
+        if colour and c.action in _COLOURS:
+            head = f"{_COLOURS[c.action]}{head}{_RESET}"
+        lines.append(head)
+        for a in c.attrs:
+            if a.before is None and a.after is not None and c.action is Action.CREATE:
+                lines.append(f"      {a.field} = {_fmt(a.after)}")
+            else:
+                lines.append(f"      {a.field}: {_fmt(a.before)} -> {_fmt(a.after)}")
+        for w in c.warnings:
+            lines.append(f"      warning: {w}")
+        if c.source:
+            lines.append(f"      # {c.source}")
+        if verbose:
+            for o in c.ops:
+                lines.append(f"      > {o.describe()}")
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    for e in plan.errors:
+        lines.append(f"error: {e}")
+    s = plan.summary()
+    if plan.has_changes or s["conflict"]:
+        summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
+                   f"{s['replace']} to replace, {s['delete']} to delete")
+        if s["conflict"]:
+            summary += f", {s['conflict']} conflict{'s' if s['conflict'] != 1 else ''}"
+        summary += f" ({s['unchanged']} unchanged)."
+    else:
+        summary = f"No changes. {s['unchanged']} resources match the desired state."
+    if lines:
+        lines.append("")
+    lines.append(summary)
+    return "\n".join(lines) + "\n"
+
+
+def write_json(plan: Plan, out: TextIO = sys.stdout) -> None:
+    json.dump(plan.to_json(), out, indent=2, sort_keys=False)
+    out.write("\n")

@@ -1,0 +1,85 @@
+"""The planner: a pure function (desired, live, options) -> Plan. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from reconciler.live import LiveState
+from reconciler.model import KIND_ORDER, DesiredState
+from reconciler.plan import Action, Change, Op, Plan, fingerprint
+from reconciler.planner import firewall, hostlinks
+from reconciler.planner.context import PlanContext, PlanOptions
+
+__all__ = ["PlanOptions", "make_plan", "register"]
+
+#: Further kinds plug in here: fn(ctx) -> changes (create/update/noop/conflict and deletes).
+KindPlanner = Callable[[PlanContext], list[Change]]
+_EXTRA: list[tuple[str, KindPlanner]] = []
+
+
+def register(kind: str, fn: KindPlanner) -> None:
+    """Add the planner of a further kind (allocs, docker networks)."""
+    if all(k != kind for k, _ in _EXTRA):
+        _EXTRA.append((kind, fn))
+
+
+def _sysctl_changes(ctx: PlanContext) -> list[Change]:
+    out = []
+    for key in sorted(ctx.sysctls):
+        want = ctx.sysctls[key]
+        have = ctx.live.sysctls.get(key)
+        ctx.observed[f"sysctl/{key}"] = have
+        if have != want:
+            out.append(Change("sysctl", key, Action.UPDATE, "needed by the declared subnets",
+                              (), (Op("sysctl.set", {"key": key, "value": want}),)))
+    return out
+
+
+_ORDER = {k: i for i, k in enumerate((*KIND_ORDER, "sysctl", "firewall"))}
+
+
+def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | None = None,
+              files: tuple[tuple[str, str], ...] = ()) -> Plan:
+    """Compare desired and live state and return the plan that converges them."""
+    ctx = PlanContext(desired, live, options or PlanOptions())
+    changes: list[Change] = []
+    # Subnets first: they claim the bridge addresses that are theirs, bridges then
+    # remove only owned addresses nobody claims.
+    subnet_changes = [hostlinks.plan_subnet(ctx, desired.subnets[n])
+                      for n in sorted(desired.subnets)]
+    subnet_changes += hostlinks.plan_pruned_subnets(ctx)
+    bridge_changes = [hostlinks.plan_bridge(ctx, desired.bridges[n])
+                      for n in sorted(desired.bridges)]
+    bridge_changes += hostlinks.plan_pruned_bridges(ctx)
+    changes += bridge_changes + subnet_changes
+    for _kind, fn in _EXTRA:
+        changes += fn(ctx)
+    changes += _sysctl_changes(ctx)
+    for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
+                                      (6, ctx.rules6, live.firewall6)):
+        has_desired = any(rules.chains.values())
+        if not live_rules.available:
+            if has_desired:
+                ctx.errors.append(f"ipv{family} firewall: {live_rules.error or 'unavailable'}")
+            continue
+        if not ctx.options.prune and not has_desired:
+            continue
+        d = firewall.diff(rules, live_rules)
+        ctx.observed[f"firewall/ipv{family}"] = {
+            f"{t}/{c}": list(r) for (t, c), r in sorted(live_rules.chains.items())
+            if c.startswith(firewall.CHAIN_PREFIX) or c in ("FORWARD", "POSTROUTING",
+                                                               "PREROUTING", "OUTPUT")}
+        ch = firewall.firewall_change(family, d)
+        if ch is not None:
+            changes.append(ch)
+    changes.sort(key=_sort_key)
+    return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
+                tuple(ctx.errors))
+
+
+def _sort_key(c: Change) -> tuple[int, int, str]:
+    # deletes first, in reverse dependency order; then everything else in order
+    rank = _ORDER.get(c.kind, len(_ORDER))
+    if c.action is Action.DELETE:
+        return (0, -rank, c.name)
+    return (1, rank, c.name)

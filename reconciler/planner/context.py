@@ -1,0 +1,41 @@
+"""State shared by the kind planners during one (pure) planning pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from reconciler.live import LiveState
+from reconciler.model import DesiredState
+from reconciler.planner.firewall import RuleSet
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    prune: bool = True
+    #: "kind/name" addresses the user allows us to take over (``--adopt``)
+    adopt: frozenset[str] = frozenset()
+    #: replace Docker networks with containers attached (disconnect, re-create, reconnect)
+    force_replace: bool = False
+
+
+@dataclass
+class PlanContext:
+    desired: DesiredState
+    live: LiveState
+    options: PlanOptions
+    rules4: RuleSet = field(default_factory=lambda: RuleSet(4))
+    rules6: RuleSet = field(default_factory=lambda: RuleSet(6))
+    #: sysctl key -> value the desired state needs (never reverted on prune)
+    sysctls: dict[str, str] = field(default_factory=dict)
+    #: canonical live view of every managed object, for the saved-plan fingerprint
+    observed: dict[str, Any] = field(default_factory=dict)
+    #: (link, address) pairs some change already accounts for
+    claimed_addresses: set[tuple[str, str]] = field(default_factory=set)
+    #: "kind/name" of resources blocked by a conflict (dependants are not planned)
+    blocked: set[str] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def adopted(self, kind: str, name: str) -> bool:
+        return f"{kind}/{name}" in self.options.adopt

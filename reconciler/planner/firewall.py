@@ -1,0 +1,207 @@
+"""Desired iptables rules (pure) and the one restore transaction that converges them.
+
+Every rule we write is in a chain we own (``RECONCILER-*``) except one jump
+per chain from the built-in chain that feeds it. Rules carry a comment naming
+the resource they serve (``reconciler:subnet=NAME``) so live rules can be
+attributed, and an unknown owner is recognisably stale.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from reconciler.live import LiveChainSet
+from reconciler.model import DesiredState, Subnet
+from reconciler.ownership import CHAIN_PREFIX, RULE_COMMENT
+from reconciler.plan import Action, AttrChange, Change, Op
+
+FORWARD = CHAIN_PREFIX + "FORWARD"
+POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
+PREROUTING = CHAIN_PREFIX + "PREROUTING"
+OUTPUT = CHAIN_PREFIX + "OUTPUT"
+
+#: owned chain -> (table, built-in chain that jumps to it, match tokens before the jump)
+JUMPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    FORWARD: ("filter", "FORWARD", ()),
+    POSTROUTING: ("nat", "POSTROUTING", ()),
+    PREROUTING: ("nat", "PREROUTING", ("-m", "addrtype", "--dst-type", "LOCAL")),
+    OUTPUT: ("nat", "OUTPUT", ("-m", "addrtype", "--dst-type", "LOCAL")),
+}
+TABLE_ORDER = ("filter", "nat")
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:/=!,+\-]+$")
+
+
+def comment(owner_kind: str, owner: str) -> tuple[str, ...]:
+    return ("-m", "comment", "--comment", f"{RULE_COMMENT}:{owner_kind}={owner}")
+
+
+def jump_rule(chain: str) -> str:
+    _table, _builtin, match = JUMPS[chain]
+    return " ".join((*match, "-m", "comment", "--comment", RULE_COMMENT, "-j", chain))
+
+
+def owner_of(rule: str) -> str | None:
+    """``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
+    m = re.search(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)", rule)
+    return m.group(1) if m else None
+
+
+@dataclass
+class RuleSet:
+    """Desired rules of one family: owned chain -> rules in order."""
+
+    family: int
+    chains: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, chain: str, tokens: Iterable[str]) -> None:
+        toks = tuple(tokens)
+        for t in toks:
+            # Defence in depth: names are validated by the loader, but nothing that
+            # could end a token or a line ever reaches iptables-restore.
+            if not _SAFE_TOKEN.match(t):
+                raise ValueError(f"unsafe iptables token {t!r}")
+        self.chains.setdefault(chain, []).append(" ".join(toks))
+
+    def table_of(self, chain: str) -> str:
+        return JUMPS[chain][0] if chain in JUMPS else "nat"
+
+
+def subnet_rules(rs: RuleSet, s: Subnet) -> None:
+    """Nomad's admin chain (forward accept both ways) and masquerade of egress."""
+    cidr = s.cidr if rs.family == 4 else s.cidr6
+    if cidr is None:
+        return
+    c = comment("subnet", s.name)
+    rs.add(FORWARD, ("-d", str(cidr), "-o", s.bridge, *c, "-j", "ACCEPT"))
+    rs.add(FORWARD, ("-s", str(cidr), "-i", s.bridge, *c, "-j", "ACCEPT"))
+    if s.masquerade:
+        rs.add(POSTROUTING, ("-s", str(cidr), "!", "-d", str(cidr), *c, "-j", "MASQUERADE"))
+
+
+def desired_rules(desired: DesiredState, family: int) -> RuleSet:
+    rs = RuleSet(family)
+    for name in sorted(desired.subnets):
+        subnet_rules(rs, desired.subnets[name])
+    return rs
+
+
+# Rules for further kinds (alloc port maps) register here: fn(desired, ruleset, context).
+EXTRA_RULES: list[object] = []
+
+
+def _owned_chains(live: LiveChainSet) -> dict[tuple[str, str], tuple[str, ...]]:
+    return {k: v for k, v in live.chains.items() if k[1].startswith(CHAIN_PREFIX)}
+
+
+def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
+    """Rules in built-in chains that jump to one of our chains, by (table, builtin)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for (table, chain), rules in live.chains.items():
+        if chain.startswith(CHAIN_PREFIX):
+            continue
+        for r in rules:
+            toks = r.split()
+            if len(toks) >= 2 and toks[-2] == "-j" and toks[-1].startswith(CHAIN_PREFIX):
+                out.setdefault((table, chain), []).append(r)
+    return out
+
+
+@dataclass(frozen=True)
+class FirewallDiff:
+    script: str
+    attrs: tuple[AttrChange, ...]
+    missing_owners: frozenset[str]
+    stale_owners: frozenset[str]
+    empty_desired: bool
+    empty_live: bool
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.script)
+
+
+def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
+    """Compare desired and live owned chains; build the restore script that converges them."""
+    owned = _owned_chains(live)
+    live_jumps = _live_jumps(live)
+    # per table, in the order iptables-restore needs: declarations, rules, jumps, removals
+    per_table: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {}
+
+    def bucket(table: str, i: int) -> list[str]:
+        return per_table.setdefault(table, ([], [], [], []))[i]
+
+    attrs: list[AttrChange] = []
+    missing: set[str] = set()
+    stale: set[str] = set()
+    desired_keys = {(rs.table_of(ch), ch) for ch, rules in rs.chains.items() if rules}
+
+    for chain in sorted(rs.chains):
+        rules = rs.chains[chain]
+        if not rules:
+            continue
+        table = rs.table_of(chain)
+        have = owned.get((table, chain))
+        if have is None or tuple(have) != tuple(rules):
+            before = list(have or ())
+            missing |= {o for r in rules if r not in before and (o := owner_of(r))}
+            stale |= {o for r in before if r not in rules and (o := owner_of(r))}
+            attrs.append(AttrChange(f"{table}/{chain}",
+                                    f"{len(before)} rules" if have is not None else None,
+                                    f"{len(rules)} rules"))
+            bucket(table, 0).append(f":{chain} - [0:0]")
+            bucket(table, 1).extend(f"-A {chain} {r}" for r in rules)
+        if chain in JUMPS:
+            _t, builtin, _m = JUMPS[chain]
+            want = jump_rule(chain)
+            jumps = [j for j in live_jumps.get((table, builtin), []) if j.split()[-1] == chain]
+            if want not in jumps:
+                bucket(table, 2).append(f"-I {builtin} 1 {want}")
+                attrs.append(AttrChange(f"{table}/{builtin} jump to {chain}", None, "present"))
+            extra = list(jumps)
+            if want in extra:
+                extra.remove(want)
+            for j in extra:
+                bucket(table, 2).append(f"-D {builtin} {j}")
+            if extra:
+                attrs.append(AttrChange(f"{table}/{builtin} jump to {chain}",
+                                        f"{len(jumps)} copies", "1 copy"))
+
+    # owned chains nobody wants any more: drop their jumps, flush, delete
+    for (table, chain) in sorted(owned):
+        if (table, chain) in desired_keys:
+            continue
+        stale |= {o for r in owned[(table, chain)] if (o := owner_of(r))}
+        attrs.append(AttrChange(f"{table}/{chain}", f"{len(owned[(table, chain)])} rules", None))
+        for (jt, builtin), rules in live_jumps.items():
+            if jt == table:
+                bucket(table, 2).extend(f"-D {builtin} {j}" for j in rules
+                                        if j.split()[-1] == chain)
+        bucket(table, 3).extend((f"-F {chain}", f"-X {chain}"))
+
+    script = ""
+    for table in sorted(per_table, key=lambda t: (t not in TABLE_ORDER, t)):
+        lines = [line for part in per_table[table] for line in part]
+        if lines:
+            script += f"*{table}\n" + "\n".join(lines) + "\nCOMMIT\n"
+    return FirewallDiff(script, tuple(attrs), frozenset(missing), frozenset(stale),
+                        not desired_keys, not owned)
+
+
+def firewall_change(family: int, d: FirewallDiff) -> Change | None:
+    if not d.changed:
+        return None
+    if d.empty_live:
+        action, reason = Action.CREATE, "owned chains missing"
+    elif d.empty_desired:
+        action, reason = Action.DELETE, "no resource needs rules any more"
+    else:
+        parts = []
+        if d.missing_owners:
+            parts.append("rules missing for " + ", ".join(sorted(d.missing_owners)))
+        if d.stale_owners - d.missing_owners:
+            parts.append("stale rules of " + ", ".join(sorted(d.stale_owners - d.missing_owners)))
+        action, reason = Action.UPDATE, "; ".join(parts) or "rules or jumps differ"
+    return Change("firewall", f"ipv{family}", action, reason, d.attrs,
+                  (Op("firewall.restore", {"family": family, "script": d.script}),))

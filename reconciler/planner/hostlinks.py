@@ -1,0 +1,211 @@
+"""Planning of bridges and subnets (pure)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from reconciler.live import LiveLink
+from reconciler.model import Bridge, Subnet
+from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.planner import firewall
+from reconciler.planner.context import PlanContext
+
+
+def _link_view(link: LiveLink | None) -> object:
+    if link is None:
+        return None
+    return {"kind": link.kind, "mtu": link.mtu, "up": link.up, "owned": link.owned,
+            "addresses": sorted(f"{a.address}{'*' if a.owned else ''}" for a in link.addresses)}
+
+
+def _managed_bridge(ctx: PlanContext, name: str) -> LiveLink | None:
+    """The live bridge if it is ours (or being adopted); None otherwise."""
+    link = ctx.live.links.get(name)
+    if link is None or link.kind != "bridge":
+        return None
+    if link.owned or ctx.adopted("bridge", name):
+        return link
+    return None
+
+
+def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
+    link = ctx.live.links.get(b.name)
+    ctx.observed[f"bridge/{b.name}"] = _link_view(link)
+    src = str(b.source)
+    if link is None:
+        attrs = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
+        attrs.append(AttrChange("hairpin", None, b.hairpin))
+        return Change("bridge", b.name, Action.CREATE, "not present", tuple(attrs),
+                      (Op("link.add_bridge", {"name": b.name, "mtu": b.mtu}),), src)
+    if link.kind != "bridge":
+        ctx.blocked.add(f"bridge/{b.name}")
+        what = f"a {link.kind} link" if link.kind else "a device"
+        return Change("bridge", b.name, Action.CONFLICT,
+                      f"{what} named {b.name} exists and is not a bridge; it is left alone",
+                      source=src)
+    if not link.owned and not ctx.adopted("bridge", b.name):
+        ctx.blocked.add(f"bridge/{b.name}")
+        return Change("bridge", b.name, Action.CONFLICT,
+                      "exists but was not created by the reconciler; it is left alone "
+                      f"(--adopt bridge/{b.name} takes it over)", source=src)
+    attrs: list[AttrChange] = []
+    ops: list[Op] = []
+    settings: dict[str, object] = {}
+    if not link.owned:
+        attrs.append(AttrChange("owner", "foreign", "reconciler"))
+        settings["owned"] = True
+    if b.mtu is not None and link.mtu != b.mtu:
+        attrs.append(AttrChange("mtu", link.mtu, b.mtu))
+        settings["mtu"] = b.mtu
+    if not link.up:
+        attrs.append(AttrChange("up", False, True))
+        settings["up"] = True
+    if settings:
+        ops.append(Op("link.set", {"name": b.name, **settings}))
+    stray = sorted(str(a.address) for a in link.addresses
+                   if a.owned and (b.name, str(a.address)) not in ctx.claimed_addresses)
+    if stray:
+        attrs.append(AttrChange("addresses", stray, []))
+        ops.extend(Op("addr.del", {"link": b.name, "address": a}) for a in stray)
+    if not ops:
+        return Change("bridge", b.name, Action.NOOP, source=src)
+    reason = "adopt" if not link.owned else ", ".join(a.field for a in attrs) + " differ"
+    return Change("bridge", b.name, Action.UPDATE, reason, tuple(attrs), tuple(ops), src)
+
+
+def _wanted_addresses(s: Subnet) -> list[str]:
+    out = [str(s.gateway_interface)]
+    if s.gateway6_interface is not None:
+        out.append(str(s.gateway6_interface))
+    return out
+
+
+def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
+    src = str(s.source)
+    ctx.sysctls["net.ipv4.ip_forward"] = "1"
+    if s.cidr6 is not None:
+        ctx.sysctls["net.ipv6.conf.all.forwarding"] = "1"
+    firewall.subnet_rules(ctx.rules4, s)
+    firewall.subnet_rules(ctx.rules6, s)
+    wanted = _wanted_addresses(s)
+    for a in wanted:
+        ctx.claimed_addresses.add((s.bridge, a))
+    link = ctx.live.links.get(s.bridge)
+    ctx.observed[f"subnet/{s.name}"] = {
+        "bridge": _link_view(link),
+        "rules4": _rules_of(ctx, 4, f"subnet={s.name}"),
+        "rules6": _rules_of(ctx, 6, f"subnet={s.name}"),
+    }
+    if f"bridge/{s.bridge}" in ctx.blocked:
+        ctx.blocked.add(f"subnet/{s.name}")
+        return Change("subnet", s.name, Action.NOOP, f"blocked by bridge {s.bridge}", source=src)
+    managed = _managed_bridge(ctx, s.bridge)
+    have = {str(a.address): a for a in (managed.addresses if managed else ())}
+    ops: list[Op] = []
+    attrs: list[AttrChange] = []
+    for w in wanted:
+        iface = ipaddress.ip_interface(w)
+        cur = have.get(w)
+        if cur is not None and cur.owned:
+            continue
+        if cur is not None and not cur.owned:
+            # The gateway address is there but someone else put it there (forceAddress).
+            if not ctx.adopted("subnet", s.name) and not ctx.adopted("bridge", s.bridge):
+                ctx.blocked.add(f"subnet/{s.name}")
+                return Change("subnet", s.name, Action.CONFLICT,
+                              f"address {w} on bridge {s.bridge} was not added by the "
+                              f"reconciler (--adopt subnet/{s.name} takes it over)", source=src)
+            ops.append(Op("addr.del", {"link": s.bridge, "address": w}))
+        for other in have.values():
+            o = other.address
+            if (not other.owned and o.version == iface.version and str(o) != w
+                    and o.network.overlaps(iface.network)):
+                if not ctx.adopted("subnet", s.name):
+                    ctx.blocked.add(f"subnet/{s.name}")
+                    return Change("subnet", s.name, Action.CONFLICT,
+                                  f"bridge {s.bridge} has address {o} that the reconciler did "
+                                  f"not add and that overlaps {iface.network} "
+                                  f"(--adopt subnet/{s.name} replaces it)", source=src)
+                ops.append(Op("addr.del", {"link": s.bridge, "address": str(o)}))
+        attrs.append(AttrChange("gateway" if iface.version == 4 else "gateway6", None, w))
+        ops.append(Op("addr.add", {"link": s.bridge, "address": w}))
+    rules_missing = [f for f in (4, 6) if _rules_differ(ctx, f, s)]
+    exists = managed is not None and (len(wanted) > len(attrs) or
+                                      any(_rules_of(ctx, f, f"subnet={s.name}") for f in (4, 6)))
+    if not exists:
+        attrs = [AttrChange("bridge", None, s.bridge), AttrChange("cidr", None, str(s.cidr))]
+        if s.cidr6 is not None:
+            attrs.append(AttrChange("cidr6", None, str(s.cidr6)))
+        attrs += [AttrChange("gateway", None, str(s.gateway_interface)),
+                  AttrChange("masquerade", None, s.masquerade)]
+        return Change("subnet", s.name, Action.CREATE, "not present", tuple(attrs),
+                      tuple(ops), src)
+    if rules_missing:
+        attrs.append(AttrChange("firewall rules", "differ", "as declared"))
+    if not attrs:
+        return Change("subnet", s.name, Action.NOOP, source=src)
+    reason = ", ".join(a.field for a in attrs) + " missing or different"
+    return Change("subnet", s.name, Action.UPDATE, reason, tuple(attrs), tuple(ops), src)
+
+
+def _rules_of(ctx: PlanContext, family: int, owner: str) -> list[str]:
+    live = ctx.live.firewall4 if family == 4 else ctx.live.firewall6
+    return [f"{chain} {r}" for (_t, chain), rules in sorted(live.chains.items())
+            for r in rules if firewall.owner_of(r) == owner]
+
+
+def _rules_differ(ctx: PlanContext, family: int, s: Subnet) -> bool:
+    rs = ctx.rules4 if family == 4 else ctx.rules6
+    want = sorted(f"{chain} {r}" for chain, rules in rs.chains.items() for r in rules
+                  if firewall.owner_of(r) == f"subnet={s.name}")
+    return want != sorted(_rules_of(ctx, family, f"subnet={s.name}"))
+
+
+def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
+    """Subnets whose rules are live but which no file declares any more."""
+    found: dict[str, tuple[str | None, set[str]]] = {}
+    for live in (ctx.live.firewall4, ctx.live.firewall6):
+        for (_t, _chain), rules in live.chains.items():
+            for r in rules:
+                owner = firewall.owner_of(r)
+                if not owner or not owner.startswith("subnet="):
+                    continue
+                name = owner.split("=", 1)[1]
+                if name in ctx.desired.subnets:
+                    continue
+                toks = r.split()
+                bridge, cidrs = found.setdefault(name, (None, set()))
+                if "-o" in toks:
+                    bridge = toks[toks.index("-o") + 1]
+                if "-d" in toks and "!" not in toks:
+                    cidrs.add(toks[toks.index("-d") + 1])
+                found[name] = (bridge, cidrs)
+    changes = []
+    for name in sorted(found):
+        bridge, cidrs = found[name]
+        ctx.observed[f"subnet/{name}"] = {"bridge": bridge, "cidrs": sorted(cidrs)}
+        if not ctx.options.prune:
+            continue
+        ops = []
+        managed = _managed_bridge(ctx, bridge) if bridge else None
+        if managed is not None and bridge is not None:
+            for a in managed.addresses:
+                if a.owned and any(a.address.ip in ipaddress.ip_network(c) for c in cidrs) \
+                        and (bridge, str(a.address)) not in ctx.claimed_addresses:
+                    ops.append(Op("addr.del", {"link": bridge, "address": str(a.address)}))
+                    ctx.claimed_addresses.add((bridge, str(a.address)))
+        changes.append(Change("subnet", name, Action.DELETE, "no longer declared",
+                              (AttrChange("cidr", sorted(cidrs), None),), tuple(ops)))
+    return changes
+
+
+def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
+    changes = []
+    for name, link in sorted(ctx.live.links.items()):
+        if link.kind != "bridge" or not link.owned or name in ctx.desired.bridges:
+            continue
+        ctx.observed[f"bridge/{name}"] = _link_view(link)
+        if ctx.options.prune:
+            changes.append(Change("bridge", name, Action.DELETE, "no longer declared", (),
+                                  (Op("link.delete", {"name": name}),)))
+    return changes
