@@ -69,7 +69,7 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         ops.extend(Op("addr.del", {"link": b.name, "address": a}) for a in stray)
     if not ops:
         return Change("bridge", b.name, Action.NOOP, source=src)
-    reason = "adopt" if not link.owned else ", ".join(a.field for a in attrs) + " differ"
+    reason = "adopt" if not link.owned else "changed: " + ", ".join(a.field for a in attrs)
     return Change("bridge", b.name, Action.UPDATE, reason, tuple(attrs), tuple(ops), src)
 
 
@@ -82,9 +82,9 @@ def _wanted_addresses(s: Subnet) -> list[str]:
 
 def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     src = str(s.source)
-    ctx.sysctls["net.ipv4.ip_forward"] = "1"
+    ctx.sysctls["net/ipv4/ip_forward"] = "1"
     if s.cidr6 is not None:
-        ctx.sysctls["net.ipv6.conf.all.forwarding"] = "1"
+        ctx.sysctls["net/ipv6/conf/all/forwarding"] = "1"
     firewall.subnet_rules(ctx.rules4, s)
     firewall.subnet_rules(ctx.rules6, s)
     wanted = _wanted_addresses(s)

@@ -1,0 +1,304 @@
+"""The `reconcile` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from reconciler import __version__
+from reconciler.errors import ConfigError, ReconcilerError
+from reconciler.model import DesiredState
+from reconciler.plan import Action, Plan, render_text, write_json
+
+EXIT_OK, EXIT_ERROR, EXIT_CHANGES = 0, 1, 2
+log = logging.getLogger("reconciler")
+
+
+def _colour(args: argparse.Namespace) -> bool:
+    if args.color == "always":
+        return True
+    if args.color == "never" or os.environ.get("NO_COLOR"):
+        return False
+    return sys.stdout.isatty()
+
+
+def _plan_options(args: argparse.Namespace) -> Any:
+    from reconciler.planner import PlanOptions
+
+    adopt = frozenset(args.adopt or ())
+    for a in adopt:
+        if "/" not in a:
+            raise ConfigError(f"--adopt {a}: expected KIND/NAME, e.g. bridge/nomad")
+    return PlanOptions(prune=not args.no_prune, adopt=adopt,
+                       force_replace=getattr(args, "force_replace", False))
+
+
+def _load(paths: Sequence[str]) -> DesiredState:
+    from reconciler.loader import load
+
+    return load(paths)
+
+
+def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
+    if args.output == "json":
+        write_json(plan)
+    else:
+        sys.stdout.write(render_text(plan, colour=_colour(args), verbose=args.verbose > 0))
+
+
+def _plan_exit(plan: Plan) -> int:
+    if plan.conflicts or plan.errors:
+        return EXIT_ERROR
+    return EXIT_CHANGES if plan.has_changes else EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    desired = _load(args.paths)
+    print(f"{len(desired.files)} file(s) valid: {len(desired.bridges)} bridges, "
+          f"{len(desired.subnets)} subnets, {len(desired.allocs)} allocs, "
+          f"{len(desired.docker_networks)} docker networks")
+    return EXIT_OK
+
+
+def _is_saved_plan(paths: Sequence[str]) -> bool:
+    if len(paths) != 1 or not os.path.isfile(paths[0]):
+        return False
+    with open(paths[0], "rb") as fh:
+        head = fh.read(64).lstrip()
+    return head.startswith(b"{")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from reconciler.reconcile import Reconciler
+
+    desired = _load(args.paths)
+    plan = Reconciler().plan(desired, _plan_options(args))
+    _print_plan(plan, args)
+    if args.out:
+        with open(args.out, "w") as fh:
+            write_json(plan, fh)
+        print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
+              file=sys.stderr)
+    return _plan_exit(plan)
+
+
+def _load_saved(path: str) -> Plan:
+    try:
+        with open(path) as fh:
+            return Plan.from_json(json.load(fh))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+
+
+def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
+           saved: Plan | None = None) -> int:
+    from reconciler.lock import host_lock
+    from reconciler.reconcile import Reconciler, residual_error
+
+    rec = Reconciler()
+    if args.dry_run:
+        plan = rec.plan(desired, options)
+        _print_plan(plan, args)
+        return _plan_exit(plan)
+    with host_lock(args.lock_timeout):
+        result = rec.apply(desired, options, saved=saved)
+    if args.output == "json":
+        json.dump({"plan": result.plan.to_json(),
+                   "outcomes": [{"kind": o.change.kind, "name": o.change.name,
+                                 "action": o.change.action.value, "status": o.status,
+                                 "error": o.error} for o in result.outcomes],
+                   "residual": result.residual.to_json() if result.residual else None,
+                   "ok": result.ok}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(result.plan, colour=_colour(args),
+                                     verbose=args.verbose > 0))
+        if result.outcomes:
+            counts = {s: sum(1 for o in result.outcomes if o.status == s)
+                      for s in ("applied", "failed", "skipped")}
+            print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped.")
+            for o in result.failed:
+                print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
+    if result.residual is not None and result.residual.has_changes:
+        print(f"error: {residual_error(result.residual)}", file=sys.stderr)
+    for e in result.plan.errors:
+        print(f"error: {e}", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_ERROR
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    if _is_saved_plan(args.paths):
+        saved = _load_saved(args.paths[0])
+        files = [p for p, _h in saved.files]
+        if not files:
+            raise ConfigError("the saved plan names no desired-state files", file=args.paths[0])
+        return _apply(args, _load(files), _plan_options(args), saved)
+    return _apply(args, _load(args.paths), _plan_options(args))
+
+
+def cmd_destroy(args: argparse.Namespace) -> int:
+    from reconciler.planner import PlanOptions
+
+    return _apply(args, DesiredState(), PlanOptions(prune=True))
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from reconciler.observe import Observer
+    from reconciler.ownership import CHAIN_PREFIX
+
+    live = Observer().observe(DesiredState())
+    owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
+    view: dict[str, Any] = {
+        "links": [{"name": n, "kind": lk.kind, "mtu": lk.mtu, "up": lk.up, "master": lk.master,
+                   "addresses": [str(a.address) for a in lk.addresses if a.owned]}
+                  for n, lk in owned_links.items()],
+        "firewall": {f"ipv{fam}": {f"{t}/{c}": list(r) for (t, c), r in sorted(fw.chains.items())
+                                   if c.startswith(CHAIN_PREFIX)}
+                     for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
+        "netns": sorted(live.netns),
+        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets)}
+                            for n in (live.docker.networks if live.docker else ()) if n.owned],
+    }
+    if args.output == "json":
+        json.dump(view, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    for lk in view["links"]:
+        addrs = " ".join(lk["addresses"])
+        master = f" master {lk['master']}" if lk["master"] else ""
+        print(f"{lk['kind'] or 'link'} {lk['name']}: mtu {lk['mtu']} "
+              f"{'up' if lk['up'] else 'down'}{master} {addrs}".rstrip())
+    for fam, chains in view["firewall"].items():
+        for chain, rules in chains.items():
+            print(f"{fam} {chain}: {len(rules)} rules")
+    for ns in view["netns"]:
+        print(f"netns {ns}")
+    for dn in view["docker_networks"]:
+        print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}")
+    if not any((view["links"], any(view["firewall"].values()), view["netns"],
+                view["docker_networks"])):
+        print("Nothing managed by the reconciler on this host.")
+    return EXIT_OK
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 1: exit 2 means "changes present" in this tool."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="reconcile",
+        description="Declarative reconciler for Linux host networking: bridges, subnets, "
+                    "network-namespace allocations with port maps, and Docker networks.",
+        epilog="Exit codes: 0 success / no changes, 2 changes present (plan), 1 error.")
+    p.add_argument("--version", action="version", version=f"reconcile {__version__}")
+    p.add_argument("--netns", metavar="NAME",
+                   help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more detail (the ops of each change; debug logs with -vv)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def common(sp: argparse.ArgumentParser, *, paths: bool = True) -> None:
+        if paths:
+            sp.add_argument("paths", nargs="+", metavar="PATH",
+                            help="desired-state files or directories")
+        sp.add_argument("--output", choices=("text", "json"), default="text")
+        sp.add_argument("--no-prune", action="store_true",
+                        help="keep owned objects that the files no longer declare")
+        sp.add_argument("--adopt", action="append", metavar="KIND/NAME",
+                        help="take over an existing object the reconciler did not create "
+                             "(e.g. bridge/nomad); repeatable")
+
+    sp = sub.add_parser("validate", help="check files only (no host access)")
+    sp.add_argument("paths", nargs="+", metavar="PATH")
+    sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("plan", help="show what apply would change (exit 0 none, 2 changes)")
+    common(sp)
+    sp.add_argument("--out", metavar="FILE", help="save the plan for `apply FILE`")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("apply", help="plan, change the host, verify")
+    common(sp)
+    sp.add_argument("--dry-run", action="store_true", help="plan only")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+    sp.add_argument("--force-replace", action="store_true",
+                    help="allow replacing Docker networks that have containers attached "
+                         "(they are disconnected and reconnected with the same addresses)")
+    sp.set_defaults(fn=cmd_apply)
+
+    sp = sub.add_parser("destroy", help="remove everything the reconciler manages on this host")
+    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS")
+    sp.set_defaults(fn=cmd_destroy)
+
+    sp = sub.add_parser("show", help="show the live state of managed objects")
+    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp.set_defaults(fn=cmd_show)
+    return p
+
+
+def _normalise_argv(argv: list[str]) -> list[str]:
+    """`reconcile --plan PATH…` is `reconcile plan PATH…`."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--plan":
+            out[i] = "plan"
+            break
+        if not a.startswith("-"):
+            break
+        if a == "--netns" or a == "--color":
+            continue
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else
+        logging.WARNING, format="%(levelname)s %(message)s", stream=sys.stderr)
+    if not getattr(args, "fn", None):
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        if args.netns:
+            from reconciler.drivers import netns
+
+            netns.enter_process_netns(args.netns)
+        rc: int = args.fn(args)
+        return rc
+    except ReconcilerError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except Exception as exc:  # a bug, not a user error: one line, details with -vv
+        if args.verbose > 1:
+            raise
+        print(f"internal error: {type(exc).__name__}: {exc} (run with -vv for details)",
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""One writer per host: an flock shared by `apply`, `destroy` and `watch`.
+
+"Host" means network namespace: the lock file is named after the inode of the
+namespace we act on, so sandboxes under `--netns` do not block each other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from reconciler.errors import LockedError
+
+LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
+
+
+def lock_path() -> str:
+    ino = os.stat("/proc/thread-self/ns/net").st_ino
+    return os.path.join(LOCK_DIR, f"netns-{ino}.lock")
+
+
+@contextmanager
+def host_lock(timeout: float = 60.0, poll: float = 0.1) -> Iterator[None]:
+    """Hold the host lock; wait up to ``timeout`` seconds, then fail naming the holder."""
+    os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
+    path = lock_path()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                    raise LockedError(f"another reconcile (pid {holder}) is changing this host; "
+                                      f"gave up after {timeout:g}s (lock {path})") from None
+                time.sleep(poll)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock

@@ -1,0 +1,111 @@
+"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from reconciler import loader
+from reconciler.errors import ConflictError, StalePlanError, VerifyError
+from reconciler.executor import Executor, Outcome
+from reconciler.live import LiveState
+from reconciler.model import DesiredState
+from reconciler.observe import Observer
+from reconciler.plan import Plan, render_text
+from reconciler.planner import PlanOptions, make_plan
+
+log = logging.getLogger("reconciler")
+
+VERIFY_ATTEMPTS = 5
+VERIFY_DELAYS = (0.1, 0.3, 0.6, 1.0)
+
+
+def file_hashes(files: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for f in files:
+        with open(f, "rb") as fh:
+            out.append((f, hashlib.sha256(fh.read()).hexdigest()))
+    return tuple(out)
+
+
+@dataclass
+class ApplyResult:
+    plan: Plan
+    outcomes: list[Outcome] = field(default_factory=list)
+    residual: Plan | None = None
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and (self.residual is None or not self.residual.has_changes) \
+            and not self.plan.errors
+
+
+class Reconciler:
+    """Observe, plan, apply and verify against one host (the current network namespace)."""
+
+    def __init__(self, observer: Observer | None = None, *,
+                 sleep: Callable[[float], None] = time.sleep,
+                 stop: threading.Event | None = None) -> None:
+        self.observer = observer or Observer()
+        self.sleep = sleep
+        self.stop = stop or threading.Event()
+
+    def observe(self, desired: DesiredState) -> LiveState:
+        return self.observer.observe(desired)
+
+    def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
+        live = self.observe(desired)
+        return make_plan(desired, live, options, file_hashes(desired.files))
+
+    def apply(self, desired: DesiredState, options: PlanOptions, *,
+              saved: Plan | None = None,
+              on_outcome: Callable[[Outcome], None] | None = None) -> ApplyResult:
+        """Plan and execute; the caller holds the host lock."""
+        plan = self.plan(desired, options)
+        if saved is not None:
+            if dict(saved.files) != dict(plan.files):
+                raise StalePlanError("the saved plan is stale: the desired-state files changed "
+                                     "since it was made; run plan again")
+            if not saved.same_work(plan):
+                raise StalePlanError("the saved plan is stale: the live state changed since it "
+                                     "was made; run plan again")
+        if plan.conflicts:
+            names = ", ".join(c.address for c in plan.conflicts)
+            raise ConflictError(f"refusing to apply: {len(plan.conflicts)} conflict(s) with "
+                                f"objects the reconciler does not own ({names}); nothing changed")
+        result = ApplyResult(plan)
+        if not plan.has_changes:
+            return result
+        result.outcomes = Executor(self.observer.ops, stop=self.stop, sleep=self.sleep,
+                                   on_outcome=on_outcome).execute(plan)
+        if result.failed or self.stop.is_set():
+            return result
+        result.residual = self.verify(desired, options)
+        return result
+
+    def verify(self, desired: DesiredState, options: PlanOptions) -> Plan:
+        """Observe again until nothing is left to do, with a short bounded wait for the kernel."""
+        residual = make_plan(desired, self.observe(desired), options)
+        for delay in VERIFY_DELAYS[: VERIFY_ATTEMPTS - 1]:
+            if not residual.has_changes:
+                break
+            self.sleep(delay)
+            residual = make_plan(desired, self.observe(desired), options)
+        return residual
+
+
+def residual_error(residual: Plan) -> VerifyError:
+    return VerifyError("apply finished but the host still differs from the desired state:\n"
+                       + render_text(residual).rstrip())
+
+
+def load(paths: Sequence[str], hostname: str | None = None) -> DesiredState:
+    return loader.load(paths, hostname=hostname)
