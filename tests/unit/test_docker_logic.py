@@ -436,7 +436,7 @@ class FakeClient:
 @pytest.fixture
 def fake() -> tuple[DockerDriver, FakeAPI]:
     client = FakeClient()
-    return DockerDriver(client=client), client.api  # type: ignore[arg-type]
+    return DockerDriver(client=client), client.api
 
 
 def creates(api: FakeAPI) -> list[Any]:
