@@ -1,0 +1,356 @@
+"""Network namespaces: create, delete, enter, inspect — in-process, no helpers.
+
+Everything here works with ``setns(2)``/``unshare(2)``/``mount(2)`` through
+ctypes (Python 3.11 has no ``os.setns``). Namespaces are per *thread* in
+Linux, so :func:`enter` and :func:`create` switch only the calling thread and
+always switch back; :func:`enter_process_netns` is the one-shot switch of the
+whole process for ``reconcile --netns NAME``.
+
+Namespaces are published the way ``ip netns add`` does it: a file under
+``/run/netns`` with the namespace's nsfs inode bind-mounted onto it, in a
+shared mount so that every mount namespace on the host sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import threading
+from collections.abc import Iterator
+
+from reconciler.errors import DriverError, PreconditionError
+
+NETNS_RUN_DIR = "/run/netns"
+
+CLONE_NEWNET = 0x40000000
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
+MNT_DETACH = 2
+
+# Names ``ip netns`` accepts that are also safe as one path component.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.@:+-]{1,255}$")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_void_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+_rundir_lock = threading.Lock()
+_rundir_ready = False
+_nsfs_dev: int | None = None
+
+
+def _oserror(what: str) -> OSError:
+    code = ctypes.get_errno()
+    return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise _oserror("setns")
+
+
+def _mount(src: str, target: str, flags: int) -> None:
+    if _libc.mount(src.encode(), target.encode(), b"none", flags, None) != 0:
+        raise _oserror(f"mount {target}")
+
+
+def check_name(name: str) -> None:
+    """Raise ``DriverError`` unless ``name`` is usable as ``/run/netns/NAME``."""
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise DriverError(f"invalid network namespace name {name!r}")
+
+
+def path_of(path_or_name: str) -> str:
+    """``/run/netns/NAME`` for a bare name; a path (anything with '/') as is."""
+    if "/" in path_or_name:
+        return path_or_name
+    check_name(path_or_name)
+    return f"{NETNS_RUN_DIR}/{path_or_name}"
+
+
+def nsfs_dev() -> int:
+    """The st_dev every nsfs inode (a namespace handle) reports."""
+    global _nsfs_dev
+    if _nsfs_dev is None:
+        _nsfs_dev = os.stat("/proc/thread-self/ns/net").st_dev
+    return _nsfs_dev
+
+
+def is_namespace_mount(path_or_name: str) -> bool:
+    """True when the file is a live namespace handle, False for a plain (empty) file.
+
+    An empty ``/run/netns/X`` is what remains when the bind mount is gone
+    (made under ``ip netns exec``, a reboot wiped the mounts, a half-done
+    ``ip netns add``); ``ip netns exec X`` then fails with EINVAL (EDGE 10).
+    Raises ``FileNotFoundError`` when there is no such file.
+    """
+    return os.stat(path_of(path_or_name)).st_dev == nsfs_dev()
+
+
+def namespace_inode(path_or_name: str) -> int | None:
+    """Inode of the namespace behind the file (identity across renames), None if not a mount."""
+    st = os.stat(path_of(path_or_name))
+    return st.st_ino if st.st_dev == nsfs_dev() else None
+
+
+def current_inode() -> int:
+    """Inode of the calling thread's network namespace."""
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def list_names() -> list[str]:
+    """Names under /run/netns, sorted (usable or not; see :func:`is_namespace_mount`)."""
+    try:
+        return sorted(os.listdir(NETNS_RUN_DIR))
+    except FileNotFoundError:
+        return []
+
+
+def open_fd(path_or_name: str) -> int:
+    """Open a namespace handle (O_CLOEXEC); ``DriverError`` names what is wrong."""
+    path = path_of(path_or_name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DriverError(f"network namespace {path_or_name}: {path} does not exist") from None
+    except OSError as e:
+        raise DriverError(f"network namespace {path_or_name}: cannot open {path}: "
+                          f"{e.strerror}") from None
+    if os.fstat(fd).st_dev != nsfs_dev():
+        os.close(fd)
+        raise DriverError(f"network namespace {path_or_name}: {path} is not a namespace "
+                          "(an empty file: its bind mount is gone)")
+    return fd
+
+
+@contextlib.contextmanager
+def enter(path_or_name: str | int) -> Iterator[None]:
+    """Switch the *calling thread* into a network namespace, and back on exit.
+
+    Accepts a name under /run/netns, a path, or an open namespace fd (not
+    closed). Sockets created inside stay bound to that namespace after the
+    block. If switching back fails the thread would silently act on the wrong
+    namespace, so that raises and the caller must not go on.
+    """
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if isinstance(path_or_name, int):
+            target, own = path_or_name, False
+        else:
+            target, own = open_fd(path_or_name), True
+        try:
+            try:
+                _setns(target)
+            except OSError as e:
+                raise DriverError(f"network namespace {path_or_name}: cannot enter: "
+                                  f"{e.strerror}") from None
+        finally:
+            if own:
+                os.close(target)
+        try:
+            yield
+        finally:
+            try:
+                _setns(home)
+            except OSError as e:  # pragma: no cover - the kernel never refuses our own ns
+                raise RuntimeError(f"cannot return to the original network namespace: {e}") \
+                    from e
+    finally:
+        os.close(home)
+
+
+def enter_process_netns(path_or_name: str) -> None:
+    """Move the whole (still single-threaded) process into a namespace: ``--netns NAME``.
+
+    Equivalent to ``nsenter --net=/run/netns/NAME``: the mount namespace stays
+    the host's, so namespaces created later are visible to everyone. Must run
+    before any thread is started (setns only moves the calling thread).
+    """
+    tasks = os.listdir("/proc/self/task")
+    if len(tasks) != 1 or threading.active_count() != 1:
+        raise PreconditionError("--netns must be applied before any thread is started "
+                                f"({len(tasks)} threads running)")
+    path = path_of(path_or_name)
+    try:
+        fd = open_fd(path_or_name)
+    except DriverError as e:
+        raise PreconditionError(str(e)) from None
+    try:
+        _setns(fd)
+    except OSError as e:
+        raise PreconditionError(f"network namespace {path_or_name}: cannot enter {path}: "
+                                f"{e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+# --- mount propagation -------------------------------------------------------
+
+def _mountinfo(pid: str) -> list[tuple[str, list[str]]]:
+    """(mount point, optional fields) of each mount, in mount order."""
+    out = []
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            try:
+                sep = fields.index("-")
+            except ValueError:
+                continue
+            mpoint = fields[4].replace("\\040", " ")
+            out.append((mpoint, fields[6:sep]))
+    return out
+
+
+def _covering_mount(mounts: list[tuple[str, list[str]]], path: str) -> list[str] | None:
+    """Optional fields of the mount that ``path`` lives on (last, longest match wins)."""
+    best: list[str] | None = None
+    best_len = -1
+    for mpoint, opts in mounts:
+        prefix = mpoint.rstrip("/") + "/"
+        if (path == mpoint or path.startswith(prefix) or mpoint == "/") and len(mpoint) >= best_len:
+            best, best_len = opts, len(mpoint)
+    return best
+
+
+def _shared_group(opts: list[str] | None) -> str | None:
+    for o in opts or ():
+        if o.startswith("shared:"):
+            return o
+    return None
+
+
+def private_mount_namespace_problem() -> str | None:
+    """Why namespaces we create would be invisible outside this process, or None.
+
+    ``ip netns exec`` (and e.g. a systemd unit with PrivateMounts) gives the
+    process its own mount namespace whose mounts are slaves: a bind mount under
+    /run/netns made here never reaches the host, outside ``/run/netns/X`` is an
+    empty file and the namespace dies with the process (EDGE 37). It is fine
+    when we share the init process's mount namespace, or when the mount holding
+    /run/netns is in the same shared peer group as init's.
+    """
+    try:
+        mine = os.stat("/proc/self/ns/mnt").st_ino
+        init = os.stat("/proc/1/ns/mnt").st_ino
+    except OSError:
+        init = mine = -1
+    if mine == init and mine != -1:
+        return None
+    target = NETNS_RUN_DIR
+    my_group = _shared_group(_covering_mount(_mountinfo("self"), target))
+    try:
+        init_group = _shared_group(_covering_mount(_mountinfo("1"), target))
+    except OSError:
+        init_group = my_group  # cannot see init: trust our own propagation flags
+    if my_group is not None and my_group == init_group:
+        return None
+    return ("this process runs in a private mount namespace (e.g. under `ip netns exec`): "
+            f"namespaces created under {NETNS_RUN_DIR} would be visible only to it and vanish "
+            "when it exits; run `reconcile --netns NAME …` or `nsenter --net=/run/netns/NAME` "
+            "instead")
+
+
+def _ensure_rundir() -> None:
+    """mkdir /run/netns and make it a shared mount, as iproute2 does (once per process)."""
+    global _rundir_ready
+    if _rundir_ready:
+        return
+    with _rundir_lock:
+        if _rundir_ready:
+            return
+        problem = private_mount_namespace_problem()
+        if problem is not None:
+            raise PreconditionError(problem)
+        os.makedirs(NETNS_RUN_DIR, mode=0o755, exist_ok=True)
+        try:
+            _mount("", NETNS_RUN_DIR, MS_SHARED | MS_REC)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: not a mount point yet
+                raise DriverError(f"cannot make {NETNS_RUN_DIR} shared: {e.strerror}") from None
+            try:
+                _mount(NETNS_RUN_DIR, NETNS_RUN_DIR, MS_BIND | MS_REC)
+                _mount("", NETNS_RUN_DIR, MS_SHARED | MS_REC)
+            except OSError as e2:
+                raise DriverError(f"cannot make {NETNS_RUN_DIR} a shared mount: "
+                                  f"{e2.strerror}") from None
+        _rundir_ready = True
+
+
+def create(name: str, *, replace_stale: bool = False) -> bool:
+    """``ip netns add NAME`` in-process. Returns False if it already existed.
+
+    An existing live namespace is success (concurrent creators, EDGE 4). An
+    existing *empty* file (EDGE 10) raises unless ``replace_stale``, which
+    deletes it and creates a fresh namespace. Refuses (PreconditionError) in a
+    private mount namespace. Only the calling thread is switched, and back.
+    """
+    path = path_of(name)
+    _ensure_rundir()
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+    except FileExistsError:
+        try:
+            if is_namespace_mount(path):
+                return False
+        except FileNotFoundError:  # deleted meanwhile: try once more
+            return create(name, replace_stale=replace_stale)
+        if not replace_stale:
+            raise DriverError(f"network namespace {name}: {path} exists but is not a namespace "
+                              "(empty file)") from None
+        delete(name)
+        return create(name)
+    except OSError as e:
+        raise DriverError(f"network namespace {name}: cannot create {path}: {e.strerror}") \
+            from None
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            err = _oserror("unshare")
+            _unlink_quiet(path)
+            raise DriverError(f"network namespace {name}: {err.strerror}")
+        try:
+            _mount("/proc/thread-self/ns/net", path, MS_BIND)
+        except OSError as e:
+            _unlink_quiet(path)
+            raise DriverError(f"network namespace {name}: bind mount failed: {e.strerror}") \
+                from None
+        finally:
+            _setns(home)  # the new namespace lives on through the mount
+    finally:
+        os.close(home)
+    return True
+
+
+def _unlink_quiet(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def delete(name: str) -> bool:
+    """``ip netns del NAME``: detach the mount, remove the file. False if absent.
+
+    The namespace (and the veths inside it) is destroyed asynchronously by
+    the kernel once nothing holds it any more — not when this returns, and not
+    while any socket or fd still refers to it.
+    """
+    path = path_of(name)
+    if _libc.umount2(path.encode(), MNT_DETACH) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):  # EINVAL: not mounted (empty file)
+            raise DriverError(f"network namespace {name}: umount failed: {os.strerror(code)}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise DriverError(f"network namespace {name}: cannot remove {path}: {e.strerror}") \
+            from None
+    return True
