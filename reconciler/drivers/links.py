@@ -1,0 +1,941 @@
+"""Links, addresses and routes over rtnetlink, here or inside other namespaces.
+
+Why not pyroute2's ``IPRoute`` here: measured on this machine, its decoder
+needs ~0.35 ms per link message and ~0.2 ms of overhead per request, so
+observing 1000 allocation namespaces would take seconds and building 500
+allocations would spend most of its time in Python. This module speaks the
+few rtnetlink messages it needs directly (a raw ``AF_NETLINK`` socket, the
+kernel's wire format, extended ACKs) and decodes only the attributes we use;
+a dump of a small namespace costs tens of microseconds.
+
+Layout:
+
+* wire format helpers and :class:`NlMsg` (one decoded message);
+* pure parsers :func:`parse_link`, :func:`parse_addr`, :func:`parse_route`
+  (unit-tested on captured kernel messages);
+* :class:`Netlink`: one socket in the namespace it was created in, plus a
+  cache of sockets opened inside allocation namespaces (entered with setns in
+  the calling thread, socket created, thread switched back — the socket stays
+  bound to that namespace). Not thread-safe: one instance per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import ipaddress
+import os
+import resource
+import socket
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from reconciler import ownership
+from reconciler.drivers import netns
+from reconciler.errors import ConflictError, DriverError, TemporaryError
+from reconciler.live import IPInterface, LiveAddress, LiveLink, LiveNetns, LiveRoute
+
+# --- rtnetlink constants (linux/netlink.h, rtnetlink.h, if_link.h, if_addr.h) ----------
+
+NETLINK_ROUTE = 0
+SOL_NETLINK = 270
+NETLINK_CAP_ACK = 10
+NETLINK_EXT_ACK = 11
+NETLINK_GET_STRICT_CHK = 12
+
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLM_F_REQUEST = 0x1
+NLM_F_MULTI = 0x2
+NLM_F_ACK = 0x4
+NLM_F_DUMP_INTR = 0x10
+NLM_F_DUMP = 0x300
+NLM_F_REPLACE = 0x100
+NLM_F_EXCL = 0x200
+NLM_F_CREATE = 0x400
+NLM_F_CAPPED = 0x100  # on NLMSG_ERROR: request payload not echoed
+NLM_F_ACK_TLVS = 0x200  # on NLMSG_ERROR: extended ACK attributes follow
+NLMSGERR_ATTR_MSG = 1
+NLA_F_NESTED = 0x8000
+NLA_TYPE_MASK = 0x3FFF
+
+RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
+RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
+RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
+RTM_NEWNSID, RTM_GETNSID = 88, 90
+
+IFF_UP = 0x1
+
+IFLA_IFNAME = 3
+IFLA_MTU = 4
+IFLA_LINK = 5
+IFLA_MASTER = 10
+IFLA_PROTINFO = 12
+IFLA_LINKINFO = 18
+IFLA_AF_SPEC = 26
+IFLA_INET6_ADDR_GEN_MODE = 8
+IN6_ADDR_GEN_MODE_NONE = 1
+IFLA_IFALIAS = 20
+IFLA_NET_NS_FD = 28
+IFLA_EXT_MASK = 29
+IFLA_LINK_NETNSID = 37
+IFLA_TARGET_NETNSID = 46
+IFLA_INFO_KIND = 1
+IFLA_INFO_DATA = 2
+IFLA_INFO_SLAVE_KIND = 4
+IFLA_INFO_SLAVE_DATA = 5
+VETH_INFO_PEER = 1
+IFLA_BRPORT_MODE = 4  # hairpin
+RTEXT_FILTER_SKIP_STATS = 1 << 3
+
+IFA_ADDRESS = 1
+IFA_LOCAL = 2
+IFA_FLAGS = 8
+IFA_TARGET_NETNSID = 10
+IFA_PROTO = 11
+IFA_F_NODAD = 0x02
+
+RTA_DST = 1
+RTA_OIF = 4
+RTA_GATEWAY = 5
+RTA_TABLE = 15
+RT_TABLE_MAIN = 254
+RTN_UNICAST = 1
+RT_SCOPE_UNIVERSE = 0
+RTM_F_CLONED = 0x200
+
+NETNSA_NSID = 1
+NETNSA_FD = 3
+
+AF_BRIDGE = 7
+
+_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
+_IFADDR = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
+_RTMSG = struct.Struct("=BBBBBBBBI")  # family dst_len src_len tos table proto scope type flags
+_RTGEN = struct.Struct("=Bxxx")
+_NLA = struct.Struct("=HH")
+_U32 = struct.Struct("=I")
+_I32 = struct.Struct("=i")
+
+_HDR_SIZES = {
+    RTM_NEWLINK: _IFINFO, RTM_DELLINK: _IFINFO, RTM_GETLINK: _IFINFO, RTM_SETLINK: _IFINFO,
+    RTM_NEWADDR: _IFADDR, RTM_DELADDR: _IFADDR, RTM_GETADDR: _IFADDR,
+    RTM_NEWROUTE: _RTMSG, RTM_DELROUTE: _RTMSG, RTM_GETROUTE: _RTMSG,
+    RTM_NEWNSID: _RTGEN, RTM_GETNSID: _RTGEN,
+}
+
+_RECV_SIZE = 1 << 16
+_TEMPORARY = {errno.EBUSY, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
+
+
+def host_veth_name(alloc_id: str) -> str:
+    """Host-side veth name of an allocation: ``vr`` + 12 hex of sha1(id) (14 < IFNAMSIZ).
+
+    Deterministic, so a restarted reconciler finds its veths again; 48 bits of
+    hash make a collision among thousands of allocations negligible.
+    """
+    return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
+
+
+# --- wire format --------------------------------------------------------------------
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return _NLA.pack(n, kind) + payload + b"\0" * (-n & 3)
+
+
+def _nested(kind: int, *parts: bytes) -> bytes:
+    return _attr(kind | NLA_F_NESTED, b"".join(parts))
+
+
+def _str(kind: int, value: str) -> bytes:
+    return _attr(kind, value.encode() + b"\0")
+
+
+def _u32(kind: int, value: int) -> bytes:
+    return _attr(kind, _U32.pack(value))
+
+
+def _u8(kind: int, value: int) -> bytes:
+    return _attr(kind, bytes((value,)))
+
+
+def parse_attrs(buf: bytes, off: int = 0, end: int | None = None) -> dict[int, bytes]:
+    """TLV attributes of ``buf[off:end]`` by type (nested/byte-order flags stripped)."""
+    if end is None:
+        end = len(buf)
+    out: dict[int, bytes] = {}
+    unpack = _NLA.unpack_from
+    while off + 4 <= end:
+        n, kind = unpack(buf, off)
+        if n < 4:
+            break
+        out[kind & NLA_TYPE_MASK] = buf[off + 4:off + n]
+        off += (n + 3) & ~3
+    return out
+
+
+def _cstr(value: bytes) -> str:
+    return value.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class NlMsg:
+    """One rtnetlink message: header type/flags, the fixed family header, attributes."""
+
+    type: int
+    flags: int
+    header: tuple[int, ...]
+    attrs: dict[int, bytes]
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NlMsg:
+        """Decode one complete message (nlmsghdr included), e.g. from a fixture."""
+        length, kind, flags, _seq, _pid = _HDR.unpack_from(raw, 0)
+        fixed = _HDR_SIZES[kind]
+        header = fixed.unpack_from(raw, 16)
+        return cls(kind, flags, header, parse_attrs(raw, 16 + ((fixed.size + 3) & ~3), length))
+
+
+def split_messages(buf: bytes) -> list[bytes]:
+    """Split a datagram into complete raw messages (nlmsghdr included)."""
+    out = []
+    off = 0
+    while off + 16 <= len(buf):
+        length = _HDR.unpack_from(buf, off)[0]
+        if length < 16:
+            break
+        out.append(buf[off:off + length])
+        off += (length + 3) & ~3
+    return out
+
+
+# --- pure parsers -------------------------------------------------------------------
+
+
+def parse_link(msg: NlMsg, names_by_index: dict[int, str],
+               addresses: tuple[LiveAddress, ...] = ()) -> LiveLink:
+    """A LiveLink from an RTM_NEWLINK message, with ``addresses`` attached.
+
+    ``names_by_index`` resolves IFLA_MASTER to the bridge's name. Hairpin
+    comes from the bridge-port attributes the kernel puts in
+    IFLA_LINKINFO/IFLA_INFO_SLAVE_DATA of every bridge port.
+    """
+    _family, _type, index, flags, _change = msg.header
+    a = msg.attrs
+    alias = _cstr(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None
+    kind = ""
+    hairpin: bool | None = None
+    info = a.get(IFLA_LINKINFO)
+    if info is not None:
+        li = parse_attrs(info)
+        if IFLA_INFO_KIND in li:
+            kind = _cstr(li[IFLA_INFO_KIND])
+        if IFLA_INFO_SLAVE_KIND in li and _cstr(li[IFLA_INFO_SLAVE_KIND]) == "bridge":
+            port = parse_attrs(li.get(IFLA_INFO_SLAVE_DATA, b""))
+            if IFLA_BRPORT_MODE in port:
+                hairpin = bool(port[IFLA_BRPORT_MODE][0])
+    master = None
+    if IFLA_MASTER in a:
+        mindex = _U32.unpack_from(a[IFLA_MASTER])[0]
+        master = names_by_index.get(mindex, f"if{mindex}")
+    peer_nsid = _I32.unpack_from(a[IFLA_LINK_NETNSID])[0] if IFLA_LINK_NETNSID in a else None
+    return LiveLink(
+        name=_cstr(a[IFLA_IFNAME]),
+        index=index,
+        kind=kind,
+        mtu=_U32.unpack_from(a[IFLA_MTU])[0] if IFLA_MTU in a else 0,
+        up=bool(flags & IFF_UP),
+        owned=ownership.is_owned_alias(alias),
+        alias=alias,
+        master=master,
+        addresses=addresses,
+        hairpin=hairpin,
+        peer_netnsid=peer_nsid if peer_nsid is not None and peer_nsid >= 0 else None,
+    )
+
+
+def parse_addr(msg: NlMsg) -> tuple[int, LiveAddress] | None:
+    """(ifindex, LiveAddress) from an RTM_NEWADDR message; None for IPv6 link-local."""
+    family, prefixlen, _flags, _scope, index = msg.header
+    a = msg.attrs
+    raw = a.get(IFA_LOCAL) or a.get(IFA_ADDRESS)
+    if raw is None:
+        return None
+    iface: IPInterface
+    if family == socket.AF_INET:
+        iface = ipaddress.IPv4Interface((raw, prefixlen))
+    elif family == socket.AF_INET6:
+        iface = ipaddress.IPv6Interface((raw, prefixlen))
+        if iface.ip.is_link_local:
+            return None
+    else:
+        return None
+    owned = IFA_PROTO in a and a[IFA_PROTO][0] == ownership.ADDR_PROTO
+    return index, LiveAddress(address=iface, owned=owned)
+
+
+def parse_route(msg: NlMsg) -> LiveRoute | None:
+    """A LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
+
+    ``dst`` is ``"default"`` for a zero-length prefix of either family (the
+    gateway's family tells them apart), else ``"prefix/len"``.
+    """
+    family, dst_len, _src_len, _tos, table, proto, _scope, _rtype, rflags = msg.header
+    a = msg.attrs
+    if RTA_TABLE in a:
+        table = _U32.unpack_from(a[RTA_TABLE])[0]
+    if table != RT_TABLE_MAIN or rflags & RTM_F_CLONED:
+        return None
+    if family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    if dst_len == 0:
+        dst = "default"
+    else:
+        dst = f"{ipaddress.ip_address(a[RTA_DST])}/{dst_len}" if RTA_DST in a else "default"
+    gw = str(ipaddress.ip_address(a[RTA_GATEWAY])) if RTA_GATEWAY in a else None
+    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO)
+
+
+def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:
+    """Links with their addresses attached, from one link dump and one address dump."""
+    link_msgs = list(link_msgs)
+    names: dict[int, str] = {}
+    for m in link_msgs:
+        if IFLA_IFNAME in m.attrs:
+            names[m.header[2]] = _cstr(m.attrs[IFLA_IFNAME])
+    by_index: dict[int, list[LiveAddress]] = {}
+    for m in addr_msgs:
+        parsed = parse_addr(m)
+        if parsed is not None:
+            by_index.setdefault(parsed[0], []).append(parsed[1])
+    return [parse_link(m, names, tuple(by_index.get(m.header[2], ()))) for m in link_msgs]
+
+
+# --- one netlink socket -------------------------------------------------------------
+
+
+def _error(code: int, what: str, detail: str = "") -> DriverError:
+    text = f"{what}: {os.strerror(code)}" + (f" ({detail})" if detail else "")
+    err: DriverError = TemporaryError(text) if code in _TEMPORARY else DriverError(text)
+    err.errno = code
+    return err
+
+
+class _Socket:
+    """A blocking rtnetlink socket bound to the namespace it was created in."""
+
+    def __init__(self) -> None:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                             NETLINK_ROUTE)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            for opt in (NETLINK_EXT_ACK, NETLINK_CAP_ACK, NETLINK_GET_STRICT_CHK):
+                with contextlib.suppress(OSError):  # older kernels: plain ACKs, no filtering
+                    sock.setsockopt(SOL_NETLINK, opt, 1)
+            sock.bind((0, 0))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.seq = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _send(self, kind: int, flags: int, body: bytes) -> int:
+        self.seq = (self.seq + 1) & 0xFFFFFFFF or 1
+        self.sock.send(_HDR.pack(16 + len(body), kind, flags | NLM_F_REQUEST, self.seq, 0) + body)
+        return self.seq
+
+    def request(self, kind: int, flags: int, body: bytes, what: str) -> list[bytes]:
+        """Send one request with NLM_F_ACK; return replies before the ACK; raise on error."""
+        seq = self._send(kind, flags | NLM_F_ACK, body)
+        replies: list[bytes] = []
+        while True:
+            data = self.sock.recv(_RECV_SIZE)
+            for raw in split_messages(data):
+                length, mtype, mflags, mseq, _ = _HDR.unpack_from(raw, 0)
+                if mseq != seq:
+                    continue  # left over from an interrupted earlier request
+                if mtype == NLMSG_ERROR:
+                    code = -_I32.unpack_from(raw, 16)[0]
+                    if code:
+                        raise _error(code, what, _ext_ack(raw, mflags))
+                    return replies
+                replies.append(raw)
+
+    def dump(self, kind: int, body: bytes, what: str, attempts: int = 3) -> list[bytes]:
+        """Run a dump; retried when the kernel flags it inconsistent (NLM_F_DUMP_INTR)."""
+        for _ in range(attempts):
+            seq = self._send(kind, NLM_F_DUMP, body)
+            out: list[bytes] = []
+            intr = False
+            done = False
+            while not done:
+                data = self.sock.recv(_RECV_SIZE)
+                for raw in split_messages(data):
+                    _len, mtype, mflags, mseq, _ = _HDR.unpack_from(raw, 0)
+                    if mseq != seq:
+                        continue
+                    if mflags & NLM_F_DUMP_INTR:
+                        intr = True
+                    if mtype == NLMSG_DONE:
+                        code = -_I32.unpack_from(raw, 16)[0] if len(raw) >= 20 else 0
+                        if code:
+                            raise _error(code, what, _ext_ack(raw, mflags))
+                        done = True
+                        break
+                    if mtype == NLMSG_ERROR:
+                        code = -_I32.unpack_from(raw, 16)[0]
+                        raise _error(code or errno.EIO, what, _ext_ack(raw, mflags))
+                    out.append(raw)
+            if not intr:
+                return out
+        raise TemporaryError(f"{what}: dump kept changing under us")
+
+
+def _ext_ack(raw: bytes, flags: int) -> str:
+    """The kernel's extended-ACK message text, if any."""
+    if not flags & NLM_F_ACK_TLVS:
+        return ""
+    if flags & NLM_F_CAPPED or len(raw) < 36:
+        off = 20 + 16
+    else:
+        off = 20 + ((_HDR.unpack_from(raw, 20)[0] + 3) & ~3)
+    msg = parse_attrs(raw, off).get(NLMSGERR_ATTR_MSG)
+    return _cstr(msg) if msg else ""
+
+
+# --- requests -----------------------------------------------------------------------
+
+
+def _ifinfo(index: int = 0, flags: int = 0, change: int = 0, family: int = 0) -> bytes:
+    return _IFINFO.pack(family, 0, index, flags, change)
+
+
+def _updown(up: bool | None) -> tuple[int, int]:
+    if up is None:
+        return 0, 0
+    return (IFF_UP if up else 0), IFF_UP
+
+
+_LINK_DUMP = _ifinfo() + _u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS)
+_ADDR_DUMP = _IFADDR.pack(0, 0, 0, 0, 0)
+_ROUTE_DUMP = _RTMSG.pack(0, 0, 0, 0, RT_TABLE_MAIN, 0, 0, 0, 0)
+
+
+def _no_ipv6_ll() -> bytes:
+    """IFLA_AF_SPEC: no IPv6 link-local address on this link (addrgenmode none)."""
+    return _nested(IFLA_AF_SPEC, _nested(socket.AF_INET6, _u8(IFLA_INET6_ADDR_GEN_MODE,
+                                                              IN6_ADDR_GEN_MODE_NONE)))
+
+
+def _addr_body(iface: IPInterface, index: int, proto: int | None, nodad: bool) -> bytes:
+    family = socket.AF_INET if iface.version == 4 else socket.AF_INET6
+    packed = iface.ip.packed
+    flags = IFA_F_NODAD if (nodad and iface.version == 6) else 0
+    body = _IFADDR.pack(family, iface.network.prefixlen, flags, 0, index)
+    body += _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
+    if flags:
+        body += _u32(IFA_FLAGS, flags)
+    if proto is not None:
+        body += _u8(IFA_PROTO, proto)
+    return body
+
+
+@dataclass
+class _NsEntry:
+    inode: int
+    sock: _Socket
+    nsid: int | None = None
+
+
+def _raise_nofile_limit() -> int:
+    """Raise the soft fd limit to the hard one (sockets are cached per namespace)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
+class Netlink:
+    """rtnetlink access to the current namespace and to allocation namespaces.
+
+    The main socket belongs to the namespace of the thread that constructs
+    the object ("host" below, though under ``--netns`` it is the sandbox).
+    Sockets into allocation namespaces are opened on first use and cached by
+    (name, namespace inode); a cached socket keeps its namespace alive, so the
+    cache is pruned whenever observation finds a name gone or re-created, and
+    :meth:`delete_netns` drops the socket before unmounting.
+    """
+
+    def __init__(self) -> None:
+        self._host = _Socket()
+        self._ns: dict[str, _NsEntry] = {}
+        self._max_cached = max(64, _raise_nofile_limit() - 512)
+
+    def close(self) -> None:
+        """Close every socket (host and cached namespace sockets)."""
+        for entry in self._ns.values():
+            entry.sock.close()
+        self._ns.clear()
+        self._host.close()
+
+    def __enter__(self) -> Netlink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- namespace sockets ------------------------------------------------------------
+
+    def _entry(self, name: str) -> _NsEntry:
+        """The cached socket inside ``name``, (re)opened if the namespace changed."""
+        path = netns.path_of(name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.forget_netns(name)
+            raise DriverError(f"network namespace {name}: {path} does not exist") from None
+        if st.st_dev != netns.nsfs_dev():
+            self.forget_netns(name)
+            raise DriverError(f"network namespace {name}: {path} is not a namespace "
+                              "(empty file: its bind mount is gone)")
+        entry = self._ns.get(name)
+        if entry is not None and entry.inode == st.st_ino:
+            return entry
+        self.forget_netns(name)
+        if len(self._ns) >= self._max_cached:
+            oldest = next(iter(self._ns))
+            self.forget_netns(oldest)
+        with netns.enter(path):
+            sock = _Socket()
+        entry = _NsEntry(st.st_ino, sock)
+        self._ns[name] = entry
+        return entry
+
+    def forget_netns(self, name: str) -> None:
+        """Close the cached socket into ``name`` (it would keep the namespace alive)."""
+        entry = self._ns.pop(name, None)
+        if entry is not None:
+            entry.sock.close()
+
+    def prune_cache(self, keep: Iterable[str]) -> None:
+        """Close cached sockets of namespaces not in ``keep``."""
+        keep = set(keep)
+        for name in [n for n in self._ns if n not in keep]:
+            self.forget_netns(name)
+
+    def _sock(self, ns: str | None) -> _Socket:
+        return self._host if ns is None else self._entry(ns).sock
+
+    # -- nsid -------------------------------------------------------------------------
+
+    def get_nsid(self, name: str) -> int | None:
+        """The nsid the current namespace uses for ``name``; None when none is assigned."""
+        fd = netns.open_fd(name)
+        try:
+            replies = self._host.request(RTM_GETNSID, 0, _RTGEN.pack(0) + _u32(NETNSA_FD, fd),
+                                         f"network namespace {name}: get nsid")
+        finally:
+            os.close(fd)
+        for raw in replies:
+            a = NlMsg.decode(raw).attrs
+            if NETNSA_NSID in a:
+                nsid = _I32.unpack_from(a[NETNSA_NSID])[0]
+                return nsid if nsid >= 0 else None
+        return None
+
+    def assign_nsid(self, name: str) -> int:
+        """Get the nsid of ``name``, asking the kernel to allocate one if needed."""
+        nsid = self.get_nsid(name)
+        if nsid is not None:
+            return nsid
+        fd = netns.open_fd(name)
+        try:
+            with contextlib.suppress(DriverError):  # EEXIST: a concurrent assignment won
+                self._host.request(RTM_NEWNSID, 0, _RTGEN.pack(0) + _u32(NETNSA_FD, fd)
+                                   + _attr(NETNSA_NSID, _I32.pack(-1)),
+                                   f"network namespace {name}: assign nsid")
+        finally:
+            os.close(fd)
+        nsid = self.get_nsid(name)
+        if nsid is None:
+            raise DriverError(f"network namespace {name}: kernel assigned no nsid")
+        return nsid
+
+    # -- observation ------------------------------------------------------------------
+
+    def link_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
+        """Raw link dump (stats skipped); ``nsid``: of another namespace via target nsid."""
+        body = _LINK_DUMP if nsid is None else _LINK_DUMP + _attr(IFLA_TARGET_NETNSID,
+                                                                  _I32.pack(nsid))
+        where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETLINK, body,
+                                                            f"dump links{where}")]
+
+    def addr_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
+        """Raw address dump, here, inside ``ns`` or (``nsid``) via target nsid."""
+        body = _ADDR_DUMP if nsid is None else _ADDR_DUMP + _attr(IFA_TARGET_NETNSID,
+                                                                  _I32.pack(nsid))
+        where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETADDR, body,
+                                                            f"dump addresses{where}")]
+
+    def route_messages(self, ns: str | None = None) -> list[NlMsg]:
+        """Raw main-table route dump (both families); targets by nsid are not supported."""
+        where = f" in {ns}" if ns else ""
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETROUTE, _ROUTE_DUMP,
+                                                            f"dump routes{where}")]
+
+    def dump_links(self, ns: str | None = None) -> dict[str, LiveLink]:
+        """Every link of the namespace (host by default) by name, addresses attached."""
+        links = assemble_links(self.link_messages(ns), self.addr_messages(ns))
+        return {link.name: link for link in links}
+
+    def dump_routes(self, ns: str | None = None) -> tuple[LiveRoute, ...]:
+        """Main-table routes of the namespace (host by default)."""
+        out = []
+        for m in self.route_messages(ns):
+            r = parse_route(m)
+            if r is not None:
+                out.append(r)
+        return tuple(out)
+
+    def observe_netns(self, names: Iterable[str], *, prune: bool = True) -> dict[str, LiveNetns]:
+        """Links (with addresses) and main routes inside each named namespace.
+
+        Names whose file is missing are left out; an empty file (or anything
+        that cannot be entered) is reported ``usable=False`` rather than
+        raising. With ``prune`` the socket cache is trimmed to ``names``, so
+        sockets do not keep namespaces that were deleted out of band alive.
+        """
+        names = list(names)
+        if prune:
+            self.prune_cache(names)
+        out: dict[str, LiveNetns] = {}
+        for name in names:
+            try:
+                entry = self._entry(name)
+            except FileNotFoundError:
+                continue
+            except DriverError:
+                if os.path.lexists(netns.path_of(name)):
+                    out[name] = LiveNetns(name=name, usable=False)
+                continue
+            try:
+                links = assemble_links(self.link_messages(name), self.addr_messages(name))
+                routes = self.dump_routes(name)
+            except DriverError:
+                self.forget_netns(name)
+                raise
+            if entry.nsid is None:
+                with contextlib.suppress(DriverError):
+                    entry.nsid = self.get_nsid(name)
+            out[name] = LiveNetns(name=name, usable=True, links=tuple(links), routes=routes,
+                                  nsid=entry.nsid)
+        return out
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def link_index(self, name: str, ns: str | None = None) -> int | None:
+        """ifindex of ``name`` (here or inside ``ns``), None when absent."""
+        try:
+            replies = self._sock(ns).request(
+                RTM_GETLINK, 0, _ifinfo() + _str(IFLA_IFNAME, name)
+                + _u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS), f"link {name}: look up")
+        except DriverError as e:
+            if e.errno == errno.ENODEV:
+                return None
+            raise
+        for raw in replies:
+            return int(_IFINFO.unpack_from(raw, 16)[2])
+        return None
+
+    def get_link(self, name: str, ns: str | None = None) -> LiveLink | None:
+        """One link without addresses (master shown as ``if<N>``), None when absent."""
+        try:
+            replies = self._sock(ns).request(
+                RTM_GETLINK, 0, _ifinfo() + _str(IFLA_IFNAME, name)
+                + _u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS), f"link {name}: look up")
+        except DriverError as e:
+            if e.errno == errno.ENODEV:
+                return None
+            raise
+        return parse_link(NlMsg.decode(replies[0]), {}) if replies else None
+
+    def _index(self, name: str, ns: str | None) -> int:
+        index = self.link_index(name, ns)
+        if index is None:
+            where = f" in namespace {ns}" if ns else ""
+            raise _error(errno.ENODEV, f"link {name}{where}", "no such link")
+        return index
+
+    # -- link mutations ---------------------------------------------------------------
+
+    def ensure_bridge(self, name: str, mtu: int | None = None,
+                      alias: str | None = ownership.LINK_ALIAS) -> bool:
+        """Create bridge ``name`` (up, with MTU and ownership alias). False if it existed.
+
+        An existing bridge is left as is (use :meth:`set_link` to converge it);
+        an existing link of another kind raises ConflictError.
+        """
+        flags, change = _updown(True)
+        body = _ifinfo(flags=flags, change=change) + _str(IFLA_IFNAME, name)
+        if mtu is not None:
+            body += _u32(IFLA_MTU, mtu)
+        body += _nested(IFLA_LINKINFO, _str(IFLA_INFO_KIND, "bridge"))
+        try:
+            self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
+                               f"bridge {name}: create")
+        except DriverError as e:
+            if e.errno != errno.EEXIST:
+                raise
+            existing = self.get_link(name)
+            if existing is not None and existing.kind != "bridge":
+                raise ConflictError(f"bridge {name}: a link of kind "
+                                    f"{existing.kind or 'physical'!r} has that name") from None
+            return False
+        # The kernel ignores IFLA_IFALIAS when creating a link: a second message.
+        if alias is not None:
+            self.set_link(name, alias=alias)
+        return True
+
+    def set_link(self, name: str, *, mtu: int | None = None, up: bool | None = None,
+                 alias: str | None = None, master: str | None = None,
+                 ns: str | None = None) -> None:
+        """Change MTU / admin state / alias / master of an existing link (here or in ``ns``).
+
+        ``alias=""`` removes the alias; ``master=""`` detaches from a bridge.
+        """
+        flags, change = _updown(up)
+        body = _ifinfo(flags=flags, change=change) + _str(IFLA_IFNAME, name)
+        if mtu is not None:
+            body += _u32(IFLA_MTU, mtu)
+        if alias is not None:
+            body += _attr(IFLA_IFALIAS, alias.encode())
+        if master is not None:
+            body += _u32(IFLA_MASTER, self._index(master, ns) if master else 0)
+        where = f" in namespace {ns}" if ns else ""
+        self._sock(ns).request(RTM_NEWLINK, 0, body, f"link {name}{where}: set")
+
+    def delete_link(self, name: str, ns: str | None = None) -> bool:
+        """Delete a link (a veth takes its peer with it). False if it did not exist.
+
+        Deleting a veth is synchronous and slow (~tens of ms, RCU); deleting an
+        allocation's namespace removes its veth much faster.
+        """
+        try:
+            self._sock(ns).request(RTM_DELLINK, 0, _ifinfo() + _str(IFLA_IFNAME, name),
+                                   f"link {name}: delete")
+        except DriverError as e:
+            if e.errno == errno.ENODEV:
+                return False
+            raise
+        return True
+
+    def set_hairpin(self, name: str, on: bool) -> None:
+        """Set the bridge port's hairpin mode (IFLA_PROTINFO/IFLA_BRPORT_MODE via AF_BRIDGE)."""
+        index = self._index(name, None)
+        body = _ifinfo(index=index, family=AF_BRIDGE) + _nested(
+            IFLA_PROTINFO, _u8(IFLA_BRPORT_MODE, 1 if on else 0))
+        self._host.request(RTM_SETLINK, 0, body, f"link {name}: set hairpin")
+
+    def create_veth_into_netns(self, host_name: str, netns_name: str, bridge: str,
+                               mtu: int | None = None, hairpin: bool = True,
+                               peer_name: str = "eth0",
+                               alias: str | None = ownership.LINK_ALIAS) -> bool:
+        """Create a veth pair, the peer directly inside ``netns_name``, host end on ``bridge``.
+
+        Two messages: RTM_NEWLINK creates both ends (peer placed by
+        IFLA_NET_NS_FD, host end enslaved, both down), then one RTM_NEWLINK on
+        the host end sets the ownership alias, hairpin (bridge-port slave
+        data), IPv6 address generation off (a bridge port needs no link-local
+        address, and its DAD/RS/MLD multicast would be flooded to every other
+        port: measured 2x slower builds at 500 ports) and brings it up.
+        The peer stays down until :meth:`configure_inside`.
+
+        Returns False when ``host_name`` already exists with its peer in that
+        namespace (then master, MTU, alias, hairpin and up are re-applied).
+        Raises DriverError when the namespace already has ``peer_name`` (EDGE
+        9) or the host veth's peer is elsewhere (orphan, EDGE 8), and
+        ConflictError when the host name is taken by another kind of link.
+        """
+        bridge_index = self._index(bridge, None)
+        fd = netns.open_fd(netns_name)
+        try:
+            # The peer cannot be brought up here: veth_open() fails with ENOTCONN
+            # until the pair is complete. configure_inside() brings it up.
+            peer = _ifinfo() + _str(IFLA_IFNAME, peer_name) + _u32(IFLA_NET_NS_FD, fd)
+            host = _ifinfo() + _str(IFLA_IFNAME, host_name) + _u32(IFLA_MASTER, bridge_index)
+            if mtu is not None:
+                peer += _u32(IFLA_MTU, mtu)
+                host += _u32(IFLA_MTU, mtu)
+            host += _nested(IFLA_LINKINFO, _str(IFLA_INFO_KIND, "veth"),
+                            _nested(IFLA_INFO_DATA, _attr(VETH_INFO_PEER, peer)))
+            try:
+                self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, host,
+                                   f"veth {host_name} into {netns_name}: create")
+                created = True
+            except DriverError as e:
+                if e.errno != errno.EEXIST:
+                    raise
+                created = False
+                self._check_existing_veth(host_name, netns_name, peer_name)
+        finally:
+            os.close(fd)
+        # The kernel ignores IFLA_IFALIAS at creation, and bridge-port attributes
+        # exist only once the port does: one more message for all of it.
+        body = _ifinfo(flags=IFF_UP, change=IFF_UP) + _str(IFLA_IFNAME, host_name)
+        if not created:
+            body += _u32(IFLA_MASTER, bridge_index)
+            if mtu is not None:
+                body += _u32(IFLA_MTU, mtu)
+        if alias is not None:
+            body += _attr(IFLA_IFALIAS, alias.encode())
+        body += _no_ipv6_ll()
+        body += _nested(IFLA_LINKINFO, _str(IFLA_INFO_SLAVE_KIND, "bridge"),
+                        _nested(IFLA_INFO_SLAVE_DATA, _u8(IFLA_BRPORT_MODE, 1 if hairpin else 0)))
+        self._host.request(RTM_NEWLINK, 0, body, f"veth {host_name}: set up")
+        return created
+
+    def _check_existing_veth(self, host_name: str, netns_name: str, peer_name: str) -> None:
+        existing = self.get_link(host_name)
+        if existing is None:
+            raise DriverError(f"veth {host_name} into {netns_name}: namespace already has "
+                              f"a link named {peer_name}")
+        if existing.kind != "veth":
+            raise ConflictError(f"veth {host_name}: a link of kind "
+                                f"{existing.kind or 'physical'!r} has that name")
+        nsid = self.get_nsid(netns_name)
+        if existing.peer_netnsid is None or existing.peer_netnsid != nsid:
+            raise DriverError(f"veth {host_name}: exists but its peer is not in network "
+                              f"namespace {netns_name} (orphan veth; delete it first)")
+
+    # -- addresses and routes ---------------------------------------------------------
+
+    def add_address(self, link: str, iface: IPInterface, *,
+                    proto: int | None = ownership.ADDR_PROTO, ns: str | None = None,
+                    nodad: bool = True) -> bool:
+        """Add an address (with our IFA_PROTO marker). False if it was already there.
+
+        IPv6 addresses skip DAD by default (IPAM guarantees uniqueness; a
+        tentative address cannot be used for a while after creation).
+        """
+        index = self._index(link, ns)
+        where = f" in namespace {ns}" if ns else ""
+        try:
+            self._sock(ns).request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL,
+                                   _addr_body(iface, index, proto, nodad),
+                                   f"address {iface} on {link}{where}: add")
+        except DriverError as e:
+            if e.errno == errno.EEXIST:
+                return False
+            raise
+        return True
+
+    def del_address(self, link: str, iface: IPInterface, *, ns: str | None = None) -> bool:
+        """Remove an address. False if it (or the link) was already gone."""
+        index = self.link_index(link, ns)
+        if index is None:
+            return False
+        where = f" in namespace {ns}" if ns else ""
+        try:
+            self._sock(ns).request(RTM_DELADDR, 0, _addr_body(iface, index, None, False),
+                                   f"address {iface} on {link}{where}: delete")
+        except DriverError as e:
+            if e.errno in (errno.EADDRNOTAVAIL, errno.ENODEV, errno.ENOENT):
+                return False
+            raise
+        return True
+
+    def _route_body(self, gateway: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                    oif: int, proto: int) -> bytes:
+        family = socket.AF_INET if gateway.version == 4 else socket.AF_INET6
+        return (_RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, proto, RT_SCOPE_UNIVERSE,
+                            RTN_UNICAST, 0)
+                + _attr(RTA_GATEWAY, gateway.packed) + _u32(RTA_OIF, oif))
+
+    def replace_default_route(self, ifname: str,
+                              gateway: ipaddress.IPv4Address | ipaddress.IPv6Address, *,
+                              ns: str | None = None, proto: int = ownership.ROUTE_PROTO,
+                              index: int | None = None) -> None:
+        """Create or replace the default route of the gateway's family (idempotent)."""
+        oif = index if index is not None else self._index(ifname, ns)
+        where = f" in namespace {ns}" if ns else ""
+        self._sock(ns).request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE,
+                               self._route_body(gateway, oif, proto),
+                               f"default route via {gateway}{where}: replace")
+
+    def del_default_route(self, version: int, *, ns: str | None = None) -> bool:
+        """Remove the default route of one IP version. False if there was none."""
+        family = socket.AF_INET if version == 4 else socket.AF_INET6
+        body = _RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, 0, RT_SCOPE_UNIVERSE, 0, 0)
+        where = f" in namespace {ns}" if ns else ""
+        try:
+            self._sock(ns).request(RTM_DELROUTE, 0, body,
+                                   f"default IPv{version} route{where}: delete")
+        except DriverError as e:
+            if e.errno == errno.ESRCH:
+                return False
+            raise
+        return True
+
+    # -- allocation namespaces --------------------------------------------------------
+
+    def create_netns(self, name: str, *, replace_stale: bool = False) -> bool:
+        """``ip netns add`` in-process (see :func:`netns.create`)."""
+        if replace_stale:
+            self.forget_netns(name)
+        return netns.create(name, replace_stale=replace_stale)
+
+    def delete_netns(self, name: str) -> bool:
+        """Drop our cached socket into ``name``, then ``ip netns del`` it."""
+        self.forget_netns(name)
+        return netns.delete(name)
+
+    def configure_inside(self, netns_name: str, addrs: Sequence[IPInterface],
+                         gateways: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address],
+                         *, ifname: str = "eth0", mtu: int | None = None,
+                         ipv6_link_local: bool = True) -> None:
+        """Inside an allocation namespace: ``lo`` up, ``ifname`` up (MTU, ownership alias),
+        owned addresses, default route(s) via the gateway(s) with our route proto.
+        Idempotent.
+
+        ``ipv6_link_local=False`` turns off IPv6 address generation on
+        ``ifname`` before it comes up: for IPv4-only allocations this avoids
+        DAD/RS/MLD multicast that the bridge floods to every other allocation
+        (build time at 500 allocations about -25%).
+
+        It only adds: removing addresses/routes that should not be there is
+        the planner's call (:meth:`del_address`, :meth:`del_default_route`).
+        """
+        sock = self._entry(netns_name).sock
+        where = f" in namespace {netns_name}"
+        sock.request(RTM_NEWLINK, 0, _ifinfo(index=1, flags=IFF_UP, change=IFF_UP),
+                     f"link lo{where}: set up")
+        body = (_ifinfo(flags=IFF_UP, change=IFF_UP) + _str(IFLA_IFNAME, ifname)
+                + _attr(IFLA_IFALIAS, ownership.LINK_ALIAS.encode()))
+        if mtu is not None:
+            body += _u32(IFLA_MTU, mtu)
+        if not ipv6_link_local:
+            body += _no_ipv6_ll()
+        sock.request(RTM_NEWLINK, 0, body, f"link {ifname}{where}: set up")
+        index = self._index(ifname, netns_name)
+        for iface in addrs:
+            try:
+                sock.request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL,
+                             _addr_body(iface, index, ownership.ADDR_PROTO, True),
+                             f"address {iface} on {ifname}{where}: add")
+            except DriverError as e:
+                if e.errno != errno.EEXIST:
+                    raise
+        for gw in gateways:
+            self.replace_default_route(ifname, gw, ns=netns_name, index=index)
