@@ -25,7 +25,7 @@ import os
 import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Any, TypedDict, TypeVar
 
@@ -44,6 +44,7 @@ __all__ = [
     "OPT_MASQUERADE",
     "OPT_MTU",
     "PROTECTED_NETWORKS",
+    "IPV6_FALLBACK_LABEL",
     "DedupeResult",
     "DockerDriver",
     "EnsureResult",
@@ -65,6 +66,10 @@ OPT_MTU = "com.docker.network.driver.mtu"
 
 #: Docker's own networks: read (the MTU of ``bridge``), never changed.
 PROTECTED_NETWORKS = frozenset({"bridge", "host", "none"})
+
+#: Label on a network created IPv4-only because the daemon could not do IPv6
+#: (kind's fallback); ``diff_network`` then accepts it without IPv6.
+IPV6_FALLBACK_LABEL = "io.reconciler.ipv6-unavailable"
 
 #: kind's probing budget: attempt 0 plus four more derived subnets.
 MAX_ATTEMPTS = 5
@@ -278,8 +283,10 @@ def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
     a subnet Docker picked is no difference when ``subnet`` is not declared; a
     derived ULA matches any live /64 with IPv6 on (kind probes other
     attempts); the MTU is compared only when declared or when Docker's default
-    MTU is known; labels are a subset match. Docker cannot change a network in
-    place, so every difference needs a replace.
+    MTU is known; labels are a subset match. A network we created IPv4-only
+    because the daemon lacked IPv6 (``IPV6_FALLBACK_LABEL``) satisfies
+    ``ipv6: true`` without ``subnet6``, as in kind. Docker cannot change a
+    network in place, so every difference needs a replace.
     """
     diffs: list[tuple[str, str, str, bool]] = []
     live4, live6 = _networks_of(live.subnets)
@@ -291,7 +298,11 @@ def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
         diffs.append(("subnet", _show(live4), str(spec.subnet), True))
 
     want_v6 = spec.ipv6 or spec.subnet6 is not None
-    if want_v6 != live.enable_ipv6:
+    fell_back = (spec.subnet6 is None and not live.enable_ipv6
+                 and live.labels.get(IPV6_FALLBACK_LABEL) == "true")
+    if want_v6 and fell_back:
+        pass  # kind's IPv4-only fallback: the daemon could not do IPv6 when we created it
+    elif want_v6 != live.enable_ipv6:
         diffs.append(("ipv6", _flag(live.enable_ipv6), _flag(want_v6), True))
     elif want_v6:
         if spec.subnet6 is not None:
@@ -521,7 +532,7 @@ class DockerDriver:
 
     def _with_name(self, name: str) -> list[NetworkInspect]:
         """Inspect payloads of every network called exactly ``name``, kind's order."""
-        listed = self._api.networks(filters={"name": name})
+        listed = self._api.networks(filters=_name_filters(name))
         found = []
         for entry in listed:
             if entry.get("Name") != name:  # the daemon's name filter is a regexp search
@@ -769,8 +780,9 @@ class DockerDriver:
                               why: str) -> EnsureResult:
         warning = (f"docker network {spec.name}: the Docker daemon cannot set up IPv6 "
                    f"({_one_line(why)}); created it IPv4-only")
+        labels = {**base.labels, IPV6_FALLBACK_LABEL: "true"}
         try:
-            net_id = self._create(_replace_args(base, subnet6=None))
+            net_id = self._create(_replace_args(base, subnet6=None, labels=labels))
         except docker.errors.APIError as exc:
             if not is_already_exists(_explanation(exc)):
                 raise
@@ -863,7 +875,13 @@ class DockerDriver:
 
             for ep in endpoints:
                 self._disconnect(name, current.id, ep)
-            self._remove_ids(name, [current.id])
+            try:
+                self._remove_ids(name, [current.id])
+            except DriverError:
+                # e.g. a container joined meanwhile: put ours back where they were
+                for ep in endpoints:
+                    self._reconnect_quietly(current.id, ep)
+                raise
             try:
                 result = self._create_probing(base, spec, pinned6=pinned6)
             except ReconcilerError as exc:
@@ -891,6 +909,12 @@ class DockerDriver:
                 raise DriverError(f"{what}: re-created, but could not re-attach "
                                   + "; ".join(failures))
             return _with(result, reconnected=tuple(reattached), warnings=tuple(warnings))
+
+    def _reconnect_quietly(self, net_id: str, ep: _Endpoint) -> None:
+        # best effort; the caller reports the original failure
+        with suppress(docker.errors.DockerException, requests.exceptions.RequestException):
+            self._api.connect_container_to_network(
+                ep.container_id, net_id, aliases=list(ep.aliases) or None)
 
     def _disconnect(self, name: str, net_id: str, ep: _Endpoint) -> None:
         try:
@@ -940,6 +964,17 @@ class DockerDriver:
                 self._connect(net_id, old.name, ep, v4, v6)
         except (docker.errors.DockerException, requests.exceptions.RequestException):
             pass  # the original error is what the user needs to see
+
+
+def _name_filters(name: str) -> dict[str, str] | None:
+    """An anchored name filter (the daemon matches a Go regexp), as kind uses.
+
+    None (list everything) for a name with characters we would have to escape;
+    callers compare names exactly either way.
+    """
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        return {"name": "^" + name.replace(".", "\\.") + "$"}
+    return None
 
 
 def _address(value: object, kind: type[_T]) -> _T | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import docker.errors
 import pytest
 
 from reconciler.drivers.docker_networks import (
+    IPV6_FALLBACK_LABEL,
     OPT_MASQUERADE,
     OPT_MTU,
     DockerDriver,
@@ -285,6 +287,11 @@ DIFF_CASES = [
     ("ipv6 derived, live v6 on but not a /64", spec(ipv6=True),
      live(enable_ipv6=True, subnets=("172.18.0.0/16", "fd00::/48")), 1500,
      [("subnet6", "fd00::/48", "fc00:f853:ccd:e793::/64 (derived)")]),
+    ("ipv6 derived, created IPv4-only by the fallback", spec(ipv6=True),
+     live(labels={**OURS, IPV6_FALLBACK_LABEL: "true"}), 1500, []),
+    ("explicit subnet6 ignores the fallback marker",
+     spec(subnet6=ipaddress.IPv6Network("fd00:1::/64")),
+     live(labels={**OURS, IPV6_FALLBACK_LABEL: "true"}), 1500, [("ipv6", "false", "true")]),
     ("ipv6 not wanted, live has it", spec(), live(enable_ipv6=True, subnets=V6), 1500,
      [("ipv6", "true", "false")]),
     ("explicit subnet6 matches", spec(ipv6=True, subnet6=ipaddress.IPv6Network("fd00:1::/64")),
@@ -396,7 +403,7 @@ class FakeAPI:
         self.calls.append(("networks", filters))
         out = []
         for n in self.nets.values():
-            if filters and "name" in filters and filters["name"] not in n["Name"]:
+            if filters and "name" in filters and not re.search(filters["name"], n["Name"]):
                 continue
             out.append({**n, "Containers": {}})
         return out
@@ -500,6 +507,10 @@ def test_ipv6_unavailable_falls_back_once(fake: tuple[DockerDriver, FakeAPI], ms
     assert res.created and res.ipv6_fallback and res.subnet6 is None
     assert res.warnings and "IPv4-only" in res.warnings[0]
     assert [kw["enable_ipv6"] for _, kw in creates(api)] == [True, False]
+    # marked, so the next plan accepts it without IPv6 (kind's semantics)
+    created = parse_network(api.nets[res.network_id])
+    assert created.labels[IPV6_FALLBACK_LABEL] == "true" and created.owned
+    assert diff_network(spec("kind", ipv6=True), created, 1500) == []
 
 
 def test_ipv6_unavailable_with_explicit_subnet6_is_an_error(
@@ -729,3 +740,25 @@ def test_observe_unreachable_socket_without_daemon() -> None:
     with pytest.raises(TemporaryError, match="docker network kind: ensure: docker daemon "
                                              "unreachable"):
         drv.ensure(spec("kind"), None)
+
+
+def test_replace_puts_containers_back_when_delete_fails(fake: tuple[DockerDriver, FakeAPI]
+                                                        ) -> None:
+    drv, api = fake
+    old = api.add("kind", labels=OURS, containers=1, subnets=("172.20.0.0/16",))
+    events: list[tuple[str, str]] = []
+    api.disconnect_container_from_network = (  # type: ignore[attr-defined]
+        lambda cid, net, force=False: events.append(("disconnect", cid)))
+    api.connect_container_to_network = (  # type: ignore[attr-defined]
+        lambda cid, net, **kw: events.append(("connect", cid)))
+
+    def busy(ref: str) -> None:
+        raise api_error(f"error while removing network: network kind id {ref} has active "
+                        "endpoints")
+
+    api.remove_network = busy  # type: ignore[method-assign]
+    with pytest.raises(DriverError, match="active endpoints"):
+        drv.replace(spec("kind", mtu=1400), parse_network(api.nets[old]), 1500, reconnect=True)
+    cid = next(iter(api.nets[old]["Containers"]))
+    assert events == [("disconnect", cid), ("connect", cid)]
+    assert not creates(api)
