@@ -13,7 +13,7 @@ from typing import Any
 from reconciler import __version__
 from reconciler.errors import ConfigError, ReconcilerError
 from reconciler.model import DesiredState
-from reconciler.plan import Action, Plan, render_text, write_json
+from reconciler.plan import Plan, render_text, write_json
 
 EXIT_OK, EXIT_ERROR, EXIT_CHANGES = 0, 1, 2
 log = logging.getLogger("reconciler")
@@ -190,7 +190,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR)

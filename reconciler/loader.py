@@ -93,7 +93,8 @@ def format_path(path: Iterable[str | int]) -> str:
 
 
 def clip(text: str, limit: int = MAX_MESSAGE) -> str:
-    text = text.encode("unicode_escape", "backslashreplace").decode("ascii") if not text.isprintable() else text
+    if not text.isprintable():
+        text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -236,7 +237,8 @@ def schema() -> dict[str, Any]:
 @cache
 def _validator() -> jsonschema.protocols.Validator:
     cls = jsonschema.validators.validator_for(schema())
-    return cls(schema(), format_checker=cls.FORMAT_CHECKER)  # type: ignore[no-any-return]
+    validator: jsonschema.protocols.Validator = cls(schema(), format_checker=cls.FORMAT_CHECKER)
+    return validator
 
 
 def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigError:
@@ -519,48 +521,49 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
             prefixes.append((d.subnet6, "docker network", d.name, "subnet6"))
     ordered = sorted(prefixes, key=lambda p: (p[0].version, int(p[0].network_address)))
     for i, (net, kind, name, field) in enumerate(ordered):
-        for other, okind, oname, ofield in ordered[i + 1:]:
-            if other.version != net.version or other.network_address > net.broadcast_address:
+        for onet, okind, oname, ofield in ordered[i + 1:]:
+            if onet.version != net.version or \
+                    int(onet.network_address) > int(net.broadcast_address):
                 break
             yield err(okind, oname, ofield,
-                      f"{okind} {oname!r}: {ofield} {other} overlaps {kind} {name!r} {field} "
+                      f"{okind} {oname!r}: {ofield} {onet} overlaps {kind} {name!r} {field} "
                       f"{net} at {_where(c, kind, name)}")
     # allocations: references, addresses, ports
     addresses: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, str] = {}
     ports: dict[tuple[str, int], list[tuple[Any, str, int]]] = {}
     for a in c.allocs.values():
-        s = c.subnets.get(a.subnet)
-        if s is None:
+        sn = c.subnets.get(a.subnet)
+        if sn is None:
             yield err("alloc", a.id, "subnet",
                       f"alloc {a.id!r}: subnet {a.subnet!r} is not declared")
             continue
         if a.address is not None:
-            if a.address not in s.cidr or a.address in (s.cidr.network_address,
-                                                         s.cidr.broadcast_address):
+            if a.address not in sn.cidr or a.address in (sn.cidr.network_address,
+                                                         sn.cidr.broadcast_address):
                 yield err("alloc", a.id, "address",
                           f"alloc {a.id!r}: address {a.address} is not a host address of "
-                          f"subnet {s.name!r} ({s.cidr})")
-            elif a.address == s.gateway:
+                          f"subnet {sn.name!r} ({sn.cidr})")
+            elif a.address == sn.gateway:
                 yield err("alloc", a.id, "address",
                           f"alloc {a.id!r}: address {a.address} is the gateway of "
-                          f"subnet {s.name!r}")
+                          f"subnet {sn.name!r}")
         if a.address6 is not None:
-            if s.cidr6 is None:
+            if sn.cidr6 is None:
                 yield err("alloc", a.id, "address6",
-                          f"alloc {a.id!r}: address6 given but subnet {s.name!r} has no cidr6")
-            elif a.address6 not in s.cidr6 or a.address6 in (s.cidr6.network_address,
-                                                             s.gateway6):
+                          f"alloc {a.id!r}: address6 given but subnet {sn.name!r} has no cidr6")
+            elif a.address6 not in sn.cidr6 or a.address6 in (sn.cidr6.network_address,
+                                                             sn.gateway6):
                 yield err("alloc", a.id, "address6",
                           f"alloc {a.id!r}: address6 {a.address6} is not a free host address "
-                          f"of subnet {s.name!r} ({s.cidr6})")
+                          f"of subnet {sn.name!r} ({sn.cidr6})")
         for addr, field in ((a.address, "address"), (a.address6, "address6")):
             if addr is None:
                 continue
             if addr in addresses:
-                other = addresses[addr]
+                holder = addresses[addr]
                 yield err("alloc", a.id, field,
-                          f"alloc {a.id!r}: {field} {addr} is already given to alloc {other!r} "
-                          f"at {_where(c, 'alloc', other)}")
+                          f"alloc {a.id!r}: {field} {addr} is already given to alloc {holder!r} "
+                          f"at {_where(c, 'alloc', holder)}")
             else:
                 addresses[addr] = a.id
         for i, p in enumerate(a.ports):
@@ -569,13 +572,13 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
             for proto in p.protocols:
                 for (other_ip, other_id, other_i) in ports.get((proto, p.host), []):
                     if p.host_ip is None or other_ip is None or p.host_ip == other_ip:
-                        d = c.seen[("alloc", a.id)]
-                        pos = d.doc.where((*d.path, "ports", i))
+                        here = c.seen[("alloc", a.id)]
+                        pos = here.doc.where((*here.path, "ports", i))
                         yield ConfigError(
                             f"alloc {a.id!r}: host port {p.host}/{proto} is already mapped by "
                             f"alloc {other_id!r} (ports[{other_i}]) at "
                             f"{_where(c, 'alloc', other_id)}",
-                            file=d.doc.file, line=pos.line, col=pos.col)
+                            file=here.doc.file, line=pos.line, col=pos.col)
                         break
                 ports.setdefault((proto, p.host), []).append((p.host_ip, a.id, i))
 

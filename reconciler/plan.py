@@ -13,13 +13,13 @@ import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TextIO
 
 FORMAT_VERSION = 1
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     NOOP = "no-op"
     CREATE = "create"
     UPDATE = "update"

@@ -78,9 +78,11 @@ class Reconciler:
                 raise StalePlanError("the saved plan is stale: the live state changed since it "
                                      "was made; run plan again")
         if plan.conflicts:
-            names = ", ".join(c.address for c in plan.conflicts)
-            raise ConflictError(f"refusing to apply: {len(plan.conflicts)} conflict(s) with "
-                                f"objects the reconciler does not own ({names}); nothing changed")
+            lines = [f"refusing to apply: {len(plan.conflicts)} conflict(s) with objects the "
+                     "reconciler does not own; nothing changed"]
+            lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
+                      for c in plan.conflicts]
+            raise ConflictError("\n".join(lines))
         result = ApplyResult(plan)
         if not plan.has_changes:
             return result

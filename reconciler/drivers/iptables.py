@@ -78,7 +78,7 @@ class IptablesDriver:
         self.save_cmd, self.restore_cmd, self.cmd = _TOOLS[family]
 
     def available(self) -> bool:
-        return shutil.which(self.save_cmd) is not None and shutil.which(self.restore_cmd) is not None
+        return all(shutil.which(c) is not None for c in (self.save_cmd, self.restore_cmd))
 
     def observe(self) -> LiveChainSet:
         if not self.available():

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from reconciler.live import LiveState
 from reconciler.model import KIND_ORDER, DesiredState
+from reconciler.ownership import CHAIN_PREFIX
 from reconciler.plan import Action, Change, Op, Plan, fingerprint
 from reconciler.planner import firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
@@ -67,7 +68,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         d = firewall.diff(rules, live_rules)
         ctx.observed[f"firewall/ipv{family}"] = {
             f"{t}/{c}": list(r) for (t, c), r in sorted(live_rules.chains.items())
-            if c.startswith(firewall.CHAIN_PREFIX) or c in ("FORWARD", "POSTROUTING",
+            if c.startswith(CHAIN_PREFIX) or c in ("FORWARD", "POSTROUTING",
                                                                "PREROUTING", "OUTPUT")}
         ch = firewall.firewall_change(family, d)
         if ch is not None:

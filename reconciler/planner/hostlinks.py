@@ -33,9 +33,9 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
     ctx.observed[f"bridge/{b.name}"] = _link_view(link)
     src = str(b.source)
     if link is None:
-        attrs = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
-        attrs.append(AttrChange("hairpin", None, b.hairpin))
-        return Change("bridge", b.name, Action.CREATE, "not present", tuple(attrs),
+        created = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
+        created.append(AttrChange("hairpin", None, b.hairpin))
+        return Change("bridge", b.name, Action.CREATE, "not present", tuple(created),
                       (Op("link.add_bridge", {"name": b.name, "mtu": b.mtu}),), src)
     if link.kind != "bridge":
         ctx.blocked.add(f"bridge/{b.name}")

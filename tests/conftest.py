@@ -1,0 +1,134 @@
+"""Shared fixtures: throwaway network namespaces, the CLI, and leak checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+#: every name a test makes starts with this, so leak checks see only this run's objects
+SESSION = f"rt{secrets.token_hex(2)}"
+
+
+def unique(prefix: str = "") -> str:
+    """A name unique to this test run, at most 15 characters (IFNAMSIZ)."""
+    return f"{SESSION}{prefix}-{secrets.token_hex(3)}"
+
+
+def sh(*args: str, check: bool = True,
+       input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, input=input,
+                          timeout=120)
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def all(self) -> str:
+        return self.out + self.err
+
+
+def reconcile(*args: str, netns: str | None = None, timeout: float = 300,
+              env: dict[str, str] | None = None) -> Result:
+    """Run the CLI the way a user does: a separate process."""
+    cmd = [sys.executable, "-m", "reconciler"]
+    if netns:
+        cmd += ["--netns", netns]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    p = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
+                       env=full_env)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+class Netns:
+    """A throwaway network namespace acting as "the host" for one test."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def run(self, *args: str, check: bool = True,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return sh("nsenter", f"--net=/run/netns/{self.name}", *args, check=check, input=input)
+
+    def ip_json(self, *args: str) -> list[dict]:  # type: ignore[type-arg]
+        out = sh("ip", "-n", self.name, "-j", "-d", *args).stdout
+        return json.loads(out) if out.strip() else []
+
+    def link(self, name: str) -> dict | None:  # type: ignore[type-arg]
+        for link in self.ip_json("link", "show"):
+            if link["ifname"] == name:
+                return link
+        return None
+
+    def addrs(self, name: str) -> list[str]:
+        for link in self.ip_json("addr", "show"):
+            if link["ifname"] == name:
+                return sorted(f"{a['local']}/{a['prefixlen']}" for a in link["addr_info"]
+                              if a.get("scope") != "link")
+        return []
+
+    def iptables_save(self, family: int = 4) -> str:
+        return self.run("iptables-save" if family == 4 else "ip6tables-save").stdout
+
+    def reconcile(self, *args: str, **kw: object) -> Result:
+        return reconcile(*args, netns=self.name, **kw)  # type: ignore[arg-type]
+
+
+def _netns_names() -> set[str]:
+    try:
+        return set(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture
+def host_ns() -> Iterator[Netns]:
+    """A fresh network namespace standing in for the host; removed even on failure."""
+    if not is_root():
+        pytest.skip("needs root")
+    name = unique()
+    sh("ip", "netns", "add", name)
+    sh("ip", "-n", name, "link", "set", "lo", "up")
+    ns = Netns(name)
+    try:
+        yield ns
+    finally:
+        sh("ip", "netns", "del", name, check=False)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_namespaces(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves a new /run/netns entry behind fails."""
+    before = _netns_names()
+    yield
+    leaked = {n for n in _netns_names() - before if n.startswith(SESSION)}
+    if leaked:
+        for n in leaked:
+            sh("ip", "netns", "del", n, check=False)
+        pytest.fail(f"test leaked network namespaces: {sorted(leaked)}")
+
+
+def write(tmp_path: object, name: str, text: str) -> str:
+    path = os.path.join(str(tmp_path), name)
+    with open(path, "w") as fh:
+        fh.write(text)
+    return path

@@ -1,0 +1,240 @@
+"""Bridges and subnets against the real kernel and iptables, each test in its own namespace.
+
+Results are checked with `ip -j` and `iptables-save`, never with our own observer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from tests.conftest import EXAMPLES, Netns, write
+
+pytestmark = pytest.mark.root
+EXAMPLE = os.path.join(EXAMPLES, "bridge-subnet.yaml")
+
+
+def test_apply_example_then_plan_is_empty(host_ns: Netns):
+    r = host_ns.reconcile("plan", EXAMPLE)
+    assert r.rc == 2, r.all
+    assert "+ bridge rcl0" in r.out and "+ subnet rcl-net" in r.out
+    assert "Plan: " in r.out
+    assert host_ns.link("rcl0") is None  # plan changed nothing
+
+    r = host_ns.reconcile("apply", EXAMPLE)
+    assert r.rc == 0, r.all
+    link = host_ns.link("rcl0")
+    assert link is not None
+    assert link["linkinfo"]["info_kind"] == "bridge"
+    assert link["mtu"] == 1500 and "UP" in link["flags"]
+    assert link.get("ifalias") == "managed-by=reconciler"
+    assert host_ns.addrs("rcl0") == ["172.26.64.1/20", "fd00:a:b::1/64"]
+    v4 = host_ns.iptables_save(4)
+    assert "-A FORWARD -m comment --comment reconciler -j RECONCILER-FORWARD" in v4
+    assert ("-A RECONCILER-FORWARD -d 172.26.64.0/20 -o rcl0 -m comment --comment "
+            '"reconciler:subnet=rcl-net" -j ACCEPT') in v4
+    assert ("-A RECONCILER-POSTROUTING -s 172.26.64.0/20 ! -d 172.26.64.0/20 -m comment "
+            '--comment "reconciler:subnet=rcl-net" -j MASQUERADE') in v4
+    assert "-A RECONCILER-FORWARD -d fd00:a:b::/64 -o rcl0" in host_ns.iptables_save(6)
+    assert host_ns.run("cat", "/proc/sys/net/ipv4/ip_forward").stdout.strip() == "1"
+
+    before = (host_ns.run("ip", "addr").stdout, host_ns.iptables_save(4))
+    r = host_ns.reconcile("plan", EXAMPLE)
+    assert r.rc == 0, r.all
+    assert "No changes." in r.out
+    r = host_ns.reconcile("apply", EXAMPLE)
+    assert r.rc == 0
+    after = (host_ns.run("ip", "addr").stdout, host_ns.iptables_save(4))
+    strip = lambda s: [ln for ln in s[1].splitlines() if not ln.startswith("#")]  # noqa: E731
+    assert before[0] == after[0] and strip(before) == strip(after)
+
+
+def test_mtu_change_plans_update_and_applies(host_ns: Netns, tmp_path):
+    host_ns.reconcile("apply", EXAMPLE)
+    with open(EXAMPLE) as fh:
+        text = fh.read()
+    text = text.replace("mtu: 1500", "mtu: 1400")
+    changed = write(tmp_path, "changed.yaml", text)
+    r = host_ns.reconcile("plan", changed)
+    assert r.rc == 2
+    assert "~ bridge rcl0" in r.out and "mtu: 1500 -> 1400" in r.out
+    assert host_ns.reconcile("apply", changed).rc == 0
+    assert host_ns.link("rcl0")["mtu"] == 1400
+
+
+def test_removing_resources_plans_delete_and_removes_them(host_ns: Netns, tmp_path):
+    host_ns.reconcile("apply", EXAMPLE)
+    only_bridge = write(tmp_path, "b.yaml", "version: 1\nbridges: [{name: rcl0, mtu: 1500}]\n")
+    r = host_ns.reconcile("plan", only_bridge)
+    assert r.rc == 2 and "- subnet rcl-net" in r.out
+    assert host_ns.reconcile("apply", only_bridge).rc == 0
+    assert host_ns.addrs("rcl0") == []
+    assert "RECONCILER" not in host_ns.iptables_save(4)
+    empty = write(tmp_path, "e.yaml", "version: 1\n")
+    r = host_ns.reconcile("apply", empty)
+    assert r.rc == 0 and "- bridge rcl0" in r.out
+    assert host_ns.link("rcl0") is None
+
+
+def test_no_prune_keeps_what_files_dropped(host_ns: Netns, tmp_path):
+    host_ns.reconcile("apply", EXAMPLE)
+    empty = write(tmp_path, "e.yaml", "version: 1\n")
+    r = host_ns.reconcile("plan", "--no-prune", empty)
+    assert r.rc == 0, r.all
+    assert host_ns.reconcile("apply", "--no-prune", empty).rc == 0
+    assert host_ns.link("rcl0") is not None
+
+
+def test_foreign_bridge_is_a_conflict_and_left_untouched(host_ns: Netns):
+    host_ns.run("ip", "link", "add", "rcl0", "mtu", "1450", "type", "bridge")
+    host_ns.run("ip", "addr", "add", "192.168.77.1/24", "dev", "rcl0")
+    before = host_ns.run("ip", "-d", "addr", "show", "rcl0").stdout
+    r = host_ns.reconcile("plan", EXAMPLE)
+    assert r.rc == 1
+    assert "! bridge rcl0" in r.out and "--adopt bridge/rcl0" in r.out
+    r = host_ns.reconcile("apply", EXAMPLE)
+    assert r.rc == 1 and "conflict" in r.err and "Traceback" not in r.all
+    assert host_ns.run("ip", "-d", "addr", "show", "rcl0").stdout == before
+    assert "RECONCILER" not in host_ns.iptables_save(4)
+    # destroy never touches it either
+    assert host_ns.reconcile("destroy").rc == 0
+    assert host_ns.link("rcl0") is not None
+
+
+def test_non_bridge_link_with_bridge_name_is_a_conflict(host_ns: Netns):
+    # (this kernel has no dummy module; a veth is just as much "not a bridge")
+    host_ns.run("ip", "link", "add", "rcl0", "type", "veth", "peer", "name", "rcl0p")
+    r = host_ns.reconcile("apply", "--adopt", "bridge/rcl0", EXAMPLE)
+    assert r.rc == 1 and "bridge rcl0: a veth link named rcl0 exists and is not a bridge" in r.err
+    assert host_ns.link("rcl0")["linkinfo"]["info_kind"] == "veth"
+
+
+def test_adopt_takes_over_a_foreign_bridge(host_ns: Netns):
+    host_ns.run("ip", "link", "add", "rcl0", "type", "bridge")
+    host_ns.run("ip", "addr", "add", "192.168.77.1/24", "dev", "rcl0")
+    r = host_ns.reconcile("apply", "--adopt", "bridge/rcl0", EXAMPLE)
+    assert r.rc == 0, r.all
+    assert host_ns.link("rcl0").get("ifalias") == "managed-by=reconciler"
+    # the foreign address outside the subnet is kept
+    assert "192.168.77.1/24" in host_ns.addrs("rcl0")
+    assert host_ns.reconcile("plan", EXAMPLE).rc == 0
+
+
+def test_saved_plan_applies_and_is_refused_when_stale(host_ns: Netns, tmp_path):
+    out = str(tmp_path / "plan.json")
+    r = host_ns.reconcile("plan", "--out", out, EXAMPLE)
+    assert r.rc == 2
+    with open(out) as fh:
+        saved = json.load(fh)
+    assert saved["summary"]["create"] >= 2
+    host_ns.run("ip", "link", "add", "rcl0", "type", "bridge")  # the world moved on
+    r = host_ns.reconcile("apply", out)
+    assert r.rc == 1 and "stale" in r.err
+    host_ns.run("ip", "link", "del", "rcl0")
+    r = host_ns.reconcile("apply", out)
+    assert r.rc == 0, r.all
+    assert host_ns.link("rcl0") is not None
+
+
+def test_plan_json_output(host_ns: Netns):
+    r = host_ns.reconcile("plan", "--output", "json", EXAMPLE)
+    assert r.rc == 2
+    doc = json.loads(r.out)
+    kinds = {(c["kind"], c["name"], c["action"]) for c in doc["changes"]}
+    assert ("bridge", "rcl0", "create") in kinds and ("subnet", "rcl-net", "create") in kinds
+    assert doc["summary"]["create"] >= 2
+
+
+def test_drift_is_healed(host_ns: Netns):
+    host_ns.reconcile("apply", EXAMPLE)
+    host_ns.run("ip", "addr", "del", "172.26.64.1/20", "dev", "rcl0")
+    host_ns.run("iptables", "-t", "nat", "-F", "RECONCILER-POSTROUTING")
+    host_ns.run("iptables", "-D", "FORWARD", "-m", "comment", "--comment", "reconciler",
+                "-j", "RECONCILER-FORWARD")
+    r = host_ns.reconcile("plan", EXAMPLE)
+    assert r.rc == 2 and "~ subnet rcl-net" in r.out and "firewall ipv4" in r.out
+    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+    assert "172.26.64.1/20" in host_ns.addrs("rcl0")
+    assert host_ns.reconcile("plan", EXAMPLE).rc == 0
+
+
+def test_bridge_deleted_out_of_band_is_recreated(host_ns: Netns):
+    host_ns.reconcile("apply", EXAMPLE)
+    host_ns.run("ip", "link", "del", "rcl0")
+    r = host_ns.reconcile("plan", EXAMPLE)
+    assert "+ bridge rcl0" in r.out
+    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+    assert host_ns.addrs("rcl0") == ["172.26.64.1/20", "fd00:a:b::1/64"]
+
+
+def test_forward_policy_drop_still_forwards_to_the_subnet(host_ns: Netns):
+    """Like dockerd does: policy DROP on FORWARD, our jump is what lets traffic through."""
+    host_ns.run("iptables", "-P", "FORWARD", "DROP")
+    host_ns.run("iptables", "-N", "DOCKER-USER")
+    host_ns.run("iptables", "-A", "FORWARD", "-j", "DOCKER-USER")
+    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+    rules = host_ns.run("iptables", "-S", "FORWARD").stdout
+    assert "-P FORWARD DROP" in rules and "-j RECONCILER-FORWARD" in rules
+    assert "-A FORWARD -j DOCKER-USER" in rules  # theirs, kept
+
+
+def test_bad_input_changes_nothing_on_the_host(host_ns: Netns, tmp_path):
+    bad = write(tmp_path, "bad.yaml", "version: 1\nbridges:\n  - name: rcl0\n    mtu: lots\n")
+    before = (host_ns.run("ip", "addr").stdout, host_ns.iptables_save(4))
+    for cmd in ("plan", "apply"):
+        r = host_ns.reconcile(cmd, bad)
+        assert r.rc == 1 and f"{bad}:4:" in r.err and "Traceback" not in r.all
+    after = (host_ns.run("ip", "addr").stdout, host_ns.iptables_save(4))
+    assert before[0] == after[0]
+
+
+def test_two_applies_at_once_are_serialised(host_ns: Netns):
+    results = []
+
+    def run() -> None:
+        results.append(host_ns.reconcile("apply", EXAMPLE))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.rc for r in results] == [0, 0, 0], [r.all for r in results]
+    assert host_ns.iptables_save(4).count("-j RECONCILER-FORWARD") == 1
+    assert host_ns.reconcile("plan", EXAMPLE).rc == 0
+
+
+def test_lock_timeout_fails_clearly(host_ns: Netns):
+    import subprocess
+    import sys
+    holder = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{host_ns.name}", sys.executable, "-c",
+         "import time\nfrom reconciler.lock import host_lock\n"
+         "with host_lock():\n    print('held', flush=True)\n    time.sleep(30)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        r = host_ns.reconcile("apply", "--lock-timeout", "0.5", EXAMPLE)
+        assert r.rc == 1 and "another reconcile" in r.err
+        assert host_ns.link("rcl0") is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_destroy_removes_everything_managed(host_ns: Netns):
+    host_ns.reconcile("apply", EXAMPLE)
+    r = host_ns.reconcile("destroy")
+    assert r.rc == 0, r.all
+    assert host_ns.link("rcl0") is None
+    assert "RECONCILER" not in host_ns.iptables_save(4) + host_ns.iptables_save(6)
+    assert host_ns.reconcile("show").out.startswith("Nothing managed")
+
+
+def test_netns_that_does_not_exist_is_a_clear_error():
+    from tests.conftest import reconcile, unique
+    r = reconcile("plan", EXAMPLE, netns=unique())
+    assert r.rc == 1 and "Traceback" not in r.all and r.err.startswith("error:")
