@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
+import time
 from typing import Any
 
+import docker.errors
 import pytest
 
 from reconciler.drivers.docker_networks import (
@@ -298,3 +301,26 @@ def test_replace_adds_ipv6_to_a_network_with_containers(
     assert ipaddress.IPv6Address(new["GlobalIPv6Address"]) in ula_subnet(name, 0)
     assert "db" in new["Aliases"]
     assert res.attempt == 0
+
+
+@pytest.mark.skipif(not os.environ.get("RECONCILER_TEST_EXHAUST_POOLS"),
+                    reason="fills Docker's default IPv4 pools for a few seconds, which breaks "
+                           "anything else creating networks meanwhile; set "
+                           "RECONCILER_TEST_EXHAUST_POOLS=1 to run")
+def test_ipv4_default_pools_exhausted(driver: DockerDriver, docker_scratch: DockerScratch,
+                                      docker_client: Any) -> None:
+    for i in range(64):  # 30 with the defaults; bounded in case of a bigger config
+        try:
+            docker_client.api.create_network(docker_scratch.name(f"fill{i}"), driver="bridge")
+        except docker.errors.APIError as exc:
+            assert "could not find an available" in str(exc.explanation)
+            break
+    else:
+        pytest.skip("the daemon's default pools are larger than 64 networks")
+    name = docker_scratch.name("kind")
+    start = time.monotonic()
+    with pytest.raises(DriverError, match=f"docker network {name}: Docker's default IPv4 "
+                                          "address pools are exhausted"):
+        driver.ensure(spec(name, ipv6=True), None)
+    assert time.monotonic() - start < 5
+    assert cli_ids(name) == []
