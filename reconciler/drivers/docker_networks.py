@@ -812,7 +812,6 @@ class DockerDriver:
         endpoints = []
         net_name = attrs.get("Name", "")
         for cid, ep in sorted((attrs.get("Containers") or {}).items()):
-            aliases: tuple[str, ...] = ()
             try:
                 cattrs = self._api.inspect_container(cid)
             except docker.errors.NotFound:
@@ -873,13 +872,15 @@ class DockerDriver:
                     pinned6 = live6[0]
                     base = _replace_args(base, gateway6=gateways.get(pinned6))
 
-            for ep in endpoints:
-                self._disconnect(name, current.id, ep)
+            detached: list[_Endpoint] = []
             try:
-                self._remove_ids(name, [current.id])
-            except DriverError:
-                # e.g. a container joined meanwhile: put ours back where they were
                 for ep in endpoints:
+                    self._disconnect(name, current.id, ep)
+                    detached.append(ep)
+                self._remove_ids(name, [current.id])
+            except (ReconcilerError, docker.errors.APIError):
+                # e.g. a container joined meanwhile: put ours back where they were
+                for ep in detached:
                     self._reconnect_quietly(current.id, ep)
                 raise
             try:
