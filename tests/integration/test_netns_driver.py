@@ -1,0 +1,417 @@
+"""The netns and links drivers against the real kernel.
+
+Every test runs in its own ``rt-<hex>`` sandbox namespace (see
+``netns_fixtures``); results are checked with ``ip -n NS -j -d …`` — and with
+pyroute2 for the IFA_PROTO marker, which iproute2 6.1 does not print — never
+with the parsers under test.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+
+from reconciler.drivers import links, netns
+from reconciler.errors import ConflictError, DriverError
+from reconciler.live import LiveNetns, LiveRoute
+
+try:
+    from tests.integration import netns_fixtures as fx
+except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
+    import netns_fixtures as fx  # type: ignore[no-redef,import-not-found]
+
+# Re-export the fixtures this module uses.
+sandbox = fx.sandbox
+nl = fx.nl
+Sandbox = fx.Sandbox
+ip_json = fx.ip_json
+ip_link = fx.ip_link
+sh = fx.sh
+wait_until = fx.wait_until
+
+pytestmark = pytest.mark.root
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GW4 = ipaddress.ip_address("10.77.0.1")
+GW6 = ipaddress.ip_address("fd00:77::1")
+
+
+def iface(text: str) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
+    return ipaddress.ip_interface(text)
+
+
+def addr_protos(ns: str, ifname: str) -> dict[str, int | None]:
+    """address/prefix -> IFA_PROTO, read with pyroute2 (independent of our parser)."""
+    from pyroute2 import IPRoute
+
+    with netns.enter(ns):
+        ipr = IPRoute()
+    try:
+        index = ipr.link_lookup(ifname=ifname)[0]
+        return {f"{m.get_attr('IFA_ADDRESS')}/{m['prefixlen']}": m.get_attr("IFA_PROTO")
+                for m in ipr.addr("dump", index=index)
+                if not str(m.get_attr("IFA_ADDRESS")).startswith("fe80")}
+    finally:
+        ipr.close()
+
+
+def build_alloc(nl: links.Netlink, box: Sandbox, suffix: str, addr4: str,
+                addr6: str | None = None, hairpin: bool = True) -> tuple[str, str]:
+    name = box.ns(suffix)
+    veth = links.host_veth_name(name)
+    assert nl.create_netns(name)
+    assert nl.create_veth_into_netns(veth, name, "rtbr0", mtu=1400, hairpin=hairpin)
+    addrs = [iface(addr4)] + ([iface(addr6)] if addr6 else [])
+    gws = [GW4] + ([GW6] if addr6 else [])
+    nl.configure_inside(name, addrs, gws, mtu=1400)
+    return name, veth
+
+
+def bridge(nl: links.Netlink) -> None:
+    assert nl.ensure_bridge("rtbr0", mtu=1400)
+    nl.add_address("rtbr0", iface(f"{GW4}/16"))
+    nl.add_address("rtbr0", iface(f"{GW6}/64"))
+
+
+# --- namespaces -------------------------------------------------------------------
+
+
+def test_create_and_delete_like_ip_netns(sandbox: Sandbox) -> None:
+    name = sandbox.ns("a")
+    assert netns.create(name) is True
+    assert name in sh("ip", "netns", "list").stdout
+    assert netns.is_namespace_mount(name)
+    # usable by other processes: ip sees its loopback, down, like any fresh namespace
+    (lo,) = ip_json(name, "link", "show")
+    assert lo["ifname"] == "lo" and "UP" not in lo["flags"]
+    assert netns.create(name) is False  # EEXIST on a live namespace is success
+    assert name in netns.list_names()
+    # our thread is back where it was
+    assert netns.current_inode() != netns.namespace_inode(name)
+    assert netns.delete(name) is True
+    assert not os.path.exists(f"/run/netns/{name}")
+    assert netns.delete(name) is False
+
+
+def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> None:
+    name = sandbox.ns("stale")
+    with open(f"/run/netns/{name}", "w"):
+        pass
+    assert netns.is_namespace_mount(name) is False
+    assert netns.namespace_inode(name) is None
+    with pytest.raises(DriverError, match="not a namespace"):
+        netns.create(name)
+    with pytest.raises(DriverError, match="not a namespace"), netns.enter(name):
+        pass
+    observed = nl.observe_netns([name, sandbox.ns("missing")])
+    assert observed == {name: LiveNetns(name=name, usable=False)}
+    assert netns.create(name, replace_stale=True) is True
+    assert netns.is_namespace_mount(name)
+    assert ip_json(name, "link", "show")[0]["ifname"] == "lo"
+
+
+def test_enter_switches_only_the_calling_thread(sandbox: Sandbox) -> None:
+    home = netns.current_inode()
+    target = netns.namespace_inode(sandbox.name)
+    seen: list[int] = []
+    go = threading.Event()
+
+    def other() -> None:
+        go.wait(10)
+        seen.append(netns.current_inode())
+
+    t = threading.Thread(target=other)
+    t.start()  # before entering: a thread started inside would inherit the namespace
+    with netns.enter(sandbox.name):
+        assert netns.current_inode() == target
+        go.set()
+        t.join()
+        born_inside: list[int] = []
+        t2 = threading.Thread(target=lambda: born_inside.append(netns.current_inode()))
+        t2.start()
+        t2.join()
+    assert seen == [home]
+    assert born_inside == [target]  # documented pitfall: clone() copies the thread's netns
+    assert netns.current_inode() == home
+    with pytest.raises(DriverError, match="does not exist"), netns.enter(sandbox.ns("nope")):
+        pass
+    assert netns.current_inode() == home
+
+
+def _python(code: str, *prefix: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_enter_process_netns(sandbox: Sandbox) -> None:
+    code = """
+        import os, sys
+        from reconciler.drivers import netns
+        from reconciler.errors import PreconditionError
+        try:
+            netns.enter_process_netns(sys.argv[1] if len(sys.argv) > 1 else "%s")
+        except PreconditionError as e:
+            print("ERR", e)
+        else:
+            print(os.stat("/proc/self/ns/net").st_ino)
+    """
+    out = _python(code % sandbox.name)
+    assert out.stdout.strip() == str(netns.namespace_inode(sandbox.name)), out.stderr
+    out = _python(code % sandbox.ns("missing"))
+    assert out.stdout.startswith("ERR network namespace") and "does not exist" in out.stdout
+    with open(f"/run/netns/{sandbox.ns('empty')}", "w"):
+        pass
+    out = _python(code % sandbox.ns("empty"))
+    assert "ERR" in out.stdout and "not a namespace" in out.stdout
+
+
+def test_private_mount_namespace_is_detected(sandbox: Sandbox) -> None:
+    code = f"""
+        from reconciler.drivers import netns
+        from reconciler.errors import PreconditionError
+        print("PROBLEM" if netns.private_mount_namespace_problem() else "FINE")
+        try:
+            netns.create("{sandbox.ns('inner')}")
+        except PreconditionError as e:
+            print("REFUSED", e)
+        else:
+            print("CREATED")
+            netns.delete("{sandbox.ns('inner')}")
+    """
+    under_exec = _python(code, "ip", "netns", "exec", sandbox.name)
+    assert under_exec.stdout.splitlines()[0] == "PROBLEM", under_exec.stderr
+    assert "REFUSED" in under_exec.stdout and "ip netns exec" in under_exec.stdout
+    assert not os.path.exists(f"/run/netns/{sandbox.ns('inner')}")
+    under_nsenter = _python(code, "nsenter", f"--net=/run/netns/{sandbox.name}")
+    assert under_nsenter.stdout.split() == ["FINE", "CREATED"], under_nsenter.stderr
+    assert netns.private_mount_namespace_problem() is None
+
+
+def test_namespace_created_in_process_outlives_it(sandbox: Sandbox) -> None:
+    name = sandbox.ns("kept")
+    out = _python(f"""
+        from reconciler.drivers import netns
+        print(netns.create("{name}"))
+    """, "nsenter", f"--net=/run/netns/{sandbox.name}")
+    assert out.stdout.strip() == "True", out.stderr
+    assert netns.is_namespace_mount(name)
+    assert ip_json(name, "link", "show")[0]["ifname"] == "lo"
+
+
+# --- links ------------------------------------------------------------------------
+
+
+def test_ensure_bridge(sandbox: Sandbox, nl: links.Netlink) -> None:
+    assert nl.ensure_bridge("rtbr0", mtu=1400) is True
+    br = ip_link(sandbox.name, "rtbr0")
+    assert br is not None
+    assert br["linkinfo"]["info_kind"] == "bridge" and br["mtu"] == 1400
+    assert br["ifalias"] == "managed-by=reconciler" and "UP" in br["flags"]
+    assert nl.ensure_bridge("rtbr0", mtu=1500) is False
+    assert ip_link(sandbox.name, "rtbr0")["mtu"] == 1400  # type: ignore[index]
+    nl.set_link("rtbr0", mtu=1450, up=False, alias="")
+    br = ip_link(sandbox.name, "rtbr0")
+    assert br is not None
+    assert br["mtu"] == 1450 and "UP" not in br["flags"] and "ifalias" not in br
+
+
+def test_bridge_name_taken_by_another_kind(sandbox: Sandbox, nl: links.Netlink) -> None:
+    sh("ip", "-n", sandbox.name, "link", "add", "rtbr0", "type", "veth", "peer", "name", "p")
+    with pytest.raises(ConflictError, match="rtbr0.*veth"):
+        nl.ensure_bridge("rtbr0")
+    assert ip_link(sandbox.name, "rtbr0")["linkinfo"]["info_kind"] == "veth"  # type: ignore
+
+
+def test_errors_name_the_object(sandbox: Sandbox, nl: links.Netlink) -> None:
+    with pytest.raises(DriverError, match="link nosuch") as e:
+        nl.set_link("nosuch", mtu=1400)
+    assert e.value.errno == errno.ENODEV
+    with pytest.raises(DriverError, match="link nosuch"):
+        nl.add_address("nosuch", iface("10.1.0.1/24"))
+    assert nl.delete_link("nosuch") is False
+    assert nl.del_address("nosuch", iface("10.1.0.1/24")) is False
+    nl.ensure_bridge("rtbr0")
+    with pytest.raises(DriverError, match="rtbr0.*Invalid argument"):
+        nl.set_link("rtbr0", mtu=10)
+    assert nl.del_address("rtbr0", iface("10.1.0.1/24")) is False
+
+
+def test_addresses_are_marked_and_idempotent(sandbox: Sandbox, nl: links.Netlink) -> None:
+    nl.ensure_bridge("rtbr0")
+    assert nl.add_address("rtbr0", iface("10.77.0.1/16")) is True
+    assert nl.add_address("rtbr0", iface("10.77.0.1/16")) is False  # EEXIST: done
+    assert nl.add_address("rtbr0", iface("fd00:77::1/64")) is True
+    assert addr_protos(sandbox.name, "rtbr0") == {"10.77.0.1/16": 0x52, "fd00:77::1/64": 0x52}
+    live = nl.dump_links()["rtbr0"]
+    assert {a.address for a in live.addresses} == {iface("10.77.0.1/16"), iface("fd00:77::1/64")}
+    assert nl.del_address("rtbr0", iface("10.77.0.1/16")) is True
+    assert nl.del_address("rtbr0", iface("10.77.0.1/16")) is False
+    assert list(addr_protos(sandbox.name, "rtbr0")) == ["fd00:77::1/64"]
+
+
+def test_alloc_build_checked_with_ip(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    name, veth = build_alloc(nl, sandbox, "web", "10.77.0.10/16", "fd00:77::10/64")
+
+    host_end = ip_link(sandbox.name, veth)
+    assert host_end is not None
+    assert host_end["master"] == "rtbr0" and "UP" in host_end["flags"]
+    assert host_end["mtu"] == 1400 and host_end["ifalias"] == "managed-by=reconciler"
+    assert host_end["linkinfo"]["info_slave_data"]["hairpin"] is True
+    assert host_end["inet6_addr_gen_mode"] == "none"  # no link-local on a bridge port
+    assert "link_netnsid" in host_end
+
+    eth0 = ip_link(name, "eth0")
+    assert eth0 is not None
+    assert "UP" in eth0["flags"] and eth0["mtu"] == 1400
+    assert eth0["ifalias"] == "managed-by=reconciler"
+    assert "UP" in ip_link(name, "lo")["flags"]  # type: ignore[index]
+    assert addr_protos(name, "eth0") == {"10.77.0.10/16": 0x52, "fd00:77::10/64": 0x52}
+    routes = {(r["dst"], r.get("gateway"), r.get("protocol"))
+              for r in ip_json(name, "route", "show")}
+    assert ("default", "10.77.0.1", "82") in routes
+    routes6 = {(r["dst"], r.get("gateway"), r.get("protocol"))
+               for r in ip_json(name, "-6", "route", "show")}
+    assert ("default", "fd00:77::1", "82") in routes6
+
+    # the same again changes nothing (ADD must not be repeated blindly: EDGE 9)
+    before = (ip_json(sandbox.name, "link", "show"), ip_json(name, "addr", "show"),
+              ip_json(name, "route", "show"))
+    assert nl.create_veth_into_netns(veth, name, "rtbr0", mtu=1400, hairpin=True) is False
+    nl.configure_inside(name, [iface("10.77.0.10/16"), iface("fd00:77::10/64")], [GW4, GW6],
+                        mtu=1400)
+    after = (ip_json(sandbox.name, "link", "show"), ip_json(name, "addr", "show"),
+             ip_json(name, "route", "show"))
+    assert _stable(before) == _stable(after)
+
+    # what observation reports matches what ip showed
+    obs = nl.observe_netns([name])[name]
+    assert obs.usable and obs.nsid == host_end["link_netnsid"]
+    inside = {lk.name: lk for lk in obs.links}
+    assert inside["eth0"].owned and inside["eth0"].up and inside["lo"].up
+    assert {a.address for a in inside["eth0"].addresses if a.owned} == \
+        {iface("10.77.0.10/16"), iface("fd00:77::10/64")}
+    assert LiveRoute("default", "10.77.0.1", True) in obs.routes
+    assert LiveRoute("default", "fd00:77::1", True) in obs.routes
+    hostside = nl.dump_links()[veth]
+    assert (hostside.master, hostside.hairpin, hostside.owned, hostside.peer_netnsid) == \
+        ("rtbr0", True, True, obs.nsid)
+
+
+def _stable(state: tuple[list[dict[str, Any]], ...]) -> str:
+    """ip's JSON minus what the kernel changes by itself after a while (timers,
+    lifetimes, operstate and DAD flags settling) — not what we configure."""
+    ticking = re.compile(r"(_timer|_life_time)$|^(operstate|tentative|flags)$")
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not ticking.search(k)}
+        if isinstance(value, (list, tuple)):
+            return [strip(v) for v in value]
+        return value
+
+    return json.dumps(strip(state), sort_keys=True)
+
+
+def test_gateway_change_replaces_default_route(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    name, _ = build_alloc(nl, sandbox, "gw", "10.77.0.11/16")
+    nl.replace_default_route("eth0", ipaddress.ip_address("10.77.0.2"), ns=name)
+    defaults = [r for r in ip_json(name, "route", "show") if r["dst"] == "default"]
+    assert [(r["gateway"], r["protocol"]) for r in defaults] == [("10.77.0.2", "82")]
+    assert nl.del_default_route(4, ns=name) is True
+    assert nl.del_default_route(4, ns=name) is False
+    assert not [r for r in ip_json(name, "route", "show") if r["dst"] == "default"]
+
+
+def test_hairpin_toggles(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    _, veth = build_alloc(nl, sandbox, "hp", "10.77.0.12/16", hairpin=False)
+
+    def hairpin() -> bool:
+        return bool(ip_link(sandbox.name, veth)["linkinfo"]["info_slave_data"]["hairpin"])  # type: ignore
+
+    assert hairpin() is False
+    nl.set_hairpin(veth, True)
+    assert hairpin() is True
+    assert nl.dump_links()[veth].hairpin is True
+    nl.set_hairpin(veth, False)
+    assert hairpin() is False
+
+
+def test_namespace_that_already_has_eth0(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    name = sandbox.ns("busy")
+    netns.create(name)
+    sh("ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "other")
+    veth = links.host_veth_name(name)
+    with pytest.raises(DriverError, match="already has a link named eth0"):
+        nl.create_veth_into_netns(veth, name, "rtbr0")
+    assert ip_link(sandbox.name, veth) is None  # no half-made veth
+
+
+def test_host_veth_whose_peer_is_elsewhere(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    name = sandbox.ns("orphan")
+    netns.create(name)
+    veth = links.host_veth_name(name)
+    sh("ip", "-n", sandbox.name, "link", "add", veth, "type", "veth", "peer", "name", "p0")
+    with pytest.raises(DriverError, match="orphan"):
+        nl.create_veth_into_netns(veth, name, "rtbr0")
+    assert nl.delete_link(veth) is True
+    assert ip_link(sandbox.name, veth) is None
+    assert nl.create_veth_into_netns(veth, name, "rtbr0") is True
+
+
+def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink) -> None:
+    bridge(nl)
+    names = [build_alloc(nl, sandbox, f"m{i}", f"10.77.1.{i + 1}/16")[0] for i in range(12)]
+    obs = nl.observe_netns(names)
+    assert set(obs) == set(names)
+    for i, name in enumerate(names):
+        eth0 = {lk.name: lk for lk in obs[name].links}["eth0"]
+        assert [str(a.address) for a in eth0.addresses] == [f"10.77.1.{i + 1}/16"]
+        # same view without entering: dumps through the target nsid from the host socket
+        via_nsid = links.assemble_links(nl.link_messages(nsid=obs[name].nsid),
+                                        nl.addr_messages(nsid=obs[name].nsid))
+        assert {lk.name: lk.addresses for lk in via_nsid} == \
+            {lk.name: lk.addresses for lk in obs[name].links}
+
+    # deleted behind our back: the cached socket must not keep it (and its veth) alive
+    gone = names.pop()
+    sh("ip", "netns", "del", gone)
+    obs = nl.observe_netns(names + [gone])
+    assert gone not in obs
+    wait_until(lambda: ip_link(sandbox.name, links.host_veth_name(gone)) is None,
+               what="the veth of a deleted namespace to disappear")
+
+    # re-created under the same name: observed afresh, not through the stale socket
+    netns.create(gone)
+    assert {lk.name for lk in nl.observe_netns([gone])[gone].links} == {"lo"}
+
+    for name in names + [gone]:
+        assert nl.delete_netns(name) is True
+    wait_until(lambda: not [lk for lk in ip_json(sandbox.name, "link", "show")
+                            if lk["ifname"].startswith("vr")],
+               what="all allocation veths to disappear")
+
+
+def test_nsid_helpers(sandbox: Sandbox, nl: links.Netlink) -> None:
+    name = sandbox.ns("id")
+    netns.create(name)
+    assert nl.get_nsid(name) is None  # no veth across yet: nothing assigned
+    nsid = nl.assign_nsid(name)
+    assert nsid >= 0 and nl.get_nsid(name) == nsid == nl.assign_nsid(name)
+    listed = sh("ip", "-n", sandbox.name, "netns", "list-id").stdout
+    assert f"nsid {nsid} " in listed + " "
