@@ -912,7 +912,8 @@ class Netlink:
         ``ipv6_link_local=False`` turns off IPv6 address generation on
         ``ifname`` before it comes up: for IPv4-only allocations this avoids
         DAD/RS/MLD multicast that the bridge floods to every other allocation
-        (build time at 500 allocations about -25%).
+        (measured: ~5% faster builds at 500 allocations once host ends have no
+        link-local; kept on by default because users may expect fe80:: inside).
 
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
