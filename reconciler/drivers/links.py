@@ -571,6 +571,23 @@ class Netlink:
             raise DriverError(f"network namespace {name}: kernel assigned no nsid")
         return nsid
 
+    def netns_ids(self, names: Iterable[str]) -> dict[str, int]:
+        """nsid of each named namespace that has one (no socket kept, nothing assigned).
+
+        Owned host veths report their peer's namespace as ``peer_netnsid``;
+        this maps those back to names without opening sockets into namespaces
+        that may not be ours (a cached socket keeps a namespace alive).
+        """
+        out: dict[str, int] = {}
+        for name in names:
+            try:
+                nsid = self.get_nsid(name)
+            except DriverError:
+                continue
+            if nsid is not None:
+                out[name] = nsid
+        return out
+
     # -- observation ------------------------------------------------------------------
 
     def link_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:

@@ -415,3 +415,9 @@ def test_nsid_helpers(sandbox: Sandbox, nl: links.Netlink) -> None:
     assert nsid >= 0 and nl.get_nsid(name) == nsid == nl.assign_nsid(name)
     listed = sh("ip", "-n", sandbox.name, "netns", "list-id").stdout
     assert f"nsid {nsid} " in listed + " "
+    other = sandbox.ns("noid")
+    netns.create(other)
+    with open(f"/run/netns/{sandbox.ns('empty')}", "w"):
+        pass
+    assert nl.netns_ids([name, other, sandbox.ns("empty"), sandbox.ns("missing")]) == \
+        {name: nsid}
