@@ -66,6 +66,10 @@ class TemporaryError(DriverError):
         self.delay = delay
 
 
+class PlanError(ReconcilerError):
+    """The desired state cannot be realised on this host (e.g. a range is exhausted)."""
+
+
 class StalePlanError(ReconcilerError):
     """A saved plan no longer matches the live state it was computed from."""
 

@@ -17,8 +17,10 @@ from reconciler.errors import DriverError
 from reconciler.plan import Op
 
 Handler = Callable[[dict[str, Any]], None]
-#: further kinds add their ops here (op name -> factory taking the HostOps)
-EXTRA_OPS: dict[str, Callable[[HostOps], Handler]] = {}
+
+
+def _ifaces(values: list[str]) -> list[Any]:
+    return [ipaddress.ip_interface(v) for v in values]
 
 
 class HostOps:
@@ -28,16 +30,27 @@ class HostOps:
         self.handlers: dict[str, Handler] = {
             "link.add_bridge": self._add_bridge,
             "link.set": self._set_link,
-            "link.delete": lambda a: self.netlink.delete_link(a["name"]),
+            "link.delete": lambda a: self.netlink.delete_link(a["name"], a.get("netns")),
+            "link.set_hairpin": lambda a: self.netlink.set_hairpin(a["name"], a["on"]),
             "addr.add": lambda a: self.netlink.add_address(
-                a["link"], ipaddress.ip_interface(a["address"])),
+                a["link"], ipaddress.ip_interface(a["address"]), ns=a.get("netns")),
             "addr.del": lambda a: self.netlink.del_address(
-                a["link"], ipaddress.ip_interface(a["address"])),
+                a["link"], ipaddress.ip_interface(a["address"]), ns=a.get("netns")),
+            "route.del_default": lambda a: self.netlink.del_default_route(
+                a["version"], ns=a["netns"]),
+            "netns.create": lambda a: self.netlink.create_netns(
+                a["name"], replace_stale=a.get("replace_stale", False), mark=a.get("mark")),
+            "netns.delete": lambda a: self.netlink.delete_netns(a["name"]),
+            "alloc.attach": lambda a: self.netlink.create_veth_into_netns(
+                a["veth"], a["netns"], a["bridge"], a.get("mtu"), a["hairpin"]),
+            "alloc.configure": lambda a: self.netlink.configure_inside(
+                a["netns"], _ifaces(a["addresses"]),
+                [ipaddress.ip_address(g) for g in a["gateways"]], mtu=a.get("mtu"),
+                ipv6_link_local=a.get("ipv6", False), mark=a.get("mark")),
             "sysctl.set": lambda a: sysctl.write(a["key"], a["value"]),
             "firewall.restore": lambda a: self.iptables(a["family"]).restore(a["script"]),
         }
-        for name, factory in EXTRA_OPS.items():
-            self.handlers[name] = factory(self)
+        self.handlers.update(self._docker_handlers())
 
     @property
     def netlink(self) -> Any:
@@ -61,9 +74,16 @@ class HostOps:
             kwargs["mtu"] = a["mtu"]
         if "up" in a:
             kwargs["up"] = a["up"]
+        if "master" in a:
+            kwargs["master"] = a["master"]
+        if "netns" in a:
+            kwargs["ns"] = a["netns"]
         if a.get("owned"):
             kwargs["alias"] = ownership.LINK_ALIAS
         self.netlink.set_link(a["name"], **kwargs)
+
+    def _docker_handlers(self) -> dict[str, Handler]:
+        return {}
 
     def run(self, op: Op) -> None:
         handler = self.handlers.get(op.name)

@@ -93,10 +93,15 @@ class LiveDocker:
     error: str | None = None
     default_mtu: int | None = None
     networks: tuple[LiveDockerNetwork, ...] = ()
+    #: which reconciler instance we are, for the scope label of the networks we create:
+    #: "host", or the network namespace a sandbox run acts on
+    scope: str = "host"
 
 
 @dataclass(frozen=True)
 class LiveState:
+    #: identity of the host: inode of the network namespace the reconciler acts on
+    host_id: str = ""
     links: dict[str, LiveLink] = field(default_factory=dict)
     firewall4: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
     firewall6: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))

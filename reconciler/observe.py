@@ -1,25 +1,46 @@
-"""Observation: read the live state through drivers into one ``LiveState`` value.
-
-Read-only. Further kinds (alloc namespaces, Docker) add observers to ``EXTRA``.
-"""
+"""Observation: read the live state through drivers into one ``LiveState`` value. Read-only."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
 from typing import Any
 
-from reconciler.drivers import sysctl
+from reconciler.drivers import netns, sysctl
 from reconciler.hostops import HostOps
-from reconciler.live import LiveState
+from reconciler.live import LiveDocker, LiveNetns, LiveState
 from reconciler.model import DesiredState
+from reconciler.ownership import alloc_ns_alias
 
 #: sysctls every plan may need to compare
 SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
+_PROC_NET = (("tcp", "/proc/net/tcp", "0A"), ("tcp", "/proc/net/tcp6", "0A"),
+             ("udp", "/proc/net/udp", "07"), ("udp", "/proc/net/udp6", "07"))
 
-ExtraObserver = Callable[["Observer", DesiredState, dict[str, Any]], None]
-#: fn(observer, desired, fields) fills LiveState fields (e.g. "netns", "docker")
-EXTRA: list[ExtraObserver] = []
+
+def parse_proc_net(text: str, listen_state: str) -> set[tuple[str, int]]:
+    """(local address, port) of sockets in ``listen_state`` from /proc/net/{tcp,udp}[6] (pure)."""
+    out = set()
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 4 or parts[3] != listen_state:
+            continue
+        addr, _, port = parts[1].rpartition(":")
+        out.add((addr, int(port, 16)))
+    return out
+
+
+def listening_ports() -> frozenset[tuple[str, int]]:
+    """(proto, port) of every listening TCP socket and bound UDP socket in this namespace."""
+    found: set[tuple[str, int]] = set()
+    for proto, path, state in _PROC_NET:
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        found |= {(proto, port) for _addr, port in parse_proc_net(text, state)}
+    return frozenset(found)
 
 
 class Observer:
@@ -28,15 +49,37 @@ class Observer:
     def __init__(self, ops: HostOps | None = None) -> None:
         self.ops = ops or HostOps()
 
-    def observe(self, desired: DesiredState, *, extra_sysctls: tuple[str, ...] = ()) -> LiveState:
+    def observe(self, desired: DesiredState) -> LiveState:
         links = self.ops.netlink.dump_links()
+        extra_sysctls = tuple(f"net/ipv4/conf/{b}/route_localnet" for b in desired.bridges)
+        host_id = str(os.stat("/proc/thread-self/ns/net").st_ino)
         fields: dict[str, Any] = {
+            "host_id": host_id,
             "links": links,
             "firewall4": self.ops.iptables(4).observe(),
             "firewall6": self.ops.iptables(6).observe(),
             "sysctls": {k: v for k in (*SYSCTL_KEYS, *extra_sysctls)
                         if (v := sysctl.read(k)) is not None},
+            "netns": self._observe_allocs(desired, host_id),
+            "listening": listening_ports() if desired.allocs else frozenset(),
+            "docker": self._observe_docker(desired),
         }
-        for fn in EXTRA:
-            fn(self, desired, fields)
         return dataclasses.replace(LiveState(), **fields)
+
+    def _observe_allocs(self, desired: DesiredState,
+                        host_id: str) -> dict[str, LiveNetns]:
+        """Desired allocation namespaces, plus undeclared ones that carry this host's mark."""
+        names = set(netns.list_names())
+        wanted = names & set(desired.allocs)
+        mark = alloc_ns_alias(host_id)
+        for name in sorted(names - wanted):
+            if not netns.is_namespace_mount(name):
+                continue  # an empty file nobody declares: not provably ours, left alone
+            if self.ops.netlink.peek_lo_alias(name) == mark:
+                wanted.add(name)  # ours, undeclared: to be pruned
+        if not wanted:
+            return {}
+        return dict(self.ops.netlink.observe_netns(sorted(wanted)))
+
+    def _observe_docker(self, desired: DesiredState) -> LiveDocker | None:
+        return None

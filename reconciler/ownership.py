@@ -27,3 +27,28 @@ RULE_COMMENT = "reconciler"
 
 def is_owned_alias(alias: str | None) -> bool:
     return alias == LINK_ALIAS
+
+
+def alloc_veth_name(alloc_id: str) -> str:
+    """Host-side veth name of an allocation: ``vr`` + 12 hex of sha1(id) (14 < IFNAMSIZ).
+
+    Deterministic, so a restarted reconciler finds its veths again; 48 bits of
+    hash make a collision among thousands of allocations negligible.
+    """
+    import hashlib
+
+    return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
+
+
+def alloc_ns_alias(host_id: str) -> str:
+    """Alias of ``lo`` inside an allocation namespace, set before the namespace is mounted.
+
+    It names the host (the inode of the network namespace the reconciler acts
+    on) so two reconcilers on one machine — the host and a ``--netns``
+    sandbox — never take each other's allocations for their own.
+    """
+    return f"{LINK_ALIAS} alloc-of={host_id}"
+
+
+#: name of the allocation's interface inside its namespace
+ALLOC_IFNAME = "eth0"

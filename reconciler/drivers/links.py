@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import ipaddress
 import os
 import resource
@@ -131,13 +130,7 @@ _RECV_SIZE = 1 << 16
 _TEMPORARY = {errno.EBUSY, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
 
 
-def host_veth_name(alloc_id: str) -> str:
-    """Host-side veth name of an allocation: ``vr`` + 12 hex of sha1(id) (14 < IFNAMSIZ).
-
-    Deterministic, so a restarted reconciler finds its veths again; 48 bits of
-    hash make a collision among thousands of allocations negligible.
-    """
-    return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
+host_veth_name = ownership.alloc_veth_name
 
 
 # --- wire format --------------------------------------------------------------------
@@ -688,6 +681,27 @@ class Netlink:
             raise
         return parse_link(NlMsg.decode(replies[0]), {}) if replies else None
 
+    def peek_lo_alias(self, name: str) -> str | None:
+        """The alias of ``lo`` inside namespace ``name``, without caching a socket there.
+
+        Cheap enough to ask of every namespace under /run/netns: it tells our
+        allocation namespaces from everyone else's without holding theirs open.
+        """
+        try:
+            with netns.enter(name):
+                sock = _Socket()
+        except (OSError, DriverError):
+            return None
+        try:
+            replies = sock.request(RTM_GETLINK, 0, _ifinfo(index=1)
+                                   + _u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS),
+                                   f"link lo in namespace {name}: look up")
+        except DriverError:
+            return None
+        finally:
+            sock.close()
+        return parse_link(NlMsg.decode(replies[0]), {}).alias if replies else None
+
     def _index(self, name: str, ns: str | None) -> int:
         index = self.link_index(name, ns)
         if index is None:
@@ -907,11 +921,28 @@ class Netlink:
 
     # -- allocation namespaces --------------------------------------------------------
 
-    def create_netns(self, name: str, *, replace_stale: bool = False) -> bool:
-        """``ip netns add`` in-process (see :func:`netns.create`)."""
+    def create_netns(self, name: str, *, replace_stale: bool = False,
+                     mark: str | None = None) -> bool:
+        """``ip netns add`` in-process (see :func:`netns.create`).
+
+        With ``mark``, ``lo`` inside is brought up and given that alias before the
+        namespace is mounted, so an allocation namespace is never visible unmarked.
+        """
         if replace_stale:
             self.forget_netns(name)
-        return netns.create(name, replace_stale=replace_stale)
+
+        def init() -> None:
+            sock = _Socket()
+            try:
+                sock.request(RTM_NEWLINK, 0,
+                             _ifinfo(index=1, flags=IFF_UP, change=IFF_UP)
+                             + _attr(IFLA_IFALIAS, (mark or "").encode()),
+                             f"link lo in namespace {name}: mark")
+            finally:
+                sock.close()
+
+        return netns.create(name, replace_stale=replace_stale,
+                            init=init if mark is not None else None)
 
     def delete_netns(self, name: str) -> bool:
         """Drop our cached socket into ``name``, then ``ip netns del`` it."""
@@ -921,7 +952,7 @@ class Netlink:
     def configure_inside(self, netns_name: str, addrs: Sequence[IPInterface],
                          gateways: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address],
                          *, ifname: str = "eth0", mtu: int | None = None,
-                         ipv6_link_local: bool = True) -> None:
+                         ipv6_link_local: bool = True, mark: str | None = None) -> None:
         """Inside an allocation namespace: ``lo`` up, ``ifname`` up (MTU, ownership alias),
         owned addresses, default route(s) via the gateway(s) with our route proto.
         Idempotent.
@@ -937,8 +968,10 @@ class Netlink:
         """
         sock = self._entry(netns_name).sock
         where = f" in namespace {netns_name}"
-        sock.request(RTM_NEWLINK, 0, _ifinfo(index=1, flags=IFF_UP, change=IFF_UP),
-                     f"link lo{where}: set up")
+        lo = _ifinfo(index=1, flags=IFF_UP, change=IFF_UP)
+        if mark is not None:
+            lo += _attr(IFLA_IFALIAS, mark.encode())
+        sock.request(RTM_NEWLINK, 0, lo, f"link lo{where}: set up")
         body = (_ifinfo(flags=IFF_UP, change=IFF_UP) + _str(IFLA_IFNAME, ifname)
                 + _attr(IFLA_IFALIAS, ownership.LINK_ALIAS.encode()))
         if mtu is not None:

@@ -19,7 +19,7 @@ import errno
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from reconciler.errors import DriverError, PreconditionError
 
@@ -284,13 +284,18 @@ def _ensure_rundir() -> None:
         _rundir_ready = True
 
 
-def create(name: str, *, replace_stale: bool = False) -> bool:
+def create(name: str, *, replace_stale: bool = False,
+           init: Callable[[], None] | None = None) -> bool:
     """``ip netns add NAME`` in-process. Returns False if it already existed.
 
     An existing live namespace is success (concurrent creators, EDGE 4). An
     existing *empty* file (EDGE 10) raises unless ``replace_stale``, which
     deletes it and creates a fresh namespace. Refuses (PreconditionError) in a
     private mount namespace. Only the calling thread is switched, and back.
+
+    ``init`` runs inside the new namespace before it is mounted, so whatever it
+    marks (our ownership alias) is there before anyone can see the namespace:
+    a crash leaves either no namespace or a marked one.
     """
     path = path_of(name)
     _ensure_rundir()
@@ -301,12 +306,12 @@ def create(name: str, *, replace_stale: bool = False) -> bool:
             if is_namespace_mount(path):
                 return False
         except FileNotFoundError:  # deleted meanwhile: try once more
-            return create(name, replace_stale=replace_stale)
+            return create(name, replace_stale=replace_stale, init=init)
         if not replace_stale:
             raise DriverError(f"network namespace {name}: {path} exists but is not a namespace "
                               "(empty file)") from None
         delete(name)
-        return create(name)
+        return create(name, init=init)
     except OSError as e:
         raise DriverError(f"network namespace {name}: cannot create {path}: {e.strerror}") \
             from None
@@ -317,11 +322,16 @@ def create(name: str, *, replace_stale: bool = False) -> bool:
             _unlink_quiet(path)
             raise DriverError(f"network namespace {name}: {err.strerror}")
         try:
+            if init is not None:
+                init()
             _mount("/proc/thread-self/ns/net", path, MS_BIND)
         except OSError as e:
             _unlink_quiet(path)
             raise DriverError(f"network namespace {name}: bind mount failed: {e.strerror}") \
                 from None
+        except BaseException:
+            _unlink_quiet(path)
+            raise
         finally:
             _setns(home)  # the new namespace lives on through the mount
     finally:

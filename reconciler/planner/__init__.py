@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from reconciler.live import LiveState
 from reconciler.model import KIND_ORDER, DesiredState
 from reconciler.ownership import CHAIN_PREFIX
 from reconciler.plan import Action, Change, Op, Plan, fingerprint
-from reconciler.planner import firewall, hostlinks
+from reconciler.errors import PlanError
+from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
-__all__ = ["PlanOptions", "make_plan", "register"]
-
-#: Further kinds plug in here: fn(ctx) -> changes (create/update/noop/conflict and deletes).
-KindPlanner = Callable[[PlanContext], list[Change]]
-_EXTRA: list[tuple[str, KindPlanner]] = []
-
-
-def register(kind: str, fn: KindPlanner) -> None:
-    """Add the planner of a further kind (allocs, docker networks)."""
-    if all(k != kind for k, _ in _EXTRA):
-        _EXTRA.append((kind, fn))
+__all__ = ["PlanOptions", "make_plan"]
 
 
 def _sysctl_changes(ctx: PlanContext) -> list[Change]:
@@ -53,8 +42,11 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
                       for n in sorted(desired.bridges)]
     bridge_changes += hostlinks.plan_pruned_bridges(ctx)
     changes += bridge_changes + subnet_changes
-    for _kind, fn in _EXTRA:
-        changes += fn(ctx)
+    changes += allocs.plan_allocs(ctx)
+    changes = hostlinks.annotate_rules(ctx, changes)
+    changes += docker.plan_docker_networks(ctx)
+    if ctx.fatal:
+        raise PlanError("\n".join(ctx.fatal))
     changes += _sysctl_changes(ctx)
     for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
                                       (6, ctx.rules6, live.firewall6)):

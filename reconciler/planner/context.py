@@ -35,7 +35,11 @@ class PlanContext:
     #: "kind/name" of resources blocked by a conflict (dependants are not planned)
     blocked: set[str] = field(default_factory=set)
     warnings: list[str] = field(default_factory=list)
+    #: resources that could not be planned (e.g. Docker unreachable): the rest still applies,
+    #: the run exits non-zero
     errors: list[str] = field(default_factory=list)
+    #: problems that make the whole plan unusable (address range exhausted, port clash)
+    fatal: list[str] = field(default_factory=list)
 
     def adopted(self, kind: str, name: str) -> bool:
         return f"{kind}/{name}" in self.options.adopt

@@ -19,15 +19,16 @@ from reconciler.plan import Action, AttrChange, Change, Op
 
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
-PREROUTING = CHAIN_PREFIX + "PREROUTING"
-OUTPUT = CHAIN_PREFIX + "OUTPUT"
+DNAT = CHAIN_PREFIX + "DNAT"
 
-#: owned chain -> (table, built-in chain that jumps to it, match tokens before the jump)
-JUMPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    FORWARD: ("filter", "FORWARD", ()),
-    POSTROUTING: ("nat", "POSTROUTING", ()),
-    PREROUTING: ("nat", "PREROUTING", ("-m", "addrtype", "--dst-type", "LOCAL")),
-    OUTPUT: ("nat", "OUTPUT", ("-m", "addrtype", "--dst-type", "LOCAL")),
+_LOCAL = ("-m", "addrtype", "--dst-type", "LOCAL")
+#: owned chain -> its table and the built-in chains that jump to it (with match tokens):
+#: port maps are DNAT'd for traffic arriving from outside (PREROUTING) and for the host's
+#: own connections, 127.0.0.1 included (OUTPUT), in both cases only to local addresses.
+JUMPS: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
+    FORWARD: ("filter", (("FORWARD", ()),)),
+    POSTROUTING: ("nat", (("POSTROUTING", ()),)),
+    DNAT: ("nat", (("PREROUTING", _LOCAL), ("OUTPUT", _LOCAL))),
 }
 TABLE_ORDER = ("filter", "nat")
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:/=!,+\-]+$")
@@ -37,8 +38,7 @@ def comment(owner_kind: str, owner: str) -> tuple[str, ...]:
     return ("-m", "comment", "--comment", f"{RULE_COMMENT}:{owner_kind}={owner}")
 
 
-def jump_rule(chain: str) -> str:
-    _table, _builtin, match = JUMPS[chain]
+def jump_rule(chain: str, match: tuple[str, ...]) -> str:
     return " ".join((*match, "-m", "comment", "--comment", RULE_COMMENT, "-j", chain))
 
 
@@ -152,9 +152,8 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
                                     f"{len(rules)} rules"))
             bucket(table, 0).append(f":{chain} - [0:0]")
             bucket(table, 1).extend(f"-A {chain} {r}" for r in rules)
-        if chain in JUMPS:
-            _t, builtin, _m = JUMPS[chain]
-            want = jump_rule(chain)
+        for builtin, match in (JUMPS[chain][1] if chain in JUMPS else ()):
+            want = jump_rule(chain, match)
             jumps = [j for j in live_jumps.get((table, builtin), []) if j.split()[-1] == chain]
             if want not in jumps:
                 bucket(table, 2).append(f"-I {builtin} 1 {want}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 from reconciler.live import LiveLink
-from reconciler.model import Bridge, Subnet
+from reconciler.model import Bridge, Subnet, SubnetName
 from reconciler.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -129,7 +129,6 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                 ops.append(Op("addr.del", {"link": s.bridge, "address": str(o)}))
         attrs.append(AttrChange("gateway" if iface.version == 4 else "gateway6", None, w))
         ops.append(Op("addr.add", {"link": s.bridge, "address": w}))
-    rules_missing = [f for f in (4, 6) if _rules_differ(ctx, f, s)]
     exists = managed is not None and (len(wanted) > len(attrs) or
                                       any(_rules_of(ctx, f, f"subnet={s.name}") for f in (4, 6)))
     if not exists:
@@ -140,8 +139,6 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                   AttrChange("masquerade", None, s.masquerade)]
         return Change("subnet", s.name, Action.CREATE, "not present", tuple(attrs),
                       tuple(ops), src)
-    if rules_missing:
-        attrs.append(AttrChange("firewall rules", "differ", "as declared"))
     if not attrs:
         return Change("subnet", s.name, Action.NOOP, source=src)
     reason = ", ".join(a.field for a in attrs) + " missing or different"
@@ -159,6 +156,25 @@ def _rules_differ(ctx: PlanContext, family: int, s: Subnet) -> bool:
     want = sorted(f"{chain} {r}" for chain, rules in rs.chains.items() for r in rules
                   if firewall.owner_of(r) == f"subnet={s.name}")
     return want != sorted(_rules_of(ctx, family, f"subnet={s.name}"))
+
+
+def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
+    """Say on each unchanged subnet whose rules differ that they do (once all rules are known).
+
+    The firewall change does the work; this tells the reader which subnet it is for.
+    """
+    out = []
+    for c in changes:
+        s = ctx.desired.subnets.get(SubnetName(c.name)) if c.kind == "subnet" else None
+        if s is not None and c.action is Action.NOOP and f"subnet/{s.name}" not in ctx.blocked:
+            families = [f"ipv{f}" for f in (4, 6) if _rules_differ(ctx, f, s)]
+            if families:
+                c = Change("subnet", s.name, Action.UPDATE,
+                           f"firewall rules missing or different ({', '.join(families)})",
+                           (AttrChange("firewall rules", "differ", "as declared"),),
+                           source=c.source)
+        out.append(c)
+    return out
 
 
 def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:

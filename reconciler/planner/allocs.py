@@ -1,0 +1,389 @@
+"""Planning of allocations: namespaces, veths, addresses, routes and port maps (pure).
+
+IPAM is derived from live state, not from a side file: an allocation keeps the
+(owned) address its ``eth0`` already has while that address is still valid;
+new allocations take the lowest free address of the range. Automatic host
+ports are kept the same way, from the live DNAT rules of the allocation.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from reconciler.live import LiveLink, LiveNetns
+from reconciler.model import Alloc, Subnet, SubnetName
+from reconciler.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
+from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.planner import firewall
+from reconciler.planner.context import PlanContext
+
+IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One (alloc, protocol) port map with its host port decided."""
+
+    proto: str
+    host: int
+    to: int
+    host_ip: IPAddr | None
+
+
+# ------------------------------------------------------------------ live helpers
+
+
+def _owned_ns(ctx: PlanContext, ns: LiveNetns | None) -> bool:
+    """An allocation namespace of this host: its ``lo`` carries our mark."""
+    if ns is None or not ns.usable:
+        return False
+    lo = _inner(ns, "lo")
+    return lo is not None and lo.alias == alloc_ns_alias(ctx.live.host_id)
+
+
+def _inner(ns: LiveNetns | None, name: str) -> LiveLink | None:
+    if ns is None:
+        return None
+    return next((lk for lk in ns.links if lk.name == name), None)
+
+
+def _live_addr(ctx: PlanContext, aid: str, version: int) -> IPAddr | None:
+    ns = ctx.live.netns.get(aid)
+    if not _owned_ns(ctx, ns):
+        return None
+    eth0 = _inner(ns, ALLOC_IFNAME)
+    for a in (eth0.addresses if eth0 else ()):
+        if a.owned and a.address.version == version:
+            return a.address.ip
+    return None
+
+
+# ------------------------------------------------------------------ IPAM
+
+
+def _bounds(s: Subnet, version: int) -> tuple[int, int]:
+    if version == 4:
+        if s.range is not None:
+            return int(s.range.start), int(s.range.end)
+        return int(s.cidr.network_address) + 1, int(s.cidr.broadcast_address) - 1
+    assert s.cidr6 is not None
+    return int(s.cidr6.network_address) + 1, int(s.cidr6.broadcast_address)
+
+
+def _assign(ctx: PlanContext, s: Subnet, members: list[Alloc], version: int) -> dict[str, IPAddr]:
+    """Declared addresses, then kept live ones, then the lowest free ones, in id order."""
+    make = ipaddress.IPv4Address if version == 4 else ipaddress.IPv6Address
+    gateway = s.gateway if version == 4 else s.gateway6
+    lo, hi = _bounds(s, version)
+    taken: set[int] = {int(gateway)} if gateway is not None else set()
+    out: dict[str, IPAddr] = {}
+    for a in members:
+        declared = a.address if version == 4 else a.address6
+        if declared is not None:
+            out[a.id] = declared
+            taken.add(int(declared))
+    for a in members:
+        if a.id in out:
+            continue
+        cur = _live_addr(ctx, a.id, version)
+        if cur is not None and lo <= int(cur) <= hi and int(cur) not in taken:
+            out[a.id] = cur
+            taken.add(int(cur))
+    cursor = lo
+    for a in members:
+        if a.id in out:
+            continue
+        while cursor <= hi and cursor in taken:
+            cursor += 1
+        if cursor > hi:
+            ctx.fatal.append(
+                f"alloc {a.id!r} ({a.source}): subnet {s.name!r} has no free IPv{version} "
+                f"address left in {make(lo)}-{make(hi)} ({len(members)} allocations)")
+            break
+        out[a.id] = make(cursor)
+        taken.add(cursor)
+    return out
+
+
+def assign_addresses(ctx: PlanContext) -> dict[str, tuple[IPAddr | None, IPAddr | None]]:
+    result: dict[str, tuple[IPAddr | None, IPAddr | None]] = {}
+    by_subnet: dict[SubnetName, list[Alloc]] = {}
+    for aid in sorted(ctx.desired.allocs):
+        a = ctx.desired.allocs[aid]
+        by_subnet.setdefault(a.subnet, []).append(a)
+    for sname, members in sorted(by_subnet.items()):
+        s = ctx.desired.subnets[sname]  # the loader checked the reference
+        v4 = _assign(ctx, s, members, 4)
+        v6 = _assign(ctx, s, members, 6) if s.cidr6 is not None else {}
+        for a in members:
+            result[a.id] = (v4.get(a.id), v6.get(a.id))
+    return result
+
+
+# ------------------------------------------------------------------ host ports
+
+
+def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
+    """Live DNAT rules per alloc id, from their comments (IPv4 table)."""
+    out: dict[str, list[Mapped]] = {}
+    rules = ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ())
+    for r in rules:
+        owner = firewall.owner_of(r)
+        if not owner or not owner.startswith("alloc="):
+            continue
+        t = r.split()
+        try:
+            proto = t[t.index("-p") + 1]
+            dport = int(t[t.index("--dport") + 1])
+            to = int(t[t.index("--to-destination") + 1].rsplit(":", 1)[1])
+            host_ip = ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0]) \
+                if "-d" in t else None
+        except (ValueError, IndexError):
+            continue
+        out.setdefault(owner.split("=", 1)[1], []).append(Mapped(proto, dport, to, host_ip))
+    return out
+
+
+def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
+    """Host port of every port map; ``auto`` ports are kept from live rules when possible."""
+    allocs = [ctx.desired.allocs[a] for a in sorted(ctx.desired.allocs)]
+    lo, hi = ctx.desired.settings.auto_port_range
+    used: set[tuple[str, int]] = set()
+    for a in allocs:
+        for p in a.ports:
+            if p.host is not None:
+                used |= {(proto, p.host) for proto in p.protocols}
+                for proto in p.protocols:
+                    if (proto, p.host) in ctx.live.listening:
+                        ctx.fatal.append(
+                            f"alloc {a.id!r} ({a.source}): host port {p.host}/{proto} is already "
+                            "in use on this host (a socket is bound to it)")
+    busy = used | set(ctx.live.listening)
+    live = _live_dnat(ctx)
+    chosen: dict[tuple[str, int], int] = {}
+    for a in allocs:  # pass 1: keep live auto ports
+        for i, p in enumerate(a.ports):
+            if p.host is not None:
+                continue
+            for m in live.get(a.id, ()):
+                ports = {(proto, m.host) for proto in p.protocols}
+                if (m.proto == p.protocols[0] and m.to == p.to and lo <= m.host <= hi
+                        and m.host_ip == p.host_ip and not ports & busy):
+                    chosen[(a.id, i)] = m.host
+                    busy |= ports
+                    break
+    cursor = lo
+    out: dict[str, list[Mapped]] = {}
+    for a in allocs:  # pass 2: lowest free port for the rest
+        maps: list[Mapped] = []
+        for i, p in enumerate(a.ports):
+            host = p.host if p.host is not None else chosen.get((a.id, i))
+            if host is None:
+                while cursor <= hi and any((proto, cursor) in busy for proto in p.protocols):
+                    cursor += 1
+                if cursor > hi:
+                    ctx.fatal.append(f"alloc {a.id!r} ({a.source}): no free host port left in "
+                                     f"the auto range {lo}-{hi}")
+                    break
+                host = cursor
+                busy |= {(proto, cursor) for proto in p.protocols}
+            maps += [Mapped(proto, host, p.to, p.host_ip) for proto in p.protocols]
+        out[a.id] = maps
+    return out
+
+
+# ------------------------------------------------------------------ rules
+
+
+def alloc_rules(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
+                maps: Iterable[Mapped]) -> None:
+    """DNAT from the host ports to the allocation (host, other hosts, localhost)."""
+    c = firewall.comment("alloc", a.id)
+    for m in maps:
+        for rs, addr in ((ctx.rules4, addrs[0]), (ctx.rules6, addrs[1])):
+            if addr is None or (m.host_ip is not None and m.host_ip.version != addr.version):
+                continue
+            dest = f"{addr}:{m.to}" if addr.version == 4 else f"[{addr}]:{m.to}"
+            match = ("-d", f"{m.host_ip}/{m.host_ip.max_prefixlen}") if m.host_ip else ()
+            rs.add(firewall.DNAT, (*match, "-p", m.proto, "-m", m.proto, "--dport", str(m.host),
+                                   *c, "-j", "DNAT", "--to-destination", dest))
+
+
+def subnet_port_rules(ctx: PlanContext, s: Subnet) -> None:
+    """Hairpin and localhost port maps need SNAT back through the host (portmap's snat)."""
+    c = firewall.comment("subnet", s.name)
+    ctx.rules4.add(firewall.POSTROUTING, ("-s", str(s.cidr), "-d", str(s.cidr), "-o", s.bridge,
+                                          "-m", "conntrack", "--ctstate", "DNAT", *c,
+                                          "-j", "MASQUERADE"))
+    ctx.rules4.add(firewall.POSTROUTING, ("-s", "127.0.0.0/8", "-o", s.bridge, *c,
+                                          "-j", "MASQUERADE"))
+    if s.cidr6 is not None:
+        ctx.rules6.add(firewall.POSTROUTING, ("-s", str(s.cidr6), "-d", str(s.cidr6), "-o",
+                                              s.bridge, "-m", "conntrack", "--ctstate", "DNAT",
+                                              *c, "-j", "MASQUERADE"))
+    # 127.0.0.1 -> alloc: the kernel drops loopback sources leaving a real interface otherwise
+    ctx.sysctls[f"net/ipv4/conf/{s.bridge}/route_localnet"] = "1"
+
+
+# ------------------------------------------------------------------ per alloc
+
+
+def _view(ctx: PlanContext, aid: str) -> object:
+    ns = ctx.live.netns.get(aid)
+    veth = ctx.live.links.get(alloc_veth_name(aid))
+    return {
+        "ns": None if ns is None else {
+            "usable": ns.usable,
+            "links": sorted((lk.name, lk.kind, lk.mtu, lk.up, lk.owned,
+                             tuple(sorted(f"{x.address}{'*' if x.owned else ''}"
+                                          for x in lk.addresses))) for lk in ns.links),
+            "routes": sorted((r.dst, r.gateway or "", r.owned) for r in ns.routes)},
+        "veth": None if veth is None else (veth.master, veth.mtu, veth.up, veth.hairpin,
+                                           veth.owned),
+        "rules": sorted(r for (_t, _c), rules in ctx.live.firewall4.chains.items()
+                        for r in rules if firewall.owner_of(r) == f"alloc={aid}"),
+    }
+
+
+def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
+               maps: list[Mapped]) -> Change:
+    s = ctx.desired.subnets[a.subnet]
+    b = ctx.desired.bridges[s.bridge]
+    src = str(a.source)
+    ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
+    if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
+        return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
+    veth_name = alloc_veth_name(a.id)
+    v4, v6 = addrs
+    want = [f"{v4}/{s.cidr.prefixlen}"]
+    gateways = [str(s.gateway)]
+    if v6 is not None and s.cidr6 is not None:
+        want.append(f"{v6}/{s.cidr6.prefixlen}")
+        gateways.append(str(s.gateway6))
+    attach = Op("alloc.attach", {"netns": a.id, "veth": veth_name, "bridge": b.name,
+                                 "mtu": b.mtu, "hairpin": b.hairpin})
+    mark = alloc_ns_alias(ctx.live.host_id)
+    configure = Op("alloc.configure", {"netns": a.id, "addresses": want, "gateways": gateways,
+                                       "mtu": b.mtu, "ipv6": v6 is not None, "mark": mark})
+    ports = sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
+                   for m in maps)
+    ns = ctx.live.netns.get(a.id)
+    veth = ctx.live.links.get(veth_name)
+    stale_veth = [Op("link.delete", {"name": veth_name})] if veth is not None else []
+
+    if ns is None or not ns.usable:
+        attrs = (AttrChange("subnet", None, s.name), AttrChange("address", None, want[0]),
+                 *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
+                 *((AttrChange("ports", None, ports),) if ports else ()))
+        create = Op("netns.create", {"name": a.id, "replace_stale": ns is not None,
+                                     "mark": mark})
+        if ns is not None:
+            return Change("alloc", a.id, Action.REPLACE,
+                          f"/run/netns/{a.id} exists but is not a live namespace",
+                          attrs, (*stale_veth, create, attach, configure), src)
+        reason = "not present" if veth is None else "namespace missing (veth left behind)"
+        return Change("alloc", a.id, Action.CREATE, reason, attrs,
+                      (*stale_veth, create, attach, configure), src)
+    if not _owned_ns(ctx, ns) and not ctx.adopted("alloc", a.id):
+        ctx.blocked.add(f"alloc/{a.id}")
+        return Change("alloc", a.id, Action.CONFLICT,
+                      f"network namespace {a.id} exists but was not created by the reconciler "
+                      f"(--adopt alloc/{a.id} takes it over)", source=src)
+
+    attrs_l: list[AttrChange] = []
+    ops: list[Op] = []
+    eth0 = _inner(ns, ALLOC_IFNAME)
+    peer_ok = (veth is not None and eth0 is not None and eth0.kind == "veth"
+               and veth.kind == "veth" and (ns.nsid is None or veth.peer_netnsid in
+                                            (None, ns.nsid)))
+    if not peer_ok:
+        attrs_l.append(AttrChange("veth", "missing" if veth is None or eth0 is None
+                                  else "wrong peer", veth_name))
+        if eth0 is not None:
+            ops.append(Op("link.delete", {"name": ALLOC_IFNAME, "netns": a.id}))
+        ops += stale_veth
+        ops += [attach, configure]
+    else:
+        assert veth is not None and eth0 is not None
+        if veth.master != b.name:
+            attrs_l.append(AttrChange("bridge", veth.master, b.name))
+            ops.append(Op("link.set", {"name": veth_name, "master": b.name}))
+        if veth.hairpin is not None and veth.hairpin != b.hairpin:
+            attrs_l.append(AttrChange("hairpin", veth.hairpin, b.hairpin))
+            ops.append(Op("link.set_hairpin", {"name": veth_name, "on": b.hairpin}))
+        if b.mtu is not None and veth.mtu != b.mtu:
+            attrs_l.append(AttrChange("mtu", veth.mtu, b.mtu))
+            ops.append(Op("link.set", {"name": veth_name, "mtu": b.mtu}))
+        if not veth.up or not veth.owned:
+            attrs_l.append(AttrChange("veth", "down" if not veth.up else "unmarked", "up"))
+            ops.append(Op("link.set", {"name": veth_name, "up": True, "owned": True}))
+        have = {str(x.address) for x in eth0.addresses if x.owned}
+        for stale in sorted(have - set(want)):
+            attrs_l.append(AttrChange("address", stale, None))
+            ops.append(Op("addr.del", {"link": ALLOC_IFNAME, "address": stale, "netns": a.id}))
+        inside_ok = True
+        for w in want:
+            if w not in have:
+                attrs_l.append(AttrChange("address6" if ":" in w else "address", None, w))
+                inside_ok = False
+        for gw in gateways:
+            if not any(r.dst == "default" and r.gateway == gw for r in ns.routes):
+                attrs_l.append(AttrChange("default route", None, f"via {gw}"))
+                inside_ok = False
+        lo = _inner(ns, "lo")
+        if lo is None or not lo.up or lo.alias != mark or not eth0.up or (b.mtu is not None and eth0.mtu != b.mtu):
+            attrs_l.append(AttrChange("links inside", "down or wrong MTU", "up"))
+            inside_ok = False
+        if not inside_ok:
+            ops.append(configure)
+    if not ops:
+        return Change("alloc", a.id, Action.NOOP, source=src)
+    return Change("alloc", a.id, Action.UPDATE,
+                  "changed: " + ", ".join(dict.fromkeys(x.field for x in attrs_l)),
+                  tuple(attrs_l), tuple(ops), src)
+
+
+def plan_pruned(ctx: PlanContext) -> list[Change]:
+    """Owned namespaces no file declares, and owned veths whose namespace is gone."""
+    changes: list[Change] = []
+    veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
+    veth_of.update({alloc_veth_name(a): a for a in ctx.desired.allocs})
+    for name in sorted(ctx.live.netns):
+        ns = ctx.live.netns[name]
+        if name in ctx.desired.allocs or not _owned_ns(ctx, ns):
+            continue
+        ctx.observed[f"alloc/{name}"] = _view(ctx, name)
+        if ctx.options.prune:
+            changes.append(Change("alloc", name, Action.DELETE, "no longer declared", (),
+                                  (Op("netns.delete", {"name": name}),)))
+    for lname, lk in sorted(ctx.live.links.items()):
+        if lk.kind != "veth" or not lk.owned or lname in veth_of:
+            continue
+        # an owned veth whose allocation namespace is gone (kill -9 mid-create, or the
+        # namespace file was removed while something kept the namespace alive)
+        ctx.observed[f"veth/{lname}"] = (lk.master, lk.peer_netnsid)
+        changes.append(Change("veth", lname, Action.DELETE,
+                              "orphan: its allocation namespace is gone", (),
+                              (Op("link.delete", {"name": lname}),)))
+    return changes
+
+
+def plan_allocs(ctx: PlanContext) -> list[Change]:
+    addrs = assign_addresses(ctx)
+    ports = assign_ports(ctx)
+    if ctx.fatal:
+        return []
+    changes = []
+    with_ports: set[SubnetName] = set()
+    for aid in sorted(ctx.desired.allocs):
+        a = ctx.desired.allocs[aid]
+        changes.append(plan_alloc(ctx, a, addrs[aid], ports[aid]))
+        alloc_rules(ctx, a, addrs[aid], ports[aid])
+        if a.ports:
+            with_ports.add(a.subnet)
+    for sname in sorted(with_ports):
+        subnet_port_rules(ctx, ctx.desired.subnets[sname])
+    changes += plan_pruned(ctx)
+    return changes
