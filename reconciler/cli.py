@@ -187,6 +187,43 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _watch_prepare(args: argparse.Namespace) -> None:
+    """Before --netns: bind the status socket where the operator is (loopback of the host)."""
+    from reconciler.status import bind
+
+    args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from reconciler import watch
+    from reconciler.loader import expand_paths
+
+    for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
+        if getattr(args, name) < 0 or (name == "interval" and args.interval <= 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if not args.allow_insecure_config:
+        watch.check_permissions(args.paths)
+    expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
+    watch.configure_logging(args.log_format, args.verbose)
+    options = watch.WatchOptions(
+        paths=tuple(args.paths), plan=_plan_options(args), interval=args.interval,
+        debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
+        hostname=args.hostname, docker_events=not args.no_docker_events)
+    return watch.run(options, getattr(args, "status_socket", None))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from reconciler import status
+
+    doc = status.fetch(args.addr)
+    if args.output == "json":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(status.render(doc))
+    return EXIT_OK if status.healthy_doc(doc) else EXIT_ERROR
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
 
@@ -249,6 +286,36 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("show", help="show the live state of managed objects")
     sp.add_argument("--output", choices=("text", "json"), default="text")
     sp.set_defaults(fn=cmd_show)
+
+    sp = sub.add_parser("watch", help="keep this host converged: follow file changes and drift")
+    common(sp)
+    sp.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
+                    help="full resync period, covers drift no event reports, e.g. iptables "
+                         "(default 60)")
+    sp.add_argument("--debounce", type=float, default=0.5, metavar="SECONDS",
+                    help="wait for file changes to settle, e.g. during git pull (default 0.5)")
+    sp.add_argument("--max-backoff", type=float, default=60.0, metavar="SECONDS",
+                    help="cap of the retry delay after failed passes (default 60)")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer before a pass fails (default 60)")
+    sp.add_argument("--status-addr", default="127.0.0.1:9477", metavar="HOST:PORT",
+                    help="serve /status, /metrics, /healthz here (default 127.0.0.1:9477; "
+                         "'off' disables)")
+    sp.add_argument("--log-format", choices=("text", "json"), default="text")
+    sp.add_argument("--hostname", metavar="NAME",
+                    help="the name matched against files' hosts: patterns (default: this "
+                         "host's name)")
+    sp.add_argument("--allow-insecure-config", action="store_true",
+                    help="watch files or directories writable by group or others")
+    sp.add_argument("--no-docker-events", action="store_true",
+                    help="do not follow Docker events (the interval still heals)")
+    sp.set_defaults(fn=cmd_watch, prepare=_watch_prepare)
+
+    sp = sub.add_parser("status", help="show the status of the running watch agent")
+    sp.add_argument("--addr", default="127.0.0.1:9477", metavar="HOST:PORT",
+                    help="the agent's --status-addr (default 127.0.0.1:9477)")
+    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp.set_defaults(fn=cmd_status, enters_netns=False)
     return p
 
 
@@ -277,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        if args.netns:
+        if getattr(args, "prepare", None):
+            args.prepare(args)
+        if args.netns and getattr(args, "enters_netns", True):
             from reconciler.drivers import netns
 
             netns.enter_process_netns(args.netns)
