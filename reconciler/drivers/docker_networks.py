@@ -2,8 +2,10 @@
 
 Only this module talks to the Docker daemon. It holds three layers:
 
-* pure functions (subnet derivation, error classifiers, inspect-payload
-  parsing, the duplicate order, ``diff_network``) that need no daemon;
+* pure functions (error classifiers, inspect-payload parsing) that need no
+  daemon; the ones the planner shares (subnet derivation, the duplicate
+  order, ``diff_network``) live in ``reconciler.docker_logic`` and are
+  re-exported here;
 * ``DockerDriver``, which observes and changes networks through the SDK's
   low-level API and maps every daemon or connection failure to one clear line
   (``DriverError`` / ``TemporaryError`` / ``ConflictError``);
@@ -19,11 +21,9 @@ re-create networks that carry our ownership label.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import re
-import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
@@ -34,6 +34,18 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from reconciler.docker_logic import (
+    IPV6_FALLBACK_LABEL,
+    OPT_MASQUERADE,
+    OPT_MTU,
+    PROTECTED_NETWORKS,
+    diff_network,
+    sort_duplicates,
+    ula_subnet,
+)
+from reconciler.docker_logic import flag as _flag
+from reconciler.docker_logic import parse_mtu as _parse_mtu
+from reconciler.docker_logic import split_subnets as _networks_of
 from reconciler.errors import ConflictError, DriverError, ReconcilerError, TemporaryError
 from reconciler.live import LiveDocker, LiveDockerNetwork
 from reconciler.model import DockerNetwork
@@ -59,17 +71,6 @@ __all__ = [
     "sort_duplicates",
     "ula_subnet",
 ]
-
-#: Network options kind sets (and that we compare).
-OPT_MASQUERADE = "com.docker.network.bridge.enable_ip_masquerade"
-OPT_MTU = "com.docker.network.driver.mtu"
-
-#: Docker's own networks: read (the MTU of ``bridge``), never changed.
-PROTECTED_NETWORKS = frozenset({"bridge", "host", "none"})
-
-#: Label on a network created IPv4-only because the daemon could not do IPv6
-#: (kind's fallback); ``diff_network`` then accepts it without IPv6.
-IPV6_FALLBACK_LABEL = "io.reconciler.ipv6-unavailable"
 
 #: kind's probing budget: attempt 0 plus four more derived subnets.
 MAX_ATTEMPTS = 5
@@ -115,17 +116,6 @@ class NetworkInspect(TypedDict, total=False):
 # --------------------------------------------------------------------------
 # Pure functions
 # --------------------------------------------------------------------------
-
-def ula_subnet(name: str, attempt: int) -> ipaddress.IPv6Network:
-    """The IPv6 ULA /64 kind derives for network ``name`` on probe ``attempt``.
-
-    sha1 over the name's bytes followed by ``attempt`` as a little-endian
-    int32; bytes 2..7 of the digest follow ``fc00``.
-    """
-    digest = hashlib.sha1(name.encode() + struct.pack("<i", attempt)).digest()
-    raw = b"\xfc\x00" + digest[2:8] + bytes(8)
-    return ipaddress.IPv6Network((raw, 64))
-
 
 def daemon_message(msg: str) -> str:
     """The daemon's explanation, without the CLI's ``Error response from daemon:``.
@@ -197,11 +187,6 @@ def is_ipv4_pool_exhausted(msg: str) -> bool:
     return _IPV4_POOL_EXHAUSTED in daemon_message(msg)
 
 
-def sort_duplicates(networks: Iterable[LiveDockerNetwork]) -> list[LiveDockerNetwork]:
-    """kind's order for networks sharing a name: most containers first, then lowest ID."""
-    return sorted(networks, key=lambda n: (-n.containers, n.id))
-
-
 def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
     """A ``LiveDockerNetwork`` from a network inspect (or list) payload."""
     ipam = attrs.get("IPAM") or {}
@@ -221,16 +206,6 @@ def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
     )
 
 
-def _parse_mtu(value: object) -> int | None:
-    if not isinstance(value, str):
-        return None
-    text = value.strip()
-    if not text.isdigit():
-        return None
-    mtu = int(text)
-    return mtu if mtu > 0 else None
-
-
 def parse_default_mtu(bridge_attrs: Mapping[str, Any]) -> int | None:
     """The MTU option of Docker's default ``bridge`` network, or None.
 
@@ -239,101 +214,6 @@ def parse_default_mtu(bridge_attrs: Mapping[str, Any]) -> int | None:
     """
     options = bridge_attrs.get("Options") or {}
     return _parse_mtu(options.get(OPT_MTU))
-
-
-def _parse_bool(value: str) -> bool | None:
-    # Go's strconv.ParseBool, which the daemon uses for bridge options.
-    if value in ("1", "t", "T", "true", "TRUE", "True"):
-        return True
-    if value in ("0", "f", "F", "false", "FALSE", "False"):
-        return False
-    return None
-
-
-def _networks_of(subnets: Iterable[str]) -> tuple[list[ipaddress.IPv4Network],
-                                                  list[ipaddress.IPv6Network]]:
-    v4: list[ipaddress.IPv4Network] = []
-    v6: list[ipaddress.IPv6Network] = []
-    for text in subnets:
-        try:
-            net = ipaddress.ip_network(text, strict=False)
-        except ValueError:
-            continue
-        if isinstance(net, ipaddress.IPv4Network):
-            v4.append(net)
-        else:
-            v6.append(net)
-    return v4, v6
-
-
-def _show(values: Sequence[object]) -> str:
-    return ",".join(str(v) for v in values) if values else "(none)"
-
-
-def _flag(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
-                 default_mtu: int | None) -> list[tuple[str, str, str, bool]]:
-    """What differs between a declared network and the live one.
-
-    Returns ``(field, live_value, desired_value, replace_needed)`` tuples, only
-    for what the file declares (or what has a default in the file format):
-    a subnet Docker picked is no difference when ``subnet`` is not declared; a
-    derived ULA matches any live /64 with IPv6 on (kind probes other
-    attempts); the MTU is compared only when declared or when Docker's default
-    MTU is known; labels are a subset match. A network we created IPv4-only
-    because the daemon lacked IPv6 (``IPV6_FALLBACK_LABEL``) satisfies
-    ``ipv6: true`` without ``subnet6``, as in kind. Docker cannot change a
-    network in place, so every difference needs a replace.
-    """
-    diffs: list[tuple[str, str, str, bool]] = []
-    live4, live6 = _networks_of(live.subnets)
-
-    if live.driver != "bridge":
-        diffs.append(("driver", live.driver or "(none)", "bridge", True))
-
-    if spec.subnet is not None and spec.subnet not in live4:
-        diffs.append(("subnet", _show(live4), str(spec.subnet), True))
-
-    want_v6 = spec.ipv6 or spec.subnet6 is not None
-    fell_back = (spec.subnet6 is None and not live.enable_ipv6
-                 and live.labels.get(IPV6_FALLBACK_LABEL) == "true")
-    if want_v6 and fell_back:
-        pass  # kind's IPv4-only fallback: the daemon could not do IPv6 when we created it
-    elif want_v6 != live.enable_ipv6:
-        diffs.append(("ipv6", _flag(live.enable_ipv6), _flag(want_v6), True))
-    elif want_v6:
-        if spec.subnet6 is not None:
-            if spec.subnet6 not in live6:
-                diffs.append(("subnet6", _show(live6), str(spec.subnet6), True))
-        elif not any(net.prefixlen == 64 for net in live6):
-            diffs.append(("subnet6", _show(live6), f"{ula_subnet(spec.name, 0)} (derived)", True))
-
-    want_mtu = spec.mtu if spec.mtu is not None else default_mtu
-    if want_mtu is not None:
-        # Without the option Docker uses its daemon-wide default, which is what
-        # the bridge network reports.
-        raw_mtu = live.options.get(OPT_MTU)
-        live_mtu = _parse_mtu(raw_mtu) if raw_mtu is not None else default_mtu
-        if live_mtu != want_mtu:
-            diffs.append(("mtu", str(live_mtu) if live_mtu else "(unset)", str(want_mtu), True))
-
-    raw_masq = live.options.get(OPT_MASQUERADE)
-    live_masq = True if raw_masq is None else _parse_bool(raw_masq)  # Docker's default: on
-    if live_masq != spec.masquerade:
-        shown = raw_masq if live_masq is None and raw_masq is not None else _flag(bool(live_masq))
-        diffs.append(("masquerade", shown, _flag(spec.masquerade), True))
-
-    if live.internal != spec.internal:
-        diffs.append(("internal", _flag(live.internal), _flag(spec.internal), True))
-
-    for key, value in spec.labels:
-        have = live.labels.get(key)
-        if have != value:
-            diffs.append((f"labels.{key}", "(absent)" if have is None else have, value, True))
-    return diffs
 
 
 # --------------------------------------------------------------------------

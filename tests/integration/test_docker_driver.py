@@ -324,3 +324,15 @@ def test_ipv4_default_pools_exhausted(driver: DockerDriver, docker_scratch: Dock
         driver.ensure(spec(name, ipv6=True), None)
     assert time.monotonic() - start < 5
     assert cli_ids(name) == []
+
+
+def test_observe_unreachable_socket_without_daemon() -> None:
+    # Needs no daemon, but builds a real client (unit tests forbid that).
+    drv = DockerDriver(environment={"DOCKER_HOST": "unix:///nonexistent/reconciler.sock"})
+    state = drv.observe(["kind"])
+    assert not state.available
+    assert state.error == ("docker daemon unreachable at unix:///nonexistent/reconciler.sock: "
+                           "socket not found")
+    with pytest.raises(TemporaryError, match="docker network kind: ensure: docker daemon "
+                                             "unreachable"):
+        drv.ensure(spec("kind"), None)

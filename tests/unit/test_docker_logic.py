@@ -731,17 +731,6 @@ def test_observe_never_raises_on_api_errors(fake: tuple[DockerDriver, FakeAPI]) 
                                                   "something broke"
 
 
-def test_observe_unreachable_socket_without_daemon() -> None:
-    drv = DockerDriver(environment={"DOCKER_HOST": "unix:///nonexistent/reconciler.sock"})
-    state = drv.observe(["kind"])
-    assert not state.available
-    assert state.error == ("docker daemon unreachable at unix:///nonexistent/reconciler.sock: "
-                           "socket not found")
-    with pytest.raises(TemporaryError, match="docker network kind: ensure: docker daemon "
-                                             "unreachable"):
-        drv.ensure(spec("kind"), None)
-
-
 def test_replace_puts_containers_back_when_delete_fails(fake: tuple[DockerDriver, FakeAPI]
                                                         ) -> None:
     drv, api = fake
