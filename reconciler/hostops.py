@@ -6,9 +6,11 @@ changes the host.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reconciler import ownership
 from reconciler.drivers import sysctl
@@ -16,6 +18,11 @@ from reconciler.drivers.iptables import IptablesDriver
 from reconciler.errors import DriverError
 from reconciler.plan import Op
 
+if TYPE_CHECKING:
+    from reconciler.drivers.docker_networks import DockerDriver
+    from reconciler.model import DockerNetwork
+
+log = logging.getLogger("reconciler")
 Handler = Callable[[dict[str, Any]], None]
 
 
@@ -27,6 +34,7 @@ class HostOps:
     def __init__(self, netlink: Any | None = None) -> None:
         self._netlink = netlink
         self._ipt: dict[int, IptablesDriver] = {}
+        self._docker: DockerDriver | None = None
         self.handlers: dict[str, Handler] = {
             "link.add_bridge": self._add_bridge,
             "link.set": self._set_link,
@@ -82,8 +90,72 @@ class HostOps:
             kwargs["alias"] = ownership.LINK_ALIAS
         self.netlink.set_link(a["name"], **kwargs)
 
+    @property
+    def docker(self) -> DockerDriver:
+        """The Docker driver, made on first use; its client is reused across passes."""
+        if self._docker is None:
+            from reconciler.drivers.docker_networks import DockerDriver
+
+            self._docker = DockerDriver()
+        return self._docker
+
     def _docker_handlers(self) -> dict[str, Handler]:
-        return {}
+        return {
+            "docker.ensure": self._docker_ensure,
+            "docker.replace": self._docker_replace,
+            "docker.dedupe": self._docker_dedupe,
+            "docker.remove": self._docker_remove,
+        }
+
+    @staticmethod
+    def _docker_spec(a: dict[str, Any]) -> DockerNetwork:
+        """The declared network of an op, with the scope label of the networks we create."""
+        from reconciler.docker_logic import SCOPE_LABEL, spec_from_json
+
+        try:
+            spec = spec_from_json(a["spec"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DriverError(f"malformed docker op arguments: {exc!r}") from None
+        if a.get("scope"):
+            labels = {**dict(spec.labels), SCOPE_LABEL: str(a["scope"])}
+            spec = dataclasses.replace(spec, labels=tuple(sorted(labels.items())))
+        return spec
+
+    @staticmethod
+    def _docker_report(name: str, warnings: tuple[str, ...], removed: tuple[str, ...]) -> None:
+        # e.g. kind's IPv4-only fallback: the user must see it, whatever the log level
+        for w in warnings:
+            log.warning("%s", w)
+        if removed:
+            log.info("docker network %s: removed duplicate(s) %s", name,
+                     ", ".join(r[:12] for r in removed))
+
+    def _docker_ensure(self, a: dict[str, Any]) -> None:
+        spec = self._docker_spec(a)
+        result = self.docker.ensure(spec, a.get("default_mtu"))
+        self._docker_report(spec.name, result.warnings, result.removed_duplicates)
+
+    def _docker_replace(self, a: dict[str, Any]) -> None:
+        from reconciler.live import LiveDockerNetwork
+
+        spec = self._docker_spec(a)
+        # replace() re-inspects the network by ID; only the ID and name matter here
+        live = LiveDockerNetwork(id=str(a["id"]), name=spec.name, driver="", labels={},
+                                 options={}, enable_ipv6=False, internal=False, subnets=(),
+                                 containers=0)
+        result = self.docker.replace(spec, live, a.get("default_mtu"), bool(a.get("reconnect")),
+                                     adopt=bool(a.get("adopt")))
+        self._docker_report(spec.name, result.warnings, result.removed_duplicates)
+        if result.reconnected:
+            log.info("docker network %s: reconnected %s", spec.name,
+                     ", ".join(result.reconnected))
+
+    def _docker_dedupe(self, a: dict[str, Any]) -> None:
+        result = self.docker.dedupe(str(a["name"]))
+        self._docker_report(str(a["name"]), (), result.removed)
+
+    def _docker_remove(self, a: dict[str, Any]) -> None:
+        self.docker.remove(str(a["id"]))  # False when already gone: idempotent
 
     def run(self, op: Op) -> None:
         handler = self.handlers.get(op.name)
@@ -94,3 +166,5 @@ class HostOps:
     def close(self) -> None:
         if self._netlink is not None and hasattr(self._netlink, "close"):
             self._netlink.close()
+        if self._docker is not None:
+            self._docker.close()

@@ -82,4 +82,34 @@ class Observer:
         return dict(self.ops.netlink.observe_netns(sorted(wanted)))
 
     def _observe_docker(self, desired: DesiredState) -> LiveDocker | None:
-        return None
+        """Declared Docker networks and every network we own, or None.
+
+        Whether we own networks only the daemon can say, so it is asked even
+        when nothing Docker is declared; but then an unreachable daemon is no
+        error (None): a host without Docker must not fail host-only runs.
+        """
+        live = self.ops.docker.observe(sorted(desired.docker_networks))
+        if not live.available:
+            return live if desired.docker_networks else None
+        return dataclasses.replace(live, scope=docker_scope())
+
+
+def docker_scope() -> str:
+    """Who we are among reconcilers sharing one dockerd (the ``io.reconciler.scope`` label).
+
+    "host" in the network namespace of pid 1; in a sandbox (``--netns NAME``
+    or nsenter) ``netns/NAME``, or ``netns-inode/N`` when it has no name.
+    """
+    mine = netns.current_inode()
+    try:
+        if os.stat("/proc/1/ns/net").st_ino == mine:
+            return "host"
+    except OSError:
+        pass
+    for name in netns.list_names():
+        try:
+            if netns.namespace_inode(name) == mine:
+                return f"netns/{name}"
+        except OSError:
+            continue
+    return f"netns-inode/{mine}"
