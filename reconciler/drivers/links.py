@@ -26,6 +26,7 @@ import errno
 import ipaddress
 import os
 import resource
+import secrets
 import socket
 import struct
 from collections.abc import Iterable, Sequence
@@ -717,15 +718,31 @@ class Netlink:
 
         An existing bridge is left as is (use :meth:`set_link` to converge it);
         an existing link of another kind raises ConflictError.
+
+        The kernel ignores IFLA_IFALIAS when creating a link, so the bridge is
+        made under a temporary name, marked, then renamed: a crash never leaves
+        an unmarked bridge under the wanted name (it would look foreign), only
+        a marked temporary one that the next run prunes.
         """
-        flags, change = _updown(True)
-        body = _ifinfo(flags=flags, change=change) + _str(IFLA_IFNAME, name)
+        tmp = name if alias is None else "rcltmp" + secrets.token_hex(4)
+        body = _ifinfo() + _str(IFLA_IFNAME, tmp)
         if mtu is not None:
             body += _u32(IFLA_MTU, mtu)
         body += _nested(IFLA_LINKINFO, _str(IFLA_INFO_KIND, "bridge"))
         try:
             self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
                                f"bridge {name}: create")
+            if alias is not None:
+                index = self._index(tmp, None)
+                self._host.request(RTM_NEWLINK, 0, _ifinfo(index=index)
+                                   + _attr(IFLA_IFALIAS, alias.encode()),
+                                   f"bridge {name}: mark")
+                try:
+                    self._host.request(RTM_NEWLINK, 0, _ifinfo(index=index)
+                                       + _str(IFLA_IFNAME, name), f"bridge {name}: rename")
+                except DriverError:
+                    self.delete_link(tmp)
+                    raise
         except DriverError as e:
             if e.errno != errno.EEXIST:
                 raise
@@ -734,9 +751,7 @@ class Netlink:
                 raise ConflictError(f"bridge {name}: a link of kind "
                                     f"{existing.kind or 'physical'!r} has that name") from None
             return False
-        # The kernel ignores IFLA_IFALIAS when creating a link: a second message.
-        if alias is not None:
-            self.set_link(name, alias=alias)
+        self.set_link(name, up=True)
         return True
 
     def set_link(self, name: str, *, mtu: int | None = None, up: bool | None = None,

@@ -231,7 +231,9 @@ def test_destroy_removes_everything_managed(host_ns: Netns):
     assert r.rc == 0, r.all
     assert host_ns.link("rcl0") is None
     assert "RECONCILER" not in host_ns.iptables_save(4) + host_ns.iptables_save(6)
-    assert host_ns.reconcile("show").out.startswith("Nothing managed")
+    shown = json.loads(host_ns.reconcile("show", "--output", "json").out)
+    assert shown["links"] == [] and shown["netns"] == []
+    assert not any(shown["firewall"].values())
 
 
 def test_netns_that_does_not_exist_is_a_clear_error():
