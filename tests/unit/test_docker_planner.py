@@ -363,3 +363,70 @@ def test_planner_does_not_import_the_docker_sdk() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+# --------------------------------------------------------------------------
+# the ops (HostOps) against a fake driver
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def ensure(self, s: DockerNetwork, default_mtu: int | None) -> Any:
+        from reconciler.drivers.docker_networks import EnsureResult
+
+        self.calls.append(("ensure", s, default_mtu))
+        return EnsureResult(s.name, "1" * 64, True, ipv6_fallback=True, warnings=(
+            f"docker network {s.name}: the Docker daemon cannot set up IPv6 (x); "
+            "created it IPv4-only",))
+
+    def replace(self, s: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
+                reconnect: bool, *, adopt: bool = False) -> Any:
+        from reconciler.drivers.docker_networks import EnsureResult
+
+        self.calls.append(("replace", s, live.id, live.name, default_mtu, reconnect, adopt))
+        return EnsureResult(s.name, "2" * 64, True, reconnected=("c1",))
+
+    def remove(self, ref: str) -> bool:
+        self.calls.append(("remove", ref))
+        return False
+
+
+def _ops(drv: FakeDriver) -> Any:
+    from reconciler.hostops import HostOps
+
+    ops = HostOps(netlink=object())
+    ops._docker = drv  # type: ignore[assignment]
+    return ops
+
+
+def test_ensure_op_adds_the_scope_label_and_logs_driver_warnings(
+        caplog: pytest.LogCaptureFixture) -> None:
+    drv = FakeDriver()
+    s = spec(ipv6=True, labels=(("team", "infra"),))
+    c = one(plan(desired(s), dataclasses.replace(docker(), scope="netns/x"))[0])
+    with caplog.at_level("WARNING"):
+        _ops(drv).run(c.ops[0])
+    (_, created, default_mtu), = drv.calls
+    assert default_mtu == 1500
+    assert dict(created.labels) == {"team": "infra", SCOPE_LABEL: "netns/x"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "docker network kind: the Docker daemon cannot set up IPv6 (x); created it IPv4-only"]
+
+
+def test_replace_and_remove_ops_reach_the_driver() -> None:
+    drv = FakeDriver()
+    c = one(plan(desired(spec(mtu=1400)), docker(net(containers=2)), force_replace=True)[0])
+    ops = _ops(drv)
+    ops.run(c.ops[0])
+    assert drv.calls[0][2:] == ("a" * 64, "kind", 1500, True, False)
+    ops.run(one(plan(desired(), docker(net("old")))[0]).ops[0])
+    assert drv.calls[1] == ("remove", "a" * 64)
+
+
+def test_malformed_op_is_a_driver_error() -> None:
+    from reconciler.errors import DriverError
+    from reconciler.plan import Op
+
+    with pytest.raises(DriverError, match="malformed docker op"):
+        _ops(FakeDriver()).run(Op("docker.ensure", {"spec": {"mtu": 1}}))
