@@ -149,6 +149,7 @@ def cmd_destroy(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from reconciler.docker_logic import SCOPE_LABEL
     from reconciler.observe import Observer
     from reconciler.ownership import CHAIN_PREFIX
 
@@ -162,7 +163,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                                    if c.startswith(CHAIN_PREFIX)}
                      for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
         "netns": sorted(live.netns),
-        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets)}
+        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
+                             "scope": n.labels.get(SCOPE_LABEL)}
                             for n in (live.docker.networks if live.docker else ()) if n.owned],
     }
     if args.output == "json":
@@ -180,7 +182,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     for ns in view["netns"]:
         print(f"netns {ns}")
     for dn in view["docker_networks"]:
-        print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}")
+        scope = f" [scope {dn['scope']}]" if dn["scope"] else ""
+        print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}{scope}")
     if not any((view["links"], any(view["firewall"].values()), view["netns"],
                 view["docker_networks"])):
         print("Nothing managed by the reconciler on this host.")
