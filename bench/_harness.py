@@ -1,0 +1,162 @@
+"""Shared pieces of the comparison benchmarks: our side through the CLI, in throwaway namespaces.
+
+Every run of ours gets a throwaway "host" network namespace ``<prefix>-host``
+and the CLI is run as ``python -m reconciler --netns <prefix>-host …``, so the
+bridge, veths and iptables rules never touch the real host. Allocation
+namespaces are named ``<prefix>-<i>`` (they live under /run/netns like
+``ip netns add`` ones). ``Sandbox`` removes all of it on exit, even on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import resource
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reconciler.drivers import netns  # noqa: E402
+
+BRIDGE = "rbbr0"
+SUBNET = "rb-net"
+LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
+
+
+def alloc_yaml(n: int, prefix: str, cidr: str = "10.88.0.0/16", *, allocs: bool = True,
+               port_base: int = 20000) -> str:
+    """One bridge, one subnet, ``n`` allocs with 2 tcp port maps (host base+2i → 80, +1 → 443)."""
+    net = ipaddress.ip_network(cidr)
+    if net.num_addresses - 3 < n:
+        raise ValueError(f"{cidr} is too small for {n} allocations")
+    lines = ["version: 1", "bridges:", f"  - name: {BRIDGE}", "subnets:",
+             f"  - name: {SUBNET}", f"    bridge: {BRIDGE}", f"    cidr: {cidr}"]
+    if allocs and n:
+        lines.append("allocs:")
+        for i in range(n):
+            h = port_base + 2 * i
+            lines += [f"  - id: {prefix}-{i}", f"    subnet: {SUBNET}", "    ports:",
+                      f"      - {{host: {h}, to: 80}}", f"      - {{host: {h + 1}, to: 443}}"]
+    return "\n".join(lines) + "\n"
+
+
+def docker_yaml(names: Sequence[str]) -> str:
+    lines = ["version: 1", "docker_networks:"]
+    for name in names:
+        lines += [f"  - name: {name}", "    ipv6: true"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class CliRun:
+    seconds: float
+    maxrss_mb: float
+    rc: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(args: Sequence[str], *, ok: Sequence[int] = (0,), env: dict[str, str] | None = None,
+            python_args: Sequence[str] = (), timeout: float | None = None) -> CliRun:
+    """``python -m reconciler ARGS``: wall time and peak RSS of exactly that child (wait4).
+
+    With ``timeout`` the child is killed (SIGKILL) after that many seconds: exit -9.
+    """
+    cmd = [sys.executable, *python_args, "-m", "reconciler", *args]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1", **(env or {}))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                env=full_env, cwd=ROOT)
+        timer = threading.Timer(timeout, proc.kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            _pid, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        res = CliRun(seconds, usage.ru_maxrss / 1024, proc.returncode,
+                     out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+    if res.rc not in ok:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"{' '.join(cmd[1:])}: exit {res.rc}\n  " + "\n  ".join(tail))
+    return res
+
+
+def host_dump(host: str) -> float:
+    """The host-level dump (``ip -j link``, ``ip -j addr``, ``iptables-save``) inside ``host``."""
+    with netns.enter(host):
+        t0 = time.perf_counter()
+        for cmd in (["ip", "-j", "link"], ["ip", "-j", "addr"], ["iptables-save"]):
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return time.perf_counter() - t0
+
+
+def children_maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+class Sandbox:
+    """A throwaway host namespace plus a temp dir; ``close`` removes everything it may have made."""
+
+    def __init__(self, tag: str = "rb") -> None:
+        self.prefix = f"{tag}{secrets.token_hex(3)}"
+        self.host = f"{self.prefix}-host"
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        netns.create(self.host)
+        self.host_inode = netns.namespace_inode(self.host)
+        subprocess.run(["ip", "-n", self.host, "link", "set", "lo", "up"], check=True)
+
+    def write(self, name: str, text: str) -> str:
+        path = self.tmp / name
+        path.write_text(text)
+        return str(path)
+
+    def cli(self, *args: str, **kw: object) -> CliRun:
+        return run_cli(["--netns", self.host, *args], **kw)  # type: ignore[arg-type]
+
+    def leftovers(self) -> list[str]:
+        return [n for n in netns.list_names() if n.startswith(f"{self.prefix}-")]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if netns.is_namespace_mount(self.host):
+                run_cli(["--netns", self.host, "destroy"], ok=(0, 1))
+        for name in self.leftovers():  # allocation namespaces, then the host (veths go with it)
+            if name != self.host:
+                with contextlib.suppress(Exception):
+                    netns.delete(name)
+        with contextlib.suppress(Exception):
+            netns.delete(self.host)
+        if self.host_inode is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(LOCK_DIR, f"netns-{self.host_inode}.lock"))
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"

@@ -1,0 +1,230 @@
+"""Side by side: the reconciler's CLI vs the systems it replaces, same machine, same run.
+
+As root: ``python3 bench/compare.py [--n 100 500] [--runs 3] [--cni-runs R] [--cni-max-n 500]``
+
+For each N (allocations, 2 tcp port maps each, one bridge and subnet):
+
+(a) set-up: ``reconcile apply`` vs Nomad's CNI chain ADD (bench/cni_chain.py);
+(b) teardown: ``reconcile apply`` of the file without the allocs (prune; the
+    bridge and subnet stay, as the chain leaves its bridge) vs CNI DEL;
+(c) no-op ``reconcile plan`` vs the host-level dump in the same namespace
+    (``ip -j link`` + ``ip -j addr`` + ``iptables-save``, three processes);
+(d) peak RSS of that no-op plan (``wait4`` rusage of the child).
+
+and once: (e) ensure 20 Docker networks, ``reconcile apply`` vs kind's way
+(one ``docker`` CLI process per step, bench/docker_networks.py).
+
+Ours runs as ``python -m reconciler --netns <throwaway> …`` (interpreter
+start-up included, as the chain's plugin start-ups are); the chain runs in a
+throwaway namespace of its own. Figures are medians of the runs; the ratios
+are what matters on a noisy machine. Everything is removed afterwards (checked:
+no namespace of ours under /run/netns, no Docker network of ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cni_chain  # noqa: E402
+from _harness import Sandbox, alloc_yaml, docker_yaml, fmt_s, host_dump  # noqa: E402
+
+from reconciler.drivers import netns  # noqa: E402
+
+TARGETS = {
+    "apply500": 50.0,      # CNI set-up / our apply, at N=500, at least
+    "teardown500": 50.0,   # CNI DEL / our prune, at N=500, at least
+    "plan1000": 3.0,       # our no-op plan / host dump, at N=1000, at most
+    "rss1000": 150.0,      # MB, peak RSS of the no-op plan at N=1000, below
+    "docker20": 1.0,       # kind CLI / ours, at least
+}
+
+
+def ours_allocs(n: int) -> dict[str, float]:
+    with Sandbox("rcb") as sb:
+        full = sb.write("allocs.yaml", alloc_yaml(n, sb.prefix))
+        base = sb.write("base.yaml", alloc_yaml(0, sb.prefix, allocs=False))
+        apply = sb.cli("apply", full)
+        plan = sb.cli("plan", full)  # exit 0: no changes (2 would be a diff: an error here)
+        dump = host_dump(sb.host)
+        teardown = sb.cli("apply", base)
+        left = [x for x in sb.leftovers() if x != sb.host]
+        if left:
+            raise RuntimeError(f"prune left {len(left)} allocation namespaces")
+    return {"apply": apply.seconds, "apply_rss": apply.maxrss_mb, "plan": plan.seconds,
+            "plan_rss": plan.maxrss_mb, "dump": dump, "teardown": teardown.seconds}
+
+
+def cni(n: int) -> dict[str, float]:
+    t = cni_chain.run(n, progress=n >= 200)
+    k = min(50, n)
+    return {"setup": t.setup, "teardown": t.teardown,
+            "add_first": statistics.median(t.add_each[:k]),
+            "add_last": statistics.median(t.add_each[-k:]),
+            "execs_add": t.execs_add / n, "execs_del": t.execs_del / n}
+
+
+def docker_side(n: int, runs: int) -> dict[str, dict[str, float]] | str:
+    """Ensure ``n`` Docker networks: ours (apply, then apply again) vs kind's CLI steps."""
+    try:
+        import docker
+        import docker_networks as dn
+        client = docker.from_env(timeout=30)
+        client.ping()
+    except Exception as exc:  # no SDK, no daemon: the rest of the comparison still runs
+        return f"skipped: {type(exc).__name__}: {exc}"
+    prefix = f"rcd{secrets.token_hex(3)}"
+    res: dict[str, dict[str, list[float]]] = {s: {"create": [], "again": []}
+                                              for s in ("kind", "ours")}
+    try:
+        for run in range(runs):
+            for side in (("kind", "ours") if run % 2 == 0 else ("ours", "kind")):
+                names = [f"{prefix}-{side[0]}{run}-{i:02d}" for i in range(n)]
+                try:
+                    if side == "kind":
+                        t0 = time.perf_counter()
+                        for name in names:
+                            dn.kind_ensure(name)
+                        res[side]["create"].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        for name in names:
+                            dn.kind_ensure(name)
+                        res[side]["again"].append(time.perf_counter() - t0)
+                    else:
+                        with Sandbox("rcd") as sb:
+                            f = sb.write("docker.yaml", docker_yaml(names))
+                            res[side]["create"].append(sb.cli("apply", f).seconds)
+                            res[side]["again"].append(sb.cli("apply", f).seconds)
+                finally:
+                    dn.cleanup(client, f"{prefix}-{side[0]}{run}-")
+    finally:
+        dn.cleanup(client, prefix)
+        client.close()
+    return {side: {k: statistics.median(v) for k, v in d.items()} for side, d in res.items()}
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def report(results: dict[int, dict[str, Any]], docker_res: Any, opts: argparse.Namespace) -> None:
+    w = (34, 14, 16, 9, 24)
+    head = ("measure", "reconciler", "reference", "ratio", "target")
+
+    def row(*cells: str) -> None:
+        print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells)))
+
+    for n, r in sorted(results.items()):
+        o, c = r["ours"], r.get("cni")
+        print(f"\nN={n} allocations, 2 tcp port maps each — median of {r['runs']} run(s) of ours"
+              + (f", {r['cni_runs']} of the CNI chain" if c else ", CNI chain not run"))
+        row(*head)
+        setup_r = c["setup"] / o["apply"] if c else None
+        td_r = c["teardown"] / o["teardown"] if c else None
+        t_apply = (f"≥{TARGETS['apply500']:.0f}x: {_verdict(setup_r >= TARGETS['apply500'])}"
+                   if n == 500 and setup_r else "")
+        t_td = (f"≥{TARGETS['teardown500']:.0f}x: {_verdict(td_r >= TARGETS['teardown500'])}"
+                if n == 500 and td_r else "")
+        row("(a) set-up: apply vs CNI ADD", fmt_s(o["apply"]), fmt_s(c and c["setup"]),
+            _ratio(c and c["setup"], o["apply"]), t_apply)
+        row("    per alloc", f"{o['apply'] / n * 1000:.2f} ms",
+            f"{c['setup'] / n * 1000:.0f} ms" if c else "—", "", "")
+        if c:
+            row("    CNI ADD first/last 50 (median)", "",
+                f"{c['add_first'] * 1000:.0f}/{c['add_last'] * 1000:.0f} ms", "", "")
+        row("(b) teardown: prune vs CNI DEL", fmt_s(o["teardown"]), fmt_s(c and c["teardown"]),
+            _ratio(c and c["teardown"], o["teardown"]), t_td)
+        pr = o["plan"] / o["dump"]
+        t_plan = (f"≤{TARGETS['plan1000']:.0f}x: {_verdict(pr <= TARGETS['plan1000'])}"
+                  if n == 1000 else "")
+        row("(c) no-op plan vs host dump", fmt_s(o["plan"]), fmt_s(o["dump"]),
+            f"{pr:.1f}x", t_plan)
+        t_rss = (f"<{TARGETS['rss1000']:.0f} MB: "
+                 f"{_verdict(o['plan_rss'] < TARGETS['rss1000'])}" if n == 1000 else "")
+        row("(d) peak RSS, no-op plan", f"{o['plan_rss']:.0f} MB", "", "", t_rss)
+        row("    peak RSS, apply", f"{o['apply_rss']:.0f} MB", "", "", "")
+    print("\nratios: reference time / ours for (a), (b), (e) (above 1: we are faster); "
+          "ours / dump for (c) (below 3: target met)")
+    if docker_res is None:
+        return
+    print(f"\n(e) ensure {opts.docker_n} Docker networks — median of {opts.runs} run(s)")
+    if isinstance(docker_res, str):
+        print(f"  {docker_res}")
+        return
+    row("measure", "reconciler", "kind (CLI)", "ratio", "target")
+    k, o = docker_res["kind"], docker_res["ours"]
+    ok = k["create"] / o["create"] >= TARGETS["docker20"]
+    row("create: apply vs CLI steps", fmt_s(o["create"]), fmt_s(k["create"]),
+        _ratio(k["create"], o["create"]), f"not slower: {_verdict(ok)}")
+    row("ensure again (no-op)", fmt_s(o["again"]), fmt_s(k["again"]),
+        _ratio(k["again"], o["again"]), "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[100, 500],
+                    help="allocation counts (default 100 500; the issue's are 100 500 1000)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of ours (and of Docker); median")
+    ap.add_argument("--cni-runs", type=int, default=None,
+                    help="runs of the CNI chain (default --runs; it takes ~150 s at N=500)")
+    ap.add_argument("--cni-max-n", type=int, default=500,
+                    help="skip the CNI chain above this N (default 500)")
+    ap.add_argument("--docker-n", type=int, default=20, help="Docker networks (default 20)")
+    ap.add_argument("--no-docker", action="store_true", help="skip (e)")
+    ap.add_argument("--no-cni", action="store_true", help="ours only")
+    ap.add_argument("--json", metavar="FILE", help="also write every raw figure here")
+    opts = ap.parse_args(argv)
+    why = cni_chain.check_installed()
+    if why and not opts.no_cni:
+        ap.error(why)
+    cni_runs = opts.runs if opts.cni_runs is None else opts.cni_runs
+    before = set(netns.list_names())
+    raw: dict[int, dict[str, list[dict[str, float]]]] = {}
+    results: dict[int, dict[str, Any]] = {}
+    for n in opts.n:
+        raw[n] = {"ours": [], "cni": []}
+        do_cni = not opts.no_cni and n <= opts.cni_max_n
+        for run in range(max(opts.runs, cni_runs if do_cni else 0)):
+            # alternate which side goes first so neither always meets a warmer kernel
+            sides = ["ours", "cni"] if run % 2 == 0 else ["cni", "ours"]
+            for side in sides:
+                if side == "ours" and run < opts.runs:
+                    raw[n]["ours"].append(ours_allocs(n))
+                elif side == "cni" and do_cni and run < cni_runs:
+                    raw[n]["cni"].append(cni(n))
+                else:
+                    continue
+                print(f"N={n} run {run + 1} {side}: "
+                      + ", ".join(f"{k}={v:.3f}" for k, v in raw[n][side][-1].items()),
+                      file=sys.stderr)
+        med = {side: {k: statistics.median(d[k] for d in runs) for k in runs[0]}
+               for side, runs in raw[n].items() if runs}
+        results[n] = {"ours": med["ours"], "cni": med.get("cni"), "runs": opts.runs,
+                      "cni_runs": cni_runs}
+    docker_res = None if opts.no_docker else docker_side(opts.docker_n, opts.runs)
+    report(results, docker_res, opts)
+    left = sorted(set(netns.list_names()) - before)
+    left = [x for x in left if x.startswith(("rcb", "rcc", "rcd"))]
+    print(f"\nleft behind: {len(left)} namespace(s) of ours under /run/netns"
+          + (f": {left[:5]}" if left else ""))
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump({"raw": raw, "medians": results, "docker": docker_res}, fh, indent=1)
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
