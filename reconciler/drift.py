@@ -16,6 +16,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import select
 import socket
 import struct
@@ -301,6 +302,56 @@ class NetlinkWatcher:
             self._sock.close()
 
 
+# --------------------------------------------------------------------------- /run/netns
+
+NETNS_RUN_DIR = "/run/netns"
+
+
+class NetnsDirWatcher:
+    """Inotify on /run/netns: an allocation namespace unmounted (``ip netns del``) or re-made.
+
+    Unmounting sends no netlink event, and the namespace may even live on
+    (something still holds it), so its veth does not vanish either.
+    """
+
+    def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR) -> None:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer as FsObserver
+
+        self.on_drift = on_drift
+        self.run_dir = run_dir
+        self._names: frozenset[str] = frozenset()
+        self._observer = FsObserver()
+        self._scheduled = False
+        outer = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type not in ("created", "deleted", "moved"):
+                    return
+                for p in (event.src_path, getattr(event, "dest_path", "")):
+                    name = os.path.basename(os.fsdecode(p)) if p else ""
+                    if name and name in outer._names:
+                        outer.on_drift(f"netns {event.event_type} {name}")
+                        return
+
+        self._handler = Handler()
+        self._observer.start()
+
+    def set_names(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+        if not self._scheduled and self._names and os.path.isdir(self.run_dir):
+            try:
+                self._observer.schedule(self._handler, self.run_dir, recursive=False)
+                self._scheduled = True
+            except OSError as exc:
+                log.warning("cannot watch %s: %s", self.run_dir, exc)
+
+    def close(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=2.0)
+
+
 # --------------------------------------------------------------------------- Docker
 
 DOCKER_ACTIONS = frozenset({"create", "destroy", "connect", "disconnect", "remove", "update"})
@@ -391,9 +442,9 @@ class DockerWatcher:
                 client.close()
 
     def close(self) -> None:
-        self._close_client()
+        self._close_client()  # the thread is a daemon: a stream stuck in read dies with us
         if self._thread is not None:
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=0.2)
 
 
 def _one_line(exc: BaseException) -> str:

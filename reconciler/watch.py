@@ -44,7 +44,7 @@ from reconciler.status import Metrics, StatusBoard, StatusServer
 log = logging.getLogger("reconciler.watch")
 
 #: reasons whose no-op passes are logged at debug level only
-QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "docker drift"})
+QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift"})
 
 # --------------------------------------------------------------------------- scheduling
 
@@ -182,9 +182,9 @@ def watch_dirs(paths: Sequence[str]) -> list[str]:
     out: list[str] = []
     for p in paths:
         ap = os.path.abspath(p)
-        for d in ((ap, os.path.dirname(ap)) if os.path.isdir(ap) else (os.path.dirname(ap),)):
-            if d not in out:
-                out.append(d)
+        d = ap if os.path.isdir(ap) else os.path.dirname(ap)
+        if d not in out:
+            out.append(d)
     return out
 
 
@@ -349,6 +349,8 @@ def configure_logging(fmt: str, verbose: int) -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+    # watchdog logs every inotify event at debug: a log file next to the config would loop
+    logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
 # --------------------------------------------------------------------------- the agent
@@ -438,6 +440,7 @@ class Agent:
         self.heartbeat = clock()
         self.files: FileWatcher | None = None
         self.netlink: Any = None
+        self.netns_dir: Any = None
         self.docker: Any = None
         self._loaded_sig: tuple[str, str] | None = None
 
@@ -475,12 +478,18 @@ class Agent:
             except OSError as exc:
                 log.warning("netlink drift events unavailable (%s); relying on the interval", exc)
                 sources["netlink"] = f"unavailable: {exc}"
+        if self.options.netlink:
+            from reconciler.drift import NetnsDirWatcher
+
+            self.netns_dir = NetnsDirWatcher(lambda r: self.on_drift("netns", r))
         self.board.update(event_sources=sources)
 
     def _update_sources(self, desired: DesiredState) -> None:
         names: set[str] = set(desired.bridges)
         if self.netlink is not None:
             self.netlink.set_names(names)
+        if self.netns_dir is not None:
+            self.netns_dir.set_names(desired.allocs)
         if desired.docker_networks and self.options.docker_events:
             if self.docker is None:
                 from reconciler.drift import DockerWatcher
@@ -497,7 +506,7 @@ class Agent:
             self.files.ensure()
 
     def close(self) -> None:
-        for src in (self.files, self.netlink, self.docker):
+        for src in (self.files, self.netlink, self.netns_dir, self.docker):
             if src is not None:
                 try:
                     src.close()
