@@ -534,3 +534,48 @@ def test_host_lock_is_taken_only_when_there_is_work(agent_env: Any,
     agent.run_pass(["resync"])
     agent.run_pass(["netlink drift"])
     assert taken == [1]
+
+
+# --------------------------------------------------------------------------- examples
+
+UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "systemd",
+                    "reconciler.service")
+
+
+def _unit_lines() -> list[str]:
+    with open(UNIT) as fh:
+        return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_systemd_unit_runs_a_valid_watch_command() -> None:
+    import shlex
+
+    from reconciler.cli import build_parser
+
+    exec_start = [ln for ln in _unit_lines() if ln.startswith("ExecStart=")]
+    assert len(exec_start) == 1
+    argv = shlex.split(exec_start[0].removeprefix("ExecStart="))
+    assert os.path.basename(argv[0]) == "reconcile"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "watch" and args.status_addr.startswith("127.0.0.1:")
+    # a private mount namespace would hide the /run/netns mounts of allocations
+    for opt in ("PrivateTmp", "ProtectSystem", "ProtectHome", "ReadOnlyPaths", "MountFlags",
+                "PrivateMounts", "TemporaryFileSystem", "BindPaths"):
+        assert not any(ln.startswith(opt + "=") for ln in _unit_lines()), opt
+
+
+def test_systemd_unit_verifies(tmp_path: Any) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("no systemd-analyze")
+    with open(UNIT) as fh:
+        text = fh.read().replace("/usr/local/bin/reconcile", f"{sys.executable} -m reconciler")
+    unit = tmp_path / "reconciler.service"
+    unit.write_text(text)
+    p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                       timeout=60)
+    problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "reconciler.service" in ln]
+    assert p.returncode == 0 and not problems, p.stdout + p.stderr
