@@ -227,6 +227,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if status.healthy_doc(doc) else EXIT_ERROR
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from reconciler.completion import script
+
+    sys.stdout.write(script(build_parser(), args.shell))
+    return EXIT_OK
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
 
@@ -239,40 +246,70 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="reconcile",
-        description="Declarative reconciler for Linux host networking: bridges, subnets, "
-                    "network-namespace allocations with port maps, and Docker networks.",
-        epilog="Exit codes: 0 success / no changes, 2 changes present (plan), 1 error.")
-    p.add_argument("--version", action="version", version=f"reconcile {__version__}")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Declarative reconciler for Linux host networking: bridges, subnets,\n"
+                    "network-namespace allocations with port maps, and Docker networks,\n"
+                    "kept in YAML files (a directory is read as all its *.yaml files).",
+        epilog="examples:\n"
+               "  reconcile validate examples/                 check the files, touch nothing\n"
+               "  reconcile --netns sandbox plan examples/     what would change in a sandbox\n"
+               "  reconcile apply /etc/reconciler              change this host, then verify\n"
+               "  reconcile watch /etc/reconciler              keep this host converged\n"
+               "\n"
+               "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
+               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
+    p.add_argument("--version", action="version", version=f"reconcile {__version__}",
+                   help="print the version and exit")
     p.add_argument("--netns", metavar="NAME",
                    help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="more detail (the ops of each change; debug logs with -vv)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the plan (default auto: when stdout is a terminal and "
+                        "NO_COLOR is unset)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                           title="commands")
 
     def common(sp: argparse.ArgumentParser, *, paths: bool = True) -> None:
         if paths:
             sp.add_argument("paths", nargs="+", metavar="PATH",
                             help="desired-state files or directories")
-        sp.add_argument("--output", choices=("text", "json"), default="text")
+        sp.add_argument("--output", choices=("text", "json"), default="text",
+                        help="text for people (default) or json for programs")
         sp.add_argument("--no-prune", action="store_true",
                         help="keep owned objects that the files no longer declare")
         sp.add_argument("--adopt", action="append", metavar="KIND/NAME",
-                        help="take over an existing object the reconciler did not create "
+                        help="take over an existing object the reconciler did not create; "
+                             "KIND is bridge, subnet, alloc or docker_network "
                              "(e.g. bridge/nomad); repeatable")
 
-    sp = sub.add_parser("validate", help="check files only (no host access)")
-    sp.add_argument("paths", nargs="+", metavar="PATH")
+    sp = sub.add_parser(
+        "validate", help="check files only (no host access)",
+        description="Check desired-state files against the schema and for semantic errors "
+                    "(references, overlaps, clashing ports). Reads no host state, needs no "
+                    "root. Errors name file:line:col.")
+    sp.add_argument("paths", nargs="+", metavar="PATH", help="desired-state files or directories")
     sp.set_defaults(fn=cmd_validate)
 
-    sp = sub.add_parser("plan", help="show what apply would change (exit 0 none, 2 changes)")
+    sp = sub.add_parser(
+        "plan", help="show what apply would change (exit 0 none, 2 changes)",
+        description="Observe the host, compare it with the files and print the plan: "
+                    "+ create, ~ update, - delete, -/+ replace, ! conflict. Changes nothing. "
+                    "Exit 0 when there is nothing to do, 2 when there are changes, 1 on error "
+                    "or conflict.")
     common(sp)
-    sp.add_argument("--out", metavar="FILE", help="save the plan for `apply FILE`")
+    sp.add_argument("--out", metavar="FILE",
+                    help="also save the plan as JSON; `apply FILE` applies exactly it and "
+                         "refuses if the host changed meanwhile")
     sp.set_defaults(fn=cmd_plan)
 
-    sp = sub.add_parser("apply", help="plan, change the host, verify")
+    sp = sub.add_parser(
+        "apply", help="plan, change the host, verify",
+        description="Plan, apply the changes in dependency order, then observe again and "
+                    "fail if anything is still different. PATH may also be one plan saved "
+                    "with `plan --out`. Takes the host lock (shared with destroy and watch).")
     common(sp)
-    sp.add_argument("--dry-run", action="store_true", help="plan only")
+    sp.add_argument("--dry-run", action="store_true", help="plan only (same as `plan`)")
     sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for another writer to finish (default 60)")
     sp.add_argument("--force-replace", action="store_true",
@@ -280,17 +317,33 @@ def build_parser() -> argparse.ArgumentParser:
                          "(they are disconnected and reconnected with the same addresses)")
     sp.set_defaults(fn=cmd_apply)
 
-    sp = sub.add_parser("destroy", help="remove everything the reconciler manages on this host")
-    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp = sub.add_parser(
+        "destroy", help="remove everything the reconciler manages on this host",
+        description="Remove every object the reconciler owns on this host (or in --netns "
+                    "NAME): owned links, addresses, allocation namespaces, RECONCILER-* "
+                    "chains and owned Docker networks. Objects it did not create are kept.")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
-    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
     sp.set_defaults(fn=cmd_destroy)
 
-    sp = sub.add_parser("show", help="show the live state of managed objects")
-    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp = sub.add_parser(
+        "show", help="show the live state of managed objects",
+        description="Print what the reconciler owns on this host right now, read from the "
+                    "kernel, iptables and Docker (no files needed).")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
     sp.set_defaults(fn=cmd_show)
 
-    sp = sub.add_parser("watch", help="keep this host converged: follow file changes and drift")
+    sp = sub.add_parser(
+        "watch", help="keep this host converged: follow file changes and drift",
+        description="Run as an agent: reconcile now, then again whenever the files change "
+                    "(debounced), on drift reported by netlink or Docker events, and every "
+                    "--interval. An invalid edit keeps the last good state. SIGHUP reloads, "
+                    "SIGTERM finishes the current action and exits. Status and metrics are "
+                    "served on --status-addr.")
     common(sp)
     sp.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
                     help="full resync period, covers drift no event reports, e.g. iptables "
@@ -304,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--status-addr", default="127.0.0.1:9477", metavar="HOST:PORT",
                     help="serve /status, /metrics, /healthz here (default 127.0.0.1:9477; "
                          "'off' disables)")
-    sp.add_argument("--log-format", choices=("text", "json"), default="text")
+    sp.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one object per line, for journald or a log shipper")
     sp.add_argument("--hostname", metavar="NAME",
                     help="the name matched against files' hosts: patterns (default: this "
                          "host's name)")
@@ -314,11 +368,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not follow Docker events (the interval still heals)")
     sp.set_defaults(fn=cmd_watch, prepare=_watch_prepare)
 
-    sp = sub.add_parser("status", help="show the status of the running watch agent")
+    sp = sub.add_parser(
+        "status", help="show the status of the running watch agent",
+        description="Ask a running `reconcile watch` for its status over HTTP. Exit 0 when "
+                    "its last pass converged and its files load, 1 otherwise.")
     sp.add_argument("--addr", default="127.0.0.1:9477", metavar="HOST:PORT",
                     help="the agent's --status-addr (default 127.0.0.1:9477)")
-    sp.add_argument("--output", choices=("text", "json"), default="text")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
     sp.set_defaults(fn=cmd_status, enters_netns=False)
+
+    sp = sub.add_parser(
+        "completion", help="print a shell completion script (bash or zsh)",
+        description="Print a completion script for SHELL. bash: `reconcile completion bash "
+                    "> /etc/bash_completion.d/reconcile`; zsh: `reconcile completion zsh > "
+                    "\"${fpath[1]}/_reconcile\"`, or `source <(reconcile completion zsh)`.")
+    sp.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
+    sp.set_defaults(fn=cmd_completion, enters_netns=False)
     return p
 
 
