@@ -369,6 +369,8 @@ class WatchOptions:
     hostname: str | None = None
     netlink: bool = True
     docker_events: bool = True
+    #: refuse config writable by group/others at every load, not only at start
+    strict: bool = True
 
 
 @dataclass
@@ -578,8 +580,10 @@ class Agent:
             files = []
         rev["files_sha256"] = files_digest(files)
         try:
+            if self.options.strict:
+                check_permissions(self.options.paths)
             desired = load(self.options.paths, hostname=self.hostname)
-        except ConfigError as exc:
+        except (ConfigError, PreconditionError) as exc:
             return None, rev, str(exc)
         return desired, rev, None
 

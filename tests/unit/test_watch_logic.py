@@ -480,6 +480,17 @@ def test_pass_applies_then_keeps_last_good_on_invalid_edit(agent_env: Any) -> No
     assert agent.board.snapshot()["config_error"] is None
 
 
+def test_config_made_writable_later_is_refused_like_an_invalid_edit(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    _write(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    agent.run_pass(["startup"])
+    _write(conf / "a.yaml", BR.format(name="br0", mtu=9000))
+    os.chmod(conf / "a.yaml", 0o666)
+    agent.run_pass(["files changed"])
+    assert rec.live_mtu == {"br0": 1400}
+    assert "writable by group or others" in agent.board.snapshot()["config_error"]["message"]
+
+
 def test_deleting_a_file_prunes_what_it_declared(agent_env: Any) -> None:
     agent, conf, rec = agent_env
     _write(conf / "a.yaml", BR.format(name="br0", mtu=1400))
