@@ -211,7 +211,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     options = watch.WatchOptions(
         paths=tuple(args.paths), plan=_plan_options(args), interval=args.interval,
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
-        hostname=args.hostname, docker_events=not args.no_docker_events)
+        hostname=args.hostname, docker_events=not args.no_docker_events,
+        strict=not args.allow_insecure_config)
     return watch.run(options, getattr(args, "status_socket", None))
 
 
