@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from reconciler.errors import PlanError
 from reconciler.live import LiveState
 from reconciler.model import KIND_ORDER, DesiredState
 from reconciler.ownership import CHAIN_PREFIX
 from reconciler.plan import Action, Change, Op, Plan, fingerprint
-from reconciler.errors import PlanError
 from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
