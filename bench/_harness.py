@@ -74,7 +74,9 @@ def run_cli(args: Sequence[str], *, ok: Sequence[int] = (0,), env: dict[str, str
     With ``timeout`` the child is killed (SIGKILL) after that many seconds: exit -9.
     """
     cmd = [sys.executable, *python_args, "-m", "reconciler", *args]
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1", **(env or {}))
+    # RECONCILER_BENCH_SRC: run another copy of the package (A/B of a patched tree)
+    src = os.environ.get("RECONCILER_BENCH_SRC", str(ROOT))
+    full_env = dict(os.environ, PYTHONPATH=src, NO_COLOR="1", **(env or {}))
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
