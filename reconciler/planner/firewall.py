@@ -31,7 +31,8 @@ JUMPS: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     DNAT: ("nat", (("PREROUTING", _LOCAL), ("OUTPUT", _LOCAL))),
 }
 TABLE_ORDER = ("filter", "nat")
-_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:/=!,+\-]+$")
+#: "[" "]" for IPv6 DNAT targets (``[fd00::2]:80``); still nothing that ends a token or line
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:/=!,+\[\]\-]+$")
 
 
 def comment(owner_kind: str, owner: str) -> tuple[str, ...]:
