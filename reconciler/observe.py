@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from reconciler.drivers import netns, sysctl
+from reconciler.errors import DriverError
 from reconciler.hostops import HostOps
 from reconciler.live import LiveDocker, LiveNetns, LiveState
 from reconciler.model import DesiredState
@@ -73,8 +74,11 @@ class Observer:
         wanted = names & set(desired.allocs)
         mark = alloc_ns_alias(host_id)
         for name in sorted(names - wanted):
-            if not netns.is_namespace_mount(name):
-                continue  # an empty file nobody declares: not provably ours, left alone
+            try:
+                if not netns.is_namespace_mount(name):
+                    continue  # an empty file nobody declares: not provably ours, left alone
+            except (OSError, DriverError):
+                continue  # removed meanwhile by someone else, or a name we never give
             if self.ops.netlink.peek_lo_alias(name) == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
         if not wanted:
