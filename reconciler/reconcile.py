@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from reconciler import loader
-from reconciler.errors import ConflictError, StalePlanError, VerifyError
+from reconciler.errors import ConflictError, PreconditionError, StalePlanError, VerifyError
 from reconciler.executor import Executor, Outcome
 from reconciler.live import LiveState
 from reconciler.model import DesiredState
@@ -86,6 +86,7 @@ class Reconciler:
         result = ApplyResult(plan)
         if not plan.has_changes:
             return result
+        preflight(plan)
         result.outcomes = Executor(self.observer.ops, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():
@@ -102,6 +103,21 @@ class Reconciler:
             self.sleep(delay)
             residual = make_plan(desired, self.observe(desired), options)
         return residual
+
+
+def preflight(plan: Plan) -> None:
+    """Refuse, before changing anything, a plan that could only half work here.
+
+    Under ``ip netns exec`` (a private, slave mount namespace) the namespaces we
+    would create vanish with the process: refuse up front (one line, exit 1)
+    rather than fail midway after bridges and rules were already changed.
+    """
+    if any(op.name == "netns.create" for c in plan.actionable for op in c.ops):
+        from reconciler.drivers import netns
+
+        problem = netns.private_mount_namespace_problem()
+        if problem is not None:
+            raise PreconditionError(problem)
 
 
 def residual_error(residual: Plan) -> VerifyError:
