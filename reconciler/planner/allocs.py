@@ -310,7 +310,9 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         if veth.master != b.name:
             attrs_l.append(AttrChange("bridge", veth.master, b.name))
             ops.append(Op("link.set", {"name": veth_name, "master": b.name}))
-        if veth.hairpin is not None and veth.hairpin != b.hairpin:
+            # a new bridge port starts with hairpin off: set it whatever it was before
+            ops.append(Op("link.set_hairpin", {"name": veth_name, "on": b.hairpin}))
+        elif veth.hairpin is not None and veth.hairpin != b.hairpin:
             attrs_l.append(AttrChange("hairpin", veth.hairpin, b.hairpin))
             ops.append(Op("link.set_hairpin", {"name": veth_name, "on": b.hairpin}))
         if b.mtu is not None and veth.mtu != b.mtu:
@@ -332,8 +334,19 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             if not any(r.dst == "default" and r.gateway == gw for r in ns.routes):
                 attrs_l.append(AttrChange("default route", None, f"via {gw}"))
                 inside_ok = False
+        # our default route of a family the subnet no longer has (cidr6 dropped): the
+        # kernel keeps an IPv6 route via a gateway after the address is gone
+        versions = {ipaddress.ip_address(g).version for g in gateways}
+        for r in ns.routes:
+            if r.dst == "default" and r.owned and r.gateway is not None:
+                version = ipaddress.ip_address(r.gateway).version
+                if version not in versions:
+                    attrs_l.append(AttrChange("default route", f"via {r.gateway}", None))
+                    ops.append(Op("route.del_default", {"version": version, "netns": a.id}))
+                    versions.add(version)  # one delete per family
         lo = _inner(ns, "lo")
-        if lo is None or not lo.up or lo.alias != mark or not eth0.up or (b.mtu is not None and eth0.mtu != b.mtu):
+        if (lo is None or not lo.up or lo.alias != mark or not eth0.up
+                or (b.mtu is not None and eth0.mtu != b.mtu)):
             attrs_l.append(AttrChange("links inside", "down or wrong MTU", "up"))
             inside_ok = False
         if not inside_ok:
