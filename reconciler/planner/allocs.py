@@ -230,7 +230,18 @@ def subnet_port_rules(ctx: PlanContext, s: Subnet) -> None:
 # ------------------------------------------------------------------ per alloc
 
 
-def _view(ctx: PlanContext, aid: str) -> object:
+def _rules_by_alloc(ctx: PlanContext) -> dict[str, list[str]]:
+    """Live IPv4 rules of each allocation, by id (one pass over the rules, not one per alloc)."""
+    out: dict[str, list[str]] = {}
+    for rules in ctx.live.firewall4.chains.values():
+        for r in rules:
+            owner = firewall.owner_of(r)
+            if owner and owner.startswith("alloc="):
+                out.setdefault(owner[len("alloc="):], []).append(r)
+    return out
+
+
+def _view(ctx: PlanContext, aid: str, live_rules: dict[str, list[str]]) -> object:
     ns = ctx.live.netns.get(aid)
     veth = ctx.live.links.get(alloc_veth_name(aid))
     return {
@@ -242,17 +253,16 @@ def _view(ctx: PlanContext, aid: str) -> object:
             "routes": sorted((r.dst, r.gateway or "", r.owned) for r in ns.routes)},
         "veth": None if veth is None else (veth.master, veth.mtu, veth.up, veth.hairpin,
                                            veth.owned),
-        "rules": sorted(r for (_t, _c), rules in ctx.live.firewall4.chains.items()
-                        for r in rules if firewall.owner_of(r) == f"alloc={aid}"),
+        "rules": sorted(live_rules.get(aid, ())),
     }
 
 
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
-               maps: list[Mapped]) -> Change:
+               maps: list[Mapped], live_rules: dict[str, list[str]]) -> Change:
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
-    ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
+    ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id, live_rules)
     if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
         return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
     veth_name = alloc_veth_name(a.id)
@@ -358,7 +368,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                   tuple(attrs_l), tuple(ops), src)
 
 
-def plan_pruned(ctx: PlanContext) -> list[Change]:
+def plan_pruned(ctx: PlanContext, live_rules: dict[str, list[str]]) -> list[Change]:
     """Owned namespaces no file declares, and owned veths whose namespace is gone."""
     changes: list[Change] = []
     veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
@@ -367,7 +377,7 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
         ns = ctx.live.netns[name]
         if name in ctx.desired.allocs or not _owned_ns(ctx, ns):
             continue
-        ctx.observed[f"alloc/{name}"] = _view(ctx, name)
+        ctx.observed[f"alloc/{name}"] = _view(ctx, name, live_rules)
         if ctx.options.prune:
             changes.append(Change("alloc", name, Action.DELETE, "no longer declared", (),
                                   (Op("netns.delete", {"name": name}),)))
@@ -390,13 +400,14 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
         return []
     changes = []
     with_ports: set[SubnetName] = set()
+    live_rules = _rules_by_alloc(ctx)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        changes.append(plan_alloc(ctx, a, addrs[aid], ports[aid]))
+        changes.append(plan_alloc(ctx, a, addrs[aid], ports[aid], live_rules))
         alloc_rules(ctx, a, addrs[aid], ports[aid])
         if a.ports:
             with_ports.add(a.subnet)
     for sname in sorted(with_ports):
         subnet_port_rules(ctx, ctx.desired.subnets[sname])
-    changes += plan_pruned(ctx)
+    changes += plan_pruned(ctx, live_rules)
     return changes
