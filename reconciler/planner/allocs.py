@@ -146,10 +146,27 @@ def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
     return out
 
 
+def _docker_published(ctx: PlanContext) -> dict[tuple[str, int], str]:
+    """Host ports Docker publishes through DNAT (``nat/DOCKER``, userland proxy off)."""
+    out: dict[tuple[str, int], str] = {}
+    for fw in (ctx.live.firewall4, ctx.live.firewall6):
+        for r in fw.chains.get(("nat", "DOCKER"), ()):
+            t = r.split()
+            try:
+                if t[t.index("-j") + 1] != "DNAT":
+                    continue
+                key = (t[t.index("-p") + 1], int(t[t.index("--dport") + 1]))
+                out.setdefault(key, t[t.index("--to-destination") + 1])
+            except (ValueError, IndexError):
+                continue
+    return out
+
+
 def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
     """Host port of every port map; ``auto`` ports are kept from live rules when possible."""
     allocs = [ctx.desired.allocs[a] for a in sorted(ctx.desired.allocs)]
     lo, hi = ctx.desired.settings.auto_port_range
+    docker = _docker_published(ctx)
     used: set[tuple[str, int]] = set()
     for a in allocs:
         for p in a.ports:
@@ -160,7 +177,11 @@ def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
                         ctx.fatal.append(
                             f"alloc {a.id!r} ({a.source}): host port {p.host}/{proto} is already "
                             "in use on this host (a socket is bound to it)")
-    busy = used | set(ctx.live.listening)
+                    elif (proto, p.host) in docker:
+                        ctx.fatal.append(
+                            f"alloc {a.id!r} ({a.source}): host port {p.host}/{proto} is already "
+                            f"published by Docker (nat/DOCKER: DNAT to {docker[(proto, p.host)]})")
+    busy = used | set(ctx.live.listening) | set(docker)
     live = _live_dnat(ctx)
     chosen: dict[tuple[str, int], int] = {}
     for a in allocs:  # pass 1: keep live auto ports
