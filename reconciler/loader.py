@@ -146,10 +146,38 @@ class _Builder:
             raise self.fail(node, f"{format_path(path)}: bad value: {clip(str(exc))}") from None
 
 
+#: libyaml's parser when PyYAML has it, for the size pre-check (an order of magnitude faster)
+_FAST_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_NODE_EVENTS = (yaml.ScalarEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent,
+                yaml.AliasEvent)
+
+
+def _check_size(text: str, file: str) -> None:
+    """Refuse more than MAX_NODES values before composing any Python object for them.
+
+    Composing and building cost time and memory per node (a 7 MB file of small
+    items took over a minute and ~1 GB before the builder's count stopped it);
+    counting parser events is cheap. Syntax errors are left to the composer,
+    which reports them.
+    """
+    count = 0
+    limit = 2 * MAX_NODES  # keys are nodes too; the builder counts values only
+    try:
+        for event in yaml.parse(text, Loader=_FAST_LOADER):
+            if isinstance(event, _NODE_EVENTS):
+                count += 1
+                if count > limit:
+                    raise ConfigError(f"document too large: more than {limit} YAML nodes",
+                                      file=file, line=event.start_mark.line + 1)
+    except yaml.YAMLError:
+        return
+
+
 def parse_yaml(text: str, file: str) -> Document:
     """Parse one YAML document keeping positions; any problem is a ConfigError."""
+    _check_size(text, file)
     try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        nodes = list(yaml.compose_all(text, Loader=_FAST_LOADER))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "invalid YAML"
@@ -264,9 +292,33 @@ def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigErr
     return doc.error(path, f"{format_path(path)}: {clip(err.message)}")
 
 
+def _control_chars(doc: Document, data: Any, path: Path) -> Iterator[ConfigError]:
+    """Strings holding control characters (a newline above all).
+
+    The schema's ``^...$`` patterns cannot refuse them: Python's ``$`` also
+    matches before a final newline, so ``"nomad\\n"`` would pass as a name and
+    end a line of iptables-restore input or a /proc/sys path.
+    """
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _control_chars(doc, k, (*path, k))
+            yield from _control_chars(doc, v, (*path, k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from _control_chars(doc, v, (*path, i))
+    elif isinstance(data, str):
+        bad = next((ch for ch in data if ord(ch) < 0x20 or 0x7f <= ord(ch) < 0xa0), None)
+        if bad is not None:
+            yield doc.error(path, f"{clip(format_path(path), 60)}: control character "
+                                  f"U+{ord(bad):04X} is not allowed in {clip(repr(data), 60)}")
+
+
 def validate_schema(doc: Document) -> list[ConfigError]:
     if not isinstance(doc.data, dict):
         return [doc.error((), "expected a mapping with 'version: 1' at the top level")]
+    control = list(_control_chars(doc, doc.data, ()))
+    if control:
+        return control
     errors = sorted(_validator().iter_errors(doc.data),
                     key=lambda e: (doc.where(tuple(e.absolute_path)).line, str(e.message)))
     out: list[ConfigError] = []
@@ -365,6 +417,9 @@ def _bridge(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> No
     if name in RESERVED_IFNAMES:
         raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is reserved "
                                          "by the kernel's /proc/sys/net and cannot name a link")
+    if name.startswith("-"):
+        raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} starts with "
+                                         "'-' and would read as an option to ip or iptables")
     if c.claim("bridge", name, doc, path):
         c.bridges[BridgeName(name)] = Bridge(BridgeName(name), raw.get("mtu"),
                                              raw.get("hairpin", True), doc.source(path))

@@ -64,7 +64,7 @@ def _mount(src: str, target: str, flags: int) -> None:
 
 def check_name(name: str) -> None:
     """Raise ``DriverError`` unless ``name`` is usable as ``/run/netns/NAME``."""
-    if not _NAME_RE.match(name) or name in (".", ".."):
+    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
         raise DriverError(f"invalid network namespace name {name!r}")
 
 

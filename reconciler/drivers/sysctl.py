@@ -12,7 +12,7 @@ _KEY = re.compile(r"^net(/[A-Za-z0-9_.-]+)+$")
 
 
 def _path(key: str) -> str:
-    if not _KEY.match(key) or "/../" in f"{key}/" or "/./" in f"{key}/":
+    if not _KEY.fullmatch(key) or "/../" in f"{key}/" or "/./" in f"{key}/":
         raise DriverError(f"sysctl {key}: not a net/... key")
     return os.path.join("/proc/sys", key)
 

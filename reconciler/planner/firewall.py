@@ -61,7 +61,7 @@ class RuleSet:
         for t in toks:
             # Defence in depth: names are validated by the loader, but nothing that
             # could end a token or a line ever reaches iptables-restore.
-            if not _SAFE_TOKEN.match(t):
+            if not _SAFE_TOKEN.fullmatch(t):
                 raise ValueError(f"unsafe iptables token {t!r}")
         self.chains.setdefault(chain, []).append(" ".join(toks))
 
