@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 bash scripts/start-dockerd.sh
-ruff check reconciler tests bench
+ruff check reconciler tests bench scripts
 mypy
 python3 -m pytest -q -p no:cacheprovider "$@" tests
