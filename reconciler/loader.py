@@ -44,6 +44,7 @@ from reconciler.model import (
 MAX_FILE_BYTES = 8 * 1024 * 1024
 MAX_NODES = 200_000  # after alias expansion: stops "billion laughs"
 MAX_MESSAGE = 160
+MAX_DEPTH = 64  # a desired state nests 5 levels deep
 YAML_SUFFIXES = (".yaml", ".yml")
 #: names /proc/sys/net/*/conf uses for itself: a link with these names would be ambiguous
 RESERVED_IFNAMES = frozenset({"all", "default", ".", ".."})
@@ -153,17 +154,24 @@ _NODE_EVENTS = (yaml.ScalarEvent, yaml.MappingStartEvent, yaml.SequenceStartEven
 
 
 def _check_size(text: str, file: str) -> None:
-    """Refuse more than MAX_NODES values before composing any Python object for them.
+    """Refuse deep nesting and more than MAX_NODES values before composing any Python object.
 
     Composing and building cost time and memory per node (a 7 MB file of small
     items took over a minute and ~1 GB before the builder's count stopped it);
     counting parser events is cheap. Syntax errors are left to the composer,
     which reports them.
     """
-    count = 0
+    count = depth = 0
     limit = 2 * MAX_NODES  # keys are nodes too; the builder counts values only
     try:
         for event in yaml.parse(text, Loader=_FAST_LOADER):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:  # libyaml's composer recurses in C: it would crash
+                    raise ConfigError("invalid YAML: nesting too deep", file=file,
+                                      line=event.start_mark.line + 1)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
             if isinstance(event, _NODE_EVENTS):
                 count += 1
                 if count > limit:
