@@ -7,15 +7,17 @@ changes the host.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from reconciler import ownership
 from reconciler.drivers import sysctl
 from reconciler.drivers.iptables import IptablesDriver
-from reconciler.errors import DriverError
+from reconciler.errors import DriverError, TemporaryError
 from reconciler.plan import Op
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ class HostOps:
         self._netlink = netlink
         self._ipt: dict[int, IptablesDriver] = {}
         self._docker: DockerDriver | None = None
+        self._op_counts: dict[str, int] = {}  # for _inject_fault only
         self.handlers: dict[str, Handler] = {
             "link.add_bridge": self._add_bridge,
             "link.set": self._set_link,
@@ -161,7 +164,31 @@ class HostOps:
         handler = self.handlers.get(op.name)
         if handler is None:
             raise DriverError(f"unknown operation {op.name!r} (plan from a newer version?)")
+        self._inject_fault(op.name)
         handler(op.args)
+
+    def _inject_fault(self, name: str) -> None:
+        """TEST-ONLY fault injection, off unless ``RECONCILER_FAULTS`` is set.
+
+        ``RECONCILER_FAULTS="alloc.attach:3,netns.create:1:EBUSY"``: the 3rd
+        ``alloc.attach`` op of this process fails as the kernel's EPERM would
+        (a ``DriverError``), the 1st ``netns.create`` as EBUSY would (a
+        ``TemporaryError``, so the executor retries it). Used by
+        tests/integration/test_faults.py; never set it on a real host.
+        """
+        spec = os.environ.get("RECONCILER_FAULTS")
+        if not spec:
+            return
+        self._op_counts[name] = n = self._op_counts.get(name, 0) + 1
+        for item in spec.split(","):
+            op, _, rest = item.strip().partition(":")
+            nth, _, code = rest.partition(":")
+            if op == name and nth.isdigit() and int(nth) == n:
+                code_n = getattr(errno, code or "EPERM", errno.EPERM)
+                msg = f"{name}: {os.strerror(code_n)} (injected fault {n})"
+                exc = TemporaryError(msg) if code_n == errno.EBUSY else DriverError(msg)
+                exc.errno = code_n
+                raise exc
 
     def close(self) -> None:
         if self._netlink is not None and hasattr(self._netlink, "close"):
