@@ -47,6 +47,9 @@ LINK_ALIAS = "managed-by=reconciler"  # reconciler.ownership, restated: checks s
 DOCKER_LABEL = "io.reconciler.managed"
 SCOPE_LABEL = "io.reconciler.scope"
 KINDS = ("apply-all", "apply-half", "destroy")
+#: a kill between creating /run/netns/X and mounting the namespace on it (or between
+#: unmounting and unlinking it) leaves an empty file nothing proves is ours: known, open
+EMPTY_FILE = "an empty file, not a namespace"
 
 
 def sh(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -146,7 +149,8 @@ def leaks(host: Host, cfg: Config) -> list[str]:
     mark = f"{LINK_ALIAS} alloc-of={host.inode}"
     present = {n for n in os.listdir("/run/netns")
                if n.startswith(host.prefix) and n != host.name}
-    found += [f"namespace {n} not declared" for n in sorted(present - declared)]
+    found += [f"namespace {n} not declared" + ("" if n in mounted else f" ({EMPTY_FILE})")
+              for n in sorted(present - declared)]
     for a in sorted(declared):
         if a not in present:
             found.append(f"namespace {a} missing")
@@ -242,7 +246,7 @@ def soak(trials: int, n_allocs: int, n_networks: int, seed: int,
             summary.leaks += len(found)
             summary.details += [f"trial {trial} ({kind}): {f}" for f in found]
             log(f"trial {trial + 1}/{trials} {kind}: {'converged' if ok else 'NOT converged'}, "
-                f"{len(found)} leaks")
+                f"{len(found)} leaks" + "".join(f"\n  {f}" for f in found))
             state = cfg
     finally:
         host.remove()

@@ -165,18 +165,18 @@ def _check_size(text: str, file: str) -> None:
     limit = 2 * MAX_NODES  # keys are nodes too; the builder counts values only
     try:
         for event in yaml.parse(text, Loader=_FAST_LOADER):
+            line = event.start_mark.line + 1 if event.start_mark is not None else None
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
                 if depth > MAX_DEPTH:  # libyaml's composer recurses in C: it would crash
-                    raise ConfigError("invalid YAML: nesting too deep", file=file,
-                                      line=event.start_mark.line + 1)
+                    raise ConfigError("invalid YAML: nesting too deep", file=file, line=line)
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
             if isinstance(event, _NODE_EVENTS):
                 count += 1
                 if count > limit:
                     raise ConfigError(f"document too large: more than {limit} YAML nodes",
-                                      file=file, line=event.start_mark.line + 1)
+                                      file=file, line=line)
     except yaml.YAMLError:
         return
 
