@@ -34,19 +34,36 @@ SUBNET = "rb-net"
 LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
 
 
+#: a Linux bridge takes at most 1023 ports (BR_MAX_PORTS = 1024, port 0 reserved): the
+#: 1024th veth fails with EXFULL ("Exchange full"), so big N is spread over several bridges
+MAX_PER_BRIDGE = 1000
+
+
 def alloc_yaml(n: int, prefix: str, cidr: str = "10.88.0.0/16", *, allocs: bool = True,
-               port_base: int = 20000) -> str:
-    """One bridge, one subnet, ``n`` allocs with 2 tcp port maps (host base+2i → 80, +1 → 443)."""
+               port_base: int = 20000, per_bridge: int = MAX_PER_BRIDGE) -> str:
+    """``n`` allocs with 2 tcp port maps (host base+2i → 80, +1 → 443) on one bridge and subnet.
+
+    Above ``per_bridge`` allocations, bridge/subnet k (``rbbr<k>``, the k-th /16 after
+    ``cidr``) serves allocs k*per_bridge… — one bridge cannot hold more than 1023 ports.
+    """
     net = ipaddress.ip_network(cidr)
-    if net.num_addresses - 3 < n:
-        raise ValueError(f"{cidr} is too small for {n} allocations")
-    lines = ["version: 1", "bridges:", f"  - name: {BRIDGE}", "subnets:",
-             f"  - name: {SUBNET}", f"    bridge: {BRIDGE}", f"    cidr: {cidr}"]
+    groups = max(1, -(-n // per_bridge))
+    if net.num_addresses - 3 < min(n, per_bridge):
+        raise ValueError(f"{cidr} is too small for {min(n, per_bridge)} allocations")
+    lines = ["version: 1", "bridges:"]
+    lines += [f"  - name: {BRIDGE[:-1]}{k}" for k in range(groups)]
+    lines.append("subnets:")
+    for k in range(groups):
+        sub = ipaddress.ip_network((int(net.network_address) + k * net.num_addresses,
+                                    net.prefixlen))
+        lines += [f"  - name: {SUBNET}{k or ''}", f"    bridge: {BRIDGE[:-1]}{k}",
+                  f"    cidr: {sub}"]
     if allocs and n:
         lines.append("allocs:")
         for i in range(n):
             h = port_base + 2 * i
-            lines += [f"  - id: {prefix}-{i}", f"    subnet: {SUBNET}", "    ports:",
+            k = i // per_bridge
+            lines += [f"  - id: {prefix}-{i}", f"    subnet: {SUBNET}{k or ''}", "    ports:",
                       f"      - {{host: {h}, to: 80}}", f"      - {{host: {h + 1}, to: 443}}"]
     return "\n".join(lines) + "\n"
 

@@ -72,7 +72,7 @@ def instrument() -> float:
 
     wrap(cli, "_load", "load")
     wrap(loader, "read_file", "  read_file (yaml compose + build)")
-    wrap(loader, "validate_schema", "    validate_schema")
+    wrap(loader, "validate_schema", "  validate_schema")
     wrap(reconcile.Reconciler, "observe", "observe")
     wrap(links.Netlink, "dump_links", "  host links+addrs (netlink)")
     wrap(iptables.IptablesDriver, "observe", "  iptables-save + parse (per family)")

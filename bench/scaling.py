@@ -2,15 +2,17 @@
 
 As root: ``python3 bench/scaling.py [--n 100 1000 5000] [--runs 1] [--timeout 1800]``
 
-For each N (one bridge, one /16 subnet, N allocs with 2 tcp port maps), in a
-throwaway host namespace: ``reconcile apply`` from nothing, a no-op
-``reconcile plan``, and the teardown (``apply`` of the file without the allocs:
-prune). Each is one ``python -m reconciler`` process; time is wall clock, RSS
-is that child's peak (wait4). Growth is judged per allocation: the cost per
-alloc at N divided by the cost per alloc at the previous N — about 1 is linear,
-N_i/N_(i-1) would be quadratic. Interpreter start-up and imports (~0.5 s) are a
-constant, so per-alloc costs at small N overstate; the last column subtracts
-the cost measured for N=0 (bridge + subnet only) first.
+For each N (N allocs with 2 tcp port maps on one bridge with a /16 subnet — or
+one bridge and /16 per 1,000 allocs: a Linux bridge takes at most 1,023 ports,
+the 1,024th veth fails with "Exchange full"), in a throwaway host namespace:
+``reconcile apply`` from nothing, a no-op ``reconcile plan``, and the teardown
+(``apply`` of the file without the allocs: prune; the bridges stay). Each is
+one ``python -m reconciler`` process; time is wall clock, RSS is that child's
+peak (wait4). Growth is judged per allocation: the cost per alloc at N divided
+by the cost per alloc at the previous N — about 1 is linear, N_i/N_(i-1) would
+be quadratic. Interpreter start-up and imports (~0.5 s) are a constant, so
+per-alloc costs at small N overstate; the last column subtracts the cost
+measured for N=0 (bridge + subnet only) first.
 
 5000 namespaces need about 1 GB of kernel memory and 5,000 cached netlink
 sockets (file descriptors) in the reconciler; a command that exceeds
@@ -34,7 +36,7 @@ PHASES = ("apply", "plan (no-op)", "teardown (prune)")
 def one(n: int, timeout: float) -> dict[str, CliRun]:
     with Sandbox("rcs") as sb:
         full = sb.write("allocs.yaml", alloc_yaml(n, sb.prefix, "10.88.0.0/16"))
-        base = sb.write("base.yaml", alloc_yaml(0, sb.prefix, allocs=False))
+        base = sb.write("base.yaml", alloc_yaml(n, sb.prefix, "10.88.0.0/16", allocs=False))
         out = {"apply": sb.cli("apply", full, timeout=timeout)}
         out["plan (no-op)"] = sb.cli("plan", full, timeout=timeout)
         out["teardown (prune)"] = sb.cli("apply", base, timeout=timeout)
