@@ -106,12 +106,17 @@ def host_ns() -> Iterator[Netns]:
     if not is_root():
         pytest.skip("needs root")
     name = unique()
+    before = _netns_names()
     sh("ip", "netns", "add", name)
     sh("ip", "-n", name, "link", "set", "lo", "up")
     ns = Netns(name)
     try:
         yield ns
     finally:
+        # Allocation namespaces are global (/run/netns/ID) although the host is a
+        # sandbox: tear down what the reconciler made there before the sandbox goes.
+        if _netns_names() - before - {name}:
+            reconcile("destroy", "--lock-timeout", "20", netns=name, timeout=120)
         sh("ip", "netns", "del", name, check=False)
 
 
