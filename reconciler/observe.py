@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
-from reconciler.drivers import netns, sysctl
+from reconciler.drivers import docker_probe, netns, sysctl
 from reconciler.errors import DriverError
 from reconciler.hostops import HostOps
 from reconciler.live import LiveDocker, LiveNetns, LiveState
@@ -92,6 +92,11 @@ class Observer:
         when nothing Docker is declared; but then an unreachable daemon is no
         error (None): a host without Docker must not fail host-only runs.
         """
+        if not desired.docker_networks:
+            # Host-only run: skip the SDK unless this reconciler owns networks to prune.
+            scopes = docker_probe.owned_scopes()
+            if scopes is not None and docker_scope() not in scopes:
+                return None
         live = self.ops.docker.observe(sorted(desired.docker_networks))
         if not live.available:
             return live if desired.docker_networks else None

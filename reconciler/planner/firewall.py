@@ -43,9 +43,12 @@ def jump_rule(chain: str, match: tuple[str, ...]) -> str:
     return " ".join((*match, "-m", "comment", "--comment", RULE_COMMENT, "-j", chain))
 
 
+_OWNER = re.compile(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)")
+
+
 def owner_of(rule: str) -> str | None:
     """``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
-    m = re.search(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)", rule)
+    m = _OWNER.search(rule)
     return m.group(1) if m else None
 
 
