@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -277,6 +277,33 @@ def _validator() -> jsonschema.protocols.Validator:
     return validator
 
 
+@cache
+def _fast_check() -> Callable[[Any], bool]:
+    """A compiled validator (fastjsonschema, ~20x faster on big files) that only says yes/no.
+
+    Valid documents, the common case, never reach jsonschema; an invalid one is
+    validated again by jsonschema, which words the errors. Without the package
+    everything goes through jsonschema.
+    """
+    try:
+        import fastjsonschema
+    except ImportError:
+        return lambda _data: False
+    try:
+        compiled = fastjsonschema.compile(schema())
+    except Exception:  # an unsupported keyword: keep the slow, exact path
+        return lambda _data: False
+
+    def check(data: Any) -> bool:
+        try:
+            compiled(data)
+        except fastjsonschema.JsonSchemaException:
+            return False
+        return True
+
+    return check
+
+
 def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigError:
     path: Path = tuple(err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):
@@ -327,6 +354,8 @@ def validate_schema(doc: Document) -> list[ConfigError]:
     control = list(_control_chars(doc, doc.data, ()))
     if control:
         return control
+    if _fast_check()(doc.data):
+        return []
     errors = sorted(_validator().iter_errors(doc.data),
                     key=lambda e: (doc.where(tuple(e.absolute_path)).line, str(e.message)))
     out: list[ConfigError] = []

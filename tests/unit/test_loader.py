@@ -224,3 +224,28 @@ def test_examples_validate():
             load([root])
         seen += len(yamls)
     assert seen >= 5
+
+
+# The compiled fast path must never accept what jsonschema rejects.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=False),
+                     st.sampled_from(["nomad", "10.0.0.0/24", "10.0.0.1", "fd00::1", "auto",
+                                      "tcp", "both", "x" * 20, "", "-j", "a b"]))
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.sampled_from(["name", "mtu", "hairpin", "bridge", "cidr", "id", "subnet",
+                                     "ports", "host", "to", "protocol", "host_ip", "labels",
+                                     "ipv6", "start", "end", "range", "extra"]), inner,
+                    max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.fixed_dictionaries({"version": st.sampled_from([1, 1, 2, "1"])}, optional={
+    "bridges": _values, "subnets": _values, "allocs": _values, "docker_networks": _values,
+    "settings": _values}))
+def test_fast_schema_check_agrees_with_jsonschema(doc):
+    from reconciler.loader import _fast_check, _validator
+    if _fast_check()(doc):
+        assert not list(_validator().iter_errors(doc)), doc
