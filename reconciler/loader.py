@@ -41,6 +41,7 @@ from reconciler.model import (
     SubnetName,
 )
 
+MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
 MAX_FILE_BYTES = 8 * 1024 * 1024
 MAX_NODES = 200_000  # after alias expansion: stops "billion laughs"
 MAX_MESSAGE = 160
@@ -620,6 +621,17 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
             yield err(okind, oname, ofield,
                       f"{okind} {oname!r}: {ofield} {onet} overlaps {kind} {name!r} {field} "
                       f"{net} at {_where(c, kind, name)}")
+    # a Linux bridge takes at most 1023 ports ("Exchange full" at the 1024th veth)
+    per_bridge: dict[str, list[str]] = {}
+    for a in c.allocs.values():
+        sn = c.subnets.get(a.subnet)
+        if sn is not None:
+            per_bridge.setdefault(sn.bridge, []).append(a.id)
+    for bridge_name, ids in sorted(per_bridge.items()):
+        if len(ids) > MAX_BRIDGE_PORTS and ("bridge", bridge_name) in c.seen:
+            yield err("bridge", bridge_name, "name",
+                      f"bridge {bridge_name!r}: {len(ids)} allocations, but a Linux bridge takes "
+                      f"at most {MAX_BRIDGE_PORTS} ports; spread them over more bridges")
     # allocations: references, addresses, ports
     addresses: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, str] = {}
     ports: dict[tuple[str, int], list[tuple[Any, str, int]]] = {}

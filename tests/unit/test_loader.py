@@ -249,3 +249,12 @@ def test_fast_schema_check_agrees_with_jsonschema(doc):
     from reconciler.loader import _fast_check, _validator
     if _fast_check()(doc):
         assert not list(_validator().iter_errors(doc)), doc
+
+
+def test_more_allocations_than_bridge_ports(tmp_path, capsys):
+    allocs = "".join(f"  - {{id: a{i}, subnet: s}}\n" for i in range(1024))
+    path = write(tmp_path, "big.yaml", "version: 1\nbridges: [{name: b}]\n"
+                 "subnets: [{name: s, bridge: b, cidr: 10.0.0.0/16}]\nallocs:\n" + allocs)
+    assert cli.main(["validate", path]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "at most 1023 ports" in err
