@@ -553,10 +553,12 @@ def _docker(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> No
         raise doc.error((*path, "ipv6"), f"{format_path((*path, 'ipv6'))}: is false but subnet6 "
                                          "is given")
     labels = raw.get("labels", {})
-    if ownership.DOCKER_LABEL in labels:
-        raise doc.error((*path, "labels"), f"{format_path((*path, 'labels'))}: "
-                                           f"{ownership.DOCKER_LABEL!r} is the reconciler's own "
-                                           "ownership label")
+    reserved = sorted(k for k in labels if k.startswith("io.reconciler."))
+    if reserved:
+        raise doc.error((*path, "labels", reserved[0]),
+                        f"{format_path((*path, 'labels'))}: {reserved[0]!r}: labels under "
+                        "'io.reconciler.' are the reconciler's own (ownership, scope)",
+                        key=True)
     if c.claim("docker network", name, doc, path):
         c.docker[DockerNetworkName(name)] = DockerNetwork(
             DockerNetworkName(name), bool(ipv6) or subnet6 is not None, subnet, subnet6,

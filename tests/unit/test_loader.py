@@ -120,7 +120,9 @@ BAD = [
     ("version: 1\ndocker_networks:\n  - {name: k, subnet6: 'fd00::/64', ipv6: false}\n", 3,
      "is false but subnet6"),
     ("version: 1\ndocker_networks:\n  - {name: k, labels: {io.reconciler.managed: 'x'}}\n", 3,
-     "ownership label"),
+     "are the reconciler's own"),
+    ("version: 1\ndocker_networks:\n  - name: k\n    labels:\n      io.reconciler.scope: x\n", 5,
+     "are the reconciler's own"),
     ("version: 1\nbridges: [{name: b}]\nsubnets: [{name: s, bridge: b, cidr: 172.30.0.0/16}]\n"
      "docker_networks:\n  - {name: k, subnet: 172.30.5.0/24}\n", 5, "overlaps subnet 's'"),
     ("version: 1\nsettings: {auto_port_range: {start: 30000, end: 20000}}\n", 2, "start is after"),
