@@ -23,7 +23,6 @@ from typing import Any
 import jsonschema
 import yaml
 
-from reconciler import ownership
 from reconciler.errors import ConfigError, ConfigErrors
 from reconciler.model import (
     AddrRange,
