@@ -48,7 +48,7 @@ DOCKER_LABEL = "io.reconciler.managed"
 SCOPE_LABEL = "io.reconciler.scope"
 KINDS = ("apply-all", "apply-half", "destroy")
 #: a kill between creating /run/netns/X and mounting the namespace on it (or between
-#: unmounting and unlinking it) leaves an empty file nothing proves is ours: known, open
+#: unmounting and unlinking it) leaves an empty file; its xattr tag lets the next run remove it
 EMPTY_FILE = "an empty file, not a namespace"
 
 

@@ -52,6 +52,8 @@ class LiveNetns:
     links: tuple[LiveLink, ...] = ()
     routes: tuple[LiveRoute, ...] = ()
     nsid: int | None = None
+    #: the reconciler's tag on the file itself (read when it is not a live namespace)
+    file_mark: str | None = None
 
 
 @dataclass(frozen=True)

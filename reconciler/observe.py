@@ -73,17 +73,23 @@ class Observer:
         names = set(netns.list_names())
         wanted = names & set(desired.allocs)
         mark = alloc_ns_alias(host_id)
+        stale: dict[str, LiveNetns] = {}
         for name in sorted(names - wanted):
             try:
                 if not netns.is_namespace_mount(name):
-                    continue  # an empty file nobody declares: not provably ours, left alone
+                    # An empty file (a crash between unmount and unlink): ours only if tagged.
+                    if netns.file_mark(name) == mark:
+                        stale[name] = LiveNetns(name, usable=False, file_mark=mark)
+                    continue
             except (OSError, DriverError):
                 continue  # removed meanwhile by someone else, or a name we never give
             if self.ops.netlink.peek_lo_alias(name) == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
-        if not wanted:
-            return {}
-        return dict(self.ops.netlink.observe_netns(sorted(wanted)))
+        observed = dict(self.ops.netlink.observe_netns(sorted(wanted))) if wanted else {}
+        for name, ns in observed.items():
+            if not ns.usable:
+                observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
+        return {**observed, **stale}
 
     def _observe_docker(self, desired: DesiredState) -> LiveDocker | None:
         """Declared Docker networks and every network we own, or None.

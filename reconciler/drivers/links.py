@@ -957,7 +957,7 @@ class Netlink:
                 sock.close()
 
         return netns.create(name, replace_stale=replace_stale,
-                            init=init if mark is not None else None)
+                            init=init if mark is not None else None, file_mark=mark)
 
     def delete_netns(self, name: str) -> bool:
         """Drop our cached socket into ``name``, then ``ip netns del`` it."""

@@ -285,7 +285,7 @@ def _ensure_rundir() -> None:
 
 
 def create(name: str, *, replace_stale: bool = False,
-           init: Callable[[], None] | None = None) -> bool:
+           init: Callable[[], None] | None = None, file_mark: str | None = None) -> bool:
     """``ip netns add NAME`` in-process. Returns False if it already existed.
 
     An existing live namespace is success (concurrent creators, EDGE 4). An
@@ -295,23 +295,30 @@ def create(name: str, *, replace_stale: bool = False,
 
     ``init`` runs inside the new namespace before it is mounted, so whatever it
     marks (our ownership alias) is there before anyone can see the namespace:
-    a crash leaves either no namespace or a marked one.
+    a crash leaves either no namespace or a marked one. ``file_mark`` goes on
+    the file under the mount (an xattr), so the empty file a crash between
+    unmount and unlink (or between create and mount) leaves is provably ours too.
     """
     path = path_of(name)
     _ensure_rundir()
     try:
-        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+        try:
+            if file_mark is not None:
+                set_file_mark(fd, file_mark)
+        finally:
+            os.close(fd)
     except FileExistsError:
         try:
             if is_namespace_mount(path):
                 return False
         except FileNotFoundError:  # deleted meanwhile: try once more
-            return create(name, replace_stale=replace_stale, init=init)
+            return create(name, replace_stale=replace_stale, init=init, file_mark=file_mark)
         if not replace_stale:
             raise DriverError(f"network namespace {name}: {path} exists but is not a namespace "
                               "(empty file)") from None
         delete(name)
-        return create(name, init=init)
+        return create(name, init=init, file_mark=file_mark)
     except OSError as e:
         raise DriverError(f"network namespace {name}: cannot create {path}: {e.strerror}") \
             from None
@@ -342,6 +349,23 @@ def create(name: str, *, replace_stale: bool = False,
 def _unlink_quiet(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+FILE_MARK_XATTR = "trusted.reconciler"
+
+
+def set_file_mark(fd: int, mark: str) -> None:
+    """Tag a /run/netns file (tmpfs keeps trusted.* xattrs); best effort elsewhere."""
+    with contextlib.suppress(OSError):
+        os.setxattr(fd, FILE_MARK_XATTR, mark.encode())
+
+
+def file_mark(name: str) -> str | None:
+    """The tag on an *unmounted* /run/netns file (on a live mount this reads nsfs: None)."""
+    try:
+        return os.getxattr(path_of(name), FILE_MARK_XATTR).decode(errors="replace")
+    except OSError:
+        return None
 
 
 def delete(name: str) -> bool:

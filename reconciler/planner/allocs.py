@@ -394,9 +394,19 @@ def plan_pruned(ctx: PlanContext, live_rules: dict[str, list[str]]) -> list[Chan
     changes: list[Change] = []
     veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
     veth_of.update({alloc_veth_name(a): a for a in ctx.desired.allocs})
+    mark = alloc_ns_alias(ctx.live.host_id)
     for name in sorted(ctx.live.netns):
         ns = ctx.live.netns[name]
-        if name in ctx.desired.allocs or not _owned_ns(ctx, ns):
+        if name in ctx.desired.allocs:
+            continue
+        if not ns.usable and ns.file_mark == mark:
+            # the empty file a crash between unmount and unlink left: always garbage
+            ctx.observed[f"alloc/{name}"] = {"file_mark": mark}
+            changes.append(Change("alloc", name, Action.DELETE,
+                                  "leftover file of a deleted namespace", (),
+                                  (Op("netns.delete", {"name": name}),)))
+            continue
+        if not _owned_ns(ctx, ns):
             continue
         ctx.observed[f"alloc/{name}"] = _view(ctx, name, live_rules)
         if ctx.options.prune:

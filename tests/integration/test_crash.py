@@ -17,7 +17,7 @@ from tests.figures import SOAK, report
 from tests.integration.docker_fixtures import docker_client  # noqa: F401
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from bench.soak_crash import EMPTY_FILE, soak  # noqa: E402
+from bench.soak_crash import soak  # noqa: E402
 
 pytestmark = [pytest.mark.root, pytest.mark.docker]
 
@@ -32,7 +32,6 @@ def test_sigkill_at_random_points_then_apply_converges_without_leaks(
     report(request, f"{s.line()}; {allocs} allocs + {networks} docker networks, seed {seed}")
     assert s.killed >= 1  # the kill points really landed inside runs
     assert s.converged == s.trials, "\n".join(s.details)
-    real = [d for d in s.details if EMPTY_FILE not in d]
-    assert real == [], "\n".join(real)
-    if s.details:  # the one known gap: a stray empty /run/netns file, reported, not hidden
-        pytest.xfail("\n".join(s.details))
+    # an empty /run/netns file left by a kill between unmount and unlink is tagged with an
+    # xattr, so the next run removes it: it is a leak like any other
+    assert s.details == [], "\n".join(s.details)

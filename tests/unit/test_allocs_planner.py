@@ -430,3 +430,20 @@ def test_allocs_converge_and_tear_down(first: DesiredState, second: DesiredState
         assert set(host.netns) == set(d.allocs)
     assert not host.links and not host.netns
     assert all(not rules for rules in host.fw[4].chains.values())
+
+
+def test_tagged_empty_netns_file_is_removed_untagged_left_alone():
+    from reconciler.live import LiveNetns, LiveState
+    from reconciler.model import DesiredState
+    from reconciler.ownership import alloc_ns_alias
+    from reconciler.plan import Action
+    from reconciler.planner import PlanOptions, make_plan
+
+    live = LiveState(host_id="42", netns={
+        "ours": LiveNetns("ours", usable=False, file_mark=alloc_ns_alias("42")),
+        "other-host": LiveNetns("other-host", usable=False, file_mark=alloc_ns_alias("7")),
+        "foreign": LiveNetns("foreign", usable=False)})
+    for prune in (True, False):  # garbage, not an undeclared resource: removed either way
+        plan = make_plan(DesiredState(), live, PlanOptions(prune=prune))
+        assert [(c.name, c.action) for c in plan.actionable] == [("ours", Action.DELETE)]
+        assert plan.actionable[0].ops[0].name == "netns.delete"
