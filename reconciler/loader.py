@@ -18,10 +18,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import yaml
+
+if TYPE_CHECKING:
+    import jsonschema
 
 from reconciler.errors import ConfigError, ConfigErrors
 from reconciler.model import (
@@ -272,6 +274,8 @@ def schema() -> dict[str, Any]:
 
 @cache
 def _validator() -> jsonschema.protocols.Validator:
+    import jsonschema  # ~50 ms to import: only invalid files (and tests) need it
+
     cls = jsonschema.validators.validator_for(schema())
     validator: jsonschema.protocols.Validator = cls(schema(), format_checker=cls.FORMAT_CHECKER)
     return validator
