@@ -375,31 +375,35 @@ def validate_schema(doc: Document) -> list[ConfigError]:
 # --------------------------------------------------------------------------- semantics
 
 
-def _net4(doc: Document, path: Path, text: str) -> ipaddress.IPv4Network:
+_PREFIX_EXAMPLE = {4: "an IPv4 prefix like 172.26.64.0/20", 6: "an IPv6 prefix like fd00:a:b::/64"}
+_OTHER_FIELDS = {4: "cidr6/subnet6 for IPv6", 6: "cidr/subnet for IPv4"}
+
+
+def _prefix(doc: Document, path: Path, text: str,
+            version: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
         net = ipaddress.ip_network(text, strict=False)
     except ValueError:
-        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not an IPv4 prefix "
-                              "like 172.26.64.0/20") from None
-    if not isinstance(net, ipaddress.IPv4Network):
-        raise doc.error(path, f"{format_path(path)}: {text} is IPv6; use cidr6/subnet6 for IPv6")
-    if str(net) != text and ipaddress.ip_interface(text).ip != net.network_address:
+        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not "
+                              f"{_PREFIX_EXAMPLE[version]}") from None
+    if net.version != version:
+        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use "
+                              f"{_OTHER_FIELDS[version]}")
+    if ipaddress.ip_interface(text).ip != net.network_address:
         raise doc.error(path, f"{format_path(path)}: {text} has host bits set; "
                               f"did you mean {net}?")
     return net
 
 
+def _net4(doc: Document, path: Path, text: str) -> ipaddress.IPv4Network:
+    net = _prefix(doc, path, text, 4)
+    assert isinstance(net, ipaddress.IPv4Network)
+    return net
+
+
 def _net6(doc: Document, path: Path, text: str) -> ipaddress.IPv6Network:
-    try:
-        net = ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not an IPv6 prefix "
-                              "like fd00:a:b::/64") from None
-    if not isinstance(net, ipaddress.IPv6Network):
-        raise doc.error(path, f"{format_path(path)}: {text} is IPv4; use cidr/subnet for IPv4")
-    if ipaddress.ip_interface(text).ip != net.network_address:
-        raise doc.error(path, f"{format_path(path)}: {text} has host bits set; "
-                              f"did you mean {net}?")
+    net = _prefix(doc, path, text, 6)
+    assert isinstance(net, ipaddress.IPv6Network)
     return net
 
 

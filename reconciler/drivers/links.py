@@ -656,8 +656,8 @@ class Netlink:
 
     # -- lookups ----------------------------------------------------------------------
 
-    def link_index(self, name: str, ns: str | None = None) -> int | None:
-        """ifindex of ``name`` (here or inside ``ns``), None when absent."""
+    def _lookup(self, name: str, ns: str | None) -> bytes | None:
+        """The raw RTM_NEWLINK reply for ``name`` (here or inside ``ns``), None when absent."""
         try:
             replies = self._sock(ns).request(
                 RTM_GETLINK, 0, _ifinfo() + _str(IFLA_IFNAME, name)
@@ -666,21 +666,17 @@ class Netlink:
             if e.errno == errno.ENODEV:
                 return None
             raise
-        for raw in replies:
-            return int(_IFINFO.unpack_from(raw, 16)[2])
-        return None
+        return replies[0] if replies else None
+
+    def link_index(self, name: str, ns: str | None = None) -> int | None:
+        """ifindex of ``name`` (here or inside ``ns``), None when absent."""
+        raw = self._lookup(name, ns)
+        return None if raw is None else int(_IFINFO.unpack_from(raw, 16)[2])
 
     def get_link(self, name: str, ns: str | None = None) -> LiveLink | None:
         """One link without addresses (master shown as ``if<N>``), None when absent."""
-        try:
-            replies = self._sock(ns).request(
-                RTM_GETLINK, 0, _ifinfo() + _str(IFLA_IFNAME, name)
-                + _u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS), f"link {name}: look up")
-        except DriverError as e:
-            if e.errno == errno.ENODEV:
-                return None
-            raise
-        return parse_link(NlMsg.decode(replies[0]), {}) if replies else None
+        raw = self._lookup(name, ns)
+        return None if raw is None else parse_link(NlMsg.decode(raw), {})
 
     def peek_lo_alias(self, name: str) -> str | None:
         """The alias of ``lo`` inside namespace ``name``, without caching a socket there.
