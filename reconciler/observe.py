@@ -95,8 +95,10 @@ class Observer:
         """Declared Docker networks and every network we own, or None.
 
         Whether we own networks only the daemon can say, so it is asked even
-        when nothing Docker is declared; but then an unreachable daemon is no
-        error (None): a host without Docker must not fail host-only runs.
+        when nothing Docker is declared. A host without Docker (no socket) is
+        None: host-only runs must not fail for it. A socket whose daemon does
+        not answer is reported, so the planner can warn that owned networks
+        were not checked (an error only when networks are declared).
         """
         if not desired.docker_networks:
             # Host-only run: skip the SDK unless this reconciler owns networks to prune.
@@ -105,7 +107,7 @@ class Observer:
                 return None
         live = self.ops.docker.observe(sorted(desired.docker_networks))
         if not live.available:
-            return live if desired.docker_networks else None
+            return live
         return dataclasses.replace(live, scope=docker_scope())
 
 

@@ -51,6 +51,11 @@ def plan_docker_networks(ctx: PlanContext) -> list[Change]:
     docker = ctx.live.docker
     if docker is None and not ctx.desired.docker_networks:
         return []  # nothing declared and the daemon is absent: host-only run
+    if docker is not None and not docker.available and not ctx.desired.docker_networks:
+        # nothing declared: only pruning was at stake, so say so rather than fail the run
+        ctx.warnings.append(_unavailable_line(docker).replace(
+            "docker networks not planned", "owned docker networks not checked for pruning"))
+        return []
     if docker is None or not docker.available:
         # Plan nothing for Docker rather than something half-known; the host
         # resources still plan and apply, and the run exits non-zero.

@@ -430,3 +430,16 @@ def test_malformed_op_is_a_driver_error() -> None:
 
     with pytest.raises(DriverError, match="malformed docker op"):
         _ops(FakeDriver()).run(Op("docker.ensure", {"spec": {"mtu": 1}}))
+
+
+def test_daemon_down_with_nothing_declared_is_a_warning_not_an_error():
+    from reconciler.live import LiveDocker, LiveState
+    from reconciler.model import DesiredState
+    from reconciler.planner import PlanOptions, make_plan
+
+    live = LiveState(docker=LiveDocker(available=False,
+                                       error="docker daemon unreachable at unix:///x: refused"))
+    plan = make_plan(DesiredState(), live, PlanOptions())
+    assert plan.errors == ()
+    assert plan.warnings == ("docker: daemon unreachable at unix:///x: refused — owned docker "
+                             "networks not checked for pruning",)
