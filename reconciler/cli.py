@@ -392,14 +392,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _normalise_argv(argv: list[str]) -> list[str]:
     """`reconcile --plan PATH…` is `reconcile plan PATH…`."""
     out = list(argv)
-    for i, a in enumerate(out):
+    i = 0
+    while i < len(out):
+        a = out[i]
         if a == "--plan":
             out[i] = "plan"
             break
         if not a.startswith("-"):
             break
-        if a == "--netns" or a == "--color":
-            continue
+        i += 2 if a in ("--netns", "--color") else 1  # these take a value
     return out
 
 

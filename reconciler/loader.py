@@ -523,6 +523,25 @@ def _subnet(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> No
             raw.get("masquerade", True), doc.source(path))
 
 
+def _host_ip(doc: Document, path: Path,
+             text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """A port map's host address; the unspecified address means every address (None)."""
+    if "%" in text:
+        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)}: zone ids are not "
+                              "supported; give a global or loopback address")
+    ip = _ip(doc, path, text)
+    if ip.is_unspecified:
+        return None
+    if ip.is_multicast or ip.is_link_local:
+        raise doc.error(path, f"{format_path(path)}: {ip} is a multicast or link-local address; "
+                              "a port map needs an address of this host")
+    if ip.version == 6 and ip.is_loopback:
+        raise doc.error(path, f"{format_path(path)}: {ip}: IPv6 loopback cannot be forwarded to "
+                              "an allocation (Linux has no route_localnet for IPv6); use "
+                              "127.0.0.1")
+    return ip
+
+
 def _alloc(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     aid = raw["id"]
     address = address6 = None
@@ -540,7 +559,7 @@ def _alloc(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
     ports: list[PortMap] = []
     for i, p in enumerate(raw.get("ports", [])):
         pp = (*path, "ports", i)
-        host_ip = _ip(doc, (*pp, "host_ip"), p["host_ip"]) if "host_ip" in p else None
+        host_ip = _host_ip(doc, (*pp, "host_ip"), p["host_ip"]) if "host_ip" in p else None
         ports.append(PortMap(None if p["host"] == "auto" else int(p["host"]), int(p["to"]),
                              p.get("protocol", "tcp"), host_ip))
     if c.claim("alloc", aid, doc, path):
@@ -680,6 +699,12 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
             else:
                 addresses[addr] = a.id
         for i, p in enumerate(a.ports):
+            if p.host_ip is not None and p.host_ip.version == 6 and sn.cidr6 is None:
+                here = c.seen[("alloc", a.id)]
+                pos = here.doc.where((*here.path, "ports", i, "host_ip"))
+                yield ConfigError(f"alloc {a.id!r}: host_ip {p.host_ip} is IPv6 but subnet "
+                                  f"{sn.name!r} has no cidr6", file=here.doc.file,
+                                  line=pos.line, col=pos.col)
             if p.host is None:
                 continue
             for proto in p.protocols:

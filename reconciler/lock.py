@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from reconciler.errors import LockedError
+from reconciler.errors import LockedError, PreconditionError
 
 LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
 
@@ -26,9 +26,14 @@ def lock_path() -> str:
 @contextmanager
 def host_lock(timeout: float = 60.0, poll: float = 0.1) -> Iterator[None]:
     """Hold the host lock; wait up to ``timeout`` seconds, then fail naming the holder."""
-    os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
     path = lock_path()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise PreconditionError(f"cannot open the host lock {path}: {exc.strerror} "
+                                "(run as root; RECONCILER_LOCK_DIR must be a writable "
+                                "directory)") from None
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -424,7 +424,14 @@ _ROUTE_DUMP = _RTMSG.pack(0, 0, 0, 0, RT_TABLE_MAIN, 0, 0, 0, 0)
 
 
 def _no_ipv6_ll() -> bytes:
-    """IFLA_AF_SPEC: no IPv6 link-local address on this link (addrgenmode none)."""
+    """IFLA_AF_SPEC: no IPv6 link-local address on this link (addrgenmode none).
+
+    Empty when the kernel has no IPv6 (``ipv6.disable=1``): it would refuse the
+    whole message for an AF_INET6 block (EAFNOSUPPORT), and there is no
+    link-local address to avoid anyway.
+    """
+    if not os.path.isdir("/proc/sys/net/ipv6"):
+        return b""
     return _nested(IFLA_AF_SPEC, _nested(socket.AF_INET6, _u8(IFLA_INET6_ADDR_GEN_MODE,
                                                               IN6_ADDR_GEN_MODE_NONE)))
 
@@ -919,7 +926,9 @@ class Netlink:
     def del_default_route(self, version: int, *, ns: str | None = None) -> bool:
         """Remove the default route of one IP version. False if there was none."""
         family = socket.AF_INET if version == 4 else socket.AF_INET6
-        body = _RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, 0, RT_SCOPE_UNIVERSE, 0, 0)
+        # our protocol only: never a default route someone else put there
+        body = _RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, ownership.ROUTE_PROTO,
+                           RT_SCOPE_UNIVERSE, 0, 0)
         where = f" in namespace {ns}" if ns else ""
         try:
             self._sock(ns).request(RTM_DELROUTE, 0, body,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from reconciler.errors import PlanError
 from reconciler.live import LiveState
-from reconciler.model import KIND_ORDER, DesiredState
+from reconciler.model import DesiredState
 from reconciler.ownership import CHAIN_PREFIX
 from reconciler.plan import Action, Change, Op, Plan, fingerprint
 from reconciler.planner import allocs, docker, firewall, hostlinks
@@ -25,7 +25,10 @@ def _sysctl_changes(ctx: PlanContext) -> list[Change]:
     return out
 
 
-_ORDER = {k: i for i, k in enumerate((*KIND_ORDER, "sysctl", "firewall"))}
+# Docker networks come last: a daemon refusing one (pool overlap, ...) stops the run,
+# and must not leave the host's allocations without their sysctls and rules.
+_ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "sysctl", "firewall",
+                                      "docker_network"))}
 
 
 def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | None = None,

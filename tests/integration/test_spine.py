@@ -246,3 +246,18 @@ def test_netns_that_does_not_exist_is_a_clear_error():
     from tests.conftest import reconcile, unique
     r = reconcile("plan", EXAMPLE, netns=unique())
     assert r.rc == 1 and "Traceback" not in r.all and r.err.startswith("error:")
+
+
+def test_plan_alias_after_global_options(host_ns: Netns):
+    import subprocess
+    import sys
+    for extra in ((), ("--color", "never")):
+        p = subprocess.run([sys.executable, "-m", "reconciler", "--netns", host_ns.name, *extra,
+                            "--plan", EXAMPLE], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert "+ bridge rcl0" in p.stdout
+
+
+def test_lock_dir_problem_is_one_clear_error(host_ns: Netns):
+    r = host_ns.reconcile("apply", EXAMPLE, env={"RECONCILER_LOCK_DIR": "/etc/hostname/x"})
+    assert r.rc == 1 and "cannot open the host lock" in r.err and "internal error" not in r.err

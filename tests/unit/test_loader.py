@@ -116,6 +116,15 @@ BAD = [
      8, "is not an IP address"),
     ("version: 1\nbridges: [{name: b}]\nsubnets: [{name: s, bridge: b, cidr: 10.0.0.0/24}]\n"
      "allocs:\n  - {id: a, subnet: s, address6: 'fd00::5'}\n", 5, "has no cidr6"),
+    ("version: 1\nbridges: [{name: b}]\nsubnets: [{name: s, bridge: b, cidr: 10.0.0.0/24}]\n"
+     "allocs:\n  - id: a\n    subnet: s\n    ports:\n      - {host: 80, to: 80, host_ip: 'fd00::1%eth0'}\n",
+     8, "zone ids are not supported"),
+    ("version: 1\nbridges: [{name: b}]\nsubnets: [{name: s, bridge: b, cidr: 10.0.0.0/24}]\n"
+     "allocs:\n  - id: a\n    subnet: s\n    ports:\n      - {host: 80, to: 80, host_ip: '::1'}\n",
+     8, "IPv6 loopback cannot be forwarded"),
+    ("version: 1\nbridges: [{name: b}]\nsubnets: [{name: s, bridge: b, cidr: 10.0.0.0/24}]\n"
+     "allocs:\n  - id: a\n    subnet: s\n    ports:\n      - {host: 80, to: 80, host_ip: 'fd00::1'}\n",
+     8, "is IPv6 but subnet 's' has no cidr6"),
     ("version: 1\ndocker_networks:\n  - {name: bridge}\n", 3, "Docker's own networks"),
     ("version: 1\ndocker_networks:\n  - {name: k, subnet6: 'fd00::/64', ipv6: false}\n", 3,
      "is false but subnet6"),
