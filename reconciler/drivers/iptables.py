@@ -39,11 +39,24 @@ def _split(line: str) -> tuple[str, ...]:
     return tuple(plain or quoted for quoted, plain in _TOKEN.findall(line))
 
 
+_PLAIN = re.compile(r'^[^\s"\'\\]+$')
+
+
+def _quote(token: str) -> str:
+    """A token as iptables-restore reads it back."""
+    if _PLAIN.match(token):
+        return token
+    return '"' + token.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def parse_save(text: str) -> LiveChainSet:
     """Parse ``iptables-save`` output (pure).
 
-    Rules are kept as the token tuple after ``-A CHAIN`` (shlex-split, so the
-    quoting iptables-save applies to comments does not matter).
+    Each rule is kept as its tokens after ``-A CHAIN``, joined by single spaces,
+    in a canonical quoting: plain tokens bare, any token with a space or quote in
+    double quotes. Ours never need quotes, so they compare equal to what the
+    planner renders; anyone else's can be written back into a restore script
+    (``-D CHAIN <rule>``) exactly as it was.
     """
     chains: dict[tuple[str, str], list[tuple[str, ...]]] = {}
     policies: dict[tuple[str, str], str] = {}
@@ -65,7 +78,7 @@ def parse_save(text: str) -> LiveChainSet:
             chains.setdefault((table, tokens[1]), []).append(tokens[2:])
     return LiveChainSet(
         available=True,
-        chains={k: tuple(" ".join(r) for r in v) for k, v in chains.items()},
+        chains={k: tuple(" ".join(_quote(t) for t in r) for r in v) for k, v in chains.items()},
         policies=policies,
     )
 

@@ -61,6 +61,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         if not ctx.options.prune and not has_desired:
             continue
         d = firewall.diff(rules, live_rules)
+        ctx.warnings.extend(d.warnings)
         ctx.observed[f"firewall/ipv{family}"] = {
             f"{t}/{c}": list(r) for (t, c), r in sorted(live_rules.chains.items())
             if c.startswith(CHAIN_PREFIX) or c in ("FORWARD", "POSTROUTING",

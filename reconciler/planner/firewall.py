@@ -99,17 +99,34 @@ def _owned_chains(live: LiveChainSet) -> dict[tuple[str, str], tuple[str, ...]]:
     return {k: v for k, v in live.chains.items() if k[1].startswith(CHAIN_PREFIX)}
 
 
+_OUR_JUMP_MARK = f"--comment {RULE_COMMENT} -j {CHAIN_PREFIX}"
+
+
 def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
-    """Rules in built-in chains that jump to one of our chains, by (table, builtin)."""
+    """Our jump rules (carrying our comment) in chains we do not own, by (table, chain)."""
     out: dict[tuple[str, str], list[str]] = {}
     for (table, chain), rules in live.chains.items():
         if chain.startswith(CHAIN_PREFIX):
             continue
         for r in rules:
-            toks = r.split()
-            if len(toks) >= 2 and toks[-2] == "-j" and toks[-1].startswith(CHAIN_PREFIX):
+            if _OUR_JUMP_MARK in r:
                 out.setdefault((table, chain), []).append(r)
     return out
+
+
+def _foreign_references(live: LiveChainSet, table: str, chain: str) -> list[str]:
+    """Rules someone else wrote that jump or go to ``chain``: we never delete those."""
+    refs = []
+    for (t, c), rules in live.chains.items():
+        if t != table or c.startswith(CHAIN_PREFIX):
+            continue
+        for r in rules:
+            toks = r.split()
+            if _OUR_JUMP_MARK not in r and any(
+                    toks[i] in ("-j", "-g", "--jump", "--goto") and toks[i + 1] == chain
+                    for i in range(len(toks) - 1)):
+                refs.append(f"{c}: {r}")
+    return refs
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,7 @@ class FirewallDiff:
     stale_owners: frozenset[str]
     empty_desired: bool
     empty_live: bool
+    warnings: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -137,6 +155,7 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
         return per_table.setdefault(table, ([], [], [], []))[i]
 
     attrs: list[AttrChange] = []
+    warnings: list[str] = []
     missing: set[str] = set()
     stale: set[str] = set()
     desired_keys = {(rs.table_of(ch), ch) for ch, rules in rs.chains.items() if rules}
@@ -175,13 +194,22 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
     for (table, chain) in sorted(owned):
         if (table, chain) in desired_keys:
             continue
+        ours = [(builtin, j) for (jt, builtin), rules in live_jumps.items() if jt == table
+                for j in rules if j.split()[-1] == chain]
+        foreign = _foreign_references(live, table, chain)
+        if foreign:
+            # -X would fail (and abort the whole transaction) while a rule refers to it
+            warnings.append(f"ipv{rs.family} {table}/{chain} is no longer needed but is kept "
+                            f"(emptied): rules the reconciler did not write refer to it: "
+                            f"{'; '.join(foreign[:3])}")
+            if not owned[(table, chain)] and not ours:
+                continue  # already as empty as it can be: nothing to do, every run
         stale |= {o for r in owned[(table, chain)] if (o := owner_of(r))}
         attrs.append(AttrChange(f"{table}/{chain}", f"{len(owned[(table, chain)])} rules", None))
-        for (jt, builtin), rules in live_jumps.items():
-            if jt == table:
-                bucket(table, 2).extend(f"-D {builtin} {j}" for j in rules
-                                        if j.split()[-1] == chain)
-        bucket(table, 3).extend((f"-F {chain}", f"-X {chain}"))
+        bucket(table, 2).extend(f"-D {builtin} {j}" for builtin, j in ours)
+        bucket(table, 3).append(f"-F {chain}")
+        if not foreign:
+            bucket(table, 3).append(f"-X {chain}")
 
     script = ""
     for table in sorted(per_table, key=lambda t: (t not in TABLE_ORDER, t)):
@@ -189,7 +217,7 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
         if lines:
             script += f"*{table}\n" + "\n".join(lines) + "\nCOMMIT\n"
     return FirewallDiff(script, tuple(attrs), frozenset(missing), frozenset(stale),
-                        not desired_keys, not owned)
+                        not desired_keys, not owned, tuple(warnings))
 
 
 def firewall_change(family: int, d: FirewallDiff) -> Change | None:

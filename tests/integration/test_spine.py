@@ -261,3 +261,25 @@ def test_plan_alias_after_global_options(host_ns: Netns):
 def test_lock_dir_problem_is_one_clear_error(host_ns: Netns):
     r = host_ns.reconcile("apply", EXAMPLE, env={"RECONCILER_LOCK_DIR": "/etc/hostname/x"})
     assert r.rc == 1 and "cannot open the host lock" in r.err and "internal error" not in r.err
+
+
+def test_foreign_rules_referring_to_our_chains_are_never_touched(host_ns: Netns, tmp_path):
+    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+    # someone adds their own jump to our chain, with a comment that needs quoting
+    host_ns.run("iptables", "-A", "FORWARD", "-m", "comment", "--comment", "added by ops team",
+                "-j", "RECONCILER-FORWARD")
+    r = host_ns.reconcile("apply", EXAMPLE)
+    assert r.rc == 0, r.all
+    assert host_ns.reconcile("plan", EXAMPLE).rc == 0
+    rules = host_ns.run("iptables", "-S", "FORWARD").stdout
+    assert '--comment "added by ops team" -j RECONCILER-FORWARD' in rules
+    assert rules.count("--comment reconciler -j RECONCILER-FORWARD") == 1
+    # destroy keeps (empties) the chain their rule needs, says so, and is then stable
+    r = host_ns.reconcile("destroy")
+    assert r.rc == 0, r.all
+    assert "added by ops team" in r.out and "kept" in r.out
+    save = host_ns.iptables_save(4)
+    assert ":RECONCILER-FORWARD" in save and "-A RECONCILER-FORWARD" not in save
+    assert '--comment "added by ops team" -j RECONCILER-FORWARD' in save
+    empty = write(tmp_path, "e.yaml", "version: 1\n")
+    assert host_ns.reconcile("plan", empty).rc == 0
