@@ -193,11 +193,11 @@ def _plan_pruned(ctx: PlanContext, docker: LiveDocker,
             continue
         busy = sum(n.containers for n in mine)
         if busy:
-            ctx.blocked.add(address)
-            changes.append(Change(
-                KIND, name, Action.CONFLICT,
-                f"no longer declared, but {busy} container{'s are' if busy != 1 else ' is'} "
-                "attached; it is left alone (detach them, or keep it with --no-prune)"))
+            # Ours, so not a conflict that blocks the run: pruning it is merely postponed.
+            ctx.warnings.append(
+                f"docker network {name}: no longer declared, but {busy} "
+                f"container{'s are' if busy != 1 else ' is'} attached; not removed yet "
+                "(it is removed once they are detached)")
             continue
         changes.append(Change(
             KIND, name, Action.DELETE, "no longer declared",
