@@ -38,6 +38,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     changes: list[Change] = []
     # Subnets first: they claim the bridge addresses that are theirs, bridges then
     # remove only owned addresses nobody claims.
+    hostlinks.mark_blocked_bridges(ctx)
     subnet_changes = [hostlinks.plan_subnet(ctx, desired.subnets[n])
                       for n in sorted(desired.subnets)]
     subnet_changes += hostlinks.plan_pruned_subnets(ctx)

@@ -434,7 +434,10 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     live_rules = _rules_by_alloc(ctx)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        changes.append(plan_alloc(ctx, a, addrs[aid], ports[aid], live_rules))
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], live_rules)
+        changes.append(change)
+        if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
+            continue  # nothing of a blocked alloc reaches the firewall
         alloc_rules(ctx, a, addrs[aid], ports[aid])
         if a.ports:
             with_ports.add(a.subnet)

@@ -80,8 +80,21 @@ def _wanted_addresses(s: Subnet) -> list[str]:
     return out
 
 
+def mark_blocked_bridges(ctx: PlanContext) -> None:
+    """Bridges that are conflicts block their subnets and allocs: know it before planning them."""
+    for name in ctx.desired.bridges:
+        link = ctx.live.links.get(name)
+        if link is not None and (link.kind != "bridge" or
+                                 (not link.owned and not ctx.adopted("bridge", name))):
+            ctx.blocked.add(f"bridge/{name}")
+
+
 def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     src = str(s.source)
+    if f"bridge/{s.bridge}" in ctx.blocked:
+        ctx.blocked.add(f"subnet/{s.name}")
+        ctx.observed[f"subnet/{s.name}"] = {"blocked": s.bridge}
+        return Change("subnet", s.name, Action.NOOP, f"blocked by bridge {s.bridge}", source=src)
     ctx.sysctls["net/ipv4/ip_forward"] = "1"
     if s.cidr6 is not None:
         ctx.sysctls["net/ipv6/conf/all/forwarding"] = "1"
@@ -96,9 +109,6 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
         "rules4": _rules_of(ctx, 4, f"subnet={s.name}"),
         "rules6": _rules_of(ctx, 6, f"subnet={s.name}"),
     }
-    if f"bridge/{s.bridge}" in ctx.blocked:
-        ctx.blocked.add(f"subnet/{s.name}")
-        return Change("subnet", s.name, Action.NOOP, f"blocked by bridge {s.bridge}", source=src)
     managed = _managed_bridge(ctx, s.bridge)
     have = {str(a.address): a for a in (managed.addresses if managed else ())}
     ops: list[Op] = []

@@ -238,3 +238,11 @@ def test_apply_then_plan_is_empty(first: DesiredState, second: DesiredState):
     assert not host.links
     assert all(not k[1].startswith("RECONCILER-") for k in host.fw[4].chains)
     assert all(not rules for rules in host.fw[4].chains.values())
+
+
+def test_conflicting_bridge_blocks_its_subnet_rules_and_sysctls():
+    host = FakeHost()
+    host.add_link("nomad", "veth")
+    p = plan(host, EXAMPLE)
+    assert actions(p) == {"bridge/nomad": Action.CONFLICT}
+    assert not any(c.kind in ("firewall", "sysctl") for c in p.changes)
