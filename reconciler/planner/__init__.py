@@ -52,6 +52,8 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     if ctx.fatal:
         raise PlanError("\n".join(ctx.fatal))
     changes += _sysctl_changes(ctx)
+    if not ctx.options.prune:
+        _keep_undeclared_rules(ctx)
     for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
                                       (6, ctx.rules6, live.firewall6)):
         has_desired = any(rules.chains.values())
@@ -73,6 +75,20 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     changes.sort(key=_sort_key)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors))
+
+
+def _keep_undeclared_rules(ctx: PlanContext) -> None:
+    """With --no-prune, the rules of subnets and allocs no file declares stay as they are."""
+    declared = {f"subnet={n}" for n in ctx.desired.subnets} | {
+        f"alloc={n}" for n in ctx.desired.allocs}
+    for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
+        for (_table, chain), live_rules in sorted(live.chains.items()):
+            if not chain.startswith(CHAIN_PREFIX):
+                continue
+            for r in live_rules:
+                owner = firewall.owner_of(r)
+                if owner is not None and owner not in declared:
+                    rules.chains.setdefault(chain, []).append(r)
 
 
 def _sort_key(c: Change) -> tuple[int, int, str]:

@@ -78,6 +78,11 @@ def _assign(ctx: PlanContext, s: Subnet, members: list[Alloc], version: int) -> 
     gateway = s.gateway if version == 4 else s.gateway6
     lo, hi = _bounds(s, version)
     taken: set[int] = {int(gateway)} if gateway is not None else set()
+    if not ctx.options.prune:
+        # allocations kept undeclared (--no-prune) still hold their addresses
+        for name in ctx.live.netns:
+            if name not in ctx.desired.allocs and (kept := _live_addr(ctx, name, version)):
+                taken.add(int(kept))
     out: dict[str, IPAddr] = {}
     for a in members:
         declared = a.address if version == 4 else a.address6

@@ -210,16 +210,17 @@ def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
     for name in sorted(found):
         bridge, cidrs = found[name]
         ctx.observed[f"subnet/{name}"] = {"bridge": bridge, "cidrs": sorted(cidrs)}
-        if not ctx.options.prune:
-            continue
         ops = []
         managed = _managed_bridge(ctx, bridge) if bridge else None
         if managed is not None and bridge is not None:
             for a in managed.addresses:
                 if a.owned and any(a.address.ip in ipaddress.ip_network(c) for c in cidrs) \
                         and (bridge, str(a.address)) not in ctx.claimed_addresses:
+                    # claimed either way: with --no-prune the gateway stays, it is no stray
                     ops.append(Op("addr.del", {"link": bridge, "address": str(a.address)}))
                     ctx.claimed_addresses.add((bridge, str(a.address)))
+        if not ctx.options.prune:
+            continue
         changes.append(Change("subnet", name, Action.DELETE, "no longer declared",
                               (AttrChange("cidr", sorted(cidrs), None),), tuple(ops)))
     return changes

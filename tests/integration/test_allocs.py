@@ -878,3 +878,35 @@ def test_ip_netns_exec_is_refused_before_any_change(host_ns: Netns, tmp_path):
     assert aid not in netns_list() and not os.path.exists(f"/run/netns/{aid}")
     # the same through --netns works
     apply_ok(host_ns, path)
+
+
+def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: Netns, tmp_path):
+    """--no-prune: nothing undeclared is removed, and its addresses are not handed out again."""
+    a, b, c = alloc_ids(3)
+    two = (f"version: 1\nbridges: [{{name: {BRIDGE}}}]\nsubnets:\n"
+           f"  - {{name: sa, bridge: {BRIDGE}, cidr: 10.78.0.0/24}}\n"
+           f"  - {{name: sb, bridge: {BRIDGE}, cidr: 10.79.0.0/24, cidr6: 'fd00:79::/64'}}\n"
+           f"allocs:\n  - {{id: {a}, subnet: sa, ports: [{{host: 8080, to: 80}}]}}\n"
+           f"  - {{id: {b}, subnet: sb, ports: [{{host: 8081, to: 80}}]}}\n")
+    assert host_ns.reconcile("apply", write(tmp_path, "two.yaml", two)).rc == 0
+    held = addrs_of(b, version=4)
+    # sb and its alloc leave the file; a new alloc arrives on sa
+    one = (f"version: 1\nbridges: [{{name: {BRIDGE}}}]\nsubnets:\n"
+           f"  - {{name: sa, bridge: {BRIDGE}, cidr: 10.78.0.0/24}}\n"
+           f"allocs:\n  - {{id: {a}, subnet: sa, ports: [{{host: 8080, to: 80}}]}}\n"
+           f"  - {{id: {c}, subnet: sa}}\n")
+    path = write(tmp_path, "one.yaml", one)
+    before = host_ns.iptables_save(4)
+    r = host_ns.reconcile("apply", "--no-prune", path)
+    assert r.rc == 0, r.all
+    assert "- " not in r.out.replace("-/+", "")  # nothing deleted
+    assert host_ns.addrs(BRIDGE) == sorted(["10.78.0.1/24", "10.79.0.1/24", "fd00:79::1/64"])
+    after = host_ns.iptables_save(4)
+    for rule in (f'"reconciler:alloc={b}"', '"reconciler:subnet=sb"'):
+        assert before.count(rule) == after.count(rule) > 0
+    assert addrs_of(b, version=4) == held and b in netns_list()
+    assert addrs_of(c, version=4) != held  # not handed out twice
+    assert host_ns.reconcile("plan", "--no-prune", path).rc == 0
+    # with pruning, they go
+    assert host_ns.reconcile("apply", path).rc == 0
+    assert b not in netns_list() and '"reconciler:subnet=sb"' not in host_ns.iptables_save(4)
