@@ -138,7 +138,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
         files = [p for p, _h in saved.files]
         if not files:
             raise ConfigError("the saved plan names no desired-state files", file=args.paths[0])
-        return _apply(args, _load(files), _plan_options(args), saved)
+        if args.no_prune or args.adopt or args.force_replace:
+            raise ConfigError("apply of a saved plan uses the options it was planned with; "
+                              "give --no-prune/--adopt/--force-replace to `plan --out`",
+                              file=args.paths[0])
+        from reconciler.planner import PlanOptions
+
+        o = saved.options
+        options = PlanOptions(prune=bool(o.get("prune", True)),
+                              adopt=frozenset(o.get("adopt", ())),
+                              force_replace=bool(o.get("force_replace", False)))
+        return _apply(args, _load(files), options, saved)
     return _apply(args, _load(args.paths), _plan_options(args))
 
 

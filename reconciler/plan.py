@@ -109,6 +109,8 @@ class Plan:
     files: tuple[tuple[str, str], ...] = ()
     warnings: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()  # e.g. Docker unreachable: those resources are not planned
+    #: the options it was planned with (prune, adopt, force_replace): `apply FILE` reuses them
+    options: dict[str, Json] = field(default_factory=dict)
 
     @property
     def actionable(self) -> tuple[Change, ...]:
@@ -139,6 +141,7 @@ class Plan:
             "files": [{"path": p, "sha256": h} for p, h in self.files],
             "warnings": list(self.warnings),
             "errors": list(self.errors),
+            "options": self.options,
         }
 
     @classmethod
@@ -147,13 +150,20 @@ class Plan:
             raise ValueError(f"unsupported plan format {raw.get('format_version')!r}")
         return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
                    tuple((f["path"], f["sha256"]) for f in raw.get("files", [])),
-                   tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])))
+                   tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
+                   dict(raw.get("options", {})))
 
     def same_work(self, other: Plan) -> bool:
-        """True when both plans would run the same ops on the same live state."""
-        mine = [c.to_json() for c in self.changes if c.action is not Action.NOOP]
-        theirs = [c.to_json() for c in other.changes if c.action is not Action.NOOP]
-        return mine == theirs and self.live_fingerprint == other.live_fingerprint
+        """True when both plans would run the same ops on the same live state.
+
+        Where a resource was declared (``source``) is for people and may be
+        spelled differently (relative vs absolute path): it is not compared.
+        """
+        def work(plan: Plan) -> list[dict[str, Json]]:
+            return [{k: v for k, v in c.to_json().items() if k != "source"}
+                    for c in plan.changes if c.action is not Action.NOOP]
+
+        return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint
 
 
 def fingerprint(view: Json) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ def file_hashes(files: Sequence[str]) -> tuple[tuple[str, str], ...]:
     out = []
     for f in files:
         with open(f, "rb") as fh:
-            out.append((f, hashlib.sha256(fh.read()).hexdigest()))
+            out.append((os.path.abspath(f), hashlib.sha256(fh.read()).hexdigest()))
     return tuple(out)
 
 

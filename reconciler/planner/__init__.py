@@ -73,8 +73,10 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         if ch is not None:
             changes.append(ch)
     changes.sort(key=_sort_key)
+    opts = ctx.options
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
-                tuple(ctx.errors))
+                tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
+                                    "force_replace": opts.force_replace})
 
 
 def _keep_undeclared_rules(ctx: PlanContext) -> None:

@@ -283,3 +283,27 @@ def test_foreign_rules_referring_to_our_chains_are_never_touched(host_ns: Netns,
     assert '--comment "added by ops team" -j RECONCILER-FORWARD' in save
     empty = write(tmp_path, "e.yaml", "version: 1\n")
     assert host_ns.reconcile("plan", empty).rc == 0
+
+
+def test_saved_plan_keeps_its_options_and_works_from_another_directory(host_ns: Netns,
+                                                                       tmp_path):
+    import shutil
+    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+    work = tmp_path / "repo"
+    work.mkdir()
+    shutil.copy(EXAMPLE, work / "net.yaml")
+    (work / "empty.yaml").write_text("version: 1\n")
+    out = str(tmp_path / "plan.json")
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "reconciler", "--netns", host_ns.name, "plan",
+                        "--no-prune", "--out", out, "empty.yaml"], cwd=work,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr  # nothing to do without pruning
+    with open(out) as fh:
+        assert json.load(fh)["options"]["prune"] is False
+    r = host_ns.reconcile("apply", out)  # from another directory, with the plan's options
+    assert r.rc == 0, r.all
+    assert host_ns.link("rcl0") is not None
+    r = host_ns.reconcile("apply", "--no-prune", out)
+    assert r.rc == 1 and "options it was planned with" in r.err
