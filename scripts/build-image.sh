@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 SUITE=${SUITE:-bookworm}
 BASE_IMAGE=${BASE_IMAGE:-reconciler-base:$SUITE}
 IMAGE=${IMAGE:-reconciler:dev}
-PACKAGES=python3,python3-venv,iproute2,iptables
+PACKAGES=python3,python3-venv,iproute2,iptables,git
 cleanup=()
 trap 'rm -rf "${cleanup[@]}"' EXIT
 
@@ -76,8 +76,9 @@ rm -rf wheelhouse
 if [ "${PIP_IN_IMAGE:-0}" != 1 ]; then
   echo "== pip wheel . (and its dependencies) into wheelhouse/"
   cleanup+=(wheelhouse)
-  python3 -m pip wheel -q --disable-pip-version-check -w wheelhouse . 2>&1 \
-    | grep -v -e "^WARNING: Running pip" -e "^WARNING: Location" >&2 || true
+  py=python3
+  [ -x "${RECONCILER_VENV:-/opt/reconciler}/bin/python" ] && py="${RECONCILER_VENV:-/opt/reconciler}/bin/python"
+  "$py" -m pip wheel -q --disable-pip-version-check -w wheelhouse .
   ls wheelhouse/reconciler-*.whl >/dev/null
 fi
 

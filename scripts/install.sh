@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install everything reconciler needs on Debian (run as root): system packages and the package itself.
+# Install everything reconciler needs on Debian (run as root): system packages, then the
+# package in its own virtualenv (Debian's python3 is "externally managed": no pip install
+# into it), with `reconcile` linked into /usr/local/bin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
+VENV=${RECONCILER_VENV:-/opt/reconciler}
 need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v iptables-restore >/dev/null || need+=(iptables)
@@ -12,12 +15,16 @@ command -v dockerd >/dev/null || need+=(docker.io)
 command -v git >/dev/null || need+=(git)
 [ -x /bin/busybox ] || need+=(busybox-static)
 command -v conntrack >/dev/null || need+=(conntrack)
-command -v python3 >/dev/null || need+=(python3 python3-pip python3-venv)
+command -v python3 >/dev/null || need+=(python3)
+if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+if [ ! -x "$VENV/bin/pip" ]; then
+  python3 -m venv "$VENV"
+fi
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".${extra}" 2>&1 \
-  | grep -v -e "Location 'file" -e "^WARNING: Running pip" || true
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".${extra}"
+ln -sf "$VENV/bin/reconcile" /usr/local/bin/reconcile

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 bash scripts/start-dockerd.sh
-ruff check reconciler tests bench scripts
-mypy
-python3 -m pytest -q -p no:cacheprovider "$@" tests
+VENV=${RECONCILER_VENV:-/opt/reconciler}
+"$VENV/bin/ruff" check reconciler tests bench scripts
+"$VENV/bin/mypy"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" tests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import venv
@@ -37,6 +38,13 @@ def test_wheel_builds_and_runs_from_a_fresh_venv(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     py = str(env_dir / "bin" / "python")
+    # this interpreter may itself be a venv (scripts/install.sh makes one): its packages
+    # are plain path entries for the new one, so their .pth files (the editable install's
+    # finder among them) stay inactive and the wheel is what gets imported
+    new_site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+    with open(os.path.join(new_site, "_host_deps.pth"), "w") as fh:
+        fh.write("\n".join(site.getsitepackages()) + "\n")
     p = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q",
                         "--no-deps", "--no-index", "--disable-pip-version-check",
                         str(wheels[0])], capture_output=True, text=True, timeout=120)
