@@ -262,10 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "network-namespace allocations with port maps, and Docker networks,\n"
                     "kept in YAML files (a directory is read as all its *.yaml files).",
         epilog="examples:\n"
-               "  reconcile validate examples/quickstart.yaml       check a file, touch nothing\n"
-               "  reconcile --netns sandbox plan examples/fleet/    what would change in a sandbox\n"
-               "  reconcile apply /etc/reconciler                   change this host, then verify\n"
-               "  reconcile watch /etc/reconciler                   keep this host converged\n"
+               "  reconcile validate examples/quickstart.yaml     check a file, touch nothing\n"
+               "  reconcile --netns sandbox plan examples/fleet/  what would change in a sandbox\n"
+               "  reconcile apply /etc/reconciler                 change this host, then verify\n"
+               "  reconcile watch /etc/reconciler                 keep this host converged\n"
                "\n"
                "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
                "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
