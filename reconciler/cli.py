@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -31,17 +32,20 @@ def _plan_options(args: argparse.Namespace) -> Any:
     from reconciler.planner import PlanOptions
 
     adopt = frozenset(args.adopt or ())
+    kinds = ("bridge", "subnet", "alloc", "docker_network")
     for a in adopt:
-        if "/" not in a:
-            raise ConfigError(f"--adopt {a}: expected KIND/NAME, e.g. bridge/nomad")
+        kind, _, name = a.partition("/")
+        if kind not in kinds or not name:
+            raise ConfigError(f"--adopt {a}: expected KIND/NAME with KIND one of "
+                              f"{', '.join(kinds)} (e.g. bridge/nomad)")
     return PlanOptions(prune=not args.no_prune, adopt=adopt,
                        force_replace=getattr(args, "force_replace", False))
 
 
-def _load(paths: Sequence[str]) -> DesiredState:
+def _load(paths: Sequence[str], args: argparse.Namespace | None = None) -> DesiredState:
     from reconciler.loader import load
 
-    return load(paths)
+    return load(paths, hostname=getattr(args, "hostname", None))
 
 
 def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
@@ -58,7 +62,7 @@ def _plan_exit(plan: Plan) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    desired = _load(args.paths)
+    desired = _load(args.paths, args)
     print(f"{len(desired.files)} file(s) valid: {len(desired.bridges)} bridges, "
           f"{len(desired.subnets)} subnets, {len(desired.allocs)} allocs, "
           f"{len(desired.docker_networks)} docker networks")
@@ -70,18 +74,27 @@ def _is_saved_plan(paths: Sequence[str]) -> bool:
         return False
     with open(paths[0], "rb") as fh:
         head = fh.read(64).lstrip()
-    return head.startswith(b"{")
+    # `plan --out` writes JSON that starts with its format version; a desired-state file in
+    # YAML flow style (or JSON) starts with "{" too, but never like this
+    return head.startswith(b'{\n  "format_version"') or head.startswith(b'{"format_version"')
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.reconcile import Reconciler
 
-    desired = _load(args.paths)
+    desired = _load(args.paths, args)
+    out = None
+    if args.out:  # before observing: a path we cannot write is a usage error, not a crash
+        try:
+            out = open(args.out, "w")  # noqa: SIM115 (closed below)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the plan here: {exc.strerror}",
+                              file=args.out) from None
     plan = Reconciler().plan(desired, _plan_options(args))
     _print_plan(plan, args)
-    if args.out:
-        with open(args.out, "w") as fh:
-            write_json(plan, fh)
+    if out is not None:
+        with out:
+            write_json(plan, out)
         print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
               file=sys.stderr)
     return _plan_exit(plan)
@@ -148,8 +161,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         options = PlanOptions(prune=bool(o.get("prune", True)),
                               adopt=frozenset(o.get("adopt", ())),
                               force_replace=bool(o.get("force_replace", False)))
-        return _apply(args, _load(files), options, saved)
-    return _apply(args, _load(args.paths), _plan_options(args))
+        return _apply(args, _load(files, args), options, saved)
+    return _apply(args, _load(args.paths, args), _plan_options(args))
 
 
 def cmd_destroy(args: argparse.Namespace) -> int:
@@ -212,8 +225,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from reconciler.loader import expand_paths
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
-        if getattr(args, name) < 0 or (name == "interval" and args.interval <= 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "interval" and value <= 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds")
     if not args.allow_insecure_config:
         watch.check_permissions(args.paths)
     expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
@@ -289,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="text for people (default) or json for programs")
         sp.add_argument("--no-prune", action="store_true",
                         help="keep owned objects that the files no longer declare")
+        sp.add_argument("--hostname", metavar="NAME",
+                        help="the name matched against files' hosts: patterns (default: this "
+                             "host's name)")
         sp.add_argument("--adopt", action="append", metavar="KIND/NAME",
                         help="take over an existing object the reconciler did not create; "
                              "KIND is bridge, subnet, alloc or docker_network "
@@ -300,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(references, overlaps, clashing ports). Reads no host state, needs no "
                     "root. Errors name file:line:col.")
     sp.add_argument("paths", nargs="+", metavar="PATH", help="desired-state files or directories")
+    sp.add_argument("--hostname", metavar="NAME",
+                    help="show the view of this host (files' hosts: patterns)")
     sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser(
@@ -370,9 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "'off' disables)")
     sp.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one object per line, for journald or a log shipper")
-    sp.add_argument("--hostname", metavar="NAME",
-                    help="the name matched against files' hosts: patterns (default: this "
-                         "host's name)")
     sp.add_argument("--allow-insecure-config", action="store_true",
                     help="watch files or directories writable by group or others")
     sp.add_argument("--no-docker-events", action="store_true",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from reconciler.errors import ReconcilerError, TemporaryError
-from reconciler.plan import Change, Op, Plan
+from reconciler.plan import AttrChange, Change, Op, Plan
 
 log = logging.getLogger("reconciler.executor")
 
@@ -41,10 +41,13 @@ class Outcome:
 
 def describe(change: Change) -> str:
     head = f"{change.kind} {change.name}: {change.action.value}"
+    def attr(a: AttrChange) -> str:
+        if a.after is None:  # a delete: say what goes
+            return f"{a.field} {a.before}"
+        return f"{a.field} {a.after}" + (f" (was {a.before})" if a.before is not None else "")
+
     if change.attrs:
-        head += " " + ", ".join(
-            f"{a.field} {a.after}" + (f" (was {a.before})" if a.before is not None else "")
-            for a in change.attrs)
+        head += " " + ", ".join(attr(a) for a in change.attrs)
     return head
 
 

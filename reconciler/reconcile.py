@@ -26,10 +26,19 @@ VERIFY_DELAYS = (0.1, 0.3, 0.6, 1.0)
 
 
 def file_hashes(files: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """sha256 of each desired-state file, for saved plans; "" for one that is gone.
+
+    The watch agent plans from its last good state, whose files may since have
+    been deleted or broken: that must not stop it from healing drift.
+    """
     out = []
     for f in files:
-        with open(f, "rb") as fh:
-            out.append((os.path.abspath(f), hashlib.sha256(fh.read()).hexdigest()))
+        try:
+            with open(f, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
+        except OSError:
+            digest = ""
+        out.append((os.path.abspath(f), digest))
     return tuple(out)
 
 

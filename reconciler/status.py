@@ -9,7 +9,9 @@ operator started the agent from.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
+import logging
 import socket
 import threading
 import time
@@ -103,6 +105,11 @@ def bind(addr: str) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(16)
+        if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+            logging.getLogger("reconciler.status").warning(
+                "status and metrics on %s are reachable beyond this host and have no "
+                "authentication (they show paths, errors and the revision); the default is "
+                "127.0.0.1:9477", addr)
     except OSError as exc:
         sock.close()
         raise PreconditionError(f"--status-addr {addr}: cannot listen: {exc.strerror or exc}; "

@@ -14,6 +14,7 @@ while applying, never between passes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -188,6 +189,17 @@ def watch_dirs(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def _links_on_the_way(path: str) -> list[str]:
+    """Every symlink among the components of ``path``."""
+    out = []
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        p = os.sep.join(parts[:i])
+        if os.path.islink(p):
+            out.append(p)
+    return out
+
+
 class FileWatcher:
     """Watchdog (inotify) on the directories holding the desired-state files."""
 
@@ -198,7 +210,10 @@ class FileWatcher:
         self.paths = list(paths)
         self.on_change = on_change
         self._observer = FsObserver()
-        self._scheduled: set[str] = set()
+        #: watched directory -> (the real directory inotify follows, the watch)
+        self._scheduled: dict[str, tuple[str, Any]] = {}
+        #: symlinks on the way to a watched directory (git-sync, ConfigMap ..data swaps)
+        self._links: set[str] = set()
         outer = self
 
         class Handler(FileSystemEventHandler):
@@ -207,21 +222,40 @@ class FileWatcher:
                     return
                 for p in (event.src_path, getattr(event, "dest_path", "")):
                     p = os.fsdecode(p) if p else ""
-                    if p and relevant_path(p, outer.paths):
+                    if p and (relevant_path(p, outer.paths) or p in outer._links):
                         outer.on_change(p)
                         return
 
         self._handler = Handler()
 
     def ensure(self) -> None:
-        """Watch every directory that exists now (a deleted one is picked up when it returns)."""
-        for d in watch_dirs(self.paths):
-            if d not in self._scheduled and os.path.isdir(d):
-                try:
-                    self._observer.schedule(self._handler, d, recursive=False)
-                    self._scheduled.add(d)
-                except OSError as exc:
-                    log.warning("cannot watch %s: %s", d, exc)
+        """Watch every directory that exists now (a deleted one is picked up when it returns).
+
+        inotify follows symlinks once, at the time of the watch: when a link on the
+        way to a watched directory is swapped (git-sync's ``repo`` link, a
+        ConfigMap's ``..data``), the watch is moved to the new target, and the
+        directory holding the link is watched too so that the swap itself wakes us.
+        """
+        wanted = set(watch_dirs(self.paths))
+        for d in sorted(wanted):
+            for link in _links_on_the_way(d):
+                self._links.add(link)
+                wanted.add(os.path.dirname(link))
+        for d in sorted(wanted):
+            if not os.path.isdir(d):
+                continue
+            real = os.path.realpath(d)
+            current = self._scheduled.get(d)
+            if current is not None and current[0] == real:
+                continue
+            if current is not None:
+                with contextlib.suppress(KeyError, OSError):
+                    self._observer.unschedule(current[1])
+            try:
+                watch = self._observer.schedule(self._handler, d, recursive=False)
+                self._scheduled[d] = (real, watch)
+            except OSError as exc:
+                log.warning("cannot watch %s: %s", d, exc)
 
     def start(self) -> None:
         self.ensure()
@@ -729,16 +763,27 @@ class Agent:
 
 
 def install_signals(agent: Agent) -> None:
+    # A Python signal handler runs in the main thread between two bytecodes, possibly while
+    # that thread holds the status board's or the trigger's lock: taking them here would
+    # deadlock (or, with a re-entrant lock, mutate state mid-iteration). Only the stop event
+    # is set directly (lock-free); everything else runs on a short-lived thread.
+    def later(fn: Callable[[], None]) -> None:
+        threading.Thread(target=fn, name="signal", daemon=True).start()
+
     def terminate(signum: int, _frame: FrameType | None) -> None:
         if not agent.stop.is_set():
             log.info("%s: finishing the current change, then exiting",
                      signal.Signals(signum).name)
         agent.stop.set()
-        agent.board.update(state="stopping")
-        agent.trigger.wake()
+
+        def wind_down() -> None:
+            agent.board.update(state="stopping")
+            agent.trigger.wake()
+
+        later(wind_down)
 
     def hup(_signum: int, _frame: FrameType | None) -> None:
-        agent.reload()
+        later(agent.reload)
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)

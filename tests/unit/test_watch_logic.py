@@ -590,3 +590,37 @@ def test_systemd_unit_verifies(tmp_path: Any) -> None:
                        timeout=60)
     problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "reconciler.service" in ln]
     assert p.returncode == 0 and not problems, p.stdout + p.stderr
+
+
+def test_file_watcher_follows_git_sync_style_symlink_swaps(tmp_path):
+    """repo -> revN swapped again and again (git-sync, ConfigMap ..data): every swap is seen."""
+    import os
+    import threading
+    import time
+
+    from reconciler.watch import FileWatcher
+
+    def rev(n: int) -> str:
+        d = tmp_path / f"rev{n}" / "fleet"
+        d.mkdir(parents=True)
+        (d / "a.yaml").write_text(f"version: 1\n# {n}\n")
+        return f"rev{n}"
+
+    os.symlink(rev(1), tmp_path / "repo")
+    seen = threading.Event()
+    w = FileWatcher([str(tmp_path / "repo" / "fleet")], lambda _p: seen.set())
+    w.start()
+    try:
+        for n in (2, 3, 4):
+            target = rev(n)
+            seen.clear()
+            os.symlink(target, tmp_path / "tmp-link")
+            os.replace(tmp_path / "tmp-link", tmp_path / "repo")  # the atomic swap
+            assert seen.wait(5), f"swap to {target} not seen"
+            w.ensure()  # what the agent does on every pass
+            time.sleep(0.1)
+            seen.clear()
+            (tmp_path / target / "fleet" / "a.yaml").write_text("version: 1\n# edited\n")
+            assert seen.wait(5), f"edit inside {target} not seen"
+    finally:
+        w.close()
