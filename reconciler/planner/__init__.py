@@ -6,7 +6,7 @@ from reconciler.errors import PlanError
 from reconciler.live import LiveState
 from reconciler.model import DesiredState
 from reconciler.ownership import CHAIN_PREFIX
-from reconciler.plan import Action, Change, Op, Plan, fingerprint
+from reconciler.plan import Action, AttrChange, Change, Op, Plan, fingerprint
 from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
@@ -20,8 +20,14 @@ def _sysctl_changes(ctx: PlanContext) -> list[Change]:
         have = ctx.live.sysctls.get(key)
         ctx.observed[f"sysctl/{key}"] = have
         if have != want:
+            warn: tuple[str, ...] = ()
+            if key == "net/ipv6/conf/all/forwarding":
+                warn = ("with IPv6 forwarding on, interfaces stop accepting router "
+                        "advertisements unless their accept_ra is 2: a host that learns its "
+                        "IPv6 default route that way should set accept_ra=2 on its uplink",)
             out.append(Change("sysctl", key, Action.UPDATE, "needed by the declared subnets",
-                              (), (Op("sysctl.set", {"key": key, "value": want}),)))
+                              (AttrChange("value", have, want),),
+                              (Op("sysctl.set", {"key": key, "value": want}),), warnings=warn))
     return out
 
 

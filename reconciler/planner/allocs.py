@@ -131,9 +131,10 @@ def assign_addresses(ctx: PlanContext) -> dict[str, tuple[IPAddr | None, IPAddr 
 
 
 def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
-    """Live DNAT rules per alloc id, from their comments (IPv4 table)."""
+    """Live DNAT rules per alloc id, from their comments (both families)."""
     out: dict[str, list[Mapped]] = {}
-    rules = ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ())
+    rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
+             *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
     for r in rules:
         owner = firewall.owner_of(r)
         if not owner or not owner.startswith("alloc="):
