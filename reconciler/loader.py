@@ -191,6 +191,8 @@ def parse_yaml(text: str, file: str) -> Document:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "invalid YAML"
+        if "nesting depth" in problem:  # newer libyaml has a depth limit of its own
+            problem = "nesting too deep"
         if mark is None:
             raise ConfigError(f"invalid YAML: {clip(problem)}", file=file) from None
         raise ConfigError(f"invalid YAML: {clip(problem)}", file=file, line=mark.line + 1,
