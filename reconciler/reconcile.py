@@ -121,13 +121,36 @@ def preflight(plan: Plan) -> None:
     Under ``ip netns exec`` (a private, slave mount namespace) the namespaces we
     would create vanish with the process: refuse up front (one line, exit 1)
     rather than fail midway after bridges and rules were already changed.
+
+    Kernels before 5.18 silently drop the IFA_PROTO tag that proves an address is
+    ours: from the next run on our own gateways would look foreign. Refuse.
     """
+    if any(op.name in ("addr.add", "alloc.configure") for c in plan.actionable for op in c.ops):
+        problem = kernel_problem(os.uname().release)
+        if problem is not None:
+            raise PreconditionError(problem)
     if any(op.name == "netns.create" for c in plan.actionable for op in c.ops):
         from reconciler.drivers import netns
 
         problem = netns.private_mount_namespace_problem()
         if problem is not None:
             raise PreconditionError(problem)
+
+
+MIN_KERNEL = (5, 18)
+
+
+def kernel_problem(release: str) -> str | None:
+    """Why this kernel cannot carry our address ownership tag, or None (pure)."""
+    try:
+        major, minor = (int(x) for x in release.split("-", 1)[0].split(".")[:2])
+    except ValueError:
+        return None  # an unusual version string: let the kernel speak for itself
+    if (major, minor) >= MIN_KERNEL:
+        return None
+    return (f"kernel {release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}: it drops the "
+            "address protocol tag (IFA_PROTO) that marks addresses the reconciler owns, so "
+            "its own addresses would look foreign on the next run; upgrade the kernel")
 
 
 def residual_error(residual: Plan) -> VerifyError:

@@ -246,3 +246,11 @@ def test_conflicting_bridge_blocks_its_subnet_rules_and_sysctls():
     p = plan(host, EXAMPLE)
     assert actions(p) == {"bridge/nomad": Action.CONFLICT}
     assert not any(c.kind in ("firewall", "sysctl") for c in p.changes)
+
+
+@pytest.mark.parametrize("release,ok", [("6.18.44-fc-v657", True), ("5.18.0", True),
+                                        ("5.15.0-91-generic", False), ("4.19.0", False),
+                                        ("weird", True)])
+def test_kernel_without_ifa_proto_is_refused(release, ok):
+    from reconciler.reconcile import kernel_problem
+    assert (kernel_problem(release) is None) == ok
