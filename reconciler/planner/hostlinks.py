@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from reconciler.live import LiveLink
 from reconciler.model import Bridge, Subnet, SubnetName
@@ -226,9 +227,28 @@ def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
     return changes
 
 
+_TEMP_BRIDGE = re.compile(r"^rcltmp[0-9a-f]{8}$")
+
+
+def _interrupted_creation(ctx: PlanContext, name: str, link: LiveLink) -> bool:
+    """The temporary bridge of a creation killed before it was marked (links.ensure_bridge).
+
+    Its name is ours alone and it is bare: no ports, no addresses, down.
+    """
+    return (link.kind == "bridge" and not link.owned and not link.up and not link.addresses
+            and bool(_TEMP_BRIDGE.match(name))
+            and not any(lk.master == name for lk in ctx.live.links.values()))
+
+
 def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
     changes = []
     for name, link in sorted(ctx.live.links.items()):
+        if _interrupted_creation(ctx, name, link):
+            ctx.observed[f"bridge/{name}"] = _link_view(link)
+            changes.append(Change("bridge", name, Action.DELETE,
+                                  "leftover of an interrupted bridge creation", (),
+                                  (Op("link.delete", {"name": name}),)))
+            continue
         if link.kind != "bridge" or not link.owned or name in ctx.desired.bridges:
             continue
         ctx.observed[f"bridge/{name}"] = _link_view(link)

@@ -254,3 +254,15 @@ def test_conflicting_bridge_blocks_its_subnet_rules_and_sysctls():
 def test_kernel_without_ifa_proto_is_refused(release, ok):
     from reconciler.reconcile import kernel_problem
     assert (kernel_problem(release) is None) == ok
+
+
+def test_unmarked_temporary_bridge_of_an_interrupted_creation_is_removed():
+    host = FakeHost()
+    host.add_link("rcltmp0a1b2c3d", "bridge")  # created, killed before the alias was set
+    import dataclasses
+    host.links["rcltmp0a1b2c3d"] = dataclasses.replace(host.links["rcltmp0a1b2c3d"], up=False)
+    host.add_link("rcltmpnothex!", "bridge")  # not our pattern: left alone
+    host.add_link("rcltmp99999999", "bridge", addresses=("10.1.1.1/24",))  # in use: left alone
+    p = plan(host, DesiredState(), prune=False)
+    assert [(c.address, c.action) for c in p.actionable] == [
+        ("bridge/rcltmp0a1b2c3d", Action.DELETE)]
