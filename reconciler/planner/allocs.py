@@ -363,10 +363,16 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             attrs_l.append(AttrChange("address", stale, None))
             ops.append(Op("addr.del", {"link": ALLOC_IFNAME, "address": stale, "netns": a.id}))
         inside_ok = True
+        unowned = {str(x.address) for x in eth0.addresses if not x.owned}
         for w in want:
             if w not in have:
                 attrs_l.append(AttrChange("address6" if ":" in w else "address", None, w))
                 inside_ok = False
+                if w in unowned:
+                    # there, but without our tag (an adopted namespace): re-add it as ours,
+                    # or configure would take "exists" for done and never converge
+                    ops.append(Op("addr.del", {"link": ALLOC_IFNAME, "address": w,
+                                               "netns": a.id}))
         for gw in gateways:
             if not any(r.dst == "default" and r.gateway == gw for r in ns.routes):
                 attrs_l.append(AttrChange("default route", None, f"via {gw}"))

@@ -910,3 +910,21 @@ def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: N
     # with pruning, they go
     assert host_ns.reconcile("apply", path).rc == 0
     assert b not in netns_list() and '"reconciler:subnet=sb"' not in host_ns.iptables_save(4)
+
+
+def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
+    """A namespace with the alloc's id that we did not mark: a conflict, then --adopt takes it
+    over, including an address that is there without our tag."""
+    (a,) = alloc_ids(1)
+    path = config(tmp_path, [{"id": a, "address": "10.77.0.9"}], cidr6=False)
+    assert host_ns.reconcile("apply", path).rc == 0
+    # make it look like someone else's: no mark on lo, the address re-added untagged
+    sh("ip", "-n", a, "link", "set", "lo", "alias", "")
+    sh("ip", "-n", a, "addr", "del", "10.77.0.9/24", "dev", "eth0")
+    sh("ip", "-n", a, "addr", "add", "10.77.0.9/24", "dev", "eth0")
+    r = host_ns.reconcile("plan", path)
+    assert r.rc == 1 and f"! alloc {a}" in r.out and f"--adopt alloc/{a}" in r.out
+    r = host_ns.reconcile("apply", "--adopt", f"alloc/{a}", path)
+    assert r.rc == 0, r.all
+    assert host_ns.reconcile("plan", path).rc == 0
+    assert addrs_of(a, version=4) == ["10.77.0.9/24"]
