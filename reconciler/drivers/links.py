@@ -961,8 +961,13 @@ class Netlink:
             finally:
                 sock.close()
 
-        return netns.create(name, replace_stale=replace_stale,
-                            init=init if mark is not None else None, file_mark=mark)
+        created = netns.create(name, replace_stale=replace_stale,
+                               init=init if mark is not None else None, file_mark=mark)
+        if not created and mark is not None and self.peek_lo_alias(name) != mark:
+            # someone made a namespace of that name since we looked: not ours to fill
+            raise ConflictError(f"network namespace {name}: appeared meanwhile and was not "
+                                "created by the reconciler; it is left alone")
+        return created
 
     def delete_netns(self, name: str) -> bool:
         """Drop our cached socket into ``name``, then ``ip netns del`` it."""

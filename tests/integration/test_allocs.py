@@ -928,3 +928,17 @@ def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
     assert r.rc == 0, r.all
     assert host_ns.reconcile("plan", path).rc == 0
     assert addrs_of(a, version=4) == ["10.77.0.9/24"]
+
+
+def test_create_refuses_a_namespace_that_appeared_meanwhile():
+    """Between observing and creating, someone ran `ip netns add` with the alloc's id."""
+    from reconciler.drivers.links import Netlink
+    from reconciler.errors import ConflictError
+    (a,) = alloc_ids(1)
+    sh("ip", "netns", "add", a)
+    try:
+        with Netlink() as nl, pytest.raises(ConflictError):
+            nl.create_netns(a, mark="managed-by=reconciler alloc-of=1")
+        assert a in netns_list()  # theirs, untouched
+    finally:
+        sh("ip", "netns", "del", a, check=False)
