@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import hashlib
 import ipaddress
 import json
 import os
@@ -68,6 +69,7 @@ class Document:
     data: Any
     values: dict[Path, Pos]
     keys: dict[Path, Pos]
+    sha256: str = ""  # of the bytes parsed (set by read_file)
 
     def where(self, path: Path, *, key: bool = False) -> Pos:
         table = self.keys if key else self.values
@@ -261,7 +263,9 @@ def read_file(path: str) -> Document:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text (byte {exc.start})", file=path) from None
-    return parse_yaml(text, path)
+    doc = parse_yaml(text, path)
+    doc.sha256 = hashlib.sha256(raw).hexdigest()
+    return doc
 
 
 # --------------------------------------------------------------------------- schema
@@ -732,12 +736,14 @@ def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
     files = expand_paths(paths)
     host = hostname if hostname is not None else socket.gethostname()
     c = _Collector()
+    hashes: list[tuple[str, str]] = []
     for f in files:
         try:
             doc = read_file(f)
         except ConfigError as exc:
             c.errors.append(exc)
             continue
+        hashes.append((os.path.abspath(f), doc.sha256))
         schema_errors = validate_schema(doc)
         if schema_errors:
             c.errors.extend(schema_errors)
@@ -756,4 +762,4 @@ def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
     if c.errors:
         raise ConfigErrors(c.errors) if len(c.errors) > 1 else c.errors[0]
     return DesiredState(c.bridges, c.subnets, c.allocs, c.docker,
-                        c.settings or Settings(), tuple(files))
+                        c.settings or Settings(), tuple(files), tuple(hashes))

@@ -133,6 +133,8 @@ class DesiredState:
     docker_networks: dict[DockerNetworkName, DockerNetwork] = field(default_factory=dict)
     settings: Settings = field(default_factory=Settings)
     files: tuple[str, ...] = ()
+    #: (absolute path, sha256) of each file as read, for saved plans' staleness check
+    file_hashes: tuple[tuple[str, str], ...] = ()
 
     def resource_count(self) -> int:
         return (len(self.bridges) + len(self.subnets) + len(self.allocs)

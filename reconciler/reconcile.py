@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -23,23 +22,6 @@ log = logging.getLogger("reconciler")
 
 VERIFY_ATTEMPTS = 5
 VERIFY_DELAYS = (0.1, 0.3, 0.6, 1.0)
-
-
-def file_hashes(files: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """sha256 of each desired-state file, for saved plans; "" for one that is gone.
-
-    The watch agent plans from its last good state, whose files may since have
-    been deleted or broken: that must not stop it from healing drift.
-    """
-    out = []
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                digest = hashlib.sha256(fh.read()).hexdigest()
-        except OSError:
-            digest = ""
-        out.append((os.path.abspath(f), digest))
-    return tuple(out)
 
 
 @dataclass
@@ -73,7 +55,7 @@ class Reconciler:
 
     def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
         live = self.observe(desired)
-        return make_plan(desired, live, options, file_hashes(desired.files))
+        return make_plan(desired, live, options, desired.file_hashes)
 
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
