@@ -90,6 +90,7 @@ def _keep_undeclared_rules(ctx: PlanContext) -> None:
     declared = {f"subnet={n}" for n in ctx.desired.subnets} | {
         f"alloc={n}" for n in ctx.desired.allocs}
     for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
+        # chain by chain, in live order: the kept rules stay where they are
         for (_table, chain), live_rules in sorted(live.chains.items()):
             if not chain.startswith(CHAIN_PREFIX):
                 continue

@@ -257,18 +257,7 @@ def subnet_port_rules(ctx: PlanContext, s: Subnet) -> None:
 # ------------------------------------------------------------------ per alloc
 
 
-def _rules_by_alloc(ctx: PlanContext) -> dict[str, list[str]]:
-    """Live IPv4 rules of each allocation, by id (one pass over the rules, not one per alloc)."""
-    out: dict[str, list[str]] = {}
-    for rules in ctx.live.firewall4.chains.values():
-        for r in rules:
-            owner = firewall.owner_of(r)
-            if owner and owner.startswith("alloc="):
-                out.setdefault(owner[len("alloc="):], []).append(r)
-    return out
-
-
-def _view(ctx: PlanContext, aid: str, live_rules: dict[str, list[str]]) -> object:
+def _view(ctx: PlanContext, aid: str) -> object:
     ns = ctx.live.netns.get(aid)
     veth = ctx.live.links.get(alloc_veth_name(aid))
     return {
@@ -280,16 +269,16 @@ def _view(ctx: PlanContext, aid: str, live_rules: dict[str, list[str]]) -> objec
             "routes": sorted((r.dst, r.gateway or "", r.owned) for r in ns.routes)},
         "veth": None if veth is None else (veth.master, veth.mtu, veth.up, veth.hairpin,
                                            veth.owned),
-        "rules": sorted(live_rules.get(aid, ())),
+        "rules": sorted(r for _chain, r in ctx.live_rules(4).get(f"alloc={aid}", ())),
     }
 
 
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
-               maps: list[Mapped], live_rules: dict[str, list[str]]) -> Change:
+               maps: list[Mapped]) -> Change:
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
-    ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id, live_rules)
+    ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
     if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
         return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
     veth_name = alloc_veth_name(a.id)
@@ -401,7 +390,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                   tuple(attrs_l), tuple(ops), src)
 
 
-def plan_pruned(ctx: PlanContext, live_rules: dict[str, list[str]]) -> list[Change]:
+def plan_pruned(ctx: PlanContext) -> list[Change]:
     """Owned namespaces no file declares, and owned veths whose namespace is gone."""
     changes: list[Change] = []
     veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
@@ -420,7 +409,7 @@ def plan_pruned(ctx: PlanContext, live_rules: dict[str, list[str]]) -> list[Chan
             continue
         if not _owned_ns(ctx, ns):
             continue
-        ctx.observed[f"alloc/{name}"] = _view(ctx, name, live_rules)
+        ctx.observed[f"alloc/{name}"] = _view(ctx, name)
         if ctx.options.prune:
             changes.append(Change("alloc", name, Action.DELETE, "no longer declared", (),
                                   (Op("netns.delete", {"name": name}),)))
@@ -443,10 +432,9 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
         return []
     changes = []
     with_ports: set[SubnetName] = set()
-    live_rules = _rules_by_alloc(ctx)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid], live_rules)
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid])
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall
@@ -455,5 +443,5 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
             with_ports.add(a.subnet)
     for sname in sorted(with_ports):
         subnet_port_rules(ctx, ctx.desired.subnets[sname])
-    changes += plan_pruned(ctx, live_rules)
+    changes += plan_pruned(ctx)
     return changes

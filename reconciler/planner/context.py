@@ -7,6 +7,7 @@ from typing import Any
 
 from reconciler.live import LiveState
 from reconciler.model import DesiredState
+from reconciler.planner import firewall
 from reconciler.planner.firewall import RuleSet
 
 
@@ -40,6 +41,14 @@ class PlanContext:
     errors: list[str] = field(default_factory=list)
     #: problems that make the whole plan unusable (address range exhausted, port clash)
     fatal: list[str] = field(default_factory=list)
+    _live_rules: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+
+    def live_rules(self, family: int) -> dict[str, list[tuple[str, str]]]:
+        """Live rules by owner (``alloc=ID``), indexed once per plan: every kind asks."""
+        if family not in self._live_rules:
+            live = self.live.firewall4 if family == 4 else self.live.firewall6
+            self._live_rules[family] = firewall.live_by_owner(live)
+        return self._live_rules[family]
 
     def adopted(self, kind: str, name: str) -> bool:
         return f"{kind}/{name}" in self.options.adopt

@@ -52,6 +52,22 @@ def owner_of(rule: str) -> str | None:
     return m.group(1) if m else None
 
 
+def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tuple[str, str]]]:
+    """Our rules grouped by the resource they serve (``subnet=NAME``), as (chain, rule)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for chain, rules in chains:
+        for r in rules:
+            owner = owner_of(r)
+            if owner is not None:
+                out.setdefault(owner, []).append((chain, r))
+    return out
+
+
+def live_by_owner(live: LiveChainSet) -> dict[str, list[tuple[str, str]]]:
+    """:func:`by_owner` over the live chains of one family (built-in and owned)."""
+    return by_owner((chain, rules) for (_t, chain), rules in sorted(live.chains.items()))
+
+
 @dataclass
 class RuleSet:
     """Desired rules of one family: owned chain -> rules in order."""

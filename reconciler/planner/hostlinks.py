@@ -157,16 +157,7 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
 
 
 def _rules_of(ctx: PlanContext, family: int, owner: str) -> list[str]:
-    live = ctx.live.firewall4 if family == 4 else ctx.live.firewall6
-    return [f"{chain} {r}" for (_t, chain), rules in sorted(live.chains.items())
-            for r in rules if firewall.owner_of(r) == owner]
-
-
-def _rules_differ(ctx: PlanContext, family: int, s: Subnet) -> bool:
-    rs = ctx.rules4 if family == 4 else ctx.rules6
-    want = sorted(f"{chain} {r}" for chain, rules in rs.chains.items() for r in rules
-                  if firewall.owner_of(r) == f"subnet={s.name}")
-    return want != sorted(_rules_of(ctx, family, f"subnet={s.name}"))
+    return [f"{chain} {r}" for chain, r in ctx.live_rules(family).get(owner, ())]
 
 
 def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
@@ -174,11 +165,18 @@ def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 
     The firewall change does the work; this tells the reader which subnet it is for.
     """
+    wanted = {f: firewall.by_owner(rs.chains.items()) for f, rs in ((4, ctx.rules4),
+                                                                     (6, ctx.rules6))}
+
+    def differ(family: int, owner: str) -> bool:
+        want = sorted(f"{chain} {r}" for chain, r in wanted[family].get(owner, ()))
+        return want != sorted(_rules_of(ctx, family, owner))
+
     out = []
     for c in changes:
         s = ctx.desired.subnets.get(SubnetName(c.name)) if c.kind == "subnet" else None
         if s is not None and c.action is Action.NOOP and f"subnet/{s.name}" not in ctx.blocked:
-            families = [f"ipv{f}" for f in (4, 6) if _rules_differ(ctx, f, s)]
+            families = [f"ipv{f}" for f in (4, 6) if differ(f, f"subnet={s.name}")]
             if families:
                 c = Change("subnet", s.name, Action.UPDATE,
                            f"firewall rules missing or different ({', '.join(families)})",
@@ -191,15 +189,12 @@ def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
     """Subnets whose rules are live but which no file declares any more."""
     found: dict[str, tuple[str | None, set[str]]] = {}
-    for live in (ctx.live.firewall4, ctx.live.firewall6):
-        for (_t, _chain), rules in live.chains.items():
-            for r in rules:
-                owner = firewall.owner_of(r)
-                if not owner or not owner.startswith("subnet="):
-                    continue
-                name = owner.split("=", 1)[1]
-                if name in ctx.desired.subnets:
-                    continue
+    for family in (4, 6):
+        for owner, rules in ctx.live_rules(family).items():
+            kind, _, name = owner.partition("=")
+            if kind != "subnet" or name in ctx.desired.subnets:
+                continue
+            for _chain, r in rules:
                 toks = r.split()
                 bridge, cidrs = found.setdefault(name, (None, set()))
                 if "-o" in toks:
