@@ -222,7 +222,7 @@ def _watch_prepare(args: argparse.Namespace) -> None:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from reconciler import watch
-    from reconciler.loader import expand_paths
+    from reconciler.paths import expand_paths
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
         value = getattr(args, name)

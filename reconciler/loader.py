@@ -14,7 +14,6 @@ import ipaddress
 import json
 import os
 import socket
-import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -42,13 +41,12 @@ from reconciler.model import (
     Subnet,
     SubnetName,
 )
+from reconciler.paths import MAX_FILE_BYTES, expand_paths, read_bytes
 
 MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
-MAX_FILE_BYTES = 8 * 1024 * 1024
 MAX_NODES = 200_000  # after alias expansion: stops "billion laughs"
 MAX_MESSAGE = 160
 MAX_DEPTH = 64  # a desired state nests 5 levels deep
-YAML_SUFFIXES = (".yaml", ".yml")
 #: names /proc/sys/net/*/conf uses for itself: a link with these names would be ambiguous
 RESERVED_IFNAMES = frozenset({"all", "default", ".", ".."})
 
@@ -220,45 +218,14 @@ def parse_yaml(text: str, file: str) -> Document:
 # --------------------------------------------------------------------------- files
 
 
-def expand_paths(paths: Sequence[str]) -> list[str]:
-    """Files named directly, plus every *.yaml/*.yml directly inside named directories."""
-    if not paths:
-        raise ConfigError("no desired-state path given")
-    files: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            found = sorted(os.path.join(p, n) for n in os.listdir(p)
-                           if n.endswith(YAML_SUFFIXES) and not n.startswith("."))
-            found = [f for f in found if os.path.isfile(f)]
-            if not found:
-                raise ConfigError("directory holds no *.yaml or *.yml file", file=p)
-            files.extend(found)
-        elif os.path.exists(p):
-            files.append(p)
-        else:
-            raise ConfigError("no such file or directory", file=p)
-    seen: set[str] = set()
-    unique = []
-    for f in files:
-        real = os.path.realpath(f)
-        if real not in seen:
-            seen.add(real)
-            unique.append(f)
-    return unique
-
-
 def read_file(path: str) -> Document:
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError("not a regular file", file=path)
-        if st.st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"file too large ({st.st_size} bytes; limit {MAX_FILE_BYTES})",
-                              file=path)
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=path) from None
+    return parse_document(read_bytes(path), path)
+
+
+def parse_document(raw: bytes, path: str) -> Document:
+    """One file's bytes as a positioned YAML document, named ``path`` in messages."""
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"file too large (over {MAX_FILE_BYTES} bytes)", file=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -733,17 +700,33 @@ def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
     A file with ``hosts:`` patterns that do not match ``hostname`` is still validated but
     contributes nothing.
     """
-    files = expand_paths(paths)
+    sources: list[tuple[str, str, bytes | ConfigError]] = []
+    for f in expand_paths(paths):
+        try:
+            sources.append((f, os.path.abspath(f), read_bytes(f)))
+        except ConfigError as exc:
+            sources.append((f, os.path.abspath(f), exc))
+    return load_sources(sources, hostname=hostname)
+
+
+def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
+                 hostname: str | None = None) -> DesiredState:
+    """:func:`load` of files already read: (name as given, absolute path, bytes or the error).
+
+    The plan agent loads what a client read in its own working directory this way.
+    """
     host = hostname if hostname is not None else socket.gethostname()
     c = _Collector()
     hashes: list[tuple[str, str]] = []
-    for f in files:
+    for f, abspath, raw in sources:
         try:
-            doc = read_file(f)
+            if isinstance(raw, ConfigError):
+                raise raw
+            doc = parse_document(raw, f)
         except ConfigError as exc:
             c.errors.append(exc)
             continue
-        hashes.append((os.path.abspath(f), doc.sha256))
+        hashes.append((abspath, doc.sha256))
         schema_errors = validate_schema(doc)
         if schema_errors:
             c.errors.extend(schema_errors)
@@ -762,4 +745,5 @@ def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
     if c.errors:
         raise ConfigErrors(c.errors) if len(c.errors) > 1 else c.errors[0]
     return DesiredState(c.bridges, c.subnets, c.allocs, c.docker,
-                        c.settings or Settings(), tuple(files), tuple(hashes))
+                        c.settings or Settings(), tuple(f for f, _a, _r in sources),
+                        tuple(hashes))

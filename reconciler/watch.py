@@ -35,9 +35,9 @@ from typing import Any
 from reconciler import __version__
 from reconciler.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.executor import Outcome
-from reconciler.loader import YAML_SUFFIXES, expand_paths
 from reconciler.lock import host_lock
 from reconciler.model import DesiredState
+from reconciler.paths import YAML_SUFFIXES, expand_paths
 from reconciler.planner import PlanOptions
 from reconciler.reconcile import Reconciler, load, residual_error
 from reconciler.status import Metrics, StatusBoard, StatusServer
