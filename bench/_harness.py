@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,15 @@ def host_dump(host: str) -> float:
         return time.perf_counter() - t0
 
 
+def process_hwm_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of a running process, in MB."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def children_maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
@@ -149,6 +158,39 @@ class Sandbox:
 
     def cli(self, *args: str, **kw: object) -> CliRun:
         return run_cli(["--netns", self.host, *args], **kw)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def agent(self, path: str, timeout: float = 120.0) -> Iterator[int]:
+        """A ``reconcile watch`` of ``path`` in the sandbox (it answers plans); yields its pid.
+
+        Returns once the agent's plan socket exists and its first pass is logged,
+        so its start-up work does not compete with what is measured next.
+        """
+        from reconciler.planclient import socket_path
+
+        src = os.environ.get("RECONCILER_BENCH_SRC", str(ROOT))
+        log = self.tmp / "agent.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "reconciler", "--netns", self.host, "watch", path,
+                 "--status-addr", "off", "--allow-insecure-config", "--interval", "3600"],
+                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONPATH=src), cwd=ROOT)
+        try:
+            sock = socket_path(self.host_inode or 0)
+            deadline = time.monotonic() + timeout
+            while not (os.path.exists(sock) and "pass 1 " in log.read_text()):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the agent did not come up:\n{log.read_text()[-2000:]}")
+                time.sleep(0.05)
+            yield proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def leftovers(self) -> list[str]:
         return [n for n in netns.list_names() if n.startswith(f"{self.prefix}-")]

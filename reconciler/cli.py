@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -48,11 +49,17 @@ def _load(paths: Sequence[str], args: argparse.Namespace | None = None) -> Desir
     return load(paths, hostname=getattr(args, "hostname", None))
 
 
+def plan_text(plan: Plan, output: str, *, colour: bool, verbose: bool) -> str:
+    """What `plan` prints (the plan agent answers with exactly this too)."""
+    if output == "json":
+        buf = io.StringIO()
+        write_json(plan, buf)
+        return buf.getvalue()
+    return render_text(plan, colour=colour, verbose=verbose)
+
+
 def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
-    if args.output == "json":
-        write_json(plan)
-    else:
-        sys.stdout.write(render_text(plan, colour=_colour(args), verbose=args.verbose > 0))
+    sys.stdout.write(plan_text(plan, args.output, colour=_colour(args), verbose=args.verbose > 0))
 
 
 def _plan_exit(plan: Plan) -> int:
@@ -236,7 +243,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         paths=tuple(args.paths), plan=_plan_options(args), interval=args.interval,
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
-        strict=not args.allow_insecure_config)
+        strict=not args.allow_insecure_config, plan_server=not args.no_plan_server)
     return watch.run(options, getattr(args, "status_socket", None))
 
 
@@ -331,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", metavar="FILE",
                     help="also save the plan as JSON; `apply FILE` applies exactly it and "
                          "refuses if the host changed meanwhile")
+    sp.add_argument("--no-agent", action="store_true",
+                    help="plan in this process even when a running `reconcile watch` could "
+                         "answer (same output; RECONCILER_AGENT=off does the same)")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser(
@@ -393,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="watch files or directories writable by group or others")
     sp.add_argument("--no-docker-events", action="store_true",
                     help="do not follow Docker events (the interval still heals)")
+    sp.add_argument("--no-plan-server", action="store_true",
+                    help="do not answer `reconcile plan` for this namespace (by default the "
+                         "agent does, from its event-driven view: same output, much faster)")
     sp.set_defaults(fn=cmd_watch, prepare=_watch_prepare)
 
     sp = sub.add_parser(
@@ -415,23 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _normalise_argv(argv: list[str]) -> list[str]:
-    """`reconcile --plan PATH…` is `reconcile plan PATH…`."""
-    out = list(argv)
-    i = 0
-    while i < len(out):
-        a = out[i]
-        if a == "--plan":
-            out[i] = "plan"
-            break
-        if not a.startswith("-"):
-            break
-        i += 2 if a in ("--netns", "--color") else 1  # these take a value
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = _normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    from reconciler.planclient import normalise_argv
+
+    args_list = normalise_argv(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(args_list)
     logging.basicConfig(

@@ -52,20 +52,29 @@ class Observer:
 
     def observe(self, desired: DesiredState) -> LiveState:
         links = self.ops.netlink.dump_links()
-        extra_sysctls = tuple(f"net/ipv4/conf/{b}/route_localnet" for b in desired.bridges)
         host_id = str(os.stat("/proc/thread-self/ns/net").st_ino)
         fields: dict[str, Any] = {
             "host_id": host_id,
             "links": links,
             "firewall4": self.ops.iptables(4).observe(),
             "firewall6": self.ops.iptables(6).observe(),
-            "sysctls": {k: v for k in (*SYSCTL_KEYS, *extra_sysctls)
-                        if (v := sysctl.read(k)) is not None},
             "netns": self._observe_allocs(desired, host_id),
-            "listening": listening_ports() if desired.allocs else frozenset(),
-            "docker": self._observe_docker(desired),
+            "docker": self.observe_docker(desired),
+            **self.observe_unannounced(desired),
         }
         return dataclasses.replace(LiveState(), **fields)
+
+    def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
+        """The LiveState fields no kernel event announces a change of: sysctls, listening sockets.
+
+        Cheap file reads; the plan agent re-reads them on every request.
+        """
+        extra_sysctls = tuple(f"net/ipv4/conf/{b}/route_localnet" for b in desired.bridges)
+        return {
+            "sysctls": {k: v for k in (*SYSCTL_KEYS, *extra_sysctls)
+                        if (v := sysctl.read(k)) is not None},
+            "listening": listening_ports() if desired.allocs else frozenset(),
+        }
 
     def _observe_allocs(self, desired: DesiredState,
                         host_id: str) -> dict[str, LiveNetns]:
@@ -91,7 +100,7 @@ class Observer:
                 observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
         return {**observed, **stale}
 
-    def _observe_docker(self, desired: DesiredState) -> LiveDocker | None:
+    def observe_docker(self, desired: DesiredState) -> LiveDocker | None:
         """Declared Docker networks and every network we own, or None.
 
         Whether we own networks only the daemon can say, so it is asked even

@@ -58,6 +58,11 @@ class Metrics:
                                   registry=r)
         self.config_valid = Gauge("reconciler_config_valid",
                                   "1 when the files loaded cleanly at the last pass", registry=r)
+        self.plan_requests = Counter("reconciler_plan_requests",
+                                     "`reconcile plan` requests answered by this agent, by "
+                                     "result: cached (no change since the last observation), "
+                                     "observed (read the host again), declined (the client "
+                                     "planned itself)", ["result"], registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
 

@@ -405,6 +405,8 @@ class WatchOptions:
     docker_events: bool = True
     #: refuse config writable by group/others at every load, not only at start
     strict: bool = True
+    #: answer `reconcile plan` of this namespace on a unix socket (planserver)
+    plan_server: bool = True
 
 
 @dataclass
@@ -790,6 +792,24 @@ def install_signals(agent: Agent) -> None:
     signal.signal(signal.SIGHUP, hup)
 
 
+def _start_plan_server(agent: Agent) -> Any:
+    """Serve `reconcile plan` from this agent; a failure only costs clients speed."""
+    from reconciler.planserver import PlanServer
+
+    plans = PlanServer(agent.stop, on_answer=lambda result: agent.metrics.plan_requests.labels(
+        result=result).inc())
+    try:
+        started = plans.start()
+    except OSError as exc:
+        log.warning("not answering `reconcile plan` (%s); clients plan in-process", exc)
+        plans.close()
+        return None
+    src = agent.board.get("event_sources") or {}
+    src["plan_server"] = plans.path if started else "another agent answers"
+    agent.board.update(event_sources=src)
+    return plans if started else None
+
+
 def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
     """Run the agent until SIGTERM/SIGINT; 0 on a clean stop."""
     agent = Agent(options)
@@ -797,8 +817,11 @@ def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
     if status_socket is not None:
         server = StatusServer(status_socket, agent.board, agent.metrics, agent.healthy)
     install_signals(agent)
+    plans = None
     try:
         agent.start_sources()
+        if options.plan_server:
+            plans = _start_plan_server(agent)
         if server is not None:
             server.start()
             log.info("status on http://%s/status (metrics /metrics, health /healthz)",
@@ -810,6 +833,8 @@ def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
         agent.stop.set()
         if server is not None:
             server.close()
+        if plans is not None:
+            plans.close()
         agent.close()
     log.info("stopped after %d pass(es)", agent.pass_count)
     return 0

@@ -1,0 +1,284 @@
+"""The `reconcile` entry point, and its thin client for `plan`.
+
+A running ``reconcile watch`` agent answers `reconcile plan` over a unix socket
+(see ``planserver``): it keeps one event-driven view of the host, so a no-op
+plan costs an interpreter start and one round trip instead of reading every
+namespace again. This module decides whether a command line can be answered
+that way, sends it with the bytes of the files (read here, in the caller's
+working directory and mount namespace) and prints the answer. Anything it is
+unsure of -- another command, an option it does not know, no agent, an agent
+of another code version or namespace, a file it cannot read, a plan with
+errors -- goes to the normal in-process CLI instead, so the output is always
+what ``reconcile --no-agent plan`` would print.
+
+Start-up time is the point: stdlib only, nothing from the model or YAML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+
+from reconciler.errors import ConfigError
+from reconciler.paths import MAX_FILE_BYTES, expand_paths, read_bytes
+
+TYPE_CHECKING = False  # not `typing`: start-up path
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+PROTOCOL = 1
+RUN_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
+#: environment the answer depends on: the agent must run with the same values
+ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH", "RECONCILER_FAULTS")
+#: `plan` options taking a value, and flags, as cli.build_parser defines them
+_PLAN_VALUE_OPTS = ("--output", "--hostname", "--adopt", "--out")
+_PLAN_FLAGS = ("--no-prune",)
+_HEADER = struct.Struct("!I")
+REPLY_TIMEOUT = 300.0
+MAX_REQUEST_FILE = MAX_FILE_BYTES + 1  # read_bytes reads one more to see oversize
+
+
+class Unanswered(Exception):
+    """The agent cannot answer this invocation; the in-process CLI will."""
+
+
+def socket_path(netns_inode: int) -> str:
+    return os.path.join(RUN_DIR, f"plan-{netns_inode}.sock")
+
+
+def code_id() -> str:
+    """Which code this is: name, size and mtime of every file of the package.
+
+    A client and an agent answer a plan the same way only when they run the
+    same code; an upgrade under a running agent makes clients plan in-process
+    until the agent restarts.
+    """
+    root = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for sub in ("", "drivers", "planner", "schemas"):
+        d = os.path.join(root, sub)
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith((".py", ".json")):
+                st = os.stat(os.path.join(d, name))
+                parts.append(f"{sub}/{name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(parts)
+
+
+def current_env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ENV_KEYS}
+
+
+def normalise_argv(argv: list[str]) -> list[str]:
+    """`reconcile --plan PATH…` is `reconcile plan PATH…`."""
+    out = list(argv)
+    i = 0
+    while i < len(out):
+        a = out[i]
+        if a == "--plan":
+            out[i] = "plan"
+            break
+        if not a.startswith("-"):
+            break
+        i += 2 if a in ("--netns", "--color") else 1  # these take a value
+    return out
+
+
+class PlanCall:
+    """One `reconcile … plan …` command line, as far as the client needs to know it."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.netns: str | None = None
+        self.verbose = 0
+        self.color = "auto"
+        self.no_agent = False
+        self.output = "text"
+        self.out: str | None = None
+        self.paths: list[str] = []
+        args = list(argv)
+        i = 0
+        while i < len(args) and args[i] != "plan":  # global options
+            a = args[i]
+            name, eq, value = a.partition("=")
+            if name in ("--netns", "--color") and a.startswith("--"):
+                if not eq:
+                    if i + 1 >= len(args):
+                        raise Unanswered("option without a value")
+                    value = args[i + 1]
+                    i += 1
+                if name == "--netns":
+                    self.netns = value
+                else:
+                    self.color = value
+            elif a in ("-v", "--verbose"):
+                self.verbose += 1
+            elif a.startswith("-v") and set(a[1:]) == {"v"}:
+                self.verbose += len(a) - 1
+            else:
+                raise Unanswered(f"not a plan command line ({a})")
+            i += 1
+        if i >= len(args):
+            raise Unanswered("no command")
+        self.rest = args[i + 1:]  # after "plan", for the agent's own parser
+        j = 0
+        while j < len(self.rest):
+            a = self.rest[j]
+            name, eq, value = a.partition("=")
+            if name in _PLAN_VALUE_OPTS:
+                if not eq:
+                    if j + 1 >= len(self.rest):
+                        raise Unanswered("option without a value")
+                    value = self.rest[j + 1]
+                    j += 1
+                if name == "--output":
+                    self.output = value
+                elif name == "--out":
+                    self.out = value
+            elif a in _PLAN_FLAGS:
+                pass
+            elif a == "--no-agent":
+                self.no_agent = True
+            elif a.startswith("-"):
+                raise Unanswered(f"option the client does not know: {a}")
+            else:
+                self.paths.append(a)
+            j += 1
+        if self.verbose > 1:
+            raise Unanswered("-vv shows debug logs of the planning process itself")
+        if self.color not in ("auto", "always", "never") or self.output not in ("text", "json"):
+            raise Unanswered("the CLI reports bad option values")
+
+    def colour(self) -> bool:
+        if self.color == "always":
+            return True
+        if self.color == "never" or os.environ.get("NO_COLOR"):
+            return False
+        return sys.stdout.isatty()
+
+    def target_inode(self) -> int:
+        try:
+            if self.netns is None:
+                return os.stat("/proc/thread-self/ns/net").st_ino
+            if "/" in self.netns or self.netns in (".", "..", ""):
+                raise Unanswered("the CLI reports bad namespace names")
+            return os.stat(os.path.join("/run/netns", self.netns)).st_ino
+        except OSError as exc:
+            raise Unanswered(f"namespace: {exc}") from None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise Unanswered("the agent closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def send_message(sock: socket.socket, doc: dict[str, object], blobs: Sequence[bytes] = ()) -> None:
+    head = json.dumps(doc).encode()
+    sock.sendall(_HEADER.pack(len(head)) + head + b"".join(blobs))
+
+
+def recv_message(sock: socket.socket, limit: int = 64 << 20) -> dict[str, object]:
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if n > limit:
+        raise Unanswered("oversized reply")
+    doc = json.loads(_recv_exact(sock, n))
+    if not isinstance(doc, dict):
+        raise Unanswered("malformed reply")
+    return doc
+
+
+def peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def ask_agent(call: PlanCall) -> dict[str, object]:
+    """Send the plan to the agent of the target namespace; its reply (status "ok"), or raise."""
+    path = socket_path(call.target_inode())
+    if not os.path.exists(path):
+        raise Unanswered(f"no agent socket at {path}")
+    try:
+        files = expand_paths(call.paths)
+        blobs = [read_bytes(f) for f in files]
+    except ConfigError as exc:
+        raise Unanswered(f"the CLI reports file errors: {exc}") from None
+    request = {
+        "protocol": PROTOCOL, "code": code_id(), "argv": call.rest, "paths": call.paths,
+        "files": [[f, os.path.abspath(f), len(b)] for f, b in zip(files, blobs, strict=True)],
+        "verbose": call.verbose, "colour": call.colour(), "hostname": socket.gethostname(),
+        "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": call.target_inode(),
+        "env": current_env(),
+    }
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(REPLY_TIMEOUT)
+        try:
+            sock.connect(path)
+            if peer_uid(sock) not in (0, os.geteuid()):
+                raise Unanswered("the socket is not served by root")
+            send_message(sock, request, blobs)
+            reply = recv_message(sock)
+        except (OSError, ValueError) as exc:
+            raise Unanswered(f"agent: {exc}") from None
+    finally:
+        sock.close()
+    if reply.get("status") != "ok":
+        raise Unanswered(f"agent: {reply.get('why', 'declined')}")
+    return reply
+
+
+def _write_out(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def answer(argv: list[str]) -> int | None:
+    """Exit code of a plan the agent answered and this printed, or None: run the CLI."""
+    mode = os.environ.get("RECONCILER_AGENT", "auto")
+    try:
+        call = PlanCall(argv)
+        if call.no_agent or mode == "off":
+            return None
+        if call.out is not None:  # a path we cannot write: the CLI words that error
+            _write_out(call.out, "")
+        reply = ask_agent(call)
+    except (Unanswered, OSError) as exc:
+        if mode == "require":  # tests and benchmarks: prove the agent answered
+            print(f"error: the plan agent did not answer: {exc}", file=sys.stderr)
+            return 1
+        return None
+    sys.stdout.write(str(reply.get("stdout", "")))
+    sys.stdout.flush()
+    if call.out is not None:
+        _write_out(call.out, str(reply.get("out_json", "")))
+        print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly it.",
+              file=sys.stderr)
+    rc = reply.get("rc")
+    return rc if isinstance(rc, int) else 1
+
+
+def main() -> int:
+    argv = normalise_argv(sys.argv[1:])
+    if "plan" in argv:
+        try:
+            rc = answer(argv)
+        except BrokenPipeError:
+            return 1
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        if rc is not None:
+            return rc
+    from reconciler.cli import main as cli_main
+
+    return cli_main(argv)

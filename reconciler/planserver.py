@@ -1,0 +1,582 @@
+"""The plan agent: `reconcile watch` answers `reconcile plan` from one event-driven view.
+
+A fresh `reconcile plan` process pays an interpreter, the imports, a netlink
+socket into every allocation namespace and a parse of every message, on every
+run: about a second at 1000 allocations. The agent instead keeps the last
+observation and proves, on each request, that nothing it saw has changed since:
+
+* **netlink**: one rtnetlink socket subscribed to link, address and route
+  events with ``NETLINK_LISTEN_ALL_NSID``, so it also hears every namespace
+  that has an nsid here (the kernel gives one to each namespace a veth crosses
+  into: all our allocation namespaces);
+* **/run/netns**: inotify (names created, deleted, renamed; the ownership xattr)
+  and ``poll`` on /proc/self/mountinfo (a namespace mounted or unmounted);
+* **nftables**: the ruleset generation id, bumped by every commit (the
+  iptables-nft backend); with iptables-legacy the rules are read every time;
+* **Docker**: the daemon's socket identity and its network events since the
+  observation (``GET /events?since=…&until=now``);
+* whatever has no change notification (sysctls, listening sockets, ``lo`` of a
+  foreign namespace without an nsid) is read again on every request.
+
+Notifications are queued in the kernel by the very syscall that makes the
+change, so draining the sockets at request time sees every change that finished
+before the request. Any doubt -- a lost event (ENOBUFS), an allocation
+namespace without an nsid, an error in a sentinel -- means observing again,
+exactly as a fresh process would. Desired-state files come from the client
+(read in its own directory); they are parsed again only when their bytes change.
+
+The socket is ``/run/reconciler/plan-<netns inode>.sock``, mode 0600, one
+server per namespace (an flock), answering root only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import http.client
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from reconciler import planclient
+from reconciler.drivers import docker_probe, netns
+from reconciler.errors import ConfigError, DriverError, ReconcilerError
+from reconciler.live import LiveState
+from reconciler.model import DesiredState
+from reconciler.observe import Observer
+from reconciler.plan import Plan
+from reconciler.planner import PlanOptions, make_plan
+
+log = logging.getLogger("reconciler.planserver")
+
+# -------------------------------------------------------------------- sentinels
+
+SOL_NETLINK = 270
+NETLINK_LISTEN_ALL_NSID = 8
+NETLINK_NETFILTER = 12
+RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE = 0x1, 0x10, 0x40
+RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE = 0x100, 0x400
+RTNLGRP_NSID = 28
+GROUPS = (RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_IFADDR
+          | RTMGRP_IPV6_ROUTE | (1 << (RTNLGRP_NSID - 1)))
+
+
+class Sentinel:
+    """Something that can tell whether part of the host changed since it was armed."""
+
+    name = "sentinel"
+
+    def arm(self) -> None:
+        """Called just before observing: changes from now on count."""
+
+    def changed(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what it holds."""
+
+
+class NetlinkSentinel(Sentinel):
+    """Link, address and route events of this namespace and of every namespace with an nsid."""
+
+    name = "netlink"
+
+    def __init__(self) -> None:
+        sock = socket.socket(socket.AF_NETLINK,
+                             socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, 0)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            sock.bind((0, GROUPS))
+            sock.setsockopt(SOL_NETLINK, NETLINK_LISTEN_ALL_NSID, 1)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def changed(self) -> bool:
+        seen = False
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return seen
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:  # ENOBUFS: events were lost, so: changed
+                    raise
+                data = b"!"
+            seen = seen or bool(data)
+
+    def arm(self) -> None:
+        self.changed()  # drop what is queued: the observation that follows sees it
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
+_IN_DELETE_SELF, _IN_MOVE_SELF = 0x400, 0x800
+_IN_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
+            | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF)
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+
+
+class NetnsDirSentinel(Sentinel):
+    """Names under /run/netns appearing, going or being re-tagged (inotify, no thread)."""
+
+    name = "netns-dir"
+
+    def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
+        self.run_dir = run_dir
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.fd = fd
+        self.watching = self._add_watch()
+
+    def _add_watch(self) -> bool:
+        return int(self._libc.inotify_add_watch(self.fd, self.run_dir.encode(), _IN_MASK)) >= 0
+
+    def changed(self) -> bool:
+        seen = False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            seen = seen or bool(data)
+        if not self.watching:  # no /run/netns when armed: its creation is a change
+            self.watching = self._add_watch()
+            return self.watching or seen
+        if seen and not os.path.isdir(self.run_dir):
+            self.watching = False
+        return seen
+
+    def arm(self) -> None:
+        self.changed()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class MountSentinel(Sentinel):
+    """Any mount or unmount in this mount namespace (poll on /proc/self/mountinfo)."""
+
+    name = "mounts"
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self.poller = select.poll()
+        self.poller.register(self.fd, select.POLLPRI | select.POLLERR)
+
+    def changed(self) -> bool:
+        return any(ev & (select.POLLPRI | select.POLLERR) for _fd, ev in self.poller.poll(0))
+
+    def arm(self) -> None:
+        self.changed()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWGEN, _NFT_MSG_GETGEN, _NFTA_GEN_ID = 10, 15, 16, 1
+_NLHDR = struct.Struct("=IHHII")
+_NLMSG_ERROR = 2
+
+
+def nft_generation(sock: socket.socket, seq: int) -> int:
+    """The nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
+    sock.send(_NLHDR.pack(16 + len(body), (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN,
+                          1, seq, 0) + body)
+    while True:
+        data = sock.recv(1 << 16)
+        off = 0
+        while off + 16 <= len(data):
+            length, kind, _flags, mseq, _pid = _NLHDR.unpack_from(data, off)
+            if length < 16:
+                break
+            if mseq == seq and kind == _NLMSG_ERROR:
+                code = -struct.unpack_from("=i", data, off + 16)[0]
+                raise OSError(code, "nf_tables generation")
+            if mseq == seq and kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
+                a = off + 20  # nlmsghdr + nfgenmsg
+                while a + 4 <= off + length:
+                    alen, atype = struct.unpack_from("=HH", data, a)
+                    if alen < 4:
+                        break
+                    if atype & 0x3FFF == _NFTA_GEN_ID:
+                        return int(struct.unpack_from("!I", data, a + 4)[0])
+                    a += (alen + 3) & ~3
+                raise OSError(errno.EPROTO, "nf_tables generation: no id")
+            off += (length + 3) & ~3
+
+
+def iptables_backend() -> str:
+    """"nf_tables" when both iptables and ip6tables use it, else what they report."""
+    import subprocess
+
+    seen = set()
+    for tool in ("iptables", "ip6tables"):
+        try:
+            out = subprocess.run([tool, "-V"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        seen.add("nf_tables" if "nf_tables" in out else "legacy" if "legacy" in out
+                 else "unknown")
+    return seen.pop() if len(seen) == 1 else "mixed"
+
+
+class NftSentinel(Sentinel):
+    """nf_tables commits (every iptables-nft change bumps the generation id)."""
+
+    name = "nftables"
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                                  NETLINK_NETFILTER)
+        self.sock.settimeout(5.0)
+        self.sock.bind((0, 0))
+        self.seq = 0
+        self.gen = self._read()
+
+    def _read(self) -> int:
+        self.seq += 1
+        return nft_generation(self.sock, self.seq)
+
+    def arm(self) -> None:
+        self.gen = self._read()
+
+    def changed(self) -> bool:
+        return self._read() != self.gen
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+DOCKER_MARGIN = 1.0  # seconds before arming that still count: clock granularity
+
+
+class DockerSentinel(Sentinel):
+    """Network events of the local daemon since arming; a restarted daemon (new socket)."""
+
+    name = "docker"
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.clock = clock
+        self.since = 0.0
+        self.identity = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
+
+    def arm(self) -> None:
+        self.since = self.clock() - DOCKER_MARGIN
+        self.identity = self._identity()
+
+    def changed(self) -> bool:
+        identity = self._identity()
+        if identity != self.identity:
+            return True
+        if identity is None:
+            return False  # no daemon then, none now
+        query = urllib.parse.urlencode({
+            "since": f"{self.since:.9f}", "until": f"{self.clock():.9f}",
+            "filters": json.dumps({"type": ["network"]})})
+        conn = docker_probe._UnixConnection(self.path, 5.0)
+        try:
+            conn.request("GET", "/events?" + query)
+            resp = conn.getresponse()
+            body = resp.read()
+        except (OSError, http.client.HTTPException):
+            return True
+        finally:
+            conn.close()
+        return resp.status != 200 or bool(body.strip())
+
+
+# -------------------------------------------------------------------- the cached view
+
+
+class LiveView:
+    """The last observation, and whether it still holds (see the module docstring)."""
+
+    def __init__(self, observer: Observer, sentinels: list[Sentinel], *,
+                 firewall_volatile: bool, docker_volatile: bool,
+                 list_names: Callable[[], list[str]] = netns.list_names) -> None:
+        self.observer = observer
+        self.list_names = list_names
+        self.sentinels = sentinels
+        self.firewall_volatile = firewall_volatile
+        self.docker_volatile = docker_volatile
+        self.live: LiveState | None = None
+        self.key: Any = None
+        self.cacheable = False
+        self.unwatched: dict[str, str | None] = {}  # foreign namespace -> its lo alias
+        self.plans: dict[Any, Plan] = {}
+        self.observations = 0  # full observations made (tests and metrics)
+
+    def _still_valid(self, desired: DesiredState) -> bool:
+        if self.live is None or not self.cacheable:
+            return False
+        changed = [s.name for s in self.sentinels if s.changed()]  # drain every one
+        if changed:
+            log.debug("plan view invalidated by %s", ", ".join(changed))
+            return False
+        nl = self.observer.ops.netlink
+        if any(nl.peek_lo_alias(n) != alias for n, alias in self.unwatched.items()):
+            return False
+        fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
+        if self.firewall_volatile:
+            fresh["firewall4"] = self.observer.ops.iptables(4).observe()
+            fresh["firewall6"] = self.observer.ops.iptables(6).observe()
+        if self.docker_volatile:
+            fresh["docker"] = self.observer.observe_docker(desired)
+        return all(getattr(self.live, k) == v for k, v in fresh.items())
+
+    def _observe(self, desired: DesiredState, key: Any) -> LiveState:
+        for s in self.sentinels:
+            s.arm()
+        live = self.observer.observe(desired)
+        self.observations += 1
+        self.live, self.key, self.plans = live, key, {}
+        self.cacheable, self.unwatched = self._watchability(live)
+        return live
+
+    def _watchability(self, live: LiveState) -> tuple[bool, dict[str, str | None]]:
+        """Can events cover every namespace read? Foreign ones without an nsid are re-read."""
+        nl = self.observer.ops.netlink
+        nl.prune_cache(())  # a socket held into a namespace would keep it alive
+        unwatched: dict[str, str | None] = {}
+        for name in self.list_names():
+            try:
+                nsid = nl.get_nsid(name)
+            except (DriverError, OSError):
+                nsid = None
+            if nsid is not None:
+                continue
+            if name in live.netns and live.netns[name].usable:
+                log.debug("plan view not cached: namespace %s has no nsid", name)
+                return False, {}
+            unwatched[name] = nl.peek_lo_alias(name)
+        return True, unwatched
+
+    def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> tuple[Plan, bool]:
+        """The plan, and whether the observation was reused."""
+        reused = key == self.key and self._still_valid(desired)
+        if not reused:
+            self._observe(desired, key)
+        assert self.live is not None
+        okey = (options.prune, tuple(sorted(options.adopt)), options.force_replace)
+        plan = self.plans.get(okey) if reused else None
+        if plan is None:
+            plan = make_plan(desired, self.live, options, desired.file_hashes)
+            self.plans[okey] = plan
+        return plan, reused
+
+    def close(self) -> None:
+        for s in self.sentinels:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def build_view(observer: Observer | None = None) -> LiveView:
+    """The sentinels this host supports; what has none is read on every request."""
+    sentinels: list[Sentinel] = [NetlinkSentinel(), NetnsDirSentinel(), MountSentinel()]
+    firewall_volatile = True
+    if iptables_backend() == "nf_tables":
+        try:
+            sentinels.append(NftSentinel())
+            firewall_volatile = False
+        except OSError as exc:
+            log.info("nf_tables generation unavailable (%s): rules are read per plan", exc)
+    path = docker_probe.socket_path()
+    docker_volatile = path is None
+    if path is not None:
+        sentinels.append(DockerSentinel(path))
+    return LiveView(observer or Observer(), sentinels, firewall_volatile=firewall_volatile,
+                    docker_volatile=docker_volatile)
+
+
+# -------------------------------------------------------------------- the server
+
+
+class Declined(Exception):
+    """This request is for the client's own CLI (the reason goes back to it)."""
+
+
+class PlanServer:
+    """Answers plan requests on the agent's unix socket, one at a time, in one thread."""
+
+    def __init__(self, stop: threading.Event, *,
+                 view_factory: Callable[[], LiveView] = build_view,
+                 on_answer: Callable[[str], None] | None = None) -> None:
+        self.stop = stop
+        self.on_answer = on_answer or (lambda result: None)
+        self.net = os.stat("/proc/thread-self/ns/net").st_ino
+        self.mnt = os.stat("/proc/self/ns/mnt").st_ino
+        self.path = planclient.socket_path(self.net)
+        self.code = planclient.code_id()
+        self.env = planclient.current_env()
+        self._view_factory = view_factory
+        self.view: LiveView | None = None
+        self._desired: dict[Any, DesiredState] = {}
+        self._sock: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.served = 0
+
+    def start(self) -> bool:
+        """Bind and serve; False (logged) when another agent serves this namespace."""
+        os.makedirs(planclient.RUN_DIR, mode=0o755, exist_ok=True)
+        lock_path = self.path[: -len(".sock")] + ".lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            log.warning("another agent already answers plans for this namespace (%s)",
+                        self.path)
+            return False
+        self._lock_fd = fd
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale one: we hold the lock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        sock.listen(16)
+        sock.settimeout(0.5)
+        self._sock = sock
+        self.view = self._view_factory()
+        self._thread = threading.Thread(target=self._serve, name="plan-server", daemon=True)
+        self._thread.start()
+        log.info("answering `reconcile plan` on %s", self.path)
+        return True
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not (self.stop.is_set() or self._closed.is_set()):
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stop.is_set() or self._closed.is_set():
+                    return
+                raise
+            with conn:
+                try:
+                    self._handle(conn)
+                except Exception as exc:  # one bad request must not end the server
+                    log.warning("plan request failed: %s: %s", type(exc).__name__, exc)
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(30.0)
+        if planclient.peer_uid(conn) not in (0, os.geteuid()):
+            planclient.send_message(conn, {"status": "declined", "why": "root only"})
+            return
+        request = planclient.recv_message(conn, limit=1 << 20)
+        files = request.get("files")
+        if not isinstance(files, list):
+            raise ValueError("no file list")
+        blobs = []
+        for entry in files:
+            size = int(entry[2])
+            if not 0 <= size <= planclient.MAX_REQUEST_FILE:
+                raise ValueError("file size out of range")
+            blobs.append(planclient._recv_exact(conn, size))
+        try:
+            reply = self.answer(request, blobs)
+        except Declined as exc:
+            reply = {"status": "declined", "why": str(exc)}
+        self.on_answer("declined" if reply["status"] != "ok"
+                       else "cached" if reply["cached"] else "observed")
+        planclient.send_message(conn, reply)
+
+    def answer(self, request: dict[str, Any], blobs: list[bytes]) -> dict[str, Any]:
+        """The reply to one request (status "ok"), or raise Declined."""
+        from reconciler import cli
+
+        expect = {"protocol": planclient.PROTOCOL, "code": self.code, "mnt": self.mnt,
+                  "net": self.net, "env": self.env}
+        for field, value in expect.items():
+            if request.get(field) != value:
+                raise Declined(f"the agent runs with another {field}")
+        parser = cli.build_parser()
+        try:
+            args = parser.parse_args(["plan", *request["argv"]])
+        except SystemExit:
+            raise Declined("the CLI reports usage errors") from None
+        if list(args.paths) != request.get("paths"):
+            raise Declined("paths parsed differently")
+        try:
+            options = cli._plan_options(args)
+            desired, key = self._load(request, blobs, args.hostname)
+        except ConfigError:
+            raise Declined("the CLI reports configuration errors") from None
+        assert self.view is not None
+        try:
+            plan, reused = self.view.plan(desired, key, options)
+        except ReconcilerError as exc:
+            raise Declined(f"the CLI reports this error: {exc}") from None
+        self.served += 1
+        text = cli.plan_text(plan, args.output, colour=bool(request.get("colour")),
+                             verbose=int(request.get("verbose", 0)) > 0)
+        reply: dict[str, Any] = {"status": "ok", "stdout": text, "rc": cli._plan_exit(plan),
+                                 "cached": reused}
+        if args.out:
+            reply["out_json"] = cli.plan_text(plan, "json", colour=False, verbose=False)
+        return reply
+
+    def _load(self, request: dict[str, Any], blobs: list[bytes],
+              hostname: str | None) -> tuple[DesiredState, Any]:
+        from reconciler.loader import load_sources
+
+        host = hostname if hostname is not None else str(request.get("hostname"))
+        entries = [(str(e[0]), str(e[1])) for e in request["files"]]
+        key = (tuple((n, a, hashlib.sha256(b).hexdigest())
+                     for (n, a), b in zip(entries, blobs, strict=True)), host)
+        desired = self._desired.get(key)
+        if desired is None:
+            desired = load_sources([(n, a, b) for (n, a), b in zip(entries, blobs, strict=True)],
+                                   hostname=host)
+            self._desired = {key: desired}  # the last one only: files change, memory must not grow
+        return desired, key
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path[: -len(".sock")] + ".lock")
+            os.close(self._lock_fd)
+        if self.view is not None:
+            self.view.close()
+            with contextlib.suppress(Exception):
+                self.view.observer.ops.close()

@@ -1,0 +1,243 @@
+"""`reconcile plan` answered by a running agent: same output as planning in-process, always.
+
+The agent here watches a file that declares nothing for this host (and runs
+with --no-prune), so it never heals what a test breaks: every plan it answers
+is compared with `plan --no-agent` right after each out-of-band change, one
+change per kind of event source (netlink in an allocation namespace and in the
+host, iptables, sysctl, a mount, /run/netns, a foreign namespace without an
+nsid, the files themselves, Docker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import SESSION, Netns, Result, reconcile, sh, unique, write
+from tests.integration.test_watch import Agent, wait_for
+
+pytestmark = pytest.mark.root
+
+BRIDGE = "rcpa0"
+
+
+def alloc_config(tmp_path: object, ids: list[str], *, extra_port: bool = False) -> str:
+    lines = ["version: 1", f"bridges: [{{name: {BRIDGE}}}]", "subnets:",
+             f"  - {{name: net, bridge: {BRIDGE}, cidr: 10.66.0.0/24, cidr6: 'fd00:66::/64'}}",
+             "allocs:"]
+    for i, a in enumerate(ids):
+        ports = [{"host": 18080 + i, "to": 80}, {"host": "auto", "to": 443}]
+        if extra_port and i == 0:
+            ports.append({"host": 19000, "to": 9000})
+        lines.append("  - " + json.dumps({"id": a, "subnet": "net", "ports": ports}))
+    return write(tmp_path, "allocs.yaml", "\n".join(lines) + "\n")
+
+
+class PlanAgent:
+    """A watch agent that declares nothing here, so it only answers plans."""
+
+    def __init__(self, host: Netns, tmp_path: Any) -> None:
+        idle = write(tmp_path, "idle.yaml", "version: 1\nhosts: [no-such-host-anywhere]\n")
+        os.chmod(idle, 0o644)
+        os.chmod(str(tmp_path), 0o755)
+        self.host = host
+        self.agent = Agent(host, [idle], "--no-prune")  # type: ignore[arg-type]
+        ino = os.stat(f"/run/netns/{host.name}").st_ino
+        from reconciler.planclient import socket_path
+
+        self.socket = socket_path(ino)
+        wait_for(lambda: os.path.exists(self.socket) and self.agent.status(), 15,
+                 what="the plan socket")
+
+    def counts(self) -> dict[str, float]:
+        text = self.agent.get("/metrics") or ""
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("reconciler_plan_requests_total{"):
+                result = line.split('result="')[1].split('"')[0]
+                out[result] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def plan(self, *args: str, mode: str = "require") -> Result:
+        return reconcile("plan", *args, netns=self.host.name, env={"RECONCILER_AGENT": mode})
+
+    def stop(self) -> None:
+        self.agent.stop()
+
+
+@pytest.fixture
+def plan_agent(host_ns: Netns, tmp_path: Any) -> Iterator[PlanAgent]:
+    a = PlanAgent(host_ns, tmp_path)
+    try:
+        yield a
+    finally:
+        rc = a.agent.stop()
+    assert rc == 0 and not os.path.exists(a.socket), "the agent left its socket behind"
+
+
+def same_as_in_process(agent: PlanAgent, *args: str) -> Result:
+    """Plan through the agent and in-process; both must print and exit the same."""
+    ours = agent.plan(*args)
+    local = reconcile("plan", "--no-agent", *args, netns=agent.host.name)
+    assert "did not answer" not in ours.err, ours.err
+    assert (ours.rc, ours.out) == (local.rc, local.out), \
+        f"agent:\n{ours.all}\nin-process:\n{local.all}"
+    return ours
+
+
+def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: PlanAgent,
+                                                                 host_ns: Netns, tmp_path):
+    a, b = unique("a"), unique("b")
+    path = alloc_config(tmp_path, [a, b])
+    assert host_ns.reconcile("apply", path).rc == 0
+    r = same_as_in_process(plan_agent, path)
+    assert r.rc == 0 and "No changes" in r.out
+
+    def cached_answer() -> bool:
+        # nothing changes now: the cached view answers (once IPv6 DAD, which the kernel
+        # announces, has settled after the apply)
+        before = plan_agent.counts().get("cached", 0)
+        assert same_as_in_process(plan_agent, path).rc == 0
+        return plan_agent.counts().get("cached", 0) == before + 1
+
+    wait_for(cached_answer, 15, every=0.5, what="a plan answered from the cached view")
+
+    def check(what: str, change: Callable[[], object], expect: str) -> None:
+        change()
+        r = same_as_in_process(plan_agent, path)
+        assert r.rc == 2 and expect in r.out, f"{what}:\n{r.all}"
+        fixed = host_ns.reconcile("apply", path)
+        assert fixed.rc == 0, f"{what}: re-apply failed\n{fixed.all}"
+        r = same_as_in_process(plan_agent, path)
+        assert r.rc == 0, f"{what}: after re-apply\n{r.all}"
+
+    # netlink inside an allocation namespace (heard through its nsid)
+    check("route deleted in an alloc namespace",
+          lambda: sh("ip", "-n", a, "route", "del", "default"), a)
+    check("address deleted in an alloc namespace",
+          lambda: sh("ip", "-n", b, "addr", "del", "10.66.0.3/24", "dev", "eth0"), b)
+    check("eth0 down in an alloc namespace",
+          lambda: sh("ip", "-n", a, "link", "set", "eth0", "down"), a)
+    # netlink in the host
+    check("bridge address deleted", lambda: sh("ip", "-n", host_ns.name, "addr", "flush",
+                                               "dev", BRIDGE), "gateway")
+    # nf_tables generation
+    rules = host_ns.iptables_save(4)
+    dnat = next(ln for ln in rules.splitlines()
+                if ln.startswith("-A RECONCILER-DNAT") and f"alloc={a}" in ln)
+    check("DNAT rule deleted",
+          lambda: host_ns.run("iptables", "-t", "nat", *shlex.split(dnat.replace("-A ", "-D ", 1))),
+          "firewall")
+    # sysctl (no event exists: read on every request)
+    check("ip_forward off", lambda: host_ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0"),
+          "ip_forward")
+    # the files
+    edited = alloc_config(tmp_path, [a, b], extra_port=True)
+    r = same_as_in_process(plan_agent, edited)
+    assert r.rc == 2 and "4 rules -> 5 rules" in r.out, r.all
+    alloc_config(tmp_path, [a, b])
+    assert same_as_in_process(plan_agent, path).rc == 0
+    counts = plan_agent.counts()
+    assert counts.get("observed", 0) >= 8 and not counts.get("declined"), counts
+
+
+def test_unmount_with_the_namespace_kept_alive_is_seen(plan_agent: PlanAgent, host_ns: Netns,
+                                                       tmp_path):
+    """No netlink or inotify event: only the mount table says the name lost its namespace."""
+    a = unique("a")
+    path = alloc_config(tmp_path, [a])
+    assert host_ns.reconcile("apply", path).rc == 0
+    assert same_as_in_process(plan_agent, path).rc == 0
+    holder = os.open(f"/run/netns/{a}", os.O_RDONLY)  # keeps the namespace and its veth alive
+    try:
+        sh("umount", "-l", f"/run/netns/{a}")  # lazy: our fd pins the mount
+        r = same_as_in_process(plan_agent, path)
+        assert r.rc == 2 and a in r.out, r.all
+    finally:
+        os.close(holder)
+    assert host_ns.reconcile("apply", path).rc == 0
+    assert same_as_in_process(plan_agent, path).rc == 0
+
+
+def test_foreign_namespace_without_nsid_taking_our_mark_is_seen(plan_agent: PlanAgent,
+                                                                host_ns: Netns, tmp_path):
+    """A namespace with no nsid here sends no events here: its lo is read on every request."""
+    a = unique("a")
+    path = alloc_config(tmp_path, [a])
+    assert host_ns.reconcile("apply", path).rc == 0
+    other = unique("f")
+    sh("ip", "netns", "add", other)
+    try:
+        assert same_as_in_process(plan_agent, path).rc == 0  # foreign: not ours, not planned
+        mark = sh("ip", "-n", a, "-j", "link", "show", "lo").stdout
+        alias = json.loads(mark)[0]["ifalias"]
+        sh("ip", "-n", other, "link", "set", "lo", "alias", alias)
+        r = same_as_in_process(plan_agent, path)
+        assert r.rc == 2 and other in r.out, r.all  # now it looks like ours: pruned
+    finally:
+        sh("ip", "netns", "del", other, check=False)
+
+
+def test_file_errors_and_unknown_options_are_worded_by_the_cli(plan_agent: PlanAgent,
+                                                               host_ns: Netns, tmp_path):
+    bad = write(tmp_path, "bad.yaml", "version: 1\nbridges:\n  - name: [\n")
+    ours = plan_agent.plan(bad, mode="auto")
+    local = reconcile("plan", "--no-agent", bad, netns=host_ns.name)
+    assert (ours.rc, ours.out, ours.err) == (local.rc, local.out, local.err)
+    assert ours.rc == 1 and "bad.yaml:" in ours.err
+    missing = plan_agent.plan(os.path.join(str(tmp_path), "nope.yaml"), mode="auto")
+    assert missing.rc == 1 and "no such file" in missing.err
+    refused = plan_agent.plan(bad)  # require: the agent declines, the client says so
+    assert refused.rc == 1 and "did not answer" in refused.err
+
+
+def test_relative_paths_json_and_saved_plans(plan_agent: PlanAgent, host_ns: Netns, tmp_path):
+    a = unique("a")
+    path = alloc_config(tmp_path, [a])
+    cmd = [sys.executable, "-m", "reconciler", "--netns", host_ns.name, "plan", "allocs.yaml"]
+    env = dict(os.environ, RECONCILER_AGENT="require")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = repo
+    out = os.path.join(str(tmp_path), "saved.json")
+    p = subprocess.run([*cmd, "--out", out], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "# allocs.yaml:" in p.stdout  # named as typed, relative to the client's directory
+    with open(out) as fh:
+        saved = json.load(fh)
+    assert saved["files"][0]["path"] == path
+    r = host_ns.reconcile("apply", out)  # the saved plan is a real one: apply takes it
+    assert r.rc == 0, r.all
+    j = subprocess.run([*cmd, "--output", "json"], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=120)
+    assert j.returncode == 0 and json.loads(j.stdout)["summary"]["create"] == 0, j.stderr
+
+
+@pytest.mark.docker
+def test_docker_network_created_out_of_band_is_seen(plan_agent: PlanAgent, host_ns: Netns,
+                                                    tmp_path):
+    docker = pytest.importorskip("docker")
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception:
+        pytest.skip("no Docker daemon")
+    path = write(tmp_path, "net.yaml", f"version: 1\nbridges: [{{name: {BRIDGE}}}]\n")
+    assert host_ns.reconcile("apply", path).rc == 0
+    assert same_as_in_process(plan_agent, path).rc == 0
+    name = f"{SESSION}-pa-{os.getpid()}"
+    net = client.networks.create(name, labels={"io.reconciler.managed": "true",
+                                               "io.reconciler.scope": f"netns/{host_ns.name}"})
+    try:
+        r = same_as_in_process(plan_agent, path)
+        assert r.rc == 2 and name in r.out, r.all  # ours in this scope, undeclared: pruned
+    finally:
+        net.remove()
+    assert same_as_in_process(plan_agent, path).rc == 0
