@@ -442,6 +442,7 @@ class PlanServer:
         self._lock_fd: int | None = None
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self._parser: Any = None
         self.served = 0
 
     def start(self) -> bool:
@@ -523,7 +524,9 @@ class PlanServer:
         for field, value in expect.items():
             if request.get(field) != value:
                 raise Declined(f"the agent runs with another {field}")
-        parser = cli.build_parser()
+        if self._parser is None:
+            self._parser = cli.build_parser()  # 3 ms: once
+        parser = self._parser
         try:
             args = parser.parse_args(["plan", *request["argv"]])
         except SystemExit:
