@@ -5,8 +5,10 @@ As root: ``python3 bench/scaling.py [--n 100 1000 5000] [--runs 1] [--timeout 18
 For each N (N allocs with 2 tcp port maps on one bridge with a /16 subnet — or
 one bridge and /16 per 1,000 allocs: a Linux bridge takes at most 1,023 ports,
 the 1,024th veth fails with "Exchange full"), in a throwaway host namespace:
-``reconcile apply`` from nothing, a no-op ``reconcile plan``, and the teardown
-(``apply`` of the file without the allocs: prune; the bridges stay). Each is
+``reconcile apply`` from nothing, a no-op ``reconcile plan`` in-process, the
+same plan answered by a running ``reconcile watch`` (median of 3 after its
+first observation; RSS is the client's), and the teardown (``apply`` of the
+file without the allocs: prune; the bridges stay). Each is
 one ``python -m reconciler`` process; time is wall clock, RSS is that child's
 peak (wait4). Growth is judged per allocation: the cost per alloc at N divided
 by the cost per alloc at the previous N — about 1 is linear, N_i/N_(i-1) would
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import CliRun, Sandbox, alloc_yaml  # noqa: E402
 
-PHASES = ("apply", "plan (no-op)", "teardown (prune)")
+PHASES = ("apply", "plan (no-op)", "plan via agent", "teardown (prune)")
 
 
 def one(n: int, timeout: float) -> dict[str, CliRun]:
@@ -38,7 +40,14 @@ def one(n: int, timeout: float) -> dict[str, CliRun]:
         full = sb.write("allocs.yaml", alloc_yaml(n, sb.prefix, "10.88.0.0/16"))
         base = sb.write("base.yaml", alloc_yaml(n, sb.prefix, "10.88.0.0/16", allocs=False))
         out = {"apply": sb.cli("apply", full, timeout=timeout)}
-        out["plan (no-op)"] = sb.cli("plan", full, timeout=timeout)
+        out["plan (no-op)"] = sb.cli("plan", full, timeout=timeout,
+                                     env={"RECONCILER_AGENT": "off"})
+        with sb.agent(full, timeout=timeout):  # answered by a running `reconcile watch`
+            req = {"RECONCILER_AGENT": "require"}
+            sb.cli("plan", full, timeout=timeout, env=req)  # its first observation
+            answered = sorted((sb.cli("plan", full, timeout=timeout, env=req) for _ in range(3)),
+                              key=lambda r: r.seconds)
+            out["plan via agent"] = answered[1]
         out["teardown (prune)"] = sb.cli("apply", base, timeout=timeout)
         return out
 

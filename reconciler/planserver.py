@@ -336,6 +336,15 @@ class LiveView:
     def _still_valid(self, desired: DesiredState) -> bool:
         if self.live is None or not self.cacheable:
             return False
+        try:
+            return self._unchanged(desired)
+        except Exception as exc:  # a sentinel that cannot tell may have eaten an event
+            log.debug("plan view invalidated: %s: %s", type(exc).__name__, exc)
+            self.live = None
+            return False
+
+    def _unchanged(self, desired: DesiredState) -> bool:
+        assert self.live is not None
         changed = [s.name for s in self.sentinels if s.changed()]  # drain every one
         if changed:
             log.debug("plan view invalidated by %s", ", ".join(changed))
@@ -352,6 +361,7 @@ class LiveView:
         return all(getattr(self.live, k) == v for k, v in fresh.items())
 
     def _observe(self, desired: DesiredState, key: Any) -> LiveState:
+        self.live, self.key, self.plans = None, None, {}  # until this observation succeeds
         for s in self.sentinels:
             s.arm()
         live = self.observer.observe(desired)

@@ -184,3 +184,27 @@ def test_foreign_namespace_without_nsid_is_peeked_each_time(parts: Any) -> None:
     obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
     assert not view.plan(d, "k", OPTS)[1]
     assert obs.ops.netlink.pruned >= 2  # no socket is kept into namespaces between requests
+
+
+def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: Any) -> None:
+    view, obs, sentinels, _names = parts
+    d = DesiredState()
+    view.plan(d, "k", OPTS)
+
+    def broken() -> bool:
+        raise OSError("socket gone")
+
+    sentinels[1].changed = broken  # type: ignore[method-assign]
+    sentinels[0].fire = True  # drained before the failure: its news must not be lost
+    assert not view.plan(d, "k", OPTS)[1]
+    del sentinels[1].changed
+    assert view.plan(d, "k", OPTS)[1]
+
+    def failing(desired: DesiredState) -> LiveState:
+        raise RuntimeError("netlink dump failed")
+
+    obs.observe = failing
+    sentinels[0].fire = True
+    with pytest.raises(RuntimeError):
+        view.plan(d, "k", OPTS)
+    assert view.live is None  # the next request observes, whatever the sentinels say
