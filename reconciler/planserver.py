@@ -10,7 +10,8 @@ observation and proves, on each request, that nothing it saw has changed since:
   that has an nsid here (the kernel gives one to each namespace a veth crosses
   into: all our allocation namespaces);
 * **/run/netns**: inotify (names created, deleted, renamed; the ownership xattr)
-  and ``poll`` on /proc/self/mountinfo (a namespace mounted or unmounted);
+  and ``poll`` on /proc/self/mountinfo, then which namespace is mounted where
+  under /run/netns (other mounts on the host do not count);
 * **nftables**: the ruleset generation id, bumped by every commit (the
   iptables-nft backend); with iptables-legacy the rules are read every time;
 * **Docker**: the daemon's socket identity and its network events since the
@@ -172,20 +173,42 @@ class NetnsDirSentinel(Sentinel):
 
 
 class MountSentinel(Sentinel):
-    """Any mount or unmount in this mount namespace (poll on /proc/self/mountinfo)."""
+    """A namespace mounted, unmounted or replaced under /run/netns.
+
+    ``poll`` on /proc/self/mountinfo wakes on any mount in this mount namespace
+    (containers starting, other tools); only then is the table read, and only
+    a change of the mounts under /run/netns (which namespace is where) counts.
+    """
 
     name = "mounts"
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
+        self.prefix = run_dir.rstrip("/") + "/"
         self.fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
         self.poller = select.poll()
         self.poller.register(self.fd, select.POLLPRI | select.POLLERR)
+        self.snapshot = self._netns_mounts()
 
-    def changed(self) -> bool:
+    def _netns_mounts(self) -> frozenset[tuple[str, str, str]]:
+        """(mount id, root, mount point) of /run/netns and of every mount below it."""
+        with open("/proc/self/mountinfo") as fh:
+            text = fh.read()
+        out = set()
+        for line in text.splitlines():
+            f = line.split(" ", 5)
+            if len(f) > 4 and (f[4] + "/").startswith(self.prefix):
+                out.add((f[0], f[3], f[4]))
+        return frozenset(out)
+
+    def _signalled(self) -> bool:
         return any(ev & (select.POLLPRI | select.POLLERR) for _fd, ev in self.poller.poll(0))
 
+    def changed(self) -> bool:
+        return self._signalled() and self._netns_mounts() != self.snapshot
+
     def arm(self) -> None:
-        self.changed()
+        self._signalled()
+        self.snapshot = self._netns_mounts()
 
     def close(self) -> None:
         os.close(self.fd)
