@@ -78,7 +78,7 @@ def instrument() -> float:
     wrap(iptables.IptablesDriver, "observe", "  iptables-save + parse (per family)")
     wrap(iptables, "parse_save", "    parse_save")
     wrap(sysctl, "read", "  sysctl reads")
-    wrap(observe.Observer, "_observe_allocs", "  allocation namespaces")
+    wrap(observe.Observer, "observe_allocs", "  allocation namespaces")
     wrap(links.Netlink, "observe_netns", "    observe_netns")
     wrap(links.Netlink, "peek_lo_alias", "    peek_lo_alias (undeclared ns)")
     wrap(observe, "listening_ports", "  listening ports (/proc/net)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from reconciler.drivers import docker_probe, netns, sysctl
@@ -58,7 +59,7 @@ class Observer:
             "links": links,
             "firewall4": self.ops.iptables(4).observe(),
             "firewall6": self.ops.iptables(6).observe(),
-            "netns": self._observe_allocs(desired, host_id),
+            "netns": self.observe_allocs(desired, host_id),
             "docker": self.observe_docker(desired),
             **self.observe_unannounced(desired),
         }
@@ -76,7 +77,7 @@ class Observer:
             "listening": listening_ports() if desired.allocs else frozenset(),
         }
 
-    def _observe_allocs(self, desired: DesiredState,
+    def observe_allocs(self, desired: DesiredState,
                         host_id: str) -> dict[str, LiveNetns]:
         """Desired allocation namespaces, plus undeclared ones that carry this host's mark."""
         names = set(netns.list_names())
@@ -94,11 +95,16 @@ class Observer:
                 continue  # removed meanwhile by someone else, or a name we never give
             if self.ops.netlink.peek_lo_alias(name) == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
-        observed = dict(self.ops.netlink.observe_netns(sorted(wanted))) if wanted else {}
+        return {**self.observe_namespaces(wanted), **stale}
+
+    def observe_namespaces(self, names: Iterable[str]) -> dict[str, LiveNetns]:
+        """Links, addresses and routes inside each named namespace (missing ones left out)."""
+        names = sorted(names)
+        observed = dict(self.ops.netlink.observe_netns(names)) if names else {}
         for name, ns in observed.items():
             if not ns.usable:
                 observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
-        return {**observed, **stale}
+        return observed
 
     def observe_docker(self, desired: DesiredState) -> LiveDocker | None:
         """Declared Docker networks and every network we own, or None.

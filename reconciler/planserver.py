@@ -19,11 +19,20 @@ observation and proves, on each request, that nothing it saw has changed since:
 * whatever has no change notification (sysctls, listening sockets, ``lo`` of a
   foreign namespace without an nsid) is read again on every request.
 
+Each sentinel names the part of the live state its news is about, and only
+that part is read again: the host's links (an event of this namespace), one
+allocation namespace (an event carrying its nsid; events of namespaces not
+under /run/netns are not about anything observed), every allocation namespace
+(/run/netns changed, or a foreign namespace's ``lo`` took our mark), the
+rules, Docker. When what was read again equals what was kept, the plan made
+from it still stands; otherwise it is made again. So other tools' containers
+coming and going cost a re-read of a part, not of the host.
+
 Notifications are queued in the kernel by the very syscall that makes the
 change, so draining the sockets at request time sees every change that finished
 before the request. Any doubt -- a lost event (ENOBUFS), an allocation
-namespace without an nsid, an error in a sentinel -- means observing again,
-exactly as a fresh process would. Desired-state files come from the client
+namespace without an nsid, an error in a sentinel -- means observing
+everything again, exactly as a fresh process would. Desired-state files come from the client
 (read in its own directory); they are parsed again only when their bytes change.
 
 The socket is ``/run/reconciler/plan-<netns inode>.sock``, mode 0600, one
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -53,7 +63,7 @@ from typing import Any
 from reconciler import planclient
 from reconciler.drivers import docker_probe, netns
 from reconciler.errors import ConfigError, DriverError, ReconcilerError
-from reconciler.live import LiveState
+from reconciler.live import LiveNetns, LiveState
 from reconciler.model import DesiredState
 from reconciler.observe import Observer
 from reconciler.plan import Plan
@@ -73,19 +83,49 @@ GROUPS = (RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_IFA
           | RTMGRP_IPV6_ROUTE | (1 << (RTNLGRP_NSID - 1)))
 
 
+#: what a sentinel can report dirty: a LiveState part to read again, "nsid:N" (one
+#: namespace, by its nsid here), or EVERYTHING (an event may have been lost)
+EVERYTHING = "*"
+
+
 class Sentinel:
-    """Something that can tell whether part of the host changed since it was armed."""
+    """Something that can tell which part of the host changed since it was armed."""
 
     name = "sentinel"
+    unit = EVERYTHING  # what ``changed()`` being true makes dirty
 
     def arm(self) -> None:
-        """Called just before observing: changes from now on count."""
+        """Called just before reading its part of the host: changes from now on count."""
 
     def changed(self) -> bool:
         raise NotImplementedError
 
+    def dirty(self) -> set[str]:
+        """Drain what happened since the last call; the parts to read again."""
+        return {self.unit} if self.changed() else set()
+
+    def rearm(self) -> None:
+        """After ``dirty()`` said something, before that part is read again."""
+        self.arm()
+
     def close(self) -> None:
         """Release what it holds."""
+
+
+_CMSG_SPACE = socket.CMSG_SPACE(4)
+_RTM_NEWROUTE, _RTM_DELROUTE = 24, 25
+
+
+def _only_routes(data: bytes) -> bool:
+    """Does this datagram hold route notifications only?"""
+    off, kinds = 0, set()
+    while off + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            return False
+        kinds.add(kind)
+        off += (length + 3) & ~3
+    return bool(kinds) and kinds <= {_RTM_NEWROUTE, _RTM_DELROUTE}
 
 
 class NetlinkSentinel(Sentinel):
@@ -105,21 +145,36 @@ class NetlinkSentinel(Sentinel):
             raise
         self.sock = sock
 
-    def changed(self) -> bool:
-        seen = False
+    def dirty(self) -> set[str]:
+        """"links" for an event of this namespace, "nsid:N" for one of namespace N."""
+        out: set[str] = set()
         while True:
             try:
-                data = self.sock.recv(1 << 16)
+                data, anc, _flags, _addr = self.sock.recvmsg(1 << 16, _CMSG_SPACE)
             except BlockingIOError:
-                return seen
+                return out
             except OSError as exc:
-                if exc.errno != errno.ENOBUFS:  # ENOBUFS: events were lost, so: changed
+                if exc.errno != errno.ENOBUFS:
                     raise
-                data = b"!"
-            seen = seen or bool(data)
+                out.add(EVERYTHING)  # the kernel dropped events: anything may have changed
+                continue
+            nsid = None
+            for level, kind, payload in anc:
+                if level == SOL_NETLINK and kind == NETLINK_LISTEN_ALL_NSID and len(payload) >= 4:
+                    nsid = struct.unpack_from("=i", payload)[0]
+            if nsid is not None:
+                out.add(f"nsid:{nsid}")
+            elif not _only_routes(data):  # host routes are not part of what is observed
+                out.add("links")
+
+    def changed(self) -> bool:
+        return bool(self.dirty())
 
     def arm(self) -> None:
-        self.changed()  # drop what is queued: the observation that follows sees it
+        self.dirty()  # drop what is queued: the observation that follows sees it
+
+    def rearm(self) -> None:
+        """Nothing: ``dirty()`` drained exactly what it reported."""
 
     def close(self) -> None:
         self.sock.close()
@@ -137,6 +192,7 @@ class NetnsDirSentinel(Sentinel):
     """Names under /run/netns appearing, going or being re-tagged (inotify, no thread)."""
 
     name = "netns-dir"
+    unit = "netns"
 
     def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
         self.run_dir = run_dir
@@ -181,6 +237,7 @@ class MountSentinel(Sentinel):
     """
 
     name = "mounts"
+    unit = "netns"
 
     def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
         self.prefix = run_dir.rstrip("/") + "/"
@@ -266,6 +323,7 @@ class NftSentinel(Sentinel):
     """nf_tables commits (every iptables-nft change bumps the generation id)."""
 
     name = "nftables"
+    unit = "firewall"
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
@@ -296,6 +354,7 @@ class DockerSentinel(Sentinel):
     """Network events of the local daemon since arming; a restarted daemon (new socket)."""
 
     name = "docker"
+    unit = "docker"
 
     def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
         self.path = path
@@ -339,7 +398,13 @@ class DockerSentinel(Sentinel):
 
 
 class LiveView:
-    """The last observation, and whether it still holds (see the module docstring)."""
+    """The last observation, kept true part by part (see the module docstring).
+
+    ``plan`` answers how it got its live state: "cached" (no sentinel said
+    anything and what has no sentinel read the same), "refreshed" (only the
+    parts sentinels named were read again: host links, one namespace, all
+    namespaces, the firewall, Docker) or "observed" (everything read again).
+    """
 
     def __init__(self, observer: Observer, sentinels: list[Sentinel], *,
                  firewall_volatile: bool, docker_volatile: bool,
@@ -352,77 +417,122 @@ class LiveView:
         self.live: LiveState | None = None
         self.key: Any = None
         self.cacheable = False
-        self.unwatched: dict[str, str | None] = {}  # foreign namespace -> its lo alias
+        self.by_nsid: dict[int, str] = {}  # nsid here -> name under /run/netns
+        self.unwatched: dict[str, str | None] = {}  # foreign, no nsid -> lo alias
+        self.foreign: dict[str, str | None] = {}  # foreign with an nsid -> lo alias
         self.plans: dict[Any, Plan] = {}
         self.observations = 0  # full observations made (tests and metrics)
 
-    def _still_valid(self, desired: DesiredState) -> bool:
-        if self.live is None or not self.cacheable:
-            return False
-        try:
-            return self._unchanged(desired)
-        except Exception as exc:  # a sentinel that cannot tell may have eaten an event
-            log.debug("plan view invalidated: %s: %s", type(exc).__name__, exc)
-            self.live = None
-            return False
+    # -- full observation ---------------------------------------------------------------
 
-    def _unchanged(self, desired: DesiredState) -> bool:
-        assert self.live is not None
-        changed = [s.name for s in self.sentinels if s.changed()]  # drain every one
-        if changed:
-            log.debug("plan view invalidated by %s", ", ".join(changed))
-            return False
-        nl = self.observer.ops.netlink
-        if any(nl.peek_lo_alias(n) != alias for n, alias in self.unwatched.items()):
-            return False
-        fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
-        if self.firewall_volatile:
-            fresh["firewall4"] = self.observer.ops.iptables(4).observe()
-            fresh["firewall6"] = self.observer.ops.iptables(6).observe()
-        if self.docker_volatile:
-            fresh["docker"] = self.observer.observe_docker(desired)
-        return all(getattr(self.live, k) == v for k, v in fresh.items())
-
-    def _observe(self, desired: DesiredState, key: Any) -> LiveState:
+    def _observe(self, desired: DesiredState, key: Any) -> None:
         self.live, self.key, self.plans = None, None, {}  # until this observation succeeds
         for s in self.sentinels:
             s.arm()
         live = self.observer.observe(desired)
         self.observations += 1
-        self.live, self.key, self.plans = live, key, {}
-        self.cacheable, self.unwatched = self._watchability(live)
-        return live
+        self._map_namespaces(live.netns)
+        self.live, self.key = live, key
 
-    def _watchability(self, live: LiveState) -> tuple[bool, dict[str, str | None]]:
-        """Can events cover every namespace read? Foreign ones without an nsid are re-read."""
+    def _map_namespaces(self, observed: dict[str, LiveNetns]) -> None:
+        """Which nsid is which name; which namespaces cannot be heard and must be re-read.
+
+        An allocation namespace of ours without an nsid sends us no events:
+        nothing is cached then. A foreign one without an nsid has its ``lo``
+        alias (what would make it ours) read again on every request.
+        """
         nl = self.observer.ops.netlink
         nl.prune_cache(())  # a socket held into a namespace would keep it alive
-        unwatched: dict[str, str | None] = {}
+        self.by_nsid, self.unwatched, self.foreign = {}, {}, {}
+        self.cacheable = True
         for name in self.list_names():
             try:
                 nsid = nl.get_nsid(name)
             except (DriverError, OSError):
                 nsid = None
+            ours = name in observed
             if nsid is not None:
-                continue
-            if name in live.netns and live.netns[name].usable:
+                self.by_nsid[nsid] = name
+                if not ours:
+                    self.foreign[name] = nl.peek_lo_alias(name)
+            elif ours and observed[name].usable:
                 log.debug("plan view not cached: namespace %s has no nsid", name)
-                return False, {}
-            unwatched[name] = nl.peek_lo_alias(name)
-        return True, unwatched
+                self.cacheable = False
+            elif not ours:
+                self.unwatched[name] = nl.peek_lo_alias(name)
 
-    def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> tuple[Plan, bool]:
-        """The plan, and whether the observation was reused."""
-        reused = key == self.key and self._still_valid(desired)
-        if not reused:
+    # -- refresh ------------------------------------------------------------------------
+
+    def _refresh(self, desired: DesiredState) -> dict[str, Any] | None:
+        """The LiveState parts that may have changed, read again; None: observe everything."""
+        assert self.live is not None
+        dirty: set[str] = set()
+        for s in self.sentinels:  # drain every one before reading anything
+            got = s.dirty()
+            if got:
+                dirty |= got
+                s.rearm()
+        if EVERYTHING in dirty:
+            return None
+        nl = self.observer.ops.netlink
+        namespaces: set[str] = set()
+        for unit in [u for u in dirty if u.startswith("nsid:")]:
+            name = self.by_nsid.get(int(unit[5:]))
+            if name is None:
+                continue  # not under /run/netns: nothing observed comes from there
+            if name in self.live.netns:
+                namespaces.add(name)
+            elif nl.peek_lo_alias(name) != self.foreign.get(name):
+                dirty.add("netns")  # a foreign namespace took (or lost) our mark
+        if any(nl.peek_lo_alias(n) != alias for n, alias in self.unwatched.items()):
+            dirty.add("netns")
+        fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
+        if "links" in dirty:
+            fresh["links"] = nl.dump_links()
+        if "firewall" in dirty or self.firewall_volatile:
+            fresh["firewall4"] = self.observer.ops.iptables(4).observe()
+            fresh["firewall6"] = self.observer.ops.iptables(6).observe()
+        if "docker" in dirty or self.docker_volatile:
+            fresh["docker"] = self.observer.observe_docker(desired)
+        if "netns" in dirty:
+            fresh["netns"] = self.observer.observe_allocs(desired, self.live.host_id)
+        elif namespaces:
+            again = self.observer.observe_namespaces(namespaces)
+            if set(again) != namespaces:
+                return None  # one vanished without a /run/netns event: be safe
+            fresh["netns"] = {**self.live.netns, **again}
+        nl.prune_cache(())
+        if "netns" in dirty:
+            self._map_namespaces(fresh["netns"])
+        return fresh
+
+    # -- answer -------------------------------------------------------------------------
+
+    def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> tuple[Plan, str]:
+        """The plan, and how its live state was had: "cached", "refreshed" or "observed"."""
+        how = "observed"
+        if key == self.key and self.live is not None and self.cacheable:
+            try:
+                fresh = self._refresh(desired)
+            except Exception as exc:  # a sentinel that cannot tell may have eaten an event
+                log.debug("plan view dropped: %s: %s", type(exc).__name__, exc)
+                fresh = None
+            if fresh is not None:
+                live = self.live
+                if all(getattr(live, k) == v for k, v in fresh.items()):
+                    how = "cached"
+                else:
+                    how = "refreshed"
+                    self.live, self.plans = dataclasses.replace(live, **fresh), {}
+        if how == "observed":
             self._observe(desired, key)
         assert self.live is not None
         okey = (options.prune, tuple(sorted(options.adopt)), options.force_replace)
-        plan = self.plans.get(okey) if reused else None
+        plan = self.plans.get(okey)
         if plan is None:
             plan = make_plan(desired, self.live, options, desired.file_hashes)
             self.plans[okey] = plan
-        return plan, reused
+        return plan, how
 
     def close(self) -> None:
         for s in self.sentinels:
@@ -544,8 +654,7 @@ class PlanServer:
             reply = self.answer(request, blobs)
         except Declined as exc:
             reply = {"status": "declined", "why": str(exc)}
-        self.on_answer("declined" if reply["status"] != "ok"
-                       else "cached" if reply["cached"] else "observed")
+        self.on_answer(reply["view"] if reply["status"] == "ok" else "declined")
         planclient.send_message(conn, reply)
 
     def answer(self, request: dict[str, Any], blobs: list[bytes]) -> dict[str, Any]:
@@ -573,14 +682,14 @@ class PlanServer:
             raise Declined("the CLI reports configuration errors") from None
         assert self.view is not None
         try:
-            plan, reused = self.view.plan(desired, key, options)
+            plan, how = self.view.plan(desired, key, options)
         except ReconcilerError as exc:
             raise Declined(f"the CLI reports this error: {exc}") from None
         self.served += 1
         text = cli.plan_text(plan, args.output, colour=bool(request.get("colour")),
                              verbose=int(request.get("verbose", 0)) > 0)
         reply: dict[str, Any] = {"status": "ok", "stdout": text, "rc": cli._plan_exit(plan),
-                                 "cached": reused}
+                                 "view": how}
         if args.out:
             reply["out_json"] = cli.plan_text(plan, "json", colour=False, verbose=False)
         return reply

@@ -60,9 +60,10 @@ class Metrics:
                                   "1 when the files loaded cleanly at the last pass", registry=r)
         self.plan_requests = Counter("reconciler_plan_requests",
                                      "`reconcile plan` requests answered by this agent, by "
-                                     "result: cached (no change since the last observation), "
-                                     "observed (read the host again), declined (the client "
-                                     "planned itself)", ["result"], registry=r)
+                                     "result: cached (nothing it keeps changed), refreshed "
+                                     "(changed parts read again), observed (the whole host "
+                                     "read again), declined (the client planned itself)",
+                                     ["result"], registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from reconciler.live import LiveNetns, LiveState
+from reconciler.live import LiveLink, LiveNetns, LiveState
 from reconciler.model import DesiredState
 from reconciler.planclient import PlanCall, Unanswered, normalise_argv
 from reconciler.planner import PlanOptions
-from reconciler.planserver import LiveView, Sentinel
+from reconciler.planserver import EVERYTHING, LiveView, Sentinel
 
 # ------------------------------------------------------------------ the client's command line
 
@@ -61,20 +61,26 @@ def test_bad_namespace_names_are_left_to_the_cli() -> None:
 
 
 class FakeSentinel(Sentinel):
+    """Reports ``units`` once when set (EVERYTHING when only ``fire`` is set)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.fire = False
+        self.units: set[str] = set()
         self.armed = 0
         self.polled = 0
 
     def arm(self) -> None:
         self.armed += 1
-        self.fire = False
 
     def changed(self) -> bool:
+        raise AssertionError("LiveView asks dirty()")
+
+    def dirty(self) -> set[str]:
         self.polled += 1
-        fired, self.fire = self.fire, False
-        return fired
+        out = set(self.units) or ({EVERYTHING} if self.fire else set())
+        self.fire, self.units = False, set()
+        return out
 
 
 class FakeNetlink:
@@ -82,6 +88,8 @@ class FakeNetlink:
         self.nsids: dict[str, int] = {}
         self.aliases: dict[str, str | None] = {}
         self.pruned = 0
+        self.links: dict[str, Any] = {}
+        self.dumps = 0
 
     def get_nsid(self, name: str) -> int | None:
         return self.nsids.get(name)
@@ -92,21 +100,58 @@ class FakeNetlink:
     def prune_cache(self, keep: Any) -> None:
         self.pruned += 1
 
+    def dump_links(self) -> dict[str, Any]:
+        self.dumps += 1
+        return dict(self.links)
+
+
+class FakeFirewall:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def observe(self) -> Any:
+        self.reads += 1
+        return LiveState().firewall4
+
+
+class FakeOps:
+    def __init__(self) -> None:
+        self.netlink = FakeNetlink()
+        self.fw = FakeFirewall()
+
+    def iptables(self, family: int) -> FakeFirewall:
+        return self.fw
+
 
 class FakeObserver:
     def __init__(self) -> None:
-        self.ops = type("Ops", (), {})()
-        self.ops.netlink = FakeNetlink()
+        self.ops = FakeOps()
         self.live = LiveState()
         self.sysctls = {"net/ipv4/ip_forward": "1"}
+        self.namespaces: dict[str, LiveNetns] = {}
         self.observed = 0
+        self.ns_reads: list[list[str]] = []
+        self.alloc_reads = 0
 
     def observe(self, desired: DesiredState) -> LiveState:
         self.observed += 1
-        return dataclasses.replace(self.live, sysctls=dict(self.sysctls))
+        return dataclasses.replace(self.live, sysctls=dict(self.sysctls),
+                                   netns=dict(self.namespaces),
+                                   links=self.ops.netlink.dump_links())
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         return {"sysctls": dict(self.sysctls), "listening": frozenset()}
+
+    def observe_namespaces(self, names: Any) -> dict[str, LiveNetns]:
+        self.ns_reads.append(sorted(names))
+        return {n: self.namespaces[n] for n in names if n in self.namespaces}
+
+    def observe_allocs(self, desired: DesiredState, host_id: str) -> dict[str, LiveNetns]:
+        self.alloc_reads += 1
+        return dict(self.namespaces)
+
+    def observe_docker(self, desired: DesiredState) -> Any:
+        return None
 
 
 @pytest.fixture
@@ -120,85 +165,129 @@ def parts() -> tuple[LiveView, FakeObserver, list[FakeSentinel], list[str]]:
 
 
 OPTS = PlanOptions()
+D = DesiredState()
 
 
 def test_unchanged_host_reuses_the_observation_and_the_plan(parts: Any) -> None:
     view, obs, sentinels, _names = parts
-    d = DesiredState()
-    p1, reused1 = view.plan(d, "k", OPTS)
-    p2, reused2 = view.plan(d, "k", OPTS)
-    assert (reused1, reused2, obs.observed) == (False, True, 1)
+    p1, how1 = view.plan(D, "k", OPTS)
+    p2, how2 = view.plan(D, "k", OPTS)
+    assert (how1, how2, obs.observed) == ("observed", "cached", 1)
     assert p2 is p1
     assert all(s.armed == 1 for s in sentinels)
 
 
-def test_any_sentinel_firing_means_observing_again_and_all_are_drained(parts: Any) -> None:
+def test_a_lost_event_means_observing_again_and_all_sentinels_are_drained(parts: Any) -> None:
     view, obs, sentinels, _names = parts
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
+    view.plan(D, "k", OPTS)
     sentinels[0].fire = True
-    sentinels[1].fire = True
-    _plan, reused = view.plan(d, "k", OPTS)
-    assert not reused and obs.observed == 2
+    sentinels[1].units = {"links"}
+    assert view.plan(D, "k", OPTS)[1] == "observed" and obs.observed == 2
     assert all(s.polled == 1 for s in sentinels)  # the second was read although the first fired
-    assert view.plan(d, "k", OPTS)[1]
+    assert view.plan(D, "k", OPTS)[1] == "cached"
 
 
 def test_unannounced_values_are_compared_on_every_request(parts: Any) -> None:
     view, obs, _s, _names = parts
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
+    view.plan(D, "k", OPTS)
     obs.sysctls = {"net/ipv4/ip_forward": "0"}  # a sysctl changes without any event
-    assert not view.plan(d, "k", OPTS)[1] and obs.observed == 2
+    p_before = view.plans
+    plan, how = view.plan(D, "k", OPTS)
+    assert how == "refreshed" and obs.observed == 1 and view.plans is not p_before
+    assert view.live.sysctls == {"net/ipv4/ip_forward": "0"}
 
 
 def test_other_files_or_options(parts: Any) -> None:
     view, obs, _s, _names = parts
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
-    assert not view.plan(d, "k2", OPTS)[1]  # other files: observed for them
-    p_prune, _ = view.plan(d, "k2", OPTS)
-    p_keep, reused = view.plan(d, "k2", PlanOptions(prune=False))
-    assert reused and p_keep is not p_prune and p_keep.options["prune"] is False
+    view.plan(D, "k", OPTS)
+    assert view.plan(D, "k2", OPTS)[1] == "observed"  # other files: observed for them
+    p_prune, _ = view.plan(D, "k2", OPTS)
+    p_keep, how = view.plan(D, "k2", PlanOptions(prune=False))
+    assert how == "cached" and p_keep is not p_prune and p_keep.options["prune"] is False
     assert obs.observed == 2
+
+
+def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
+    view, obs, sentinels, _names = parts
+    view.plan(D, "k", OPTS)
+    sentinels[0].units = {"links"}
+    assert view.plan(D, "k", OPTS)[1] == "cached"  # read again, same: the plan stands
+    assert obs.ops.netlink.dumps == 2 and obs.observed == 1
+    obs.ops.netlink.links = {"eth9": LiveLink("eth9", 9, "veth", 1500, True, False)}
+    sentinels[0].units = {"links"}
+    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    assert set(view.live.links) == {"eth9"} and obs.observed == 1
+
+
+def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
+    view, obs, sentinels, names = parts
+    names += ["alloc1", "alloc2", "theirs"]
+    obs.namespaces = {"alloc1": LiveNetns("alloc1", True), "alloc2": LiveNetns("alloc2", True)}
+    obs.ops.netlink.nsids = {"alloc1": 1, "alloc2": 2, "theirs": 3}
+    view.plan(D, "k", OPTS)
+    obs.namespaces["alloc2"] = LiveNetns("alloc2", True, nsid=2)  # its route went, say
+    sentinels[0].units = {"nsid:2", "nsid:77"}  # 77: not under /run/netns, ignored
+    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    assert obs.ns_reads == [["alloc2"]] and obs.alloc_reads == 0 and obs.observed == 1
+    assert view.live.netns["alloc2"].nsid == 2
+    sentinels[0].units = {"nsid:3"}  # a foreign namespace: only its lo alias matters
+    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.alloc_reads == 0
+    obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
+    sentinels[0].units = {"nsid:3"}
+    view.plan(D, "k", OPTS)
+    assert obs.alloc_reads == 1  # it may be ours now: every namespace is looked at again
+
+
+def test_run_netns_changes_reread_the_namespaces(parts: Any) -> None:
+    view, obs, sentinels, _names = parts
+    view.plan(D, "k", OPTS)
+    sentinels[1].units = {"netns"}
+    obs.namespaces = {"new": LiveNetns("new", True)}
+    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    assert obs.alloc_reads == 1 and set(view.live.netns) == {"new"} and obs.observed == 1
+
+
+def test_firewall_events_reread_the_rules(parts: Any) -> None:
+    view, obs, sentinels, _names = parts
+    view.plan(D, "k", OPTS)
+    sentinels[0].units = {"firewall"}
+    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.ops.fw.reads == 2
 
 
 def test_an_allocation_namespace_without_nsid_is_never_cached(parts: Any) -> None:
     view, obs, _s, names = parts
     names.append("alloc1")
-    obs.live = dataclasses.replace(LiveState(), netns={"alloc1": LiveNetns("alloc1", True)})
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
-    assert not view.plan(d, "k", OPTS)[1]
+    obs.namespaces = {"alloc1": LiveNetns("alloc1", True)}
+    view.plan(D, "k", OPTS)
+    assert view.plan(D, "k", OPTS)[1] == "observed"
     obs.ops.netlink.nsids["alloc1"] = 3  # now its events reach us
-    view.plan(d, "k", OPTS)
-    assert view.plan(d, "k", OPTS)[1]
+    view.plan(D, "k", OPTS)
+    assert view.plan(D, "k", OPTS)[1] == "cached"
 
 
 def test_foreign_namespace_without_nsid_is_peeked_each_time(parts: Any) -> None:
     view, obs, _s, names = parts
     names.append("theirs")
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
-    assert view.plan(d, "k", OPTS)[1]
+    view.plan(D, "k", OPTS)
+    assert view.plan(D, "k", OPTS)[1] == "cached"
     obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
-    assert not view.plan(d, "k", OPTS)[1]
+    view.plan(D, "k", OPTS)
+    assert obs.alloc_reads == 1
     assert obs.ops.netlink.pruned >= 2  # no socket is kept into namespaces between requests
 
 
 def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: Any) -> None:
     view, obs, sentinels, _names = parts
-    d = DesiredState()
-    view.plan(d, "k", OPTS)
+    view.plan(D, "k", OPTS)
 
-    def broken() -> bool:
+    def broken() -> set[str]:
         raise OSError("socket gone")
 
-    sentinels[1].changed = broken  # type: ignore[method-assign]
-    sentinels[0].fire = True  # drained before the failure: its news must not be lost
-    assert not view.plan(d, "k", OPTS)[1]
-    del sentinels[1].changed
-    assert view.plan(d, "k", OPTS)[1]
+    sentinels[1].dirty = broken  # type: ignore[method-assign]
+    sentinels[0].units = {"links"}  # drained before the failure: its news must not be lost
+    assert view.plan(D, "k", OPTS)[1] == "observed"
+    del sentinels[1].dirty
+    assert view.plan(D, "k", OPTS)[1] == "cached"
 
     def failing(desired: DesiredState) -> LiveState:
         raise RuntimeError("netlink dump failed")
@@ -206,5 +295,5 @@ def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: An
     obs.observe = failing
     sentinels[0].fire = True
     with pytest.raises(RuntimeError):
-        view.plan(d, "k", OPTS)
+        view.plan(D, "k", OPTS)
     assert view.live is None  # the next request observes, whatever the sentinels say
