@@ -37,7 +37,9 @@ ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH", "RECONCILER_
 _PLAN_VALUE_OPTS = ("--output", "--hostname", "--adopt", "--out")
 _PLAN_FLAGS = ("--no-prune",)
 _HEADER = struct.Struct("!I")
-REPLY_TIMEOUT = 300.0
+#: the agent acknowledges a request as soon as it has read it (it serves one at a time)
+ACK, ACK_TIMEOUT = b"\x06", 10.0
+REPLY_TIMEOUT = 300.0  # then planning: a full observation of thousands of namespaces
 MAX_REQUEST_FILE = MAX_FILE_BYTES + 1  # read_bytes reads one more to see oversize
 
 
@@ -221,12 +223,16 @@ def ask_agent(call: PlanCall) -> dict[str, object]:
     }
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        sock.settimeout(REPLY_TIMEOUT)
+        sock.settimeout(ACK_TIMEOUT)
         try:
             sock.connect(path)
             if peer_uid(sock) not in (0, os.geteuid()):
                 raise Unanswered("the socket is not served by root")
             send_message(sock, request, blobs)
+            sock.settimeout(ACK_TIMEOUT)  # a stopped or wedged agent: plan in-process instead
+            if _recv_exact(sock, 1) != ACK:
+                raise Unanswered("the agent did not acknowledge")
+            sock.settimeout(REPLY_TIMEOUT)
             reply = recv_message(sock)
         except (OSError, ValueError) as exc:
             raise Unanswered(f"agent: {exc}") from None

@@ -650,6 +650,7 @@ class PlanServer:
             if not 0 <= size <= planclient.MAX_REQUEST_FILE:
                 raise ValueError("file size out of range")
             blobs.append(planclient._recv_exact(conn, size))
+        conn.sendall(planclient.ACK)
         try:
             reply = self.answer(request, blobs)
         except Declined as exc:

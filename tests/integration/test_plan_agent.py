@@ -292,3 +292,21 @@ def test_mounts_elsewhere_do_not_cost_an_observation(plan_agent: PlanAgent, host
         return plan_agent.counts().get("cached", 0) == before + 1
 
     wait_for(cached_after_a_mount, 15, every=0.5, what="a cached answer after a mount elsewhere")
+
+
+def test_a_stopped_agent_costs_seconds_not_the_plan(plan_agent: PlanAgent, host_ns: Netns,
+                                                    tmp_path):
+    """An agent that does not acknowledge (stopped, wedged): the client plans itself."""
+    import signal
+    import time
+
+    path = write(tmp_path, "net.yaml", f"version: 1\nbridges: [{{name: {BRIDGE}}}]\n")
+    plan_agent.agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = plan_agent.plan(path, mode="auto")
+        took = time.monotonic() - t0
+    finally:
+        plan_agent.agent.proc.send_signal(signal.SIGCONT)
+    assert r.rc == 2 and "+ bridge rcpa0" in r.out, r.all
+    assert took < 60, took  # the acknowledgement timeout (10 s), not the reply timeout (300 s)
