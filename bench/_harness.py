@@ -205,9 +205,10 @@ class Sandbox:
                     netns.delete(name)
         with contextlib.suppress(Exception):
             netns.delete(self.host)
-        if self.host_inode is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(LOCK_DIR, f"netns-{self.host_inode}.lock"))
+        if self.host_inode is not None:  # what a killed reconciler of the sandbox left
+            for name in ("netns-{}.lock", "plan-{}.lock", "plan-{}.sock"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(LOCK_DIR, name.format(self.host_inode)))
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> Sandbox:

@@ -100,6 +100,33 @@ def _netns_names() -> set[str]:
         return set()
 
 
+def forget_run_files(inode: int | None) -> None:
+    """Remove what a killed reconciler of namespace ``inode`` left under /run/reconciler.
+
+    Lock files are unlinked by whoever releases them, and the plan socket by the
+    agent that stops; a test that SIGKILLs one leaves them behind. Held locks stay.
+    """
+    import fcntl
+
+    if inode is None:
+        return
+    run_dir = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
+    for name in (f"netns-{inode}.lock", f"plan-{inode}.lock", f"plan-{inode}.sock"):
+        path = os.path.join(run_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if name.endswith(".lock"):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+        except OSError:
+            pass  # held by a live process, or gone meanwhile
+        finally:
+            os.close(fd)
+
+
 @pytest.fixture
 def host_ns() -> Iterator[Netns]:
     """A fresh network namespace standing in for the host; removed even on failure."""
@@ -109,6 +136,7 @@ def host_ns() -> Iterator[Netns]:
     before = _netns_names()
     sh("ip", "netns", "add", name)
     sh("ip", "-n", name, "link", "set", "lo", "up")
+    inode = os.stat(f"/run/netns/{name}").st_ino
     ns = Netns(name)
     try:
         yield ns
@@ -118,6 +146,7 @@ def host_ns() -> Iterator[Netns]:
         if _netns_names() - before - {name}:
             reconcile("destroy", "--lock-timeout", "20", netns=name, timeout=120)
         sh("ip", "netns", "del", name, check=False)
+        forget_run_files(inode)
 
 
 @pytest.fixture(autouse=True)

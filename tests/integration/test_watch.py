@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import forget_run_files
+
 pytestmark = pytest.mark.root
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,11 +108,13 @@ def host() -> Iterator[Host]:
         pytest.skip("needs root")
     name = f"rt-{secrets.token_hex(4)}"
     sh("ip", "netns", "add", name)
+    inode = os.stat(f"/run/netns/{name}").st_ino
     try:
         sh("ip", "-n", name, "link", "set", "lo", "up")
         yield Host(name)
     finally:
         sh("ip", "netns", "del", name, check=False)
+        forget_run_files(inode)
 
 
 class Agent:
