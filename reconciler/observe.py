@@ -16,8 +16,12 @@ from reconciler.ownership import alloc_ns_alias
 
 #: sysctls every plan may need to compare
 SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
-_PROC_NET = (("tcp", "/proc/net/tcp", "0A"), ("tcp", "/proc/net/tcp6", "0A"),
-             ("udp", "/proc/net/udp", "07"), ("udp", "/proc/net/udp6", "07"))
+#: /proc/thread-self/net: /proc/net is the main thread's namespace, which another
+#: thread (the plan server's, the watch loop's) may not share at that moment
+_PROC_NET = (("tcp", "/proc/thread-self/net/tcp", "0A"),
+             ("tcp", "/proc/thread-self/net/tcp6", "0A"),
+             ("udp", "/proc/thread-self/net/udp", "07"),
+             ("udp", "/proc/thread-self/net/udp6", "07"))
 
 
 def parse_proc_net(text: str, listen_state: str) -> set[tuple[str, int]]:

@@ -47,6 +47,10 @@ class Unanswered(Exception):
     """The agent cannot answer this invocation; the in-process CLI will."""
 
 
+class NotAPlan(Unanswered):
+    """Not a `plan` command line at all (e.g. a path named "plan")."""
+
+
 def socket_path(netns_inode: int) -> str:
     return os.path.join(RUN_DIR, f"plan-{netns_inode}.sock")
 
@@ -115,6 +119,8 @@ class PlanCall:
                     value = args[i + 1]
                     i += 1
                 if name == "--netns":
+                    if not eq and value.startswith("-"):
+                        raise Unanswered("option without a value")
                     self.netns = value
                 else:
                     self.color = value
@@ -123,10 +129,10 @@ class PlanCall:
             elif a.startswith("-v") and set(a[1:]) == {"v"}:
                 self.verbose += len(a) - 1
             else:
-                raise Unanswered(f"not a plan command line ({a})")
+                raise NotAPlan(f"not a plan command line ({a})")
             i += 1
         if i >= len(args):
-            raise Unanswered("no command")
+            raise NotAPlan("no command")
         self.rest = args[i + 1:]  # after "plan", for the agent's own parser
         j = 0
         while j < len(self.rest):
@@ -134,8 +140,8 @@ class PlanCall:
             name, eq, value = a.partition("=")
             if name in _PLAN_VALUE_OPTS:
                 if not eq:
-                    if j + 1 >= len(self.rest):
-                        raise Unanswered("option without a value")
+                    if j + 1 >= len(self.rest) or self.rest[j + 1].startswith("-"):
+                        raise Unanswered("option without a value")  # argparse's view too
                     value = self.rest[j + 1]
                     j += 1
                 if name == "--output":
@@ -167,11 +173,31 @@ class PlanCall:
         try:
             if self.netns is None:
                 return os.stat("/proc/thread-self/ns/net").st_ino
-            if "/" in self.netns or self.netns in (".", "..", ""):
+            if not _netns_name_ok(self.netns):
                 raise Unanswered("the CLI reports bad namespace names")
             return os.stat(os.path.join("/run/netns", self.netns)).st_ino
         except OSError as exc:
             raise Unanswered(f"namespace: {exc}") from None
+
+
+def _netns_name_ok(name: str) -> bool:
+    """drivers.netns.check_name, without importing re."""
+    return (0 < len(name) <= 255 and name not in (".", "..")
+            and all(c.isascii() and (c.isalnum() or c in "_.@:+-") for c in name))
+
+
+def tool_paths() -> dict[str, str | None]:
+    """Where this PATH finds the tools an observation runs (their real files)."""
+    out: dict[str, str | None] = {}
+    dirs = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    for tool in ("iptables-save", "ip6tables-save"):
+        out[tool] = None
+        for d in dirs:
+            path = os.path.join(d or ".", tool)
+            if os.access(path, os.X_OK) and not os.path.isdir(path):
+                out[tool] = os.path.realpath(path)
+                break
+    return out
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -219,7 +245,7 @@ def ask_agent(call: PlanCall) -> dict[str, object]:
         "files": [[f, os.path.abspath(f), len(b)] for f, b in zip(files, blobs, strict=True)],
         "verbose": call.verbose, "colour": call.colour(), "hostname": socket.gethostname(),
         "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": call.target_inode(),
-        "env": current_env(),
+        "env": current_env(), "tools": tool_paths(),
     }
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -243,11 +269,6 @@ def ask_agent(call: PlanCall) -> dict[str, object]:
     return reply
 
 
-def _write_out(path: str, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
 def answer(argv: list[str]) -> int | None:
     """Exit code of a plan the agent answered and this printed, or None: run the CLI."""
     mode = os.environ.get("RECONCILER_AGENT", "auto")
@@ -255,20 +276,30 @@ def answer(argv: list[str]) -> int | None:
         call = PlanCall(argv)
         if call.no_agent or mode == "off":
             return None
-        if call.out is not None:  # a path we cannot write: the CLI words that error
-            _write_out(call.out, "")
         reply = ask_agent(call)
+        # like the CLI: a --out path that cannot be written is an error before any output
+        out = open(call.out, "w") if call.out is not None else None  # noqa: SIM115
+    except NotAPlan:
+        return None
     except (Unanswered, OSError) as exc:
         if mode == "require":  # tests and benchmarks: prove the agent answered
             print(f"error: the plan agent did not answer: {exc}", file=sys.stderr)
             return 1
         return None
-    sys.stdout.write(str(reply.get("stdout", "")))
-    sys.stdout.flush()
-    if call.out is not None:
-        _write_out(call.out, str(reply.get("out_json", "")))
-        print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly it.",
+    try:
+        sys.stdout.write(str(reply.get("stdout", "")))
+        sys.stdout.flush()
+        if out is not None:
+            with out:
+                out.write(str(reply.get("out_json", "")))
+            print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly "
+                  "it.", file=sys.stderr)
+    except BrokenPipeError:
+        raise
+    except Exception as exc:  # as the CLI words what is not a user error
+        print(f"internal error: {type(exc).__name__}: {exc} (run with -vv for details)",
               file=sys.stderr)
+        return 1
     rc = reply.get("rc")
     return rc if isinstance(rc, int) else 1
 

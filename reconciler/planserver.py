@@ -14,17 +14,17 @@ observation and proves, on each request, that nothing it saw has changed since:
   under /run/netns (other mounts on the host do not count);
 * **nftables**: the ruleset generation id, bumped by every commit (the
   iptables-nft backend); with iptables-legacy the rules are read every time;
-* **Docker**: the daemon's socket identity and its network events since the
-  observation (``GET /events?since=…&until=now``);
-* whatever has no change notification (sysctls, listening sockets, ``lo`` of a
-  foreign namespace without an nsid) is read again on every request.
+* whatever has no reliable change notification is read again on every
+  request: sysctls, listening sockets, ``lo`` of a foreign namespace without an
+  nsid, and Docker (its event log keeps 256 events and forgets them on a
+  restart; one list call when no network is declared).
 
 Each sentinel names the part of the live state its news is about, and only
 that part is read again: the host's links (an event of this namespace), one
 allocation namespace (an event carrying its nsid; events of namespaces not
 under /run/netns are not about anything observed), every allocation namespace
 (/run/netns changed, or a foreign namespace's ``lo`` took our mark), the
-rules, Docker. When what was read again equals what was kept, the plan made
+rules. When what was read again equals what was kept, the plan made
 from it still stands; otherwise it is made again. So other tools' containers
 coming and going cost a re-read of a part, not of the host.
 
@@ -47,21 +47,17 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import http.client
-import json
 import logging
 import os
 import select
 import socket
 import struct
 import threading
-import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 from reconciler import planclient
-from reconciler.drivers import docker_probe, netns
+from reconciler.drivers import netns
 from reconciler.errors import ConfigError, DriverError, ReconcilerError
 from reconciler.live import LiveNetns, LiveState
 from reconciler.model import DesiredState
@@ -113,6 +109,7 @@ class Sentinel:
 
 
 _CMSG_SPACE = socket.CMSG_SPACE(4)
+_SO_RCVBUFFORCE = 33
 _RTM_NEWROUTE, _RTM_DELROUTE = 24, 25
 
 
@@ -137,7 +134,10 @@ class NetlinkSentinel(Sentinel):
         sock = socket.socket(socket.AF_NETLINK,
                              socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, 0)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            try:  # root may pass rmem_max: bursts of other tools' events must not overflow
+                sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
             sock.bind((0, GROUPS))
             sock.setsockopt(SOL_NETLINK, NETLINK_LISTEN_ALL_NSID, 1)
         except BaseException:
@@ -182,7 +182,7 @@ class NetlinkSentinel(Sentinel):
 
 _IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
-_IN_DELETE_SELF, _IN_MOVE_SELF = 0x400, 0x800
+_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
 _IN_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
             | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF)
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
@@ -214,11 +214,15 @@ class NetnsDirSentinel(Sentinel):
             except BlockingIOError:
                 break
             seen = seen or bool(data)
-        if not self.watching:  # no /run/netns when armed: its creation is a change
+            off = 0
+            while off + 16 <= len(data):  # struct inotify_event: wd, mask, cookie, len, name
+                mask, name_len = struct.unpack_from("=4xI4xI", data, off)
+                if mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_Q_OVERFLOW):
+                    self.watching = False  # the directory went (maybe came back): watch anew
+                off += 16 + name_len
+        if not self.watching:  # no watch when armed, or it died: a change by definition
             self.watching = self._add_watch()
-            return self.watching or seen
-        if seen and not os.path.isdir(self.run_dir):
-            self.watching = False
+            return True
         return seen
 
     def arm(self) -> None:
@@ -347,53 +351,6 @@ class NftSentinel(Sentinel):
         self.sock.close()
 
 
-DOCKER_MARGIN = 1.0  # seconds before arming that still count: clock granularity
-
-
-class DockerSentinel(Sentinel):
-    """Network events of the local daemon since arming; a restarted daemon (new socket)."""
-
-    name = "docker"
-    unit = "docker"
-
-    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
-        self.path = path
-        self.clock = clock
-        self.since = 0.0
-        self.identity = self._identity()
-
-    def _identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_ino, st.st_ctime_ns
-
-    def arm(self) -> None:
-        self.since = self.clock() - DOCKER_MARGIN
-        self.identity = self._identity()
-
-    def changed(self) -> bool:
-        identity = self._identity()
-        if identity != self.identity:
-            return True
-        if identity is None:
-            return False  # no daemon then, none now
-        query = urllib.parse.urlencode({
-            "since": f"{self.since:.9f}", "until": f"{self.clock():.9f}",
-            "filters": json.dumps({"type": ["network"]})})
-        conn = docker_probe._UnixConnection(self.path, 5.0)
-        try:
-            conn.request("GET", "/events?" + query)
-            resp = conn.getresponse()
-            body = resp.read()
-        except (OSError, http.client.HTTPException):
-            return True
-        finally:
-            conn.close()
-        return resp.status != 200 or bool(body.strip())
-
-
 # -------------------------------------------------------------------- the cached view
 
 
@@ -408,16 +365,18 @@ class LiveView:
 
     def __init__(self, observer: Observer, sentinels: list[Sentinel], *,
                  firewall_volatile: bool, docker_volatile: bool,
-                 list_names: Callable[[], list[str]] = netns.list_names) -> None:
+                 list_names: Callable[[], list[str]] = netns.list_names,
+                 planner: Callable[..., Plan] = make_plan) -> None:
         self.observer = observer
         self.list_names = list_names
+        self.make_plan = planner
         self.sentinels = sentinels
         self.firewall_volatile = firewall_volatile
         self.docker_volatile = docker_volatile
         self.live: LiveState | None = None
         self.key: Any = None
         self.cacheable = False
-        self.by_nsid: dict[int, str] = {}  # nsid here -> name under /run/netns
+        self.by_nsid: dict[int, set[str]] = {}  # nsid here -> its names under /run/netns
         self.unwatched: dict[str, str | None] = {}  # foreign, no nsid -> lo alias
         self.foreign: dict[str, str | None] = {}  # foreign with an nsid -> lo alias
         self.plans: dict[Any, Plan] = {}
@@ -429,37 +388,53 @@ class LiveView:
         self.live, self.key, self.plans = None, None, {}  # until this observation succeeds
         for s in self.sentinels:
             s.arm()
+        before = self._survey(desired)
         live = self.observer.observe(desired)
         self.observations += 1
-        self._map_namespaces(live.netns)
+        self._adopt(before, live.netns)
         self.live, self.key = live, key
 
-    def _map_namespaces(self, observed: dict[str, LiveNetns]) -> None:
-        """Which nsid is which name; which namespaces cannot be heard and must be re-read.
+    def _survey(self, desired: DesiredState) -> dict[str, tuple[int | None, str | None]]:
+        """Before reading namespaces: each name's nsid, and the ``lo`` alias of undeclared ones.
 
-        An allocation namespace of ours without an nsid sends us no events:
-        nothing is cached then. A foreign one without an nsid has its ``lo``
-        alias (what would make it ours) read again on every request.
+        Taken before the read, so that any change after it is announced (nsid) or
+        noticed (alias re-read): a namespace that had no nsid when it was read
+        could have changed unannounced in between.
         """
         nl = self.observer.ops.netlink
-        nl.prune_cache(())  # a socket held into a namespace would keep it alive
-        self.by_nsid, self.unwatched, self.foreign = {}, {}, {}
-        self.cacheable = True
+        out: dict[str, tuple[int | None, str | None]] = {}
         for name in self.list_names():
             try:
                 nsid = nl.get_nsid(name)
             except (DriverError, OSError):
                 nsid = None
+            out[name] = (nsid, None if name in desired.allocs else nl.peek_lo_alias(name))
+        return out
+
+    def _adopt(self, survey: dict[str, tuple[int | None, str | None]],
+               observed: dict[str, LiveNetns]) -> None:
+        """Which nsid is which names; which namespaces cannot be heard and must be re-read.
+
+        An allocation namespace of ours without an nsid sends us no events:
+        nothing is cached then. A foreign one without an nsid has its ``lo``
+        alias (what would make it ours) read again on every request.
+        """
+        self.observer.ops.netlink.prune_cache(())  # a socket would keep a namespace alive
+        self.by_nsid, self.unwatched, self.foreign = {}, {}, {}
+        self.cacheable = True
+        for name, (nsid, alias) in survey.items():
             ours = name in observed
             if nsid is not None:
-                self.by_nsid[nsid] = name
+                self.by_nsid.setdefault(nsid, set()).add(name)  # one namespace, many names
                 if not ours:
-                    self.foreign[name] = nl.peek_lo_alias(name)
+                    self.foreign[name] = alias
             elif ours and observed[name].usable:
                 log.debug("plan view not cached: namespace %s has no nsid", name)
                 self.cacheable = False
             elif not ours:
-                self.unwatched[name] = nl.peek_lo_alias(name)
+                self.unwatched[name] = alias
+        if any(ns.usable and name not in survey for name, ns in observed.items()):
+            self.cacheable = False  # appeared between the survey and the read
 
     # -- refresh ------------------------------------------------------------------------
 
@@ -477,13 +452,14 @@ class LiveView:
         nl = self.observer.ops.netlink
         namespaces: set[str] = set()
         for unit in [u for u in dirty if u.startswith("nsid:")]:
-            name = self.by_nsid.get(int(unit[5:]))
-            if name is None:
-                continue  # not under /run/netns: nothing observed comes from there
-            if name in self.live.netns:
-                namespaces.add(name)
-            elif nl.peek_lo_alias(name) != self.foreign.get(name):
-                dirty.add("netns")  # a foreign namespace took (or lost) our mark
+            for name in self.by_nsid.get(int(unit[5:]), ()):  # none: not under /run/netns
+                if name not in self.live.netns:
+                    if nl.peek_lo_alias(name) != self.foreign.get(name):
+                        dirty.add("netns")  # a foreign namespace took our mark
+                elif name in desired.allocs:
+                    namespaces.add(name)
+                else:
+                    dirty.add("netns")  # ours by its mark only: is it still?
         if any(nl.peek_lo_alias(n) != alias for n, alias in self.unwatched.items()):
             dirty.add("netns")
         fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
@@ -495,15 +471,15 @@ class LiveView:
         if "docker" in dirty or self.docker_volatile:
             fresh["docker"] = self.observer.observe_docker(desired)
         if "netns" in dirty:
+            survey = self._survey(desired)
             fresh["netns"] = self.observer.observe_allocs(desired, self.live.host_id)
+            self._adopt(survey, fresh["netns"])
         elif namespaces:
             again = self.observer.observe_namespaces(namespaces)
+            nl.prune_cache(())
             if set(again) != namespaces:
                 return None  # one vanished without a /run/netns event: be safe
             fresh["netns"] = {**self.live.netns, **again}
-        nl.prune_cache(())
-        if "netns" in dirty:
-            self._map_namespaces(fresh["netns"])
         return fresh
 
     # -- answer -------------------------------------------------------------------------
@@ -530,7 +506,7 @@ class LiveView:
         okey = (options.prune, tuple(sorted(options.adopt)), options.force_replace)
         plan = self.plans.get(okey)
         if plan is None:
-            plan = make_plan(desired, self.live, options, desired.file_hashes)
+            plan = self.make_plan(desired, self.live, options, desired.file_hashes)
             self.plans[okey] = plan
         return plan, how
 
@@ -550,12 +526,11 @@ def build_view(observer: Observer | None = None) -> LiveView:
             firewall_volatile = False
         except OSError as exc:
             log.info("nf_tables generation unavailable (%s): rules are read per plan", exc)
-    path = docker_probe.socket_path()
-    docker_volatile = path is None
-    if path is not None:
-        sentinels.append(DockerSentinel(path))
+    # Docker is asked on every request (one list call, or an inspect per declared network):
+    # its event log keeps 256 events and forgets them on a restart, so "no event since"
+    # proves nothing
     return LiveView(observer or Observer(), sentinels, firewall_volatile=firewall_volatile,
-                    docker_volatile=docker_volatile)
+                    docker_volatile=True)
 
 
 # -------------------------------------------------------------------- the server
@@ -586,20 +561,28 @@ class PlanServer:
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._parser: Any = None
+        self.tools: dict[str, str | None] = {}
         self.served = 0
 
     def start(self) -> bool:
         """Bind and serve; False (logged) when another agent serves this namespace."""
         os.makedirs(planclient.RUN_DIR, mode=0o755, exist_ok=True)
         lock_path = self.path[: -len(".sock")] + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            log.warning("another agent already answers plans for this namespace (%s)",
-                        self.path)
-            return False
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                log.warning("another agent already answers plans for this namespace (%s)",
+                            self.path)
+                return False
+            try:
+                if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # locked a file its last holder had already removed: take the new one
         self._lock_fd = fd
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a stale one: we hold the lock
@@ -613,6 +596,7 @@ class PlanServer:
         sock.settimeout(0.5)
         self._sock = sock
         self.view = self._view_factory()
+        self.tools = planclient.tool_paths()
         self._thread = threading.Thread(target=self._serve, name="plan-server", daemon=True)
         self._thread.start()
         log.info("answering `reconcile plan` on %s", self.path)
@@ -620,20 +604,30 @@ class PlanServer:
 
     def _serve(self) -> None:
         assert self._sock is not None
-        while not (self.stop.is_set() or self._closed.is_set()):
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self.stop.is_set() or self._closed.is_set():
-                    return
-                raise
-            with conn:
+        try:
+            while not (self.stop.is_set() or self._closed.is_set()):
                 try:
-                    self._handle(conn)
-                except Exception as exc:  # one bad request must not end the server
-                    log.warning("plan request failed: %s: %s", type(exc).__name__, exc)
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    continue
+                except OSError as exc:  # e.g. EMFILE: wait, do not die with the socket bound
+                    log.warning("plan server: accept: %s", exc)
+                    self._closed.wait(0.5)
+                    continue
+                with conn:
+                    try:
+                        self._handle(conn)
+                    except Exception as exc:  # one bad request must not end the server
+                        log.warning("plan request failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._unbind()  # at once: clients must not wait for an answer that cannot come
+
+    def _unbind(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(30.0)
@@ -667,6 +661,15 @@ class PlanServer:
         for field, value in expect.items():
             if request.get(field) != value:
                 raise Declined(f"the agent runs with another {field}")
+        tools = planclient.tool_paths()
+        if request.get("tools") != tools:
+            raise Declined("the agent finds other iptables tools (PATH)")
+        if tools != self.tools:  # e.g. update-alternatives switched the iptables backend
+            assert self.view is not None
+            self.view.close()
+            with contextlib.suppress(Exception):
+                self.view.observer.ops.close()
+            self.view, self.tools = self._view_factory(), tools
         if self._parser is None:
             self._parser = cli.build_parser()  # 3 ms: once
         parser = self._parser
@@ -714,10 +717,7 @@ class PlanServer:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._sock is not None:
-            self._sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self._unbind()
         if self._lock_fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path[: -len(".sock")] + ".lock")

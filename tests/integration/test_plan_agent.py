@@ -228,6 +228,19 @@ def test_file_errors_and_unknown_options_are_worded_by_the_cli(plan_agent: PlanA
     assert refused.rc == 1 and "did not answer" in refused.err
 
 
+def test_out_file_is_left_alone_when_the_plan_fails(plan_agent: PlanAgent, host_ns: Netns,
+                                                    tmp_path):
+    bad = write(tmp_path, "bad.yaml", "version: 1\nbridges: 7\n")
+    out = write(tmp_path, "saved.json", "OLD")
+    r = plan_agent.plan("--out", out, bad, mode="auto")
+    assert r.rc == 1 and "bad.yaml" in r.err and "Traceback" not in r.all, r.all
+    with open(out) as fh:
+        assert fh.read() == "OLD"
+    good = write(tmp_path, "good.yaml", f"version: 1\nbridges: [{{name: {BRIDGE}}}]\n")
+    full = plan_agent.plan("--out", "/dev/full", good)  # written after the answer: no space
+    assert full.rc == 1 and "internal error" in full.err and "Traceback" not in full.all
+
+
 def test_relative_paths_json_and_saved_plans(plan_agent: PlanAgent, host_ns: Netns, tmp_path):
     a = unique("a")
     path = alloc_config(tmp_path, [a])
@@ -310,3 +323,23 @@ def test_a_stopped_agent_costs_seconds_not_the_plan(plan_agent: PlanAgent, host_
         plan_agent.agent.proc.send_signal(signal.SIGCONT)
     assert r.rc == 2 and "+ bridge rcpa0" in r.out, r.all
     assert took < 60, took  # the acknowledgement timeout (10 s), not the reply timeout (300 s)
+
+
+def test_a_listener_on_a_wanted_host_port_is_seen_by_the_agent(plan_agent: PlanAgent,
+                                                               host_ns: Netns, tmp_path):
+    """Listening sockets announce nothing: the agent reads them (of its namespace, from its
+    own thread) on every request."""
+    from tests.integration.test_allocs import listening
+
+    a = unique("a")
+    path = alloc_config(tmp_path, [a])  # wants host port 18080, not applied
+    first = same_as_in_process(plan_agent, path)
+    assert first.rc == 2, first.all
+    with listening(host_ns.name, "tcp:18080"):
+        # the agent saw the socket: a plan-time error, which it leaves to the CLI to word
+        seen = plan_agent.plan(path)
+        assert seen.rc == 1 and "18080/tcp is already in use" in seen.err, seen.all
+        ours = plan_agent.plan(path, mode="auto")
+        local = reconcile("plan", "--no-agent", path, netns=host_ns.name)
+        assert (ours.rc, ours.out, ours.err) == (local.rc, local.out, local.err)
+    assert same_as_in_process(plan_agent, path).rc == 2

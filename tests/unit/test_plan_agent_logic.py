@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from reconciler.live import LiveLink, LiveNetns, LiveState
-from reconciler.model import DesiredState
-from reconciler.planclient import PlanCall, Unanswered, normalise_argv
+from reconciler.model import Alloc, AllocId, DesiredState, SubnetName
+from reconciler.plan import Plan
+from reconciler.planclient import NotAPlan, PlanCall, Unanswered, answer, normalise_argv
 from reconciler.planner import PlanOptions
 from reconciler.planserver import EVERYTHING, LiveView, Sentinel
 
@@ -46,15 +47,36 @@ def test_anything_unusual_is_left_to_the_cli(argv: list[str]) -> None:
         PlanCall(argv)
 
 
+def test_option_values_that_look_like_options_are_left_to_argparse() -> None:
+    with pytest.raises(Unanswered):  # argparse: "--out: expected one argument"
+        PlanCall(["plan", "--out", "--no-prune", "d.yaml"])
+    with pytest.raises(Unanswered):
+        PlanCall(["--netns", "-v", "plan", "a"])
+
+
+def test_a_path_named_plan_is_not_a_plan_command() -> None:
+    with pytest.raises(NotAPlan):
+        PlanCall(["validate", "plan"])
+    with pytest.raises(NotAPlan):
+        PlanCall(["--netns", "x"])
+
+
+def test_not_a_plan_is_never_an_error_even_when_the_agent_is_required(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECONCILER_AGENT", "require")
+    assert answer(["validate", "plan"]) is None
+
+
 def test_no_agent_and_the_plan_alias() -> None:
     assert PlanCall(["plan", "--no-agent", "a"]).no_agent
     assert normalise_argv(["--netns", "x", "--plan", "a"]) == ["--netns", "x", "plan", "a"]
     assert normalise_argv(["apply", "--plan"]) == ["apply", "--plan"]
 
 
-def test_bad_namespace_names_are_left_to_the_cli() -> None:
+@pytest.mark.parametrize("name", ["../etc", "my ns", "", "a/b", "..", "x" * 256, "ü"])
+def test_bad_namespace_names_are_left_to_the_cli(name: str) -> None:
     with pytest.raises(Unanswered):
-        PlanCall(["--netns", "../etc", "plan", "a"]).target_inode()
+        PlanCall(["--netns", name, "plan", "a"]).target_inode()
 
 
 # ------------------------------------------------------------------ when the view is reused
@@ -160,12 +182,20 @@ def parts() -> tuple[LiveView, FakeObserver, list[FakeSentinel], list[str]]:
     sentinels = [FakeSentinel("a"), FakeSentinel("b")]
     names: list[str] = []
     view = LiveView(obs, sentinels, firewall_volatile=False,  # type: ignore[arg-type]
-                    docker_volatile=False, list_names=lambda: list(names))
+                    docker_volatile=False, list_names=lambda: list(names), planner=fake_plan)
     return view, obs, sentinels, names
 
 
 OPTS = PlanOptions()
 D = DesiredState()
+#: declares alloc1 and alloc2 (the planner is faked: only the names matter here)
+D2 = DesiredState(allocs={AllocId(n): Alloc(AllocId(n), SubnetName("net"))
+                          for n in ("alloc1", "alloc2")})
+
+
+def fake_plan(desired: DesiredState, live: LiveState, options: PlanOptions,
+              files: Any = ()) -> Plan:
+    return Plan(options={"prune": options.prune})
 
 
 def test_unchanged_host_reuses_the_observation_and_the_plan(parts: Any) -> None:
@@ -221,21 +251,43 @@ def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
 
 def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
     view, obs, sentinels, names = parts
-    names += ["alloc1", "alloc2", "theirs"]
+    names += ["alloc1", "alloc2", "theirs", "alias-of-2"]
     obs.namespaces = {"alloc1": LiveNetns("alloc1", True), "alloc2": LiveNetns("alloc2", True)}
-    obs.ops.netlink.nsids = {"alloc1": 1, "alloc2": 2, "theirs": 3}
-    view.plan(D, "k", OPTS)
+    # alias-of-2: the same namespace bind-mounted under a second name
+    obs.ops.netlink.nsids = {"alloc1": 1, "alloc2": 2, "theirs": 3, "alias-of-2": 2}
+    view.plan(D2, "k", OPTS)
     obs.namespaces["alloc2"] = LiveNetns("alloc2", True, nsid=2)  # its route went, say
     sentinels[0].units = {"nsid:2", "nsid:77"}  # 77: not under /run/netns, ignored
-    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    assert view.plan(D2, "k", OPTS)[1] == "refreshed"
     assert obs.ns_reads == [["alloc2"]] and obs.alloc_reads == 0 and obs.observed == 1
     assert view.live.netns["alloc2"].nsid == 2
     sentinels[0].units = {"nsid:3"}  # a foreign namespace: only its lo alias matters
-    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.alloc_reads == 0
+    assert view.plan(D2, "k", OPTS)[1] == "cached" and obs.alloc_reads == 0
     obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
     sentinels[0].units = {"nsid:3"}
-    view.plan(D, "k", OPTS)
+    view.plan(D2, "k", OPTS)
     assert obs.alloc_reads == 1  # it may be ours now: every namespace is looked at again
+
+
+def test_an_undeclared_namespace_of_ours_is_judged_again(parts: Any) -> None:
+    """Ours by its lo mark only: an event there may mean the mark went, so ownership is
+    decided again over all namespaces, not just its contents re-read."""
+    view, obs, sentinels, names = parts
+    names.append("old1")
+    obs.namespaces = {"old1": LiveNetns("old1", True)}
+    obs.ops.netlink.nsids = {"old1": 5}
+    view.plan(D, "k", OPTS)
+    del obs.namespaces["old1"]  # lo alias changed: no longer ours
+    sentinels[0].units = {"nsid:5"}
+    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    assert obs.alloc_reads == 1 and obs.ns_reads == [] and "old1" not in view.live.netns
+
+
+def test_a_namespace_read_before_it_had_an_nsid_is_not_cached(parts: Any) -> None:
+    view, obs, _s, names = parts
+    obs.namespaces = {"alloc1": LiveNetns("alloc1", True)}  # appears after the survey
+    view.plan(D2, "k", OPTS)
+    assert view.plan(D2, "k", OPTS)[1] == "observed"
 
 
 def test_run_netns_changes_reread_the_namespaces(parts: Any) -> None:
@@ -258,11 +310,11 @@ def test_an_allocation_namespace_without_nsid_is_never_cached(parts: Any) -> Non
     view, obs, _s, names = parts
     names.append("alloc1")
     obs.namespaces = {"alloc1": LiveNetns("alloc1", True)}
-    view.plan(D, "k", OPTS)
-    assert view.plan(D, "k", OPTS)[1] == "observed"
+    view.plan(D2, "k", OPTS)
+    assert view.plan(D2, "k", OPTS)[1] == "observed"
     obs.ops.netlink.nsids["alloc1"] = 3  # now its events reach us
-    view.plan(D, "k", OPTS)
-    assert view.plan(D, "k", OPTS)[1] == "cached"
+    view.plan(D2, "k", OPTS)
+    assert view.plan(D2, "k", OPTS)[1] == "cached"
 
 
 def test_foreign_namespace_without_nsid_is_peeked_each_time(parts: Any) -> None:
