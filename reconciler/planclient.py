@@ -60,10 +60,18 @@ def code_id() -> str:
 
     A client and an agent answer a plan the same way only when they run the
     same code; an upgrade under a running agent makes clients plan in-process
-    until the agent restarts.
+    until the agent restarts. The interpreter and the installed distributions
+    (PyYAML, jsonschema, the Docker SDK…: their dist-info names carry versions)
+    count too.
     """
     root = os.path.dirname(os.path.abspath(__file__))
-    parts = []
+    parts = [os.path.realpath(sys.executable), sys.version]
+    for entry in sys.path:
+        if entry.endswith(("site-packages", "dist-packages")):
+            try:
+                parts += sorted(n for n in os.listdir(entry) if n.endswith(".dist-info"))
+            except OSError:
+                continue
     for sub in ("", "drivers", "planner", "schemas"):
         d = os.path.join(root, sub)
         try:

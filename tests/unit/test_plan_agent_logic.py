@@ -349,3 +349,16 @@ def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: An
     with pytest.raises(RuntimeError):
         view.plan(D, "k", OPTS)
     assert view.live is None  # the next request observes, whatever the sentinels say
+
+
+def test_code_id_changes_with_installed_distributions(tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from reconciler.planclient import code_id
+
+    site = tmp_path / "site-packages"
+    (site / "PyYAML-6.0.2.dist-info").mkdir(parents=True)
+    monkeypatch.setattr("sys.path", [str(site)])
+    before = code_id()
+    assert code_id() == before
+    (site / "PyYAML-6.0.2.dist-info").rename(site / "PyYAML-6.0.3.dist-info")  # an upgrade
+    assert code_id() != before
