@@ -63,7 +63,7 @@ from reconciler.live import LiveNetns, LiveState
 from reconciler.model import DesiredState
 from reconciler.observe import Observer
 from reconciler.plan import Plan
-from reconciler.planner import PlanOptions, make_plan
+from reconciler.planner import PlanOptions, links_that_matter, make_plan
 
 log = logging.getLogger("reconciler.planserver")
 
@@ -495,11 +495,14 @@ class LiveView:
                 fresh = None
             if fresh is not None:
                 live = self.live
-                if all(getattr(live, k) == v for k, v in fresh.items()):
-                    how = "cached"
-                else:
-                    how = "refreshed"
-                    self.live, self.plans = dataclasses.replace(live, **fresh), {}
+                changed = {k for k, v in fresh.items() if getattr(live, k) != v}
+                if changed:
+                    new = dataclasses.replace(live, **fresh)
+                    if changed != {"links"} or (links_that_matter(desired, new)
+                                                != links_that_matter(desired, live)):
+                        self.plans = {}  # else: only other tools' links moved
+                    self.live = new
+                how = "refreshed" if not self.plans else "cached"
         if how == "observed":
             self._observe(desired, key)
         assert self.live is not None

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 from reconciler.errors import PlanError
-from reconciler.live import LiveState
+from reconciler.live import LiveLink, LiveState
 from reconciler.model import DesiredState
-from reconciler.ownership import CHAIN_PREFIX
+from reconciler.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.plan import Action, AttrChange, Change, Op, Plan, fingerprint
 from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
-__all__ = ["PlanOptions", "make_plan"]
+__all__ = ["PlanOptions", "links_that_matter", "make_plan"]
+
+
+def links_that_matter(desired: DesiredState, live: LiveState) -> dict[str, LiveLink]:
+    """The host links a plan can depend on; a change to any other link leaves it unchanged.
+
+    The planner reads host links only by the names it manages (declared and
+    subnet bridges, the veths of declared and live allocations), sweeps over
+    links it owns, and the bare temporary bridges of interrupted creations with
+    their ports. Other tools' links (every container's veth) are not read: the
+    plan agent uses this to keep a plan when only those come and go. A planner
+    change that reads other links must widen this (tests/unit compares plans
+    with and without random foreign links).
+    """
+    names: set[str] = {*desired.bridges, *(s.bridge for s in desired.subnets.values())}
+    names |= {alloc_veth_name(a) for a in desired.allocs}
+    names |= {alloc_veth_name(n) for n in live.netns}
+    temp = hostlinks.is_temp_bridge_name
+    return {name: lk for name, lk in live.links.items()
+            if name in names or lk.owned or temp(name)
+            or (lk.master is not None and (lk.master in names or temp(lk.master)))}
 
 
 def _sysctl_changes(ctx: PlanContext) -> list[Change]:

@@ -225,6 +225,11 @@ def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
 _TEMP_BRIDGE = re.compile(r"^rcltmp[0-9a-f]{8}$")
 
 
+def is_temp_bridge_name(name: str) -> bool:
+    """The name links.ensure_bridge gives a bridge until it is marked and renamed."""
+    return bool(_TEMP_BRIDGE.match(name))
+
+
 def _interrupted_creation(ctx: PlanContext, name: str, link: LiveLink) -> bool:
     """The temporary bridge of a creation killed before it was marked (links.ensure_bridge).
 

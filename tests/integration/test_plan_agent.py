@@ -162,8 +162,12 @@ def test_unrelated_activity_on_the_host_does_not_cost_an_observation(
     other = unique("o")
     sh("ip", "netns", "add", other)
     try:
+        cached = plan_agent.counts().get("cached", 0)
         sh("ip", "-n", host_ns.name, "link", "add", "rcpa-x0", "type", "veth", "peer", "name",
            "rcpa-x1", "netns", other)
+        r = same_as_in_process(plan_agent, path)  # another tool's link: the plan stands
+        assert r.rc == 0 and plan_agent.counts().get("cached", 0) == cached + 1, \
+            plan_agent.counts()
         host_ns.run("iptables", "-A", "INPUT", "-p", "tcp", "--dport", "9", "-j", "ACCEPT")
         sh("ip", "-n", other, "link", "set", "lo", "up")
         r = same_as_in_process(plan_agent, path)

@@ -244,9 +244,12 @@ def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
     assert view.plan(D, "k", OPTS)[1] == "cached"  # read again, same: the plan stands
     assert obs.ops.netlink.dumps == 2 and obs.observed == 1
     obs.ops.netlink.links = {"eth9": LiveLink("eth9", 9, "veth", 1500, True, False)}
-    sentinels[0].units = {"links"}
-    assert view.plan(D, "k", OPTS)[1] == "refreshed"
+    sentinels[0].units = {"links"}  # another tool's veth: kept, but the plan stands
+    assert view.plan(D, "k", OPTS)[1] == "cached"
     assert set(view.live.links) == {"eth9"} and obs.observed == 1
+    obs.ops.netlink.links["br9"] = LiveLink("br9", 10, "bridge", 1500, True, owned=True)
+    sentinels[0].units = {"links"}  # a link of ours: planned again
+    assert view.plan(D, "k", OPTS)[1] == "refreshed" and obs.observed == 1
 
 
 def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
@@ -362,3 +365,41 @@ def test_code_id_changes_with_installed_distributions(tmp_path: Any,
     assert code_id() == before
     (site / "PyYAML-6.0.2.dist-info").rename(site / "PyYAML-6.0.3.dist-info")  # an upgrade
     assert code_id() != before
+
+
+# ------------------------------------------------------------------ links_that_matter
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_other_tools_links_never_change_a_plan(seed: int) -> None:
+    """What the plan agent relies on: links outside links_that_matter do not change a plan.
+
+    A converged host with allocations, pruned leftovers and an interrupted bridge, then
+    random foreign links (names, kinds, states, masters among themselves); the plan made
+    with them must equal the plan made without, whatever the options.
+    """
+    import random
+
+    from reconciler.planner import links_that_matter, make_plan
+    from tests.unit.fakehost import FakeHost
+    from tests.unit.test_allocs_planner import alloc, converge, port, state
+
+    rng = random.Random(seed)
+    host = FakeHost()
+    full = state(*(alloc(f"a{i}", port(8000 + i, 80), port(None, 443)) for i in range(6)))
+    converge(host, full)
+    desired = state(*(alloc(f"a{i}", port(8000 + i, 80)) for i in range(0, 6, 2)))
+    live = host.observe(desired)
+    foreign: dict[str, LiveLink] = {}
+    for i in range(rng.randint(1, 30)):
+        name = rng.choice(["eth", "veth", "docker", "cni", "br-", "vx", "vr"]) + f"{i}x{seed}"
+        master = rng.choice([None, None, *foreign])
+        foreign[name] = LiveLink(name, 1000 + i, rng.choice(["veth", "bridge", "dummy", ""]),
+                                 rng.choice([1280, 1500, 9000]), rng.random() < 0.5, False,
+                                 alias=rng.choice([None, "docker", "managed-by=someone"]),
+                                 master=master, peer_netnsid=rng.choice([None, 0, 7]))
+    noisy = dataclasses.replace(live, links={**live.links, **foreign})
+    assert links_that_matter(desired, noisy) == links_that_matter(desired, live)
+    for opts in (PlanOptions(), PlanOptions(prune=False)):
+        quiet_plan = make_plan(desired, live, opts).to_json()
+        assert make_plan(desired, noisy, opts).to_json() == quiet_plan
