@@ -62,6 +62,7 @@ from reconciler.errors import ConfigError, DriverError, ReconcilerError
 from reconciler.live import LiveNetns, LiveState
 from reconciler.model import DesiredState
 from reconciler.observe import Observer
+from reconciler.paths import expand_paths, read_bytes
 from reconciler.plan import Plan
 from reconciler.planner import PlanOptions, links_that_matter, make_plan
 
@@ -564,6 +565,8 @@ class PlanServer:
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._parser: Any = None
+        self._warm: tuple[tuple[str, ...], str | None] | None = None
+        self._warm_key: Any = None
         self.tools: dict[str, str | None] = {}
         self.served = 0
 
@@ -609,6 +612,7 @@ class PlanServer:
         assert self._sock is not None
         try:
             while not (self.stop.is_set() or self._closed.is_set()):
+                self._warm_up()
                 try:
                     conn, _ = self._sock.accept()
                 except TimeoutError:
@@ -624,6 +628,36 @@ class PlanServer:
                         log.warning("plan request failed: %s: %s", type(exc).__name__, exc)
         finally:
             self._unbind()  # at once: clients must not wait for an answer that cannot come
+
+    def warm(self, paths: tuple[str, ...], hostname: str | None) -> None:
+        """Observe for these files when idle, so the first plan of them is answered fast.
+
+        The agent calls this after its converged passes with its own files:
+        `reconcile plan /etc/reconciler` on the host then finds the view ready.
+        A view that serves other files (a client's) is left alone.
+        """
+        self._warm = (paths, hostname)
+
+    def _warm_up(self) -> None:
+        job, self._warm = self._warm, None
+        if job is None or self.view is None:
+            return
+        paths, hostname = job
+        try:
+            files = expand_paths(paths)
+            blobs = [read_bytes(f) for f in files]
+            request = {"files": [[f, os.path.abspath(f), len(b)] for f, b in
+                                 zip(files, blobs, strict=True)],
+                       "hostname": socket.gethostname()}
+            desired, key = self._load(request, blobs, hostname)
+            # only into an empty view, or one that holds the agent's files: never evict
+            # what a client plans with other files
+            if self.view.live is None or self.view.key in (None, self._warm_key):
+                if key != self.view.key or self.view.live is None:
+                    self.view.plan(desired, key, PlanOptions())
+                self._warm_key = key
+        except Exception as exc:  # only speed is at stake
+            log.debug("plan view warm-up: %s: %s", type(exc).__name__, exc)
 
     def _unbind(self) -> None:
         sock, self._sock = self._sock, None

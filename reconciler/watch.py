@@ -481,6 +481,8 @@ class Agent:
         self.netns_dir: Any = None
         self.docker: Any = None
         self._loaded_sig: tuple[str, str] | None = None
+        #: called with each pass's report (the plan server warms its view)
+        self.after_pass: Callable[[PassReport], None] | None = None
 
     # -- event sources -------------------------------------------------------
 
@@ -566,6 +568,8 @@ class Agent:
             if reasons is None:
                 break
             report = self.run_pass(reasons)
+            if self.after_pass is not None:
+                self.after_pass(report)
             with self.trigger.locked():
                 now = self.clock()
                 if report.result == "failed":
@@ -804,6 +808,12 @@ def _start_plan_server(agent: Agent) -> Any:
         log.warning("not answering `reconcile plan` (%s); clients plan in-process", exc)
         plans.close()
         return None
+    if started:
+        def warm(report: PassReport) -> None:
+            if report.converged:
+                plans.warm(agent.options.paths, agent.options.hostname)
+
+        agent.after_pass = warm
     src = agent.board.get("event_sources") or {}
     src["plan_server"] = plans.path if started else "another agent answers"
     agent.board.update(event_sources=src)

@@ -40,6 +40,17 @@ def alloc_config(tmp_path: object, ids: list[str], *, extra_port: bool = False) 
     return write(tmp_path, "allocs.yaml", "\n".join(lines) + "\n")
 
 
+def plan_counts(agent: Agent) -> dict[str, float]:
+    """The agent's plan answers by result, from its /metrics."""
+    text = agent.get("/metrics") or ""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("reconciler_plan_requests_total{"):
+            result = line.split('result="')[1].split('"')[0]
+            out[result] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class PlanAgent:
     """A watch agent that declares nothing here, so it only answers plans."""
 
@@ -57,13 +68,7 @@ class PlanAgent:
                  what="the plan socket")
 
     def counts(self) -> dict[str, float]:
-        text = self.agent.get("/metrics") or ""
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("reconciler_plan_requests_total{"):
-                result = line.split('result="')[1].split('"')[0]
-                out[result] = float(line.rsplit(" ", 1)[1])
-        return out
+        return plan_counts(self.agent)
 
     def plan(self, *args: str, mode: str = "require") -> Result:
         return reconcile("plan", *args, netns=self.host.name, env={"RECONCILER_AGENT": mode})
@@ -347,3 +352,31 @@ def test_a_listener_on_a_wanted_host_port_is_seen_by_the_agent(plan_agent: PlanA
         local = reconcile("plan", "--no-agent", path, netns=host_ns.name)
         assert (ours.rc, ours.out, ours.err) == (local.rc, local.out, local.err)
     assert same_as_in_process(plan_agent, path).rc == 2
+
+
+def test_the_agents_own_files_are_planned_from_a_warm_view(host_ns: Netns, tmp_path):
+    """After a converged pass the agent observes for its own files: the first
+    `reconcile plan` of them does not wait for a full read of the host."""
+    conf = os.path.join(str(tmp_path), "conf")
+    os.mkdir(conf)
+    os.chmod(str(tmp_path), 0o755)
+    os.chmod(conf, 0o755)
+    path = write(conf, "net.yaml", f"version: 1\nbridges: [{{name: {BRIDGE}}}]\n")
+    os.chmod(path, 0o644)
+    agent = Agent(host_ns, [conf])  # type: ignore[arg-type]
+    try:
+        agent.converged()
+        ino = os.stat(f"/run/netns/{host_ns.name}").st_ino
+        from reconciler.planclient import socket_path
+
+        wait_for(lambda: os.path.exists(socket_path(ino)), 15, what="the plan socket")
+        import time
+
+        time.sleep(2)  # the warm-up runs when the server is idle (it polls every 0.5 s)
+
+        r = reconcile("plan", conf, netns=host_ns.name, env={"RECONCILER_AGENT": "require"})
+        assert r.rc == 0, r.all
+        counts = plan_counts(agent)
+        assert counts.get("cached") == 1 and not counts.get("observed"), counts
+    finally:
+        assert agent.stop() == 0

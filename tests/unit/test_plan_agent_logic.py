@@ -403,3 +403,45 @@ def test_other_tools_links_never_change_a_plan(seed: int) -> None:
     for opts in (PlanOptions(), PlanOptions(prune=False)):
         quiet_plan = make_plan(desired, live, opts).to_json()
         assert make_plan(desired, noisy, opts).to_json() == quiet_plan
+
+
+# ------------------------------------------------------------------ warm-up
+
+
+class RecordingView:
+    def __init__(self) -> None:
+        self.key: Any = None
+        self.live: Any = None
+        self.planned: list[Any] = []
+
+    def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> Any:
+        self.planned.append(key)
+        self.key, self.live = key, object()
+        return None, "observed"
+
+
+def test_warm_up_fills_an_empty_view_and_never_evicts_a_clients_files(tmp_path: Any) -> None:
+    import threading
+
+    from reconciler.planserver import PlanServer
+
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nbridges: [{name: br0}]\n")
+    server = PlanServer(threading.Event())
+    view = RecordingView()
+    server.view = view  # type: ignore[assignment]
+    server.warm((str(own),), "h1")
+    server._warm_up()
+    assert len(view.planned) == 1  # empty view: observed for the agent's files
+    server.warm((str(own),), "h1")
+    server._warm_up()
+    assert len(view.planned) == 1  # same files, view still theirs: nothing to do
+    view.key = "a client's other files"
+    own.write_text("version: 1\nbridges: [{name: br1}]\n")
+    server.warm((str(own),), "h1")
+    server._warm_up()
+    assert len(view.planned) == 1  # the view serves a client: left alone
+    view.key = view.planned[0]  # back to the agent's files, which changed since
+    server.warm((str(own),), "h1")
+    server._warm_up()
+    assert len(view.planned) == 2 and view.planned[1] != view.planned[0]
