@@ -243,7 +243,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         paths=tuple(args.paths), plan=_plan_options(args), interval=args.interval,
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
-        strict=not args.allow_insecure_config, plan_server=not args.no_plan_server)
+        strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
+        dry_run=args.dry_run)
     return watch.run(options, getattr(args, "status_socket", None))
 
 
@@ -403,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="watch files or directories writable by group or others")
     sp.add_argument("--no-docker-events", action="store_true",
                     help="do not follow Docker events (the interval still heals)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="observe and report drift (status, metrics, logs: result \"drift\") "
+                         "but change nothing; `reconcile plan` is still answered")
     sp.add_argument("--no-plan-server", action="store_true",
                     help="do not answer `reconcile plan` for this namespace (by default the "
                          "agent does, from its event-driven view: same output, much faster)")

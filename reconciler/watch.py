@@ -407,13 +407,15 @@ class WatchOptions:
     strict: bool = True
     #: answer `reconcile plan` of this namespace on a unix socket (planserver)
     plan_server: bool = True
+    #: observe and report drift, never change the host
+    dry_run: bool = False
 
 
 @dataclass
 class PassReport:
     number: int
     reasons: list[str]
-    result: str  # ok | applied | failed | config-error | interrupted
+    result: str  # ok | applied | drift (--dry-run) | failed | config-error | interrupted
     started_at: float
     finished_at: float
     duration: float
@@ -529,7 +531,7 @@ class Agent:
         if self.netlink is not None:
             self.netlink.set_names(names)
         if self.netns_dir is not None:
-            self.netns_dir.set_names(desired.allocs)
+            self.netns_dir.set_names({*desired.allocs, *self._held_namespaces()})
         if desired.docker_networks and self.options.docker_events:
             if self.docker is None:
                 from reconciler.drift import DockerWatcher
@@ -544,6 +546,18 @@ class Agent:
             self.docker.set_names(())
         if self.files is not None:
             self.files.ensure()
+
+    def _held_namespaces(self) -> frozenset[str]:
+        """Namespaces the observer keeps a socket into: undeclared ones of ours, too.
+
+        With --no-prune or --dry-run those are not deleted by us; if someone else
+        deletes one, the held socket keeps it (and its veth) alive until the next
+        pass drops the socket, so its deletion must start a pass.
+        """
+        ops = getattr(self.reconciler.observer, "ops", None)
+        netlink = getattr(ops, "_netlink", None)
+        held = getattr(netlink, "cached_names", None)
+        return held() if callable(held) else frozenset()
 
     def close(self) -> None:
         for src in (self.files, self.netlink, self.netns_dir, self.docker):
@@ -668,6 +682,8 @@ class Agent:
             "allocs": len(self.good.allocs), "docker_networks": len(self.good.docker_networks)})
         try:
             self._reconcile(self.good, report)
+            if self.netns_dir is not None:  # what this pass observed may be held now
+                self.netns_dir.set_names({*self.good.allocs, *self._held_namespaces()})
         except ReconcilerError as exc:
             report.result = "failed"
             report.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -701,6 +717,14 @@ class Agent:
             if plan.errors:
                 report.errors = [{"resource": "plan", "error": e} for e in plan.errors]
                 raise ReconcilerError(plan.errors[0])
+            return
+        if self.options.dry_run:
+            report.result = "drift"
+            report.errors = [{"resource": c.address,
+                              "error": f"differs ({c.action.value}): {c.reason}"}
+                             for c in plan.actionable[:50]]
+            log.info("pass %d: %d change(s) pending; --dry-run: not applied", report.number,
+                     len(plan.actionable))
             return
         log.info("pass %d: %d change(s) to apply", report.number, len(plan.actionable))
 

@@ -528,6 +528,10 @@ class Netlink:
         if entry is not None:
             entry.sock.close()
 
+    def cached_names(self) -> frozenset[str]:
+        """Namespaces this object holds a socket into (and so keeps alive)."""
+        return frozenset(self._ns)
+
     def prune_cache(self, keep: Iterable[str]) -> None:
         """Close cached sockets of namespaces not in ``keep``."""
         keep = set(keep)

@@ -1,7 +1,7 @@
 """`reconcile plan` answered by a running agent: same output as planning in-process, always.
 
-The agent here watches a file that declares nothing for this host (and runs
-with --no-prune), so it never heals what a test breaks: every plan it answers
+The agent here watches a file that declares nothing for this host and runs
+with --dry-run, so it never heals what a test breaks: every plan it answers
 is compared with `plan --no-agent` right after each out-of-band change, one
 change per kind of event source (netlink in an allocation namespace and in the
 host, iptables, sysctl, a mount, /run/netns, a foreign namespace without an
@@ -52,14 +52,16 @@ def plan_counts(agent: Agent) -> dict[str, float]:
 
 
 class PlanAgent:
-    """A watch agent that declares nothing here, so it only answers plans."""
+    """A watch agent that declares nothing here and changes nothing: it only answers plans."""
 
     def __init__(self, host: Netns, tmp_path: Any) -> None:
         idle = write(tmp_path, "idle.yaml", "version: 1\nhosts: [no-such-host-anywhere]\n")
         os.chmod(idle, 0o644)
         os.chmod(str(tmp_path), 0o755)
         self.host = host
-        self.agent = Agent(host, [idle], "--no-prune")  # type: ignore[arg-type]
+        # --dry-run: it never acts on what a test breaks (even --no-prune tidies up, e.g.
+        # empty chains of its own), so both plans see the same host
+        self.agent = Agent(host, [idle], "--no-prune", "--dry-run")  # type: ignore[arg-type]
         ino = os.stat(f"/run/netns/{host.name}").st_ino
         from reconciler.planclient import socket_path
 
@@ -378,5 +380,137 @@ def test_the_agents_own_files_are_planned_from_a_warm_view(host_ns: Netns, tmp_p
         assert r.rc == 0, r.all
         counts = plan_counts(agent)
         assert counts.get("cached") == 1 and not counts.get("observed"), counts
+    finally:
+        assert agent.stop() == 0
+
+
+# ------------------------------------------------------------------ random sequences
+
+
+def test_random_changes_agent_and_in_process_plans_stay_identical(
+        plan_agent: PlanAgent, host_ns: Netns, tmp_path, request: pytest.FixtureRequest):
+    """Random out-of-band changes, several between plans, healed now and then: after each
+    round the agent's answer equals the in-process plan. CI runs 25 rounds, the soak
+    (RECONCILER_SOAK=1) 300; RECONCILER_SOAK_SEED picks the sequence."""
+    import random
+
+    from tests.figures import SOAK, report
+
+    rounds = 300 if SOAK else 25
+    seed = int(os.environ.get("RECONCILER_SOAK_SEED", "11"))
+    rng = random.Random(seed)
+    ids = [unique(f"s{i}") for i in range(6)]
+    declared = ids[:4]
+    path = alloc_config(tmp_path, declared)
+    assert host_ns.reconcile("apply", path).rc == 0
+    foreign: list[str] = []
+    h = host_ns.name
+    mark = json.loads(sh("ip", "-n", ids[0], "-j", "link", "show", "lo").stdout)[0]["ifalias"]
+
+    def alloc_ns() -> str | None:
+        live = [a for a in declared if os.path.exists(f"/run/netns/{a}")]
+        return rng.choice(live) if live else None
+
+    def run_in(ns: str | None, *cmd: str) -> None:
+        if ns is not None:
+            sh("ip", "-n", ns, *cmd, check=False)
+
+    def new_foreign(marked: bool) -> None:
+        name = unique("f")
+        sh("ip", "netns", "add", name)
+        foreign.append(name)
+        if marked:
+            sh("ip", "-n", name, "link", "set", "lo", "alias", mark)
+
+    def delete_alloc_ns() -> None:
+        """`ip netns del`; the kernel frees the namespace and its veth pair later, so wait
+        for that: the two plans compared must not straddle it."""
+        import hashlib
+
+        a = alloc_ns()
+        if a is None:
+            return
+        sh("ip", "netns", "del", a, check=False)
+        veth = "vr" + hashlib.sha1(a.encode()).hexdigest()[:12]
+        wait_for(lambda: sh("ip", "-n", h, "link", "show", veth, check=False).returncode != 0,
+                 10, what=f"the kernel to remove {veth}")
+
+    def edit() -> None:
+        nonlocal declared
+        declared = sorted(rng.sample(ids, rng.randint(2, len(ids))))
+        alloc_config(tmp_path, declared)
+
+    changes: list[tuple[str, Callable[[], object]]] = [
+        ("route del", lambda: run_in(alloc_ns(), "route", "del", "default")),
+        ("addr flush", lambda: run_in(alloc_ns(), "addr", "flush", "dev", "eth0")),
+        ("eth0 down", lambda: run_in(alloc_ns(), "link", "set", "eth0", "down")),
+        ("bridge addr flush", lambda: sh("ip", "-n", h, "addr", "flush", "dev", BRIDGE,
+                                         check=False)),
+        ("bridge down", lambda: sh("ip", "-n", h, "link", "set", BRIDGE, "down", check=False)),
+        ("dnat flush", lambda: host_ns.run("iptables", "-t", "nat", "-F", "RECONCILER-DNAT",
+                                           check=False)),
+        ("forward flush", lambda: host_ns.run("ip6tables", "-F", "RECONCILER-FORWARD",
+                                              check=False)),
+        ("ip_forward off", lambda: host_ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0")),
+        ("foreign veth", lambda: sh("ip", "-n", h, "link", "add", f"rcx{rng.randint(0, 9999)}",
+                                    "type", "veth", "peer", "name",
+                                    f"rcy{rng.randint(0, 9999)}", check=False)),
+        ("foreign rule", lambda: host_ns.run("iptables", "-A", "INPUT", "-p", "udp",
+                                             "--dport", str(rng.randint(1, 999)), "-j",
+                                             "ACCEPT")),
+        ("foreign netns", lambda: new_foreign(False)),
+        ("foreign netns with our mark", lambda: new_foreign(True)),
+        ("alloc netns deleted", delete_alloc_ns),
+        ("files edited", edit),
+    ]
+    seen: dict[str, int] = {}
+    try:
+        for _ in range(rounds):
+            for _ in range(rng.randint(1, 3)):
+                what, change = rng.choice(changes)
+                seen[what] = seen.get(what, 0) + 1
+                change()
+            same_as_in_process(plan_agent, path)
+            if rng.random() < 0.4:
+                for name in foreign:
+                    sh("ip", "netns", "del", name, check=False)
+                foreign.clear()
+                fixed = host_ns.reconcile("apply", path)
+                assert fixed.rc == 0, fixed.all
+                assert same_as_in_process(plan_agent, path).rc == 0
+    finally:
+        for name in foreign:
+            sh("ip", "netns", "del", name, check=False)
+    counts = plan_agent.counts()
+    report(request, f"{rounds} rounds (seed {seed}), {sum(seen.values())} changes of "
+                    f"{len(seen)} kinds: agent == in-process every time; answers "
+                    + ", ".join(f"{k} {int(v)}" for k, v in sorted(counts.items())))
+    assert not counts.get("declined"), counts
+
+
+def test_a_kept_namespace_deleted_by_someone_else_is_let_go(host_ns: Netns, tmp_path):
+    """watch --no-prune keeps an undeclared namespace of ours, and its observer holds a
+    socket into it; when someone deletes it, the agent must drop that socket at once, or
+    it keeps the namespace (and its veth) alive until the next resync."""
+    import hashlib
+
+    a, b = unique("a"), unique("b")
+    conf = os.path.join(str(tmp_path), "conf")
+    os.mkdir(conf)
+    os.chmod(str(tmp_path), 0o755)
+    os.chmod(conf, 0o755)
+    path = alloc_config(tmp_path, [a, b])
+    assert host_ns.reconcile("apply", path).rc == 0
+    with open(alloc_config(tmp_path, [a])) as fh:
+        only_a = write(conf, "allocs.yaml", fh.read())
+    os.chmod(only_a, 0o644)
+    agent = Agent(host_ns, [conf], "--no-prune", "--interval", "3600")  # type: ignore[arg-type]
+    try:
+        agent.converged()
+        veth = "vr" + hashlib.sha1(b.encode()).hexdigest()[:12]
+        assert host_ns.link(veth) is not None  # kept: --no-prune
+        sh("ip", "netns", "del", b)
+        wait_for(lambda: host_ns.link(veth) is None, 10, every=0.1,
+                 what=f"{veth} gone with its namespace")
     finally:
         assert agent.stop() == 0

@@ -6,6 +6,7 @@ iptables or Docker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import struct
@@ -500,6 +501,17 @@ def test_deleting_a_file_prunes_what_it_declared(agent_env: Any) -> None:
     os.unlink(conf / "b.yaml")
     assert agent.run_pass(["files changed"]).result == "applied"
     assert set(rec.live_mtu) == {"br0"}
+
+
+def test_dry_run_reports_drift_and_changes_nothing(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    agent.options = dataclasses.replace(agent.options, dry_run=True)
+    _write(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    r = agent.run_pass(["startup"])
+    assert r.result == "drift" and rec.applied == [] and rec.live_mtu == {}
+    assert not r.converged
+    assert r.errors and r.errors[0]["resource"] == "bridge/br0", r.errors
+    assert 'reconciler_passes_total{result="drift"} 1.0' in agent.metrics.render().decode()
 
 
 def test_no_valid_state_yet_applies_nothing(agent_env: Any) -> None:
