@@ -314,12 +314,16 @@ class NetnsDirWatcher:
     (something still holds it), so its veth does not vanish either.
     """
 
-    def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR) -> None:
+    def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR, *,
+                 held: Callable[[], Iterable[str]] = frozenset) -> None:
+        """``held``: names that matter besides ``set_names``, asked at event time (the
+        namespaces an observer keeps a socket into, which a pass may have just opened)."""
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer as FsObserver
 
         self.on_drift = on_drift
         self.run_dir = run_dir
+        self.held = held
         self._names: frozenset[str] = frozenset()
         self._observer = FsObserver()
         self._scheduled = False
@@ -331,16 +335,22 @@ class NetnsDirWatcher:
                     return
                 for p in (event.src_path, getattr(event, "dest_path", "")):
                     name = os.path.basename(os.fsdecode(p)) if p else ""
-                    if name and name in outer._names:
+                    if name and (name in outer._names or outer._held(name)):
                         outer.on_drift(f"netns {event.event_type} {name}")
                         return
 
         self._handler = Handler()
         self._observer.start()
 
+    def _held(self, name: str) -> bool:
+        try:
+            return name in frozenset(self.held())
+        except RuntimeError:  # changed while we looked (another thread): assume it matters
+            return True
+
     def set_names(self, names: Iterable[str]) -> None:
         self._names = frozenset(names)
-        if not self._scheduled and self._names and os.path.isdir(self.run_dir):
+        if not self._scheduled and os.path.isdir(self.run_dir):
             try:
                 self._observer.schedule(self._handler, self.run_dir, recursive=False)
                 self._scheduled = True

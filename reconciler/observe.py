@@ -104,7 +104,9 @@ class Observer:
     def observe_namespaces(self, names: Iterable[str]) -> dict[str, LiveNetns]:
         """Links, addresses and routes inside each named namespace (missing ones left out)."""
         names = sorted(names)
-        observed = dict(self.ops.netlink.observe_netns(names)) if names else {}
+        # with no names too: that drops sockets held into namespaces no longer read, which
+        # would keep them (and their veths) alive after someone deleted them
+        observed = dict(self.ops.netlink.observe_netns(names))
         for name, ns in observed.items():
             if not ns.usable:
                 observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))

@@ -523,7 +523,8 @@ class Agent:
         if self.options.netlink:
             from reconciler.drift import NetnsDirWatcher
 
-            self.netns_dir = NetnsDirWatcher(lambda r: self.on_drift("netns", r))
+            self.netns_dir = NetnsDirWatcher(lambda r: self.on_drift("netns", r),
+                                             held=self._held_namespaces)
         self.board.update(event_sources=sources)
 
     def _update_sources(self, desired: DesiredState) -> None:
@@ -531,7 +532,7 @@ class Agent:
         if self.netlink is not None:
             self.netlink.set_names(names)
         if self.netns_dir is not None:
-            self.netns_dir.set_names({*desired.allocs, *self._held_namespaces()})
+            self.netns_dir.set_names(desired.allocs)
         if desired.docker_networks and self.options.docker_events:
             if self.docker is None:
                 from reconciler.drift import DockerWatcher
@@ -682,8 +683,6 @@ class Agent:
             "allocs": len(self.good.allocs), "docker_networks": len(self.good.docker_networks)})
         try:
             self._reconcile(self.good, report)
-            if self.netns_dir is not None:  # what this pass observed may be held now
-                self.netns_dir.set_names({*self.good.allocs, *self._held_namespaces()})
         except ReconcilerError as exc:
             report.result = "failed"
             report.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -432,8 +432,12 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
             return
         sh("ip", "netns", "del", a, check=False)
         veth = "vr" + hashlib.sha1(a.encode()).hexdigest()[:12]
-        wait_for(lambda: sh("ip", "-n", h, "link", "show", veth, check=False).returncode != 0,
-                 10, what=f"the kernel to remove {veth}")
+        try:
+            wait_for(lambda: sh("ip", "-n", h, "link", "show", veth, check=False).returncode != 0,
+                     10, what=f"the kernel to remove {veth}")
+        except AssertionError as exc:  # something keeps the namespace alive (a socket in it)
+            log = "\n".join(plan_agent.agent.log_text().splitlines()[-12:])
+            raise AssertionError(f"{exc}; the agent's last lines:\n{log}") from None
 
     def edit() -> None:
         nonlocal declared
