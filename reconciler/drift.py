@@ -212,14 +212,15 @@ def _index_to_name(index: int) -> str | None:
         return None
 
 
-def _open(groups: int) -> socket.socket:
+def open_socket(groups: int, rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
+    """An rtnetlink socket subscribed to ``groups`` (a bitmask of RTMGRP_*)."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                          NETLINK_ROUTE)
     try:
         try:  # root may exceed rmem_max: a burst of events must not overflow the queue
-            sock.setsockopt(socket.SOL_SOCKET, 33, SOCKET_RCVBUF)  # SO_RCVBUFFORCE
+            sock.setsockopt(socket.SOL_SOCKET, 33, rcvbuf)  # SO_RCVBUFFORCE
         except OSError:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.bind((0, groups))
     except BaseException:
         sock.close()
@@ -229,7 +230,7 @@ def _open(groups: int) -> socket.socket:
 
 def dump_links() -> list[NetlinkEvent]:
     """All links of the current namespace, as link events (seeds the filter)."""
-    with _open(0) as sock:
+    with open_socket(0) as sock:
         req = _NLMSGHDR.pack(_NLMSGHDR.size + _IFINFOMSG.size, RTM_GETLINK,
                              NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + _IFINFOMSG.pack(0, 0, 0, 0, 0)
         sock.sendto(req, (0, 0))
@@ -262,7 +263,7 @@ class NetlinkWatcher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._sock = _open(GROUPS)  # subscribe first, then dump: no gap for missed links
+        self._sock = open_socket(GROUPS)  # subscribe first, then dump: no gap for missed links
         for ev in dump_links():
             self.filter.learn(ev)
         self._thread = threading.Thread(target=self._run, name="netlink-drift", daemon=True)

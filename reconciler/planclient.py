@@ -240,7 +240,8 @@ def peer_uid(sock: socket.socket) -> int:
 
 def ask_agent(call: PlanCall) -> dict[str, object]:
     """Send the plan to the agent of the target namespace; its reply (status "ok"), or raise."""
-    path = socket_path(call.target_inode())
+    net = call.target_inode()
+    path = socket_path(net)
     if not os.path.exists(path):
         raise Unanswered(f"no agent socket at {path}")
     try:
@@ -252,7 +253,7 @@ def ask_agent(call: PlanCall) -> dict[str, object]:
         "protocol": PROTOCOL, "code": code_id(), "argv": call.rest, "paths": call.paths,
         "files": [[f, os.path.abspath(f), len(b)] for f, b in zip(files, blobs, strict=True)],
         "verbose": call.verbose, "colour": call.colour(), "hostname": socket.gethostname(),
-        "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": call.target_inode(),
+        "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": net,
         "env": current_env(), "tools": tool_paths(),
     }
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -56,8 +56,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from reconciler import planclient
+from reconciler import drift, planclient
 from reconciler.drivers import netns
+from reconciler.drivers.iptables import IptablesDriver
+from reconciler.drivers.links import (
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    SOL_NETLINK,
+    parse_attrs,
+    split_messages,
+)
 from reconciler.errors import ConfigError, DriverError, ReconcilerError
 from reconciler.live import LiveNetns, LiveState
 from reconciler.model import DesiredState
@@ -70,15 +78,11 @@ log = logging.getLogger("reconciler.planserver")
 
 # -------------------------------------------------------------------- sentinels
 
-SOL_NETLINK = 270
 NETLINK_LISTEN_ALL_NSID = 8
 NETLINK_NETFILTER = 12
-RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE = 0x1, 0x10, 0x40
-RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE = 0x100, 0x400
 RTNLGRP_NSID = 28
-GROUPS = (RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_IFADDR
-          | RTMGRP_IPV6_ROUTE | (1 << (RTNLGRP_NSID - 1)))
-
+#: the drift watcher's link, address and route groups, and nsid changes
+GROUPS = drift.GROUPS | (1 << (RTNLGRP_NSID - 1))
 
 #: what a sentinel can report dirty: a LiveState part to read again, "nsid:N" (one
 #: namespace, by its nsid here), or EVERYTHING (an event may have been lost)
@@ -110,20 +114,12 @@ class Sentinel:
 
 
 _CMSG_SPACE = socket.CMSG_SPACE(4)
-_SO_RCVBUFFORCE = 33
-_RTM_NEWROUTE, _RTM_DELROUTE = 24, 25
 
 
 def _only_routes(data: bytes) -> bool:
     """Does this datagram hold route notifications only?"""
-    off, kinds = 0, set()
-    while off + 16 <= len(data):
-        length, kind = struct.unpack_from("=IH", data, off)
-        if length < 16:
-            return False
-        kinds.add(kind)
-        off += (length + 3) & ~3
-    return bool(kinds) and kinds <= {_RTM_NEWROUTE, _RTM_DELROUTE}
+    kinds = {_NLHDR.unpack_from(raw)[1] for raw in split_messages(data)}
+    return bool(kinds) and kinds <= {drift.RTM_NEWROUTE, drift.RTM_DELROUTE}
 
 
 class NetlinkSentinel(Sentinel):
@@ -132,14 +128,9 @@ class NetlinkSentinel(Sentinel):
     name = "netlink"
 
     def __init__(self) -> None:
-        sock = socket.socket(socket.AF_NETLINK,
-                             socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, 0)
+        sock = drift.open_socket(GROUPS, rcvbuf=8 << 20)  # other tools' bursts must fit
         try:
-            try:  # root may pass rmem_max: bursts of other tools' events must not overflow
-                sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
-            except OSError:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-            sock.bind((0, GROUPS))
+            sock.setblocking(False)
             sock.setsockopt(SOL_NETLINK, NETLINK_LISTEN_ALL_NSID, 1)
         except BaseException:
             sock.close()
@@ -167,9 +158,6 @@ class NetlinkSentinel(Sentinel):
                 out.add(f"nsid:{nsid}")
             elif not _only_routes(data):  # host routes are not part of what is observed
                 out.add("links")
-
-    def changed(self) -> bool:
-        return bool(self.dirty())
 
     def arm(self) -> None:
         self.dirty()  # drop what is queued: the observation that follows sees it
@@ -278,50 +266,30 @@ class MountSentinel(Sentinel):
 
 _NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWGEN, _NFT_MSG_GETGEN, _NFTA_GEN_ID = 10, 15, 16, 1
 _NLHDR = struct.Struct("=IHHII")
-_NLMSG_ERROR = 2
 
 
 def nft_generation(sock: socket.socket, seq: int) -> int:
     """The nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
     body = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
     sock.send(_NLHDR.pack(16 + len(body), (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN,
-                          1, seq, 0) + body)
+                          NLM_F_REQUEST, seq, 0) + body)
     while True:
-        data = sock.recv(1 << 16)
-        off = 0
-        while off + 16 <= len(data):
-            length, kind, _flags, mseq, _pid = _NLHDR.unpack_from(data, off)
-            if length < 16:
-                break
-            if mseq == seq and kind == _NLMSG_ERROR:
-                code = -struct.unpack_from("=i", data, off + 16)[0]
-                raise OSError(code, "nf_tables generation")
-            if mseq == seq and kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
-                a = off + 20  # nlmsghdr + nfgenmsg
-                while a + 4 <= off + length:
-                    alen, atype = struct.unpack_from("=HH", data, a)
-                    if alen < 4:
-                        break
-                    if atype & 0x3FFF == _NFTA_GEN_ID:
-                        return int(struct.unpack_from("!I", data, a + 4)[0])
-                    a += (alen + 3) & ~3
-                raise OSError(errno.EPROTO, "nf_tables generation: no id")
-            off += (length + 3) & ~3
+        for raw in split_messages(sock.recv(1 << 16)):
+            _len, kind, _flags, mseq, _pid = _NLHDR.unpack_from(raw)
+            if mseq != seq:
+                continue
+            if kind == NLMSG_ERROR:
+                raise OSError(-struct.unpack_from("=i", raw, 16)[0], "nf_tables generation")
+            if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
+                gen = parse_attrs(raw, 20).get(_NFTA_GEN_ID)  # after nlmsghdr + nfgenmsg
+                if gen is None or len(gen) < 4:
+                    raise OSError(errno.EPROTO, "nf_tables generation: no id")
+                return int(struct.unpack_from("!I", gen)[0])
 
 
-def iptables_backend() -> str:
-    """"nf_tables" when both iptables and ip6tables use it, else what they report."""
-    import subprocess
-
-    seen = set()
-    for tool in ("iptables", "ip6tables"):
-        try:
-            out = subprocess.run([tool, "-V"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return "unknown"
-        seen.add("nf_tables" if "nf_tables" in out else "legacy" if "legacy" in out
-                 else "unknown")
-    return seen.pop() if len(seen) == 1 else "mixed"
+def nft_backend() -> bool:
+    """Do iptables and ip6tables both use the nf_tables backend?"""
+    return all(IptablesDriver(family).backend() == "nf_tables" for family in (4, 6))
 
 
 class NftSentinel(Sentinel):
@@ -381,7 +349,6 @@ class LiveView:
         self.unwatched: dict[str, str | None] = {}  # foreign, no nsid -> lo alias
         self.foreign: dict[str, str | None] = {}  # foreign with an nsid -> lo alias
         self.plans: dict[Any, Plan] = {}
-        self.observations = 0  # full observations made (tests and metrics)
 
     # -- full observation ---------------------------------------------------------------
 
@@ -391,7 +358,6 @@ class LiveView:
             s.arm()
         before = self._survey(desired)
         live = self.observer.observe(desired)
-        self.observations += 1
         self._adopt(before, live.netns)
         self.live, self.key = live, key
 
@@ -524,7 +490,7 @@ def build_view(observer: Observer | None = None) -> LiveView:
     """The sentinels this host supports; what has none is read on every request."""
     sentinels: list[Sentinel] = [NetlinkSentinel(), NetnsDirSentinel(), MountSentinel()]
     firewall_volatile = True
-    if iptables_backend() == "nf_tables":
+    if nft_backend():
         try:
             sentinels.append(NftSentinel())
             firewall_volatile = False
@@ -568,7 +534,6 @@ class PlanServer:
         self._warm: tuple[tuple[str, ...], str | None] | None = None
         self._warm_key: Any = None
         self.tools: dict[str, str | None] = {}
-        self.served = 0
 
     def start(self) -> bool:
         """Bind and serve; False (logged) when another agent serves this namespace."""
@@ -646,10 +611,9 @@ class PlanServer:
         try:
             files = expand_paths(paths)
             blobs = [read_bytes(f) for f in files]
-            request = {"files": [[f, os.path.abspath(f), len(b)] for f, b in
-                                 zip(files, blobs, strict=True)],
-                       "hostname": socket.gethostname()}
-            desired, key = self._load(request, blobs, hostname)
+            desired, key = self._load([(f, os.path.abspath(f)) for f in files], blobs,
+                                      hostname if hostname is not None
+                                      else socket.gethostname())
             # only into an empty view, or one that holds the agent's files: never evict
             # what a client plans with other files
             if self.view.live is None or self.view.key in (None, self._warm_key):
@@ -718,7 +682,9 @@ class PlanServer:
             raise Declined("paths parsed differently")
         try:
             options = cli._plan_options(args)
-            desired, key = self._load(request, blobs, args.hostname)
+            desired, key = self._load(
+                [(str(e[0]), str(e[1])) for e in request["files"]], blobs,
+                args.hostname if args.hostname is not None else str(request.get("hostname")))
         except ConfigError:
             raise Declined("the CLI reports configuration errors") from None
         assert self.view is not None
@@ -726,7 +692,6 @@ class PlanServer:
             plan, how = self.view.plan(desired, key, options)
         except ReconcilerError as exc:
             raise Declined(f"the CLI reports this error: {exc}") from None
-        self.served += 1
         text = cli.plan_text(plan, args.output, colour=bool(request.get("colour")),
                              verbose=int(request.get("verbose", 0)) > 0)
         reply: dict[str, Any] = {"status": "ok", "stdout": text, "rc": cli._plan_exit(plan),
@@ -735,12 +700,11 @@ class PlanServer:
             reply["out_json"] = cli.plan_text(plan, "json", colour=False, verbose=False)
         return reply
 
-    def _load(self, request: dict[str, Any], blobs: list[bytes],
-              hostname: str | None) -> tuple[DesiredState, Any]:
+    def _load(self, entries: list[tuple[str, str]], blobs: list[bytes],
+              host: str) -> tuple[DesiredState, Any]:
+        """The desired state of these files ((name, absolute path) and bytes), and its key."""
         from reconciler.loader import load_sources
 
-        host = hostname if hostname is not None else str(request.get("hostname"))
-        entries = [(str(e[0]), str(e[1])) for e in request["files"]]
         key = (tuple((n, a, hashlib.sha256(b).hexdigest())
                      for (n, a), b in zip(entries, blobs, strict=True)), host)
         desired = self._desired.get(key)

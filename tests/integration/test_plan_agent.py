@@ -75,9 +75,6 @@ class PlanAgent:
     def plan(self, *args: str, mode: str = "require") -> Result:
         return reconcile("plan", *args, netns=self.host.name, env={"RECONCILER_AGENT": mode})
 
-    def stop(self) -> None:
-        self.agent.stop()
-
 
 @pytest.fixture
 def plan_agent(host_ns: Netns, tmp_path: Any) -> Iterator[PlanAgent]:
