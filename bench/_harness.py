@@ -166,7 +166,7 @@ class Sandbox:
         Returns once the agent's plan socket exists and its first pass is logged,
         so its start-up work does not compete with what is measured next.
         """
-        from reconciler.planclient import socket_path
+        from reconciler.agent.planview.protocol import socket_path
 
         src = os.environ.get("RECONCILER_BENCH_SRC", str(ROOT))
         log = self.tmp / "agent.log"

@@ -55,7 +55,7 @@ def one_run(n: int, profile: Path | None) -> dict[str, float]:
 
 def _profiled(sb: Sandbox, profile: Path, step: str, n: int, args: tuple[str, ...]) -> float:
     out = profile / f"{step}-{n}.prof"
-    code = ("import cProfile, sys; from reconciler.cli import main; "
+    code = ("import cProfile, sys; from reconciler.cli.commands import main; "
             "sys.argv = ['reconcile'] + sys.argv[3:]; "  # after '-m reconciler'
             f"cProfile.run('rc = main()', {str(out)!r}); sys.exit(rc)")
     return run_cli(["--netns", sb.host, *args], python_args=("-c", code)).seconds

@@ -30,8 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
 
-from reconciler.drivers.docker_networks import DockerDriver, ula_subnet  # noqa: E402
-from reconciler.model import DockerNetwork, DockerNetworkName  # noqa: E402
+from reconciler.domain.docker import ula_subnet
+from reconciler.domain.model import (
+    DockerNetwork,  # noqa: E402
+    DockerNetworkName,
+)
+from reconciler.drivers.docker.client import DockerDriver  # noqa: E402
 
 PHASES = ("create", "ensure again (no-op)", "remove")
 

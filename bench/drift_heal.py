@@ -36,7 +36,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from reconciler.drivers import links, netns  # noqa: E402
+from reconciler.drivers import netns  # noqa: E402
+from reconciler.drivers.netlink import client as links  # noqa: E402
 
 BRIDGE = "rbheal0"
 ENV = dict(os.environ, PYTHONPATH=ROOT)

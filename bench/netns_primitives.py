@@ -32,7 +32,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from reconciler.drivers import links, netns  # noqa: E402
+from reconciler.drivers import netns
+from reconciler.drivers.netlink import client as links  # noqa: E402
+from reconciler.drivers.netlink import parse as nlparse
 
 
 def _ms(seconds: float) -> str:
@@ -78,7 +80,7 @@ def run(n: int, settle: float, link_local: bool) -> None:
             nsids = {name: nl.assign_nsid(name) for name in names}
             t0 = time.perf_counter()
             for name in names:
-                links.assemble_links(nl.link_messages(nsid=nsids[name]),
+                nlparse.assemble_links(nl.link_messages(nsid=nsids[name]),
                                      nl.addr_messages(nsid=nsids[name]))
             t_nsid = time.perf_counter() - t0
 

@@ -59,15 +59,18 @@ def wrap(owner: Any, attr: str, label: str) -> None:
 def instrument() -> float:
     """Import what the CLI imports (timed), then wrap the pipeline's functions."""
     t0 = time.perf_counter()
-    from reconciler import cli, executor, loader, observe, reconcile
-    from reconciler import plan as plan_mod
     from reconciler import planner as planner_pkg
-    from reconciler.drivers import iptables, links, sysctl
+    from reconciler.cli import commands as cli
+    from reconciler.config import load as loader
+    from reconciler.domain import plan as plan_mod
+    from reconciler.drivers import iptables, sysctl
+    from reconciler.drivers.netlink import client as links
+    from reconciler.engine import executor, observe, reconcile
     from reconciler.planner import allocs, docker, firewall, hostlinks
     imports = time.perf_counter() - t0
     with contextlib.suppress(ImportError):  # the Docker SDK: imported on first use
         t0 = time.perf_counter()
-        from reconciler.drivers import docker_networks  # noqa: F401
+        from reconciler.drivers.docker import client as docker_networks  # noqa: F401
         imports += time.perf_counter() - t0
 
     wrap(cli, "_load", "load")
@@ -104,7 +107,7 @@ def instrument() -> float:
 
 def wrap_ops() -> None:
     """Time each op kind the executor runs."""
-    from reconciler.hostops import HostOps
+    from reconciler.engine.hostops import HostOps
 
     orig = HostOps.run
 
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     netns.enter_process_netns(opts.netns)
     imports = instrument()
     wrap_ops()
-    from reconciler import cli
+    from reconciler.cli import commands as cli
 
     prof = cProfile.Profile() if opts.cprofile else None
     sink = io.StringIO()

@@ -1,5 +1,5 @@
 """`python -m reconciler` is the `reconcile` command."""
 
-from reconciler.planclient import main
+from reconciler.cli.entry import main
 
 raise SystemExit(main())

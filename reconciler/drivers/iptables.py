@@ -21,8 +21,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from reconciler.errors import DriverError, PreconditionError, TemporaryError
-from reconciler.live import LiveChainSet
+from reconciler.domain.errors import DriverError, PreconditionError, TemporaryError
+from reconciler.domain.live import LiveChainSet
 
 RESTORE_WAIT_SECONDS = "10"
 _TOOLS = {4: ("iptables-save", "iptables-restore", "iptables"),

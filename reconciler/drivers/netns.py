@@ -21,7 +21,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 
-from reconciler.errors import DriverError, PreconditionError
+from reconciler.domain.errors import DriverError, PreconditionError
 
 NETNS_RUN_DIR = "/run/netns"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from reconciler.errors import DriverError
+from reconciler.domain.errors import DriverError
 
 _KEY = re.compile(r"^net(/[A-Za-z0-9_.-]+)+$")
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from reconciler.errors import PlanError
-from reconciler.live import LiveLink, LiveState
-from reconciler.model import DesiredState
-from reconciler.ownership import CHAIN_PREFIX, alloc_veth_name
-from reconciler.plan import Action, AttrChange, Change, Op, Plan, fingerprint
+from reconciler.domain.errors import PlanError
+from reconciler.domain.live import LiveLink, LiveState
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
+from reconciler.domain.plan import Action, AttrChange, Change, Op, Plan, fingerprint
 from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 

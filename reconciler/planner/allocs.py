@@ -12,10 +12,10 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from reconciler.live import LiveLink, LiveNetns
-from reconciler.model import Alloc, Subnet, SubnetName
-from reconciler.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
-from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.domain.live import LiveLink, LiveNetns
+from reconciler.domain.model import Alloc, Subnet, SubnetName
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from reconciler.live import LiveState
-from reconciler.model import DesiredState
+from reconciler.domain.live import LiveState
+from reconciler.domain.model import DesiredState
 from reconciler.planner import firewall
 from reconciler.planner.firewall import RuleSet
 

@@ -10,19 +10,18 @@ when all are ours. Pruning removes owned networks of this reconciler's scope
 
 from __future__ import annotations
 
-from reconciler.docker_logic import (
+from reconciler.domain.docker import (
     PROTECTED_NETWORKS,
     SCOPE_LABEL,
-    diff_network,
-    ipv6_fell_back,
     sort_duplicates,
     spec_to_json,
     ula_subnet,
 )
-from reconciler.live import LiveDocker, LiveDockerNetwork
-from reconciler.model import DockerNetwork
-from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.domain.live import LiveDocker, LiveDockerNetwork
+from reconciler.domain.model import DockerNetwork
+from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner.context import PlanContext
+from reconciler.planner.docker_diff import diff_network, ipv6_fell_back
 
 KIND = "docker_network"
 

@@ -12,10 +12,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from reconciler.live import LiveChainSet
-from reconciler.model import DesiredState, Subnet
-from reconciler.ownership import CHAIN_PREFIX, RULE_COMMENT
-from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.domain.live import LiveChainSet
+from reconciler.domain.model import DesiredState, Subnet
+from reconciler.domain.ownership import CHAIN_PREFIX, RULE_COMMENT
+from reconciler.domain.plan import Action, AttrChange, Change, Op
 
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from reconciler.live import LiveLink
-from reconciler.model import Bridge, Subnet, SubnetName
-from reconciler.plan import Action, AttrChange, Change, Op
+from reconciler.domain.live import LiveLink
+from reconciler.domain.model import Bridge, Subnet, SubnetName
+from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.drivers import links, netns
+from reconciler.drivers import netns
+from reconciler.drivers.netlink import client as links
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

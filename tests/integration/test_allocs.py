@@ -932,8 +932,8 @@ def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
 
 def test_create_refuses_a_namespace_that_appeared_meanwhile():
     """Between observing and creating, someone ran `ip netns add` with the alloc's id."""
-    from reconciler.drivers.links import Netlink
-    from reconciler.errors import ConflictError
+    from reconciler.domain.errors import ConflictError
+    from reconciler.drivers.netlink.client import Netlink
     (a,) = alloc_ids(1)
     sh("ip", "netns", "add", a)
     try:

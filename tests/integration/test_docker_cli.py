@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.docker_logic import SCOPE_LABEL, ula_subnet
-from reconciler.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.domain.docker import SCOPE_LABEL, ula_subnet
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from tests.conftest import EXAMPLES, Netns, unique, write
 
 try:

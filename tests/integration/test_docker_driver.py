@@ -18,17 +18,13 @@ from typing import Any
 import docker.errors
 import pytest
 
-from reconciler.drivers.docker_networks import (
-    OPT_MASQUERADE,
-    OPT_MTU,
-    DockerDriver,
-    diff_network,
-    parse_network,
-    ula_subnet,
-)
-from reconciler.errors import ConflictError, DriverError, TemporaryError
-from reconciler.model import DockerNetwork, DockerNetworkName
-from reconciler.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.domain.docker import OPT_MASQUERADE, OPT_MTU, ula_subnet
+from reconciler.domain.errors import ConflictError, DriverError, TemporaryError
+from reconciler.domain.model import DockerNetwork, DockerNetworkName
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker.client import DockerDriver
+from reconciler.drivers.docker.payloads import parse_network
+from reconciler.planner.docker_diff import diff_network
 
 try:
     from tests.integration import docker_fixtures as fx

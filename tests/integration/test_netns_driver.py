@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from reconciler.drivers import links, netns
-from reconciler.errors import ConflictError, DriverError
-from reconciler.live import LiveNetns, LiveRoute
+from reconciler.domain.errors import ConflictError, DriverError
+from reconciler.domain.live import LiveNetns, LiveRoute
+from reconciler.drivers import netns
+from reconciler.drivers.netlink import client as links
+from reconciler.drivers.netlink import parse as nlparse
 
 try:
     from tests.integration import netns_fixtures as fx
@@ -158,7 +160,7 @@ def test_enter_process_netns(sandbox: Sandbox) -> None:
     code = """
         import os, sys
         from reconciler.drivers import netns
-        from reconciler.errors import PreconditionError
+        from reconciler.domain.errors import PreconditionError
         try:
             netns.enter_process_netns(sys.argv[1] if len(sys.argv) > 1 else "%s")
         except PreconditionError as e:
@@ -179,7 +181,7 @@ def test_enter_process_netns(sandbox: Sandbox) -> None:
 def test_private_mount_namespace_is_detected(sandbox: Sandbox) -> None:
     code = f"""
         from reconciler.drivers import netns
-        from reconciler.errors import PreconditionError
+        from reconciler.domain.errors import PreconditionError
         print("PROBLEM" if netns.private_mount_namespace_problem() else "FINE")
         try:
             netns.create("{sandbox.ns('inner')}")
@@ -383,7 +385,7 @@ def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink
         eth0 = {lk.name: lk for lk in obs[name].links}["eth0"]
         assert [str(a.address) for a in eth0.addresses] == [f"10.77.1.{i + 1}/16"]
         # same view without entering: dumps through the target nsid from the host socket
-        via_nsid = links.assemble_links(nl.link_messages(nsid=obs[name].nsid),
+        via_nsid = nlparse.assemble_links(nl.link_messages(nsid=obs[name].nsid),
                                         nl.addr_messages(nsid=obs[name].nsid))
         assert {lk.name: lk.addresses for lk in via_nsid} == \
             {lk.name: lk.addresses for lk in obs[name].links}

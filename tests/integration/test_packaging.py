@@ -30,7 +30,7 @@ def test_wheel_builds_and_runs_from_a_fresh_venv(tmp_path):
                             if n.endswith(".dist-info/entry_points.txt"))
     assert "reconciler/schemas/reconciler.schema.json" in names
     assert "reconciler/__main__.py" in names and "reconciler/drivers/netns.py" in names
-    assert "reconcile = reconciler.planclient:main" in entry_points
+    assert "reconcile = reconciler.cli.entry:main" in entry_points
     assert not any(n.startswith("tests/") for n in names)
 
     # The dependencies come from this interpreter (no network); the package only from the

@@ -63,7 +63,7 @@ class PlanAgent:
         # empty chains of its own), so both plans see the same host
         self.agent = Agent(host, [idle], "--no-prune", "--dry-run")  # type: ignore[arg-type]
         ino = os.stat(f"/run/netns/{host.name}").st_ino
-        from reconciler.planclient import socket_path
+        from reconciler.agent.planview.protocol import socket_path
 
         self.socket = socket_path(ino)
         wait_for(lambda: os.path.exists(self.socket) and self.agent.status(), 15,
@@ -366,7 +366,7 @@ def test_the_agents_own_files_are_planned_from_a_warm_view(host_ns: Netns, tmp_p
     try:
         agent.converged()
         ino = os.stat(f"/run/netns/{host_ns.name}").st_ino
-        from reconciler.planclient import socket_path
+        from reconciler.agent.planview.protocol import socket_path
 
         wait_for(lambda: os.path.exists(socket_path(ino)), 15, what="the plan socket")
         import time

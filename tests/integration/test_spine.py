@@ -218,7 +218,7 @@ def test_lock_timeout_fails_clearly(host_ns: Netns):
     import sys
     holder = subprocess.Popen(
         ["nsenter", f"--net=/run/netns/{host_ns.name}", sys.executable, "-c",
-         "import time\nfrom reconciler.lock import host_lock\n"
+         "import time\nfrom reconciler.engine.lock import host_lock\n"
          "with host_lock():\n    print('held', flush=True)\n    time.sleep(30)\n"],
         stdout=subprocess.PIPE, text=True)
     try:

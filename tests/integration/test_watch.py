@@ -97,7 +97,7 @@ class Host:
         return {lk["ifname"] for lk in json.loads(out or "[]")}
 
     def lock_path(self) -> str:
-        from reconciler.lock import LOCK_DIR
+        from reconciler.engine.lock import LOCK_DIR
 
         return os.path.join(LOCK_DIR, f"netns-{os.stat(f'/run/netns/{self.name}').st_ino}.lock")
 
@@ -470,7 +470,7 @@ def _docker_up() -> bool:
 
 def test_alloc_veth_and_namespace_deletion_are_healed(host: Host, agents: Any,
                                                       tmp_path: Any) -> None:
-    from reconciler.ownership import alloc_veth_name
+    from reconciler.domain.ownership import alloc_veth_name
 
     d = confdir(tmp_path)
     alloc = f"{host.name}-a"

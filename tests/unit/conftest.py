@@ -17,7 +17,7 @@ def no_real_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(iptables.IptablesDriver, "restore", _tripwire)
     monkeypatch.setattr(sysctl, "write", _tripwire)
     try:
-        from reconciler.drivers import links
+        from reconciler.drivers.netlink import client as links
         monkeypatch.setattr(links.Netlink, "__init__", _tripwire)
     except ImportError:
         pass

@@ -7,10 +7,17 @@ import ipaddress
 import shlex
 from dataclasses import dataclass, field
 
-from reconciler.live import LiveAddress, LiveChainSet, LiveLink, LiveNetns, LiveRoute, LiveState
-from reconciler.model import DesiredState
-from reconciler.ownership import LINK_ALIAS, alloc_ns_alias
-from reconciler.plan import Op
+from reconciler.domain.live import (
+    LiveAddress,
+    LiveChainSet,
+    LiveLink,
+    LiveNetns,
+    LiveRoute,
+    LiveState,
+)
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import LINK_ALIAS, alloc_ns_alias
+from reconciler.domain.plan import Op
 
 HOST_ID = "4026531840"
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.errors import PlanError
-from reconciler.live import LiveAddress, LiveLink
-from reconciler.model import (
+from reconciler.domain.errors import PlanError
+from reconciler.domain.live import LiveAddress, LiveLink
+from reconciler.domain.model import (
     AddrRange,
     Alloc,
     AllocId,
@@ -27,10 +27,11 @@ from reconciler.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.ownership import alloc_ns_alias, alloc_veth_name
-from reconciler.plan import Action, Plan, render_text
+from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
+from reconciler.domain.plan import Action, Plan
+from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
-from reconciler.reconcile import Reconciler
+from reconciler.ui.render import render_text
 
 from .fakehost import FakeHost, FakeNetns
 
@@ -433,10 +434,10 @@ def test_allocs_converge_and_tear_down(first: DesiredState, second: DesiredState
 
 
 def test_tagged_empty_netns_file_is_removed_untagged_left_alone():
-    from reconciler.live import LiveNetns, LiveState
-    from reconciler.model import DesiredState
-    from reconciler.ownership import alloc_ns_alias
-    from reconciler.plan import Action
+    from reconciler.domain.live import LiveNetns, LiveState
+    from reconciler.domain.model import DesiredState
+    from reconciler.domain.ownership import alloc_ns_alias
+    from reconciler.domain.plan import Action
     from reconciler.planner import PlanOptions, make_plan
 
     live = LiveState(host_id="42", netns={

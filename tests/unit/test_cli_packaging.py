@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from reconciler import __version__, cli
-from reconciler.completion import describe, script
+from reconciler import __version__
+from reconciler.ui import parser as cli
+from reconciler.ui.completion import describe, script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

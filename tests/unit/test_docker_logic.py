@@ -19,13 +19,20 @@ from typing import Any
 import docker.errors
 import pytest
 
-from reconciler.drivers.docker_networks import (
+from reconciler.domain.docker import (
     IPV6_FALLBACK_LABEL,
     OPT_MASQUERADE,
     OPT_MTU,
-    DockerDriver,
+    sort_duplicates,
+    ula_subnet,
+)
+from reconciler.domain.errors import ConflictError, DriverError, TemporaryError
+from reconciler.domain.live import LiveDockerNetwork
+from reconciler.domain.model import DockerNetwork, DockerNetworkName
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker.client import DockerDriver
+from reconciler.drivers.docker.payloads import (
     daemon_message,
-    diff_network,
     is_already_exists,
     is_ipv4_pool_exhausted,
     is_ipv6_unavailable,
@@ -33,13 +40,8 @@ from reconciler.drivers.docker_networks import (
     is_pool_overlap,
     parse_default_mtu,
     parse_network,
-    sort_duplicates,
-    ula_subnet,
 )
-from reconciler.errors import ConflictError, DriverError, TemporaryError
-from reconciler.live import LiveDockerNetwork
-from reconciler.model import DockerNetwork, DockerNetworkName
-from reconciler.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.planner.docker_diff import diff_network
 
 FIXTURES = Path(__file__).parent / "fixtures" / "docker"
 OURS = {DOCKER_LABEL: DOCKER_LABEL_VALUE}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.docker_logic import (
+from reconciler.domain.docker import (
     IPV6_FALLBACK_LABEL,
     OPT_MASQUERADE,
     OPT_MTU,
@@ -19,13 +19,14 @@ from reconciler.docker_logic import (
     spec_to_json,
     ula_subnet,
 )
-from reconciler.live import LiveDocker, LiveDockerNetwork, LiveState
-from reconciler.model import DesiredState, DockerNetwork, DockerNetworkName
-from reconciler.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
-from reconciler.plan import Action, Change, Plan, render_text
+from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveState
+from reconciler.domain.model import DesiredState, DockerNetwork, DockerNetworkName
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.context import PlanContext
 from reconciler.planner.docker import plan_docker_networks
+from reconciler.ui.render import render_text
 
 OURS = {DOCKER_LABEL: DOCKER_LABEL_VALUE, SCOPE_LABEL: "host"}
 
@@ -91,7 +92,7 @@ def test_declared_but_not_observed_is_an_error() -> None:
 
 
 def test_host_resources_still_plan_when_docker_is_down() -> None:
-    from reconciler.model import Bridge, BridgeName
+    from reconciler.domain.model import Bridge, BridgeName
 
     want = DesiredState(bridges={BridgeName("br0"): Bridge(BridgeName("br0"))},
                         docker_networks={DockerNetworkName("kind"): spec()})
@@ -375,7 +376,7 @@ class FakeDriver:
         self.calls: list[tuple[Any, ...]] = []
 
     def ensure(self, s: DockerNetwork, default_mtu: int | None) -> Any:
-        from reconciler.drivers.docker_networks import EnsureResult
+        from reconciler.drivers.docker.client import EnsureResult
 
         self.calls.append(("ensure", s, default_mtu))
         return EnsureResult(s.name, "1" * 64, True, ipv6_fallback=True, warnings=(
@@ -384,7 +385,7 @@ class FakeDriver:
 
     def replace(self, s: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
                 reconnect: bool, *, adopt: bool = False) -> Any:
-        from reconciler.drivers.docker_networks import EnsureResult
+        from reconciler.drivers.docker.client import EnsureResult
 
         self.calls.append(("replace", s, live.id, live.name, default_mtu, reconnect, adopt))
         return EnsureResult(s.name, "2" * 64, True, reconnected=("c1",))
@@ -395,7 +396,7 @@ class FakeDriver:
 
 
 def _ops(drv: FakeDriver) -> Any:
-    from reconciler.hostops import HostOps
+    from reconciler.engine.hostops import HostOps
 
     ops = HostOps(netlink=object())
     ops._docker = drv  # type: ignore[assignment]
@@ -427,16 +428,16 @@ def test_replace_and_remove_ops_reach_the_driver() -> None:
 
 
 def test_malformed_op_is_a_driver_error() -> None:
-    from reconciler.errors import DriverError
-    from reconciler.plan import Op
+    from reconciler.domain.errors import DriverError
+    from reconciler.domain.plan import Op
 
     with pytest.raises(DriverError, match="malformed docker op"):
         _ops(FakeDriver()).run(Op("docker.ensure", {"spec": {"mtu": 1}}))
 
 
 def test_daemon_down_with_nothing_declared_is_a_warning_not_an_error():
-    from reconciler.live import LiveDocker, LiveState
-    from reconciler.model import DesiredState
+    from reconciler.domain.live import LiveDocker, LiveState
+    from reconciler.domain.model import DesiredState
     from reconciler.planner import PlanOptions, make_plan
 
     live = LiveState(docker=LiveDocker(available=False,

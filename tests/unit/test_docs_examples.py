@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from reconciler.loader import load
+from reconciler.config.load import load
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")

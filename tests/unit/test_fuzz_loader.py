@@ -27,9 +27,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler import cli
-from reconciler.errors import ConfigError
-from reconciler.loader import MAX_FILE_BYTES, load
+from reconciler.cli import commands as cli
+from reconciler.config.load import load
+from reconciler.config.paths import MAX_FILE_BYTES
+from reconciler.domain.errors import ConfigError
 from tests.figures import SOAK, report
 
 SCALE = 10 if SOAK else 1

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from reconciler import cli
-from reconciler.errors import ConfigError
-from reconciler.loader import load
+from reconciler.cli import commands as cli
+from reconciler.config.load import load
+from reconciler.domain.errors import ConfigError
 
 GOOD = """\
 version: 1
@@ -257,7 +257,7 @@ _values = st.recursive(_scalars, lambda inner: st.one_of(
     "bridges": _values, "subnets": _values, "allocs": _values, "docker_networks": _values,
     "settings": _values}))
 def test_fast_schema_check_agrees_with_jsonschema(doc):
-    from reconciler.loader import _fast_check, _validator
+    from reconciler.config.schema import _fast_check, _validator
     if _fast_check()(doc):
         assert not list(_validator().iter_errors(doc)), doc
 

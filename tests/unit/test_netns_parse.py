@@ -17,22 +17,25 @@ import struct
 
 import pytest
 
-from reconciler.drivers import links, netns
-from reconciler.errors import DriverError, TemporaryError
-from reconciler.live import LiveAddress, LiveLink, LiveRoute
+from reconciler.domain.errors import DriverError, TemporaryError
+from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
+from reconciler.drivers import netns
+from reconciler.drivers.netlink import client as links
+from reconciler.drivers.netlink import parse as nlparse
+from reconciler.drivers.netlink import wire
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "netlink", "alloc.json")
 
 
 @pytest.fixture(scope="module")
-def dumps() -> dict[str, list[links.NlMsg]]:
+def dumps() -> dict[str, list[wire.NlMsg]]:
     with open(FIXTURE) as fh:
         raw = json.load(fh)
-    return {k: [links.NlMsg.decode(bytes.fromhex(h)) for h in v] for k, v in raw.items()}
+    return {k: [wire.NlMsg.decode(bytes.fromhex(h)) for h in v] for k, v in raw.items()}
 
 
-def _by_name(dumps: dict[str, list[links.NlMsg]], where: str) -> dict[str, LiveLink]:
-    return {lk.name: lk for lk in links.assemble_links(dumps[f"{where}_links"],
+def _by_name(dumps: dict[str, list[wire.NlMsg]], where: str) -> dict[str, LiveLink]:
+    return {lk.name: lk for lk in nlparse.assemble_links(dumps[f"{where}_links"],
                                                        dumps[f"{where}_addrs"])}
 
 
@@ -40,7 +43,7 @@ def ip(text: str) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
     return ipaddress.ip_interface(text)
 
 
-def test_owned_bridge(dumps: dict[str, list[links.NlMsg]]) -> None:
+def test_owned_bridge(dumps: dict[str, list[wire.NlMsg]]) -> None:
     br = _by_name(dumps, "host")["br0"]
     assert (br.kind, br.mtu, br.up, br.owned, br.master, br.hairpin) == \
         ("bridge", 1400, True, True, None, None)
@@ -52,7 +55,7 @@ def test_owned_bridge(dumps: dict[str, list[links.NlMsg]]) -> None:
     }
 
 
-def test_bridge_ports_and_hairpin(dumps: dict[str, list[links.NlMsg]]) -> None:
+def test_bridge_ports_and_hairpin(dumps: dict[str, list[wire.NlMsg]]) -> None:
     host = _by_name(dumps, "host")
     on = host["vrhairpinon"]
     assert (on.kind, on.master, on.hairpin, on.owned, on.up, on.mtu) == \
@@ -65,13 +68,13 @@ def test_bridge_ports_and_hairpin(dumps: dict[str, list[links.NlMsg]]) -> None:
     assert host["lo"].kind == "" and host["lo"].up is False
 
 
-def test_master_name_unknown_index_is_readable(dumps: dict[str, list[links.NlMsg]]) -> None:
+def test_master_name_unknown_index_is_readable(dumps: dict[str, list[wire.NlMsg]]) -> None:
     msg = next(m for m in dumps["host_links"]
-               if links._cstr(m.attrs[links.IFLA_IFNAME]) == "vrhairpinon")
-    assert links.parse_link(msg, {}).master == "if2"
+               if wire.cstr(m.attrs[wire.IFLA_IFNAME]) == "vrhairpinon")
+    assert nlparse.parse_link(msg, {}).master == "if2"
 
 
-def test_inside_allocation(dumps: dict[str, list[links.NlMsg]]) -> None:
+def test_inside_allocation(dumps: dict[str, list[wire.NlMsg]]) -> None:
     inside = _by_name(dumps, "alloc")
     assert set(inside) == {"lo", "eth0"}
     eth0 = inside["eth0"]
@@ -83,50 +86,50 @@ def test_inside_allocation(dumps: dict[str, list[links.NlMsg]]) -> None:
     assert LiveAddress(ip("127.0.0.1/8"), owned=False) in inside["lo"].addresses
 
 
-def test_routes(dumps: dict[str, list[links.NlMsg]]) -> None:
-    routes = [r for r in map(links.parse_route, dumps["alloc_routes"]) if r is not None]
+def test_routes(dumps: dict[str, list[wire.NlMsg]]) -> None:
+    routes = [r for r in map(nlparse.parse_route, dumps["alloc_routes"]) if r is not None]
     assert LiveRoute("default", "10.9.0.1", owned=True) in routes
     assert LiveRoute("default", "fd00:9::1", owned=True) in routes
     assert LiveRoute("10.9.0.0/24", None, owned=False) in routes  # proto kernel
     assert LiveRoute("192.0.2.0/24", "10.9.0.2", owned=False) in routes  # proto boot
 
 
-def test_route_outside_main_table_is_ignored(dumps: dict[str, list[links.NlMsg]]) -> None:
+def test_route_outside_main_table_is_ignored(dumps: dict[str, list[wire.NlMsg]]) -> None:
     msg = dumps["alloc_routes"][0]
     header = list(msg.header)
     header[4] = 255  # local table
-    local = links.NlMsg(msg.type, msg.flags, tuple(header),
-                        {k: v for k, v in msg.attrs.items() if k != links.RTA_TABLE})
-    assert links.parse_route(local) is None
+    local = wire.NlMsg(msg.type, msg.flags, tuple(header),
+                        {k: v for k, v in msg.attrs.items() if k != wire.RTA_TABLE})
+    assert nlparse.parse_route(local) is None
 
 
 def test_addr_without_address_attribute_is_skipped() -> None:
-    msg = links.NlMsg(links.RTM_NEWADDR, 0, (2, 24, 0, 0, 3), {})
-    assert links.parse_addr(msg) is None
+    msg = wire.NlMsg(wire.RTM_NEWADDR, 0, (2, 24, 0, 0, 3), {})
+    assert nlparse.parse_addr(msg) is None
 
 
 def test_wire_roundtrip() -> None:
-    body = links._ifinfo(index=7, flags=1, change=1) + links._str(links.IFLA_IFNAME, "br0") \
-        + links._u32(links.IFLA_MTU, 1400) \
-        + links._nested(links.IFLA_LINKINFO, links._str(links.IFLA_INFO_KIND, "bridge"))
-    raw = struct.pack("=IHHII", 16 + len(body), links.RTM_NEWLINK, 0, 1, 0) + body
-    (one,) = links.split_messages(raw + b"")
-    msg = links.NlMsg.decode(one)
+    body = links._ifinfo(index=7, flags=1, change=1) + wire.str_attr(wire.IFLA_IFNAME, "br0") \
+        + wire.u32_attr(wire.IFLA_MTU, 1400) \
+        + wire.nested(wire.IFLA_LINKINFO, wire.str_attr(wire.IFLA_INFO_KIND, "bridge"))
+    raw = struct.pack("=IHHII", 16 + len(body), wire.RTM_NEWLINK, 0, 1, 0) + body
+    (one,) = wire.split_messages(raw + b"")
+    msg = wire.NlMsg.decode(one)
     assert msg.header[2] == 7
-    assert links._cstr(msg.attrs[links.IFLA_IFNAME]) == "br0"
-    link = links.parse_link(msg, {})
+    assert wire.cstr(msg.attrs[wire.IFLA_IFNAME]) == "br0"
+    link = nlparse.parse_link(msg, {})
     assert (link.name, link.mtu, link.kind, link.up) == ("br0", 1400, "bridge", True)
 
 
 def test_ext_ack_message_is_extracted() -> None:
     text = b"Attribute failed policy validation\0"
-    tlv = struct.pack("=HH", 4 + len(text), links.NLMSGERR_ATTR_MSG) + text
+    tlv = struct.pack("=HH", 4 + len(text), wire.NLMSGERR_ATTR_MSG) + text
     tlv += b"\0" * (-len(tlv) & 3)
-    orig = struct.pack("=IHHII", 32, links.RTM_NEWLINK, 5, 9, 0)
+    orig = struct.pack("=IHHII", 32, wire.RTM_NEWLINK, 5, 9, 0)
     err = struct.pack("=i", -errno.EINVAL) + orig + tlv
-    raw = struct.pack("=IHHII", 16 + len(err), links.NLMSG_ERROR,
-                      links.NLM_F_CAPPED | links.NLM_F_ACK_TLVS, 9, 0) + err
-    assert links._ext_ack(raw, links.NLM_F_CAPPED | links.NLM_F_ACK_TLVS) == \
+    raw = struct.pack("=IHHII", 16 + len(err), wire.NLMSG_ERROR,
+                      wire.NLM_F_CAPPED | wire.NLM_F_ACK_TLVS, 9, 0) + err
+    assert links._ext_ack(raw, wire.NLM_F_CAPPED | wire.NLM_F_ACK_TLVS) == \
         "Attribute failed policy validation"
 
 

@@ -7,12 +7,15 @@ from typing import Any
 
 import pytest
 
-from reconciler.live import LiveLink, LiveNetns, LiveState
-from reconciler.model import Alloc, AllocId, DesiredState, SubnetName
-from reconciler.plan import Plan
-from reconciler.planclient import NotAPlan, PlanCall, Unanswered, answer, normalise_argv
+from reconciler.agent.planview.protocol import Unanswered
+from reconciler.agent.planview.sentinels import EVERYTHING, Sentinel
+from reconciler.agent.planview.view import LiveView
+from reconciler.cli.entry import NotAPlan, PlanCall, answer
+from reconciler.domain.live import LiveLink, LiveNetns, LiveState
+from reconciler.domain.model import Alloc, AllocId, DesiredState, SubnetName
+from reconciler.domain.plan import Plan
 from reconciler.planner import PlanOptions
-from reconciler.planserver import EVERYTHING, LiveView, Sentinel
+from reconciler.ui.argv import normalise_argv
 
 # ------------------------------------------------------------------ the client's command line
 
@@ -356,7 +359,7 @@ def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: An
 
 def test_code_id_changes_with_installed_distributions(tmp_path: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from reconciler.planclient import code_id
+    from reconciler.agent.planview.protocol import code_id
 
     site = tmp_path / "site-packages"
     (site / "PyYAML-6.0.2.dist-info").mkdir(parents=True)
@@ -423,7 +426,7 @@ class RecordingView:
 def test_warm_up_fills_an_empty_view_and_never_evicts_a_clients_files(tmp_path: Any) -> None:
     import threading
 
-    from reconciler.planserver import PlanServer
+    from reconciler.agent.planview.server import PlanServer
 
     own = tmp_path / "own.yaml"
     own.write_text("version: 1\nbridges: [{name: br0}]\n")

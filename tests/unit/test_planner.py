@@ -8,11 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.errors import ConflictError, StalePlanError
-from reconciler.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
-from reconciler.plan import Action, Plan, render_text
+from reconciler.domain.errors import ConflictError, StalePlanError
+from reconciler.domain.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
+from reconciler.domain.plan import Action, Plan
+from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
-from reconciler.reconcile import Reconciler
+from reconciler.ui.render import render_text
 
 from .fakehost import FakeHost
 
@@ -252,7 +253,7 @@ def test_conflicting_bridge_blocks_its_subnet_rules_and_sysctls():
                                         ("5.15.0-91-generic", False), ("4.19.0", False),
                                         ("weird", True)])
 def test_kernel_without_ifa_proto_is_refused(release, ok):
-    from reconciler.reconcile import kernel_problem
+    from reconciler.engine.reconcile import kernel_problem
     assert (kernel_problem(release) is None) == ok
 
 

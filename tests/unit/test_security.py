@@ -24,11 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reconciler.config.load import load
+from reconciler.domain.errors import ConfigError, DriverError
+from reconciler.domain.live import LiveChainSet, LiveDocker, LiveState
+from reconciler.domain.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
 from reconciler.drivers import netns, sysctl
-from reconciler.errors import ConfigError, DriverError
-from reconciler.live import LiveChainSet, LiveDocker, LiveState
-from reconciler.loader import load
-from reconciler.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.firewall import _SAFE_TOKEN, RuleSet
 from tests.figures import SOAK, report

@@ -16,21 +16,19 @@ from typing import Any
 
 import pytest
 
-from reconciler import drift, ownership, status
-from reconciler import lock as lock_mod
-from reconciler.drift import DriftFilter, NetlinkEvent, docker_event_reason, parse_messages
-from reconciler.errors import PreconditionError
-from reconciler.plan import Action, Change, Plan
-from reconciler.reconcile import ApplyResult
-from reconciler.watch import (
-    Agent,
-    Scheduler,
-    Trigger,
-    WatchOptions,
-    check_permissions,
-    relevant_path,
-    watch_dirs,
-)
+from reconciler.agent import sources as drift
+from reconciler.agent import status
+from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.revision import check_permissions
+from reconciler.agent.schedule import Scheduler, Trigger
+from reconciler.agent.sources import DriftFilter, docker_event_reason, relevant_path, watch_dirs
+from reconciler.domain import ownership
+from reconciler.domain.errors import PreconditionError
+from reconciler.domain.plan import Action, Change, Plan
+from reconciler.drivers.netlink import wire
+from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
+from reconciler.engine import lock as lock_mod
+from reconciler.engine.reconcile import ApplyResult
 
 # --------------------------------------------------------------------------- scheduler
 
@@ -192,26 +190,26 @@ def _msg(kind: int, body: bytes) -> bytes:
 
 def link_msg(index: int, name: str, *, deleted: bool = False, alias: str | None = None,
              master: int | None = None) -> bytes:
-    body = struct.pack("=BxHiII", 0, 1, index, 0, 0) + _rta(drift.IFLA_IFNAME,
+    body = struct.pack("=BxHiII", 0, 1, index, 0, 0) + _rta(wire.IFLA_IFNAME,
                                                            name.encode() + b"\0")
     if alias is not None:
-        body += _rta(drift.IFLA_IFALIAS, alias.encode() + b"\0")
+        body += _rta(wire.IFLA_IFALIAS, alias.encode() + b"\0")
     if master is not None:
-        body += _rta(drift.IFLA_MASTER, struct.pack("=I", master))
-    return _msg(drift.RTM_DELLINK if deleted else drift.RTM_NEWLINK, body)
+        body += _rta(wire.IFLA_MASTER, struct.pack("=I", master))
+    return _msg(wire.RTM_DELLINK if deleted else wire.RTM_NEWLINK, body)
 
 
 def addr_msg(index: int, family: int, address: bytes, *, proto: int | None = None,
              deleted: bool = False) -> bytes:
-    body = struct.pack("=BBBBI", family, 24, 0, 0, index) + _rta(drift.IFA_ADDRESS, address)
+    body = struct.pack("=BBBBI", family, 24, 0, 0, index) + _rta(wire.IFA_ADDRESS, address)
     if proto is not None:
-        body += _rta(drift.IFA_PROTO, bytes([proto]))
-    return _msg(drift.RTM_DELADDR if deleted else drift.RTM_NEWADDR, body)
+        body += _rta(wire.IFA_PROTO, bytes([proto]))
+    return _msg(wire.RTM_DELADDR if deleted else wire.RTM_NEWADDR, body)
 
 
 def route_msg(oif: int, protocol: int) -> bytes:
     body = struct.pack("=BBBBBBBBI", 2, 0, 0, 0, 254, protocol, 0, 1, 0)
-    return _msg(drift.RTM_NEWROUTE, body + _rta(drift.RTA_OIF, struct.pack("=I", oif)))
+    return _msg(wire.RTM_NEWROUTE, body + _rta(wire.RTA_OIF, struct.pack("=I", oif)))
 
 
 def test_parse_messages_of_one_datagram() -> None:
@@ -234,7 +232,7 @@ def test_parse_messages_skips_garbage() -> None:
     assert parse_messages(b"\x01\x02\x03") == []
     truncated = link_msg(3, "x")[:-3]
     assert parse_messages(truncated) == []
-    done = struct.pack("=IHHII", 16, drift.NLMSG_DONE, 0, 0, 0)
+    done = struct.pack("=IHHII", 16, wire.NLMSG_DONE, 0, 0, 0)
     assert parse_messages(done + link_msg(3, "x")) == [NetlinkEvent("link", False, 3, name="x")]
 
 
@@ -404,7 +402,7 @@ class FakeReconciler:
         return self._plan(desired)
 
     def apply(self, desired: Any, options: Any, on_outcome: Any = None) -> ApplyResult:
-        from reconciler.executor import Outcome
+        from reconciler.engine.executor import Outcome
 
         plan = self._plan(desired)
         res = ApplyResult(plan)
@@ -437,7 +435,7 @@ class FakeReconciler:
 @pytest.fixture
 def agent_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(lock_mod, "LOCK_DIR", str(tmp_path / "lock"))
-    monkeypatch.setattr("reconciler.watch.git_revision", lambda paths: None)
+    monkeypatch.setattr("reconciler.agent.loop.git_revision", lambda paths: None)
     conf = tmp_path / "conf"
     conf.mkdir()
     fakes: list[FakeReconciler] = []
@@ -573,7 +571,7 @@ def _unit_lines() -> list[str]:
 def test_systemd_unit_runs_a_valid_watch_command() -> None:
     import shlex
 
-    from reconciler.cli import build_parser
+    from reconciler.ui.parser import build_parser
 
     exec_start = [ln for ln in _unit_lines() if ln.startswith("ExecStart=")]
     assert len(exec_start) == 1
@@ -610,7 +608,7 @@ def test_file_watcher_follows_git_sync_style_symlink_swaps(tmp_path):
     import threading
     import time
 
-    from reconciler.watch import FileWatcher
+    from reconciler.agent.sources import FileWatcher
 
     def rev(n: int) -> str:
         d = tmp_path / f"rev{n}" / "fleet"

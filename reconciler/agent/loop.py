@@ -1,0 +1,533 @@
+"""`reconcile watch`: the host agent that keeps this host converged.
+
+Level-triggered, the controller-runtime way: file changes, netlink and Docker
+events, SIGHUP and a periodic resync only *request* a pass; requests
+coalesce; a pass loads the files, observes, plans, and — only when there is
+something to do — takes the host lock, applies and verifies. A failed pass is
+retried with exponential backoff (capped); drift events wait out the backoff,
+operator actions (file edits, SIGHUP) do not.
+
+An invalid edit never changes what we converge to: the last good desired state
+is kept and the error is shown in logs and status. The host lock is held only
+while applying, never between passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from reconciler import __version__
+from reconciler.agent.planview.server import PlanServer
+from reconciler.agent.revision import (
+    check_permissions,
+    describe_revision,
+    files_digest,
+    git_revision,
+)
+from reconciler.agent.schedule import Scheduler, Trigger
+from reconciler.agent.sources import (
+    DockerWatcher,
+    FileWatcher,
+    NetlinkWatcher,
+    NetnsDirWatcher,
+    watch_dirs,
+)
+from reconciler.agent.status import Metrics, StatusBoard, StatusServer
+from reconciler.config.load import load
+from reconciler.config.paths import expand_paths
+from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
+from reconciler.domain.model import DesiredState
+from reconciler.engine.executor import Outcome
+from reconciler.engine.lock import host_lock
+from reconciler.engine.reconcile import Reconciler
+from reconciler.planner.context import PlanOptions
+from reconciler.ui.render import residual_error
+
+log = logging.getLogger("reconciler.watch")
+
+
+#: reasons whose no-op passes are logged at debug level only
+QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift"})
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    paths: tuple[str, ...]
+    plan: PlanOptions = PlanOptions()
+    interval: float = 60.0
+    debounce: float = 0.5
+    drift_debounce: float = 0.1
+    backoff_base: float = 1.0
+    backoff_cap: float = 60.0
+    lock_timeout: float = 60.0
+    hostname: str | None = None
+    netlink: bool = True
+    docker_events: bool = True
+    #: refuse config writable by group/others at every load, not only at start
+    strict: bool = True
+    #: answer `reconcile plan` of this namespace on a unix socket (planserver)
+    plan_server: bool = True
+    #: observe and report drift, never change the host
+    dry_run: bool = False
+
+
+@dataclass
+class PassReport:
+    number: int
+    reasons: list[str]
+    result: str  # ok | applied | drift (--dry-run) | failed | config-error | interrupted
+    started_at: float
+    finished_at: float
+    duration: float
+    applied: int = 0
+    failed: int = 0
+    skipped: int = 0
+    error: str | None = None
+    errors: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def converged(self) -> bool:
+        return self.result in ("ok", "applied")
+
+
+def _resource_errors(result: Any) -> list[dict[str, str]]:
+    out = [{"resource": f"{o.change.kind}/{o.change.name}", "error": o.error or "failed"}
+           for o in result.failed]
+    out += [{"resource": "plan", "error": e} for e in result.plan.errors]
+    if result.residual is not None and result.residual.has_changes:
+        out += [{"resource": c.address, "error": "still differs after apply: "
+                 + (c.reason or c.action.value)} for c in result.residual.actionable]
+    return out
+
+
+def _default_reconciler(stop: threading.Event) -> Reconciler:
+    def sleep(seconds: float) -> None:
+        stop.wait(seconds)  # SIGTERM cuts verify waits and retry delays short
+
+    return Reconciler(stop=stop, sleep=sleep)
+
+
+class Agent:
+    """The watch loop. ``run()`` blocks until ``stop`` is set; call from the main thread."""
+
+    def __init__(self, options: WatchOptions, *, stop: threading.Event | None = None,
+                 board: StatusBoard | None = None, metrics: Metrics | None = None,
+                 reconciler_factory: Callable[[threading.Event], Reconciler] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.options = options
+        self.stop = stop or threading.Event()
+        self.clock = clock
+        self.wall = wall
+        self.metrics = metrics or Metrics()
+        self.hostname = options.hostname or socket.gethostname()
+        self.board = board or StatusBoard()
+        self.board.update(version=__version__, pid=os.getpid(), hostname=self.hostname,
+                          paths=list(options.paths), state="starting", started_at=wall(),
+                          pass_count=0, consecutive_failures=0, last_pass=None,
+                          last_success_at=None, revision=None, errors=[], config_error=None,
+                          desired=None, netns_inode=os.stat("/proc/thread-self/ns/net").st_ino,
+                          event_sources={})
+        self.scheduler = Scheduler(backoff_base=options.backoff_base,
+                                   backoff_cap=options.backoff_cap,
+                                   max_wait=max(5.0, 10 * options.debounce))
+        self.trigger = Trigger(self.scheduler, self.stop, clock)
+        self._factory = reconciler_factory or _default_reconciler
+        self.reconciler = self._factory(self.stop)
+        self.good: DesiredState | None = None
+        self.good_revision: dict[str, Any] | None = None
+        self.pass_count = 0
+        self.heartbeat = clock()
+        self.files: FileWatcher | None = None
+        self.netlink: Any = None
+        self.netns_dir: Any = None
+        self.docker: Any = None
+        self._loaded_sig: tuple[str, str] | None = None
+        #: called with each pass's report (the plan server warms its view)
+        self.after_pass: Callable[[PassReport], None] | None = None
+
+    # -- event sources -------------------------------------------------------
+
+    def on_file_change(self, path: str) -> None:
+        log.debug("file changed: %s", path)
+        self.trigger.request("files changed", delay=self.options.debounce, trailing=True,
+                             bypass_backoff=True)
+
+    def on_drift(self, source: str, reason: str) -> None:
+        self.metrics.drift_events.labels(source=source).inc()
+        log.debug("drift: %s", reason)
+        self.trigger.request(f"{source} drift", delay=self.options.drift_debounce)
+
+    def reload(self) -> None:
+        """SIGHUP: reload now, and forget the backoff (an operator is looking)."""
+        log.info("SIGHUP: reloading")
+        with self.trigger.locked():
+            self.scheduler.backoff_until = 0.0
+        self.trigger.request("SIGHUP", bypass_backoff=True)
+
+    def start_sources(self) -> None:
+        self.files = FileWatcher(self.options.paths, self.on_file_change)
+        self.files.start()
+        sources: dict[str, str] = {"files": "watching " + ", ".join(watch_dirs(self.options.paths))}
+        if self.options.netlink:
+            try:
+                nl = NetlinkWatcher(lambda r: self.on_drift("netlink", r), self.stop)
+                nl.start()
+                self.netlink = nl
+                sources["netlink"] = "listening"
+            except OSError as exc:
+                log.warning("netlink drift events unavailable (%s); relying on the interval", exc)
+                sources["netlink"] = f"unavailable: {exc}"
+        if self.options.netlink:
+            self.netns_dir = NetnsDirWatcher(lambda r: self.on_drift("netns", r),
+                                             held=self._held_namespaces)
+        self.board.update(event_sources=sources)
+
+    def _update_sources(self, desired: DesiredState) -> None:
+        names: set[str] = set(desired.bridges)
+        if self.netlink is not None:
+            self.netlink.set_names(names)
+        if self.netns_dir is not None:
+            self.netns_dir.set_names(desired.allocs)
+        if desired.docker_networks and self.options.docker_events:
+            if self.docker is None:
+                self.docker = DockerWatcher(lambda r: self.on_drift("docker", r), self.stop)
+            self.docker.set_names(desired.docker_networks)
+            self.docker.start()
+            src = self.board.get("event_sources") or {}
+            src["docker"] = "connected" if self.docker.connected else "connecting"
+            self.board.update(event_sources=src)
+        elif self.docker is not None:
+            self.docker.set_names(())
+        if self.files is not None:
+            self.files.ensure()
+
+    def _held_namespaces(self) -> frozenset[str]:
+        """Namespaces the observer keeps a socket into: undeclared ones of ours, too.
+
+        With --no-prune or --dry-run those are not deleted by us; if someone else
+        deletes one, the held socket keeps it (and its veth) alive until the next
+        pass drops the socket, so its deletion must start a pass.
+        """
+        ops = getattr(self.reconciler.observer, "ops", None)
+        netlink = getattr(ops, "_netlink", None)
+        held = getattr(netlink, "cached_names", None)
+        return held() if callable(held) else frozenset()
+
+    def close(self) -> None:
+        for src in (self.files, self.netlink, self.netns_dir, self.docker):
+            if src is not None:
+                try:
+                    src.close()
+                except Exception as exc:  # shutting down: report, go on
+                    log.debug("closing %s: %s", type(src).__name__, exc)
+        try:
+            self.reconciler.observer.ops.close()
+        except Exception as exc:
+            log.debug("closing drivers: %s", exc)
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self) -> None:
+        self.board.update(state="running")
+        self.trigger.request("startup", bypass_backoff=True)
+        while True:
+            self.heartbeat = self.clock()
+            reasons = self.trigger.wait()
+            if reasons is None:
+                break
+            report = self.run_pass(reasons)
+            if self.after_pass is not None:
+                self.after_pass(report)
+            with self.trigger.locked():
+                now = self.clock()
+                if report.result == "failed":
+                    delay = self.scheduler.record(False, now)
+                    log.warning("pass %d failed; retrying in %.1fs", report.number, delay)
+                elif report.result != "interrupted":
+                    self.scheduler.record(report.result != "failed", now)
+                self.scheduler.set_resync(now, self.options.interval)
+            self.board.update(consecutive_failures=self.scheduler.failures)
+            if self.stop.is_set():
+                break
+        self.board.update(state="stopped")
+
+    def healthy(self) -> tuple[bool, str]:
+        if self.stop.is_set():
+            return False, "stopping"
+        stale = self.clock() - self.heartbeat
+        limit = 2 * self.options.interval + 2 * self.options.lock_timeout + 60
+        if stale > limit:
+            return False, f"loop stuck for {stale:.0f}s"
+        return True, "ok"
+
+    @contextmanager
+    def _host_lock(self) -> Iterator[None]:
+        """The host lock, waited for in small steps so that SIGTERM is not held up."""
+        deadline = self.clock() + self.options.lock_timeout
+        announced = False
+        while True:
+            stack = ExitStack()
+            try:
+                stack.enter_context(host_lock(0))
+                break
+            except LockedError as exc:
+                if self.stop.is_set() or self.clock() >= deadline:
+                    raise LockedError(f"{exc} (waited {self.options.lock_timeout:g}s)") from None
+                if not announced:
+                    log.info("waiting for the host lock: %s", exc)
+                    announced = True
+                self.stop.wait(0.1)
+        with stack:
+            yield
+
+    def _load(self) -> tuple[DesiredState | None, dict[str, Any], str | None]:
+        rev = git_revision(self.options.paths) or {}
+        try:
+            files = expand_paths(self.options.paths)
+        except ConfigError:
+            files = []
+        rev["files_sha256"] = files_digest(files)
+        try:
+            if self.options.strict:
+                check_permissions(self.options.paths)
+            desired = load(self.options.paths, hostname=self.hostname)
+        except (ConfigError, PreconditionError) as exc:
+            return None, rev, str(exc)
+        return desired, rev, None
+
+    def run_pass(self, reasons: list[str]) -> PassReport:
+        self.pass_count += 1
+        n = self.pass_count
+        t0, w0 = self.clock(), self.wall()
+        report = PassReport(n, reasons, "ok", w0, w0, 0.0)
+        desired, rev, config_error = self._load()
+        if config_error is not None:
+            self.metrics.config_errors.inc()
+            self.metrics.config_valid.set(0)
+            prev = self.board.get("config_error")
+            since = prev["since"] if prev and prev.get("message") == config_error else w0
+            self.board.update(config_error={"message": config_error, "since": since,
+                                            "revision": rev})
+            if not prev or prev.get("message") != config_error:
+                keep = ("keeping the last good desired state"
+                        f" ({describe_revision(self.good_revision)})"
+                        if self.good_revision is not None else "nothing applied yet")
+                for line in config_error.splitlines():
+                    log.error("invalid desired state: %s", line)
+                log.error("invalid desired state at %s; %s", describe_revision(rev), keep)
+        else:
+            assert desired is not None
+            self.metrics.config_valid.set(1)
+            sig = (describe_revision(rev), rev.get("files_sha256", ""))
+            if sig != self._loaded_sig:
+                log.info("desired state %s: %d bridges, %d subnets, %d allocs, "
+                         "%d docker networks", describe_revision(rev), len(desired.bridges),
+                         len(desired.subnets), len(desired.allocs), len(desired.docker_networks))
+                self._loaded_sig = sig
+            self.good, self.good_revision = desired, rev
+            self.board.update(config_error=None)
+        if self.good is None:
+            report.result = "config-error"
+            report.error = "no valid desired state yet"
+            return self._finish(report, t0)
+        self._update_sources(self.good)
+        self.board.update(revision=self.good_revision, desired={
+            "bridges": len(self.good.bridges), "subnets": len(self.good.subnets),
+            "allocs": len(self.good.allocs), "docker_networks": len(self.good.docker_networks)})
+        try:
+            self._reconcile(self.good, report)
+        except ReconcilerError as exc:
+            report.result = "failed"
+            report.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if not report.errors:
+                report.errors = [{"resource": "pass", "error": line}
+                                 for line in str(exc).splitlines()[:20]]
+        except Exception as exc:  # a bug or a broken socket: start over with fresh drivers
+            log.exception("pass %d: internal error", n)
+            report.result = "failed"
+            report.error = f"internal error: {type(exc).__name__}: {exc}"
+            report.errors = [{"resource": "pass", "error": report.error}]
+            try:
+                self.reconciler.observer.ops.close()
+            except Exception as close_exc:
+                log.debug("closing drivers: %s", close_exc)
+            self.reconciler = self._factory(self.stop)
+        return self._finish(report, t0)
+
+    def _reconcile(self, desired: DesiredState, report: PassReport) -> None:
+        rec = self.reconciler
+        plan = rec.plan(desired, self.options.plan)
+        if plan.conflicts:
+            report.errors = [{"resource": c.address, "error": "conflict: "
+                              + (c.reason or "exists but is not managed by the reconciler")
+                              + f" (adopt with --adopt {c.kind}/{c.name})"}
+                             for c in plan.conflicts]
+            raise ReconcilerError(f"{len(plan.conflicts)} conflict(s) with objects the "
+                                  "reconciler does not own; nothing changed: "
+                                  + ", ".join(c.address for c in plan.conflicts))
+        if not plan.has_changes:
+            if plan.errors:
+                report.errors = [{"resource": "plan", "error": e} for e in plan.errors]
+                raise ReconcilerError(plan.errors[0])
+            return
+        if self.options.dry_run:
+            report.result = "drift"
+            report.errors = [{"resource": c.address,
+                              "error": f"differs ({c.action.value}): {c.reason}"}
+                             for c in plan.actionable[:50]]
+            log.info("pass %d: %d change(s) pending; --dry-run: not applied", report.number,
+                     len(plan.actionable))
+            return
+        log.info("pass %d: %d change(s) to apply", report.number, len(plan.actionable))
+
+        def on_outcome(o: Outcome) -> None:
+            if o.status == "applied":
+                self.metrics.changes.inc()
+
+        with self._host_lock():
+            result = rec.apply(desired, self.options.plan, on_outcome=on_outcome)
+        report.applied = sum(1 for o in result.outcomes if o.status == "applied")
+        report.failed = len(result.failed)
+        report.skipped = sum(1 for o in result.outcomes if o.status == "skipped")
+        report.errors = _resource_errors(result)
+        if self.stop.is_set() and report.skipped:
+            report.result = "interrupted"
+            report.error = f"stopped: {report.skipped} change(s) skipped"
+            return
+        if result.failed:
+            raise ReconcilerError(f"{report.failed} change(s) failed: "
+                                  + "; ".join(f"{e['resource']}: {e['error']}"
+                                              for e in report.errors[:3]))
+        if result.residual is not None and result.residual.has_changes:
+            raise ReconcilerError(str(residual_error(result.residual)))
+        if result.plan.errors:
+            raise ReconcilerError(result.plan.errors[0])
+        report.result = "applied" if report.applied else "ok"
+
+    def _finish(self, report: PassReport, t0: float) -> PassReport:
+        report.duration = self.clock() - t0
+        report.finished_at = self.wall()
+        self.metrics.passes.labels(result=report.result).inc()
+        self.metrics.duration.observe(report.duration)
+        if report.result == "failed":
+            self.metrics.failures.inc()
+        if report.converged:
+            self.metrics.last_success.set(report.finished_at)
+            self.board.update(last_success_at=report.finished_at)
+        rev = describe_revision(self.good_revision) if self.good_revision else "-"
+        extra = {"pass_number": report.number, "revision": rev, "result": report.result,
+                 "reasons": report.reasons, "duration_seconds": round(report.duration, 4)}
+        msg = (f"pass {report.number} ({', '.join(report.reasons)}) at {rev}: {report.result}"
+               f"{f', {report.applied} applied' if report.applied else ''}"
+               f"{f', {report.failed} failed' if report.failed else ''}"
+               f"{f', {report.skipped} skipped' if report.skipped else ''}"
+               f" in {report.duration:.3f}s")
+        if report.result == "failed":
+            log.error("%s: %s", msg, report.error, extra=extra)
+        elif report.result == "ok" and set(report.reasons) <= QUIET_REASONS:
+            log.debug(msg, extra=extra)  # routine no-op passes: echoes of our changes, resyncs
+        else:
+            log.info(msg, extra=extra)
+        self.board.update(
+            pass_count=report.number,
+            errors=report.errors if report.result != "config-error" else [],
+            last_pass={"number": report.number, "reasons": report.reasons,
+                       "result": report.result, "started_at": report.started_at,
+                       "finished_at": report.finished_at,
+                       "duration_seconds": round(report.duration, 4),
+                       "changes": {"applied": report.applied, "failed": report.failed,
+                                   "skipped": report.skipped},
+                       "error": report.error})
+        return report
+
+
+def install_signals(agent: Agent) -> None:
+    # A Python signal handler runs in the main thread between two bytecodes, possibly while
+    # that thread holds the status board's or the trigger's lock: taking them here would
+    # deadlock (or, with a re-entrant lock, mutate state mid-iteration). Only the stop event
+    # is set directly (lock-free); everything else runs on a short-lived thread.
+    def later(fn: Callable[[], None]) -> None:
+        threading.Thread(target=fn, name="signal", daemon=True).start()
+
+    def terminate(signum: int, _frame: FrameType | None) -> None:
+        if not agent.stop.is_set():
+            log.info("%s: finishing the current change, then exiting",
+                     signal.Signals(signum).name)
+        agent.stop.set()
+
+        def wind_down() -> None:
+            agent.board.update(state="stopping")
+            agent.trigger.wake()
+
+        later(wind_down)
+
+    def hup(_signum: int, _frame: FrameType | None) -> None:
+        later(agent.reload)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    signal.signal(signal.SIGHUP, hup)
+
+
+def _start_plan_server(agent: Agent) -> Any:
+    """Serve `reconcile plan` from this agent; a failure only costs clients speed."""
+    plans = PlanServer(agent.stop, on_answer=lambda result: agent.metrics.plan_requests.labels(
+        result=result).inc())
+    try:
+        started = plans.start()
+    except OSError as exc:
+        log.warning("not answering `reconcile plan` (%s); clients plan in-process", exc)
+        plans.close()
+        return None
+    if started:
+        def warm(report: PassReport) -> None:
+            if report.converged:
+                plans.warm(agent.options.paths, agent.options.hostname)
+
+        agent.after_pass = warm
+    src = agent.board.get("event_sources") or {}
+    src["plan_server"] = plans.path if started else "another agent answers"
+    agent.board.update(event_sources=src)
+    return plans if started else None
+
+
+def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
+    """Run the agent until SIGTERM/SIGINT; 0 on a clean stop."""
+    agent = Agent(options)
+    server = None
+    if status_socket is not None:
+        server = StatusServer(status_socket, agent.board, agent.metrics, agent.healthy)
+    install_signals(agent)
+    plans = None
+    try:
+        agent.start_sources()
+        if options.plan_server:
+            plans = _start_plan_server(agent)
+        if server is not None:
+            server.start()
+            log.info("status on http://%s/status (metrics /metrics, health /healthz)",
+                     server.address)
+        log.info("watching %s (interval %gs, debounce %gs)", " ".join(options.paths),
+                 options.interval, options.debounce)
+        agent.run()
+    finally:
+        agent.stop.set()
+        if server is not None:
+            server.close()
+        if plans is not None:
+            plans.close()
+        agent.close()
+    log.info("stopped after %d pass(es)", agent.pass_count)
+    return 0
+

@@ -1,0 +1,419 @@
+"""What asks the watch loop for a pass: file changes, netlink, /run/netns and Docker events.
+
+They never decide anything: a relevant event only asks the watch loop for a
+pass (level-triggered), which observes the real state and plans from it. So
+filtering can be cheap and approximate; a spurious pass finds nothing to do.
+
+Netlink is read with a plain ``AF_NETLINK`` socket subscribed to the link,
+address and route groups of the network namespace the calling thread is in
+(``reconcile --netns`` moves the whole process before any thread starts).
+Message parsing is pure (:func:`parse_messages`) and tested on hand-built bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from reconciler.config.paths import YAML_SUFFIXES
+from reconciler.domain import ownership
+from reconciler.drivers.docker.events import _docker_client
+from reconciler.drivers.netlink.listen import GROUPS, RECV_BUFFER, dump_links, open_socket
+from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
+from reconciler.drivers.netns import NETNS_RUN_DIR
+
+
+def relevant_path(path: str, named: Sequence[str]) -> bool:
+    """True when a changed path can alter what the loader reads from ``named`` paths."""
+    ap = os.path.abspath(path)
+    for n in named:
+        an = os.path.abspath(n)
+        if ap == an:
+            return True
+        if os.path.dirname(ap) == an:  # a file directly inside a named directory
+            base = os.path.basename(ap)
+            if base.endswith(YAML_SUFFIXES) and not base.startswith("."):
+                return True
+    return False
+
+
+def watch_dirs(paths: Sequence[str]) -> list[str]:
+    """The directories to watch (non-recursively) for the given file/directory paths."""
+    out: list[str] = []
+    for p in paths:
+        ap = os.path.abspath(p)
+        d = ap if os.path.isdir(ap) else os.path.dirname(ap)
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def _links_on_the_way(path: str) -> list[str]:
+    """Every symlink among the components of ``path``."""
+    out = []
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        p = os.sep.join(parts[:i])
+        if os.path.islink(p):
+            out.append(p)
+    return out
+
+
+class FileWatcher:
+    """Watchdog (inotify) on the directories holding the desired-state files."""
+
+    def __init__(self, paths: Sequence[str], on_change: Callable[[str], None]) -> None:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer as FsObserver
+
+        self.paths = list(paths)
+        self.on_change = on_change
+        self._observer = FsObserver()
+        #: watched directory -> (the real directory inotify follows, the watch)
+        self._scheduled: dict[str, tuple[str, Any]] = {}
+        #: symlinks on the way to a watched directory (git-sync, ConfigMap ..data swaps)
+        self._links: set[str] = set()
+        outer = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                for p in (event.src_path, getattr(event, "dest_path", "")):
+                    p = os.fsdecode(p) if p else ""
+                    if p and (relevant_path(p, outer.paths) or p in outer._links):
+                        outer.on_change(p)
+                        return
+
+        self._handler = Handler()
+
+    def ensure(self) -> None:
+        """Watch every directory that exists now (a deleted one is picked up when it returns).
+
+        inotify follows symlinks once, at the time of the watch: when a link on the
+        way to a watched directory is swapped (git-sync's ``repo`` link, a
+        ConfigMap's ``..data``), the watch is moved to the new target, and the
+        directory holding the link is watched too so that the swap itself wakes us.
+        """
+        wanted = set(watch_dirs(self.paths))
+        for d in sorted(wanted):
+            for link in _links_on_the_way(d):
+                self._links.add(link)
+                wanted.add(os.path.dirname(link))
+        for d in sorted(wanted):
+            if not os.path.isdir(d):
+                continue
+            real = os.path.realpath(d)
+            current = self._scheduled.get(d)
+            if current is not None and current[0] == real:
+                continue
+            if current is not None:
+                with contextlib.suppress(KeyError, OSError):
+                    self._observer.unschedule(current[1])
+            try:
+                watch = self._observer.schedule(self._handler, d, recursive=False)
+                self._scheduled[d] = (real, watch)
+            except OSError as exc:
+                log.warning("cannot watch %s: %s", d, exc)
+
+    def start(self) -> None:
+        self.ensure()
+        self._observer.start()
+
+    def close(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=2.0)
+
+
+log = logging.getLogger("reconciler.drift")
+
+
+class DriftFilter:
+    """Decides, cheaply, whether a netlink event concerns what we manage.
+
+    Relevant: a link that is desired by name, carries our ownership alias, or
+    is a port of such a link; an address or route carrying our protocol
+    marker; an address (other than IPv6 link-local) on a relevant link.
+    Thread-safe: the listener thread asks, the watch loop updates the names.
+    """
+
+    def __init__(self, resolve: Callable[[int], str | None] | None = None) -> None:
+        self._resolve = resolve or _index_to_name
+        self._lock = threading.Lock()
+        self._names: frozenset[str] = frozenset()
+        self._index_name: dict[int, str] = {}
+        self._owned: set[int] = set()  # indexes whose link carries our alias
+
+    def set_names(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._names = frozenset(names)
+
+    def learn(self, ev: NetlinkEvent) -> None:
+        """Record a link (from the initial dump or a notification) without judging it."""
+        with self._lock:
+            self._learn(ev)
+
+    def _learn(self, ev: NetlinkEvent) -> None:
+        if ev.what != "link":
+            return
+        if ev.deleted:
+            self._index_name.pop(ev.index, None)
+            self._owned.discard(ev.index)
+            return
+        if ev.name:
+            self._index_name[ev.index] = ev.name
+        if ownership.is_owned_alias(ev.alias):
+            self._owned.add(ev.index)
+        elif ev.alias is not None or ev.name:
+            self._owned.discard(ev.index)
+
+    def _index_relevant(self, index: int) -> bool:
+        if index <= 0:
+            return False
+        if index in self._owned:
+            return True
+        name = self._index_name.get(index)
+        if name is None:
+            name = self._resolve(index)
+            if name is None:
+                return False
+            self._index_name[index] = name
+        return name in self._names
+
+    def relevant(self, ev: NetlinkEvent) -> bool:
+        with self._lock:
+            if ev.what == "link":
+                hit = (ev.index in self._owned or ownership.is_owned_alias(ev.alias)
+                       or (ev.name is not None and ev.name in self._names)
+                       or (ev.master is not None and self._index_relevant(ev.master)))
+                self._learn(ev)
+                return hit
+            if ev.what == "addr":
+                if ev.proto == ownership.ADDR_PROTO:
+                    return True
+                return not ev.link_local and self._index_relevant(ev.index)
+            return ev.proto == ownership.ROUTE_PROTO
+
+
+def _index_to_name(index: int) -> str | None:
+    try:
+        return socket.if_indextoname(index)
+    except OSError:
+        return None
+
+
+class NetlinkWatcher:
+    """Listens to rtnetlink notifications in a thread; calls ``on_drift(reason)`` for relevant ones.
+
+    The socket is opened by :meth:`start` in the caller's thread, so that a
+    failure is reported there and the namespace is the caller's.
+    """
+
+    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
+                 drift_filter: DriftFilter | None = None) -> None:
+        self.on_drift = on_drift
+        self.stop = stop
+        self.filter = drift_filter or DriftFilter()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._sock = open_socket(GROUPS)  # subscribe first, then dump: no gap for missed links
+        for ev in dump_links():
+            self.filter.learn(ev)
+        self._thread = threading.Thread(target=self._run, name="netlink-drift", daemon=True)
+        self._thread.start()
+
+    def set_names(self, names: Iterable[str]) -> None:
+        self.filter.set_names(names)
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self.stop.is_set():
+            try:
+                ready, _w, _x = select.select([sock], [], [], 0.5)
+                if not ready:
+                    continue
+                data = sock.recv(RECV_BUFFER)
+            except OSError as exc:
+                if self.stop.is_set() or exc.errno == errno.EBADF:
+                    return
+                if exc.errno == errno.ENOBUFS:  # we lost events: look at everything again
+                    self.on_drift("netlink overrun")
+                    continue
+                log.warning("netlink listener: %s", exc)
+                self.stop.wait(1.0)
+                continue
+            for ev in parse_messages(data):
+                if self.filter.relevant(ev):
+                    verb = "del" if ev.deleted else "new"
+                    what = ev.name if ev.what == "link" and ev.name else f"ifindex {ev.index}"
+                    self.on_drift(f"netlink {verb}{ev.what} {what}")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._sock is not None:
+            self._sock.close()
+
+
+class NetnsDirWatcher:
+    """Inotify on /run/netns: an allocation namespace unmounted (``ip netns del``) or re-made.
+
+    Unmounting sends no netlink event, and the namespace may even live on
+    (something still holds it), so its veth does not vanish either.
+    """
+
+    def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR, *,
+                 held: Callable[[], Iterable[str]] = frozenset) -> None:
+        """``held``: names that matter besides ``set_names``, asked at event time (the
+        namespaces an observer keeps a socket into, which a pass may have just opened)."""
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer as FsObserver
+
+        self.on_drift = on_drift
+        self.run_dir = run_dir
+        self.held = held
+        self._names: frozenset[str] = frozenset()
+        self._observer = FsObserver()
+        self._scheduled = False
+        outer = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type not in ("created", "deleted", "moved"):
+                    return
+                for p in (event.src_path, getattr(event, "dest_path", "")):
+                    name = os.path.basename(os.fsdecode(p)) if p else ""
+                    if name and (name in outer._names or outer._held(name)):
+                        outer.on_drift(f"netns {event.event_type} {name}")
+                        return
+
+        self._handler = Handler()
+        self._observer.start()
+
+    def _held(self, name: str) -> bool:
+        try:
+            return name in frozenset(self.held())
+        except RuntimeError:  # changed while we looked (another thread): assume it matters
+            return True
+
+    def set_names(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+        if not self._scheduled and os.path.isdir(self.run_dir):
+            try:
+                self._observer.schedule(self._handler, self.run_dir, recursive=False)
+                self._scheduled = True
+            except OSError as exc:
+                log.warning("cannot watch %s: %s", self.run_dir, exc)
+
+    def close(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=2.0)
+
+
+DOCKER_ACTIONS = frozenset({"create", "destroy", "connect", "disconnect", "remove", "update"})
+
+
+def docker_event_reason(event: Mapping[str, Any], names: frozenset[str]) -> str | None:
+    """A reason to run a pass when a Docker event touches a desired network, else None."""
+    if event.get("Type") != "network":
+        return None
+    action = str(event.get("Action", "")).split(":", 1)[0]
+    if action not in DOCKER_ACTIONS:
+        return None
+    actor = event.get("Actor") or {}
+    attrs = actor.get("Attributes") or {}
+    name = attrs.get("name")
+    if name not in names:
+        return None
+    return f"docker network {action} {name}"
+
+
+class DockerWatcher:
+    """Follows the daemon's network events in a thread; reconnects with capped backoff.
+
+    A daemon that is down is not an error here: the next pass reports it; we
+    keep trying to connect and ask for a pass once the stream is back (the
+    daemon may have restarted and lost or re-created networks meanwhile).
+    """
+
+    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event, *,
+                 max_delay: float = 30.0,
+                 client_factory: Callable[[], Any] | None = None) -> None:
+        self.on_drift = on_drift
+        self.stop = stop
+        self.max_delay = max_delay
+        self._factory = client_factory or _docker_client
+        self._names: frozenset[str] = frozenset()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self.connected = False
+
+    def set_names(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="docker-drift", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        delay = 1.0
+        first = True
+        while not self.stop.is_set():
+            try:
+                self._client = self._factory()
+                stream = self._client.events(decode=True, filters={"type": "network"})
+                self.connected = True
+                if not first:
+                    log.info("docker events: connected again")
+                    self.on_drift("docker events reconnected")
+                first = False
+                delay = 1.0
+                for event in stream:
+                    if self.stop.is_set():
+                        return
+                    reason = docker_event_reason(event, self._names)
+                    if reason:
+                        self.on_drift(reason)
+                raise ConnectionError("event stream ended")
+            except Exception as exc:  # the daemon is down or went away: retry
+                self.connected = False
+                if self.stop.is_set():
+                    return
+                if first or delay == 1.0:
+                    log.warning("docker events unavailable (%s); retrying", _one_line(exc))
+                first = False
+                self._close_client()
+                self.stop.wait(delay)
+                delay = min(self.max_delay, delay * 2)
+
+    def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing a dead connection
+                client.close()
+
+    def close(self) -> None:
+        self._close_client()  # the thread is a daemon: a stream stuck in read dies with us
+        if self._thread is not None:
+            self._thread.join(timeout=0.2)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1][:200] if text else type(exc).__name__
+

@@ -1,0 +1,290 @@
+"""The `reconcile` commands, run in-process.
+
+``reconciler.cli.entry`` hands over everything the plan agent does not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from reconciler.config.load import load
+from reconciler.config.paths import expand_paths
+from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.errors import ConfigError, ReconcilerError
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import CHAIN_PREFIX
+from reconciler.domain.plan import Plan
+from reconciler.drivers import netns
+from reconciler.engine.lock import host_lock
+from reconciler.engine.observe import Observer
+from reconciler.engine.reconcile import Reconciler
+from reconciler.planner.context import PlanOptions
+from reconciler.ui.argv import normalise_argv
+from reconciler.ui.completion import script
+from reconciler.ui.options import plan_options
+from reconciler.ui.parser import build_parser
+from reconciler.ui.render import (
+    EXIT_ERROR,
+    EXIT_OK,
+    colour,
+    plan_exit,
+    plan_text,
+    render_text,
+    residual_error,
+    write_json,
+)
+
+log = logging.getLogger("reconciler")
+
+
+def _load(paths: Sequence[str], args: argparse.Namespace | None = None) -> DesiredState:
+    return load(paths, hostname=getattr(args, "hostname", None))
+
+
+def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
+    sys.stdout.write(plan_text(plan, args.output, colour=colour(args), verbose=args.verbose > 0))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    desired = _load(args.paths, args)
+    print(f"{len(desired.files)} file(s) valid: {len(desired.bridges)} bridges, "
+          f"{len(desired.subnets)} subnets, {len(desired.allocs)} allocs, "
+          f"{len(desired.docker_networks)} docker networks")
+    return EXIT_OK
+
+
+def _is_saved_plan(paths: Sequence[str]) -> bool:
+    if len(paths) != 1 or not os.path.isfile(paths[0]):
+        return False
+    with open(paths[0], "rb") as fh:
+        head = fh.read(64).lstrip()
+    # `plan --out` writes JSON that starts with its format version; a desired-state file in
+    # YAML flow style (or JSON) starts with "{" too, but never like this
+    return head.startswith(b'{\n  "format_version"') or head.startswith(b'{"format_version"')
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    desired = _load(args.paths, args)
+    out = None
+    if args.out:  # before observing: a path we cannot write is a usage error, not a crash
+        try:
+            out = open(args.out, "w")  # noqa: SIM115 (closed below)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the plan here: {exc.strerror}",
+                              file=args.out) from None
+    plan = Reconciler().plan(desired, plan_options(args))
+    _print_plan(plan, args)
+    if out is not None:
+        with out:
+            write_json(plan, out)
+        print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
+              file=sys.stderr)
+    return plan_exit(plan)
+
+
+def _load_saved(path: str) -> Plan:
+    try:
+        with open(path) as fh:
+            return Plan.from_json(json.load(fh))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+
+
+def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
+           saved: Plan | None = None) -> int:
+
+    rec = Reconciler()
+    if args.dry_run:
+        plan = rec.plan(desired, options)
+        _print_plan(plan, args)
+        return plan_exit(plan)
+    with host_lock(args.lock_timeout):
+        result = rec.apply(desired, options, saved=saved)
+    if args.output == "json":
+        json.dump({"plan": result.plan.to_json(),
+                   "outcomes": [{"kind": o.change.kind, "name": o.change.name,
+                                 "action": o.change.action.value, "status": o.status,
+                                 "error": o.error} for o in result.outcomes],
+                   "residual": result.residual.to_json() if result.residual else None,
+                   "ok": result.ok}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(result.plan, colour=colour(args),
+                                     verbose=args.verbose > 0))
+        if result.outcomes:
+            counts = {s: sum(1 for o in result.outcomes if o.status == s)
+                      for s in ("applied", "failed", "skipped")}
+            print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped.")
+            for o in result.failed:
+                print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
+    if result.residual is not None and result.residual.has_changes:
+        print(f"error: {residual_error(result.residual)}", file=sys.stderr)
+    for e in result.plan.errors:
+        print(f"error: {e}", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_ERROR
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    if _is_saved_plan(args.paths):
+        saved = _load_saved(args.paths[0])
+        files = [p for p, _h in saved.files]
+        if not files:
+            raise ConfigError("the saved plan names no desired-state files", file=args.paths[0])
+        if args.no_prune or args.adopt or args.force_replace:
+            raise ConfigError("apply of a saved plan uses the options it was planned with; "
+                              "give --no-prune/--adopt/--force-replace to `plan --out`",
+                              file=args.paths[0])
+        o = saved.options
+        options = PlanOptions(prune=bool(o.get("prune", True)),
+                              adopt=frozenset(o.get("adopt", ())),
+                              force_replace=bool(o.get("force_replace", False)))
+        return _apply(args, _load(files, args), options, saved)
+    return _apply(args, _load(args.paths, args), plan_options(args))
+
+
+def cmd_destroy(args: argparse.Namespace) -> int:
+    return _apply(args, DesiredState(), PlanOptions(prune=True))
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    live = Observer().observe(DesiredState())
+    owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
+    view: dict[str, Any] = {
+        "links": [{"name": n, "kind": lk.kind, "mtu": lk.mtu, "up": lk.up, "master": lk.master,
+                   "addresses": [str(a.address) for a in lk.addresses if a.owned]}
+                  for n, lk in owned_links.items()],
+        "firewall": {f"ipv{fam}": {f"{t}/{c}": list(r) for (t, c), r in sorted(fw.chains.items())
+                                   if c.startswith(CHAIN_PREFIX)}
+                     for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
+        "netns": sorted(live.netns),
+        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
+                             "scope": n.labels.get(SCOPE_LABEL)}
+                            for n in (live.docker.networks if live.docker else ()) if n.owned],
+    }
+    if args.output == "json":
+        json.dump(view, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    for lk in view["links"]:
+        addrs = " ".join(lk["addresses"])
+        master = f" master {lk['master']}" if lk["master"] else ""
+        print(f"{lk['kind'] or 'link'} {lk['name']}: mtu {lk['mtu']} "
+              f"{'up' if lk['up'] else 'down'}{master} {addrs}".rstrip())
+    for fam, chains in view["firewall"].items():
+        for chain, rules in chains.items():
+            print(f"{fam} {chain}: {len(rules)} rules")
+    for ns in view["netns"]:
+        print(f"netns {ns}")
+    for dn in view["docker_networks"]:
+        scope = f" [scope {dn['scope']}]" if dn["scope"] else ""
+        print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}{scope}")
+    if not any((view["links"], any(view["firewall"].values()), view["netns"],
+                view["docker_networks"])):
+        print("Nothing managed by the reconciler on this host.")
+    return EXIT_OK
+
+
+def _watch_prepare(args: argparse.Namespace) -> None:
+    """Before --netns: bind the status socket where the operator is (loopback of the host)."""
+    # lazy, as in every command of the agent: its modules (prometheus_client, watchdog) are
+    # ~0.14 s of imports (-X importtime) that validate, plan and apply do not need
+    from reconciler.agent.status import bind
+
+    args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from reconciler.agent import loop
+    from reconciler.agent.logs import configure_logging
+    from reconciler.agent.revision import check_permissions
+
+
+    for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "interval" and value <= 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    if not args.allow_insecure_config:
+        check_permissions(args.paths)
+    expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
+    configure_logging(args.log_format, args.verbose)
+    options = loop.WatchOptions(
+        paths=tuple(args.paths), plan=plan_options(args), interval=args.interval,
+        debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
+        hostname=args.hostname, docker_events=not args.no_docker_events,
+        strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
+        dry_run=args.dry_run)
+    return loop.run(options, getattr(args, "status_socket", None))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from reconciler.agent import status
+
+    doc = status.fetch(args.addr)
+    if args.output == "json":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(status.render(doc))
+    return EXIT_OK if status.healthy_doc(doc) else EXIT_ERROR
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    sys.stdout.write(script(build_parser(), args.shell))
+    return EXIT_OK
+
+
+#: what runs each command of ``ui.parser`` (by its name)
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "destroy": cmd_destroy,
+    "show": cmd_show, "watch": cmd_watch, "status": cmd_status, "completion": cmd_completion,
+}
+#: what runs before --netns moves the process (the status socket binds on the host)
+PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else
+        logging.WARNING, format="%(levelname)s %(message)s", stream=sys.stderr)
+    command = COMMANDS.get(args.command)
+    if command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        if getattr(args, "prepare", False):
+            PREPARE[args.command](args)
+        if args.netns and getattr(args, "enters_netns", True):
+            netns.enter_process_netns(args.netns)
+        rc: int = command(args)
+        return rc
+    except ReconcilerError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except Exception as exc:  # a bug, not a user error: one line, details with -vv
+        if args.verbose > 1:
+            raise
+        print(f"internal error: {type(exc).__name__}: {exc} (run with -vv for details)",
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

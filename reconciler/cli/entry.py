@@ -1,0 +1,241 @@
+"""The `reconcile` entry point, and its thin client for `plan`.
+
+A running ``reconcile watch`` agent answers `reconcile plan` over a unix socket
+(see ``reconciler.agent.planview``): it keeps one event-driven view of the host, so a no-op
+plan costs an interpreter start and one round trip instead of reading every
+namespace again. This module decides whether a command line can be answered
+that way, sends it with the bytes of the files (read here, in the caller's
+working directory and mount namespace) and prints the answer. Anything it is
+unsure of -- another command, an option it does not know, no agent, an agent
+of another code version or namespace, a file it cannot read, a plan with
+errors -- goes to the normal in-process CLI instead, so the output is always
+what ``reconcile --no-agent plan`` would print.
+
+Start-up time is the point: stdlib only, nothing from the model or YAML.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from reconciler.agent.planview.protocol import (
+    ACK,
+    ACK_TIMEOUT,
+    PROTOCOL,
+    REPLY_TIMEOUT,
+    Unanswered,
+    code_id,
+    current_env,
+    peer_uid,
+    recv_exact,
+    recv_message,
+    send_message,
+    socket_path,
+    tool_paths,
+)
+from reconciler.config.paths import expand_paths, read_bytes
+from reconciler.domain.errors import ConfigError
+from reconciler.ui.argv import normalise_argv
+
+TYPE_CHECKING = False  # not `typing`: start-up path
+
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+#: `plan` options taking a value, and flags, as build_parser defines them
+_PLAN_VALUE_OPTS = ("--output", "--hostname", "--adopt", "--out")
+
+
+_PLAN_FLAGS = ("--no-prune",)
+
+
+class NotAPlan(Unanswered):
+    """Not a `plan` command line at all (e.g. a path named "plan")."""
+
+
+class PlanCall:
+    """One `reconcile … plan …` command line, as far as the client needs to know it."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.netns: str | None = None
+        self.verbose = 0
+        self.color = "auto"
+        self.no_agent = False
+        self.output = "text"
+        self.out: str | None = None
+        self.paths: list[str] = []
+        args = list(argv)
+        i = 0
+        while i < len(args) and args[i] != "plan":  # global options
+            a = args[i]
+            name, eq, value = a.partition("=")
+            if name in ("--netns", "--color") and a.startswith("--"):
+                if not eq:
+                    if i + 1 >= len(args):
+                        raise Unanswered("option without a value")
+                    value = args[i + 1]
+                    i += 1
+                if name == "--netns":
+                    if not eq and value.startswith("-"):
+                        raise Unanswered("option without a value")
+                    self.netns = value
+                else:
+                    self.color = value
+            elif a in ("-v", "--verbose"):
+                self.verbose += 1
+            elif a.startswith("-v") and set(a[1:]) == {"v"}:
+                self.verbose += len(a) - 1
+            else:
+                raise NotAPlan(f"not a plan command line ({a})")
+            i += 1
+        if i >= len(args):
+            raise NotAPlan("no command")
+        self.rest = args[i + 1:]  # after "plan", for the agent's own parser
+        j = 0
+        while j < len(self.rest):
+            a = self.rest[j]
+            name, eq, value = a.partition("=")
+            if name in _PLAN_VALUE_OPTS:
+                if not eq:
+                    if j + 1 >= len(self.rest) or self.rest[j + 1].startswith("-"):
+                        raise Unanswered("option without a value")  # argparse's view too
+                    value = self.rest[j + 1]
+                    j += 1
+                if name == "--output":
+                    self.output = value
+                elif name == "--out":
+                    self.out = value
+            elif a in _PLAN_FLAGS:
+                pass
+            elif a == "--no-agent":
+                self.no_agent = True
+            elif a.startswith("-"):
+                raise Unanswered(f"option the client does not know: {a}")
+            else:
+                self.paths.append(a)
+            j += 1
+        if self.verbose > 1:
+            raise Unanswered("-vv shows debug logs of the planning process itself")
+        if self.color not in ("auto", "always", "never") or self.output not in ("text", "json"):
+            raise Unanswered("the CLI reports bad option values")
+
+    def colour(self) -> bool:
+        if self.color == "always":
+            return True
+        if self.color == "never" or os.environ.get("NO_COLOR"):
+            return False
+        return sys.stdout.isatty()
+
+    def target_inode(self) -> int:
+        try:
+            if self.netns is None:
+                return os.stat("/proc/thread-self/ns/net").st_ino
+            if not _netns_name_ok(self.netns):
+                raise Unanswered("the CLI reports bad namespace names")
+            return os.stat(os.path.join("/run/netns", self.netns)).st_ino
+        except OSError as exc:
+            raise Unanswered(f"namespace: {exc}") from None
+
+
+def _netns_name_ok(name: str) -> bool:
+    """drivers.netns.check_name, without importing re."""
+    return (0 < len(name) <= 255 and name not in (".", "..")
+            and all(c.isascii() and (c.isalnum() or c in "_.@:+-") for c in name))
+
+
+def ask_agent(call: PlanCall) -> dict[str, object]:
+    """Send the plan to the agent of the target namespace; its reply (status "ok"), or raise."""
+    net = call.target_inode()
+    path = socket_path(net)
+    if not os.path.exists(path):
+        raise Unanswered(f"no agent socket at {path}")
+    try:
+        files = expand_paths(call.paths)
+        blobs = [read_bytes(f) for f in files]
+    except ConfigError as exc:
+        raise Unanswered(f"the CLI reports file errors: {exc}") from None
+    request = {
+        "protocol": PROTOCOL, "code": code_id(), "argv": call.rest, "paths": call.paths,
+        "files": [[f, os.path.abspath(f), len(b)] for f, b in zip(files, blobs, strict=True)],
+        "verbose": call.verbose, "colour": call.colour(), "hostname": socket.gethostname(),
+        "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": net,
+        "env": current_env(), "tools": tool_paths(),
+    }
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(ACK_TIMEOUT)
+        try:
+            sock.connect(path)
+            if peer_uid(sock) not in (0, os.geteuid()):
+                raise Unanswered("the socket is not served by root")
+            send_message(sock, request, blobs)
+            sock.settimeout(ACK_TIMEOUT)  # a stopped or wedged agent: plan in-process instead
+            if recv_exact(sock, 1) != ACK:
+                raise Unanswered("the agent did not acknowledge")
+            sock.settimeout(REPLY_TIMEOUT)
+            reply = recv_message(sock)
+        except (OSError, ValueError) as exc:
+            raise Unanswered(f"agent: {exc}") from None
+    finally:
+        sock.close()
+    if reply.get("status") != "ok":
+        raise Unanswered(f"agent: {reply.get('why', 'declined')}")
+    return reply
+
+
+def answer(argv: list[str]) -> int | None:
+    """Exit code of a plan the agent answered and this printed, or None: run the CLI."""
+    mode = os.environ.get("RECONCILER_AGENT", "auto")
+    try:
+        call = PlanCall(argv)
+        if call.no_agent or mode == "off":
+            return None
+        reply = ask_agent(call)
+        # like the CLI: a --out path that cannot be written is an error before any output
+        out = open(call.out, "w") if call.out is not None else None  # noqa: SIM115
+    except NotAPlan:
+        return None
+    except (Unanswered, OSError) as exc:
+        if mode == "require":  # tests and benchmarks: prove the agent answered
+            print(f"error: the plan agent did not answer: {exc}", file=sys.stderr)
+            return 1
+        return None
+    try:
+        sys.stdout.write(str(reply.get("stdout", "")))
+        sys.stdout.flush()
+        if out is not None:
+            with out:
+                out.write(str(reply.get("out_json", "")))
+            print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly "
+                  "it.", file=sys.stderr)
+    except BrokenPipeError:
+        raise
+    except Exception as exc:  # as the CLI words what is not a user error
+        print(f"internal error: {type(exc).__name__}: {exc} (run with -vv for details)",
+              file=sys.stderr)
+        return 1
+    rc = reply.get("rc")
+    return rc if isinstance(rc, int) else 1
+
+
+def main() -> int:
+    argv = normalise_argv(sys.argv[1:])
+    if "plan" in argv:
+        try:
+            rc = answer(argv)
+        except BrokenPipeError:
+            return 1
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        if rc is not None:
+            return rc
+    from reconciler.cli.commands import main as cli_main  # the one back edge: the CLI loads
+    # everything (~0.1 s of imports) and only what the agent does not answer needs it
+
+    return cli_main(argv)
+

@@ -1,0 +1,271 @@
+"""Schema-valid documents → model values, with the checks of one value at a time."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from reconciler.config.document import Document, Path, clip, format_path
+from reconciler.domain.errors import ConfigError, ConfigErrors
+from reconciler.domain.model import (
+    AddrRange,
+    Alloc,
+    AllocId,
+    Bridge,
+    BridgeName,
+    DockerNetwork,
+    DockerNetworkName,
+    PortMap,
+    Settings,
+    Source,
+    Subnet,
+    SubnetName,
+)
+
+#: names /proc/sys/net/*/conf uses for itself: a link with these names would be ambiguous
+RESERVED_IFNAMES = frozenset({"all", "default", ".", ".."})
+
+
+_PREFIX_EXAMPLE = {4: "an IPv4 prefix like 172.26.64.0/20", 6: "an IPv6 prefix like fd00:a:b::/64"}
+
+
+_OTHER_FIELDS = {4: "cidr6/subnet6 for IPv6", 6: "cidr/subnet for IPv4"}
+
+
+def _prefix(doc: Document, path: Path, text: str,
+            version: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not "
+                              f"{_PREFIX_EXAMPLE[version]}") from None
+    if net.version != version:
+        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use "
+                              f"{_OTHER_FIELDS[version]}")
+    if ipaddress.ip_interface(text).ip != net.network_address:
+        raise doc.error(path, f"{format_path(path)}: {text} has host bits set; "
+                              f"did you mean {net}?")
+    return net
+
+
+def _net4(doc: Document, path: Path, text: str) -> ipaddress.IPv4Network:
+    net = _prefix(doc, path, text, 4)
+    assert isinstance(net, ipaddress.IPv4Network)
+    return net
+
+
+def _net6(doc: Document, path: Path, text: str) -> ipaddress.IPv6Network:
+    net = _prefix(doc, path, text, 6)
+    assert isinstance(net, ipaddress.IPv6Network)
+    return net
+
+
+def _ip(doc: Document, path: Path, text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} "
+                              "is not an IP address") from None
+
+
+@dataclass
+class _Defined:
+    doc: Document
+    path: Path
+
+    @property
+    def source(self) -> Source:
+        return self.doc.source(self.path)
+
+
+class _Collector:
+    """Accumulates resources across files, with duplicate-identity detection."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+        self.seen: dict[tuple[str, str], _Defined] = {}
+        self.bridges: dict[BridgeName, Bridge] = {}
+        self.subnets: dict[SubnetName, Subnet] = {}
+        self.allocs: dict[AllocId, Alloc] = {}
+        self.docker: dict[DockerNetworkName, DockerNetwork] = {}
+        self.settings: Settings | None = None
+        self.settings_at: _Defined | None = None
+
+    def claim(self, kind: str, name: str, doc: Document, path: Path) -> bool:
+        here = _Defined(doc, path)
+        first = self.seen.get((kind, name))
+        if first is not None:
+            self.errors.append(doc.error(path, f"{kind} {name!r} is defined twice: at "
+                                               f"{first.source} and {here.source}"))
+            return False
+        self.seen[(kind, name)] = here
+        return True
+
+    def guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except ConfigErrors as exc:
+            self.errors.extend(exc.errors)
+        except ConfigError as exc:
+            self.errors.append(exc)
+
+
+def _bridge(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+    name = raw["name"]
+    if name in RESERVED_IFNAMES:
+        raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is reserved "
+                                         "by the kernel's /proc/sys/net and cannot name a link")
+    if name.startswith("-"):
+        raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} starts with "
+                                         "'-' and would read as an option to ip or iptables")
+    if c.claim("bridge", name, doc, path):
+        c.bridges[BridgeName(name)] = Bridge(BridgeName(name), raw.get("mtu"),
+                                             raw.get("hairpin", True), doc.source(path))
+
+
+def _subnet(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+    name = raw["name"]
+    cidr = _net4(doc, (*path, "cidr"), raw["cidr"])
+    if cidr.prefixlen > 30:
+        raise doc.error((*path, "cidr"), f"{format_path((*path, 'cidr'))}: /{cidr.prefixlen} "
+                        "leaves no room for a gateway and allocations; use /30 or larger")
+    gateway = ipaddress.IPv4Address(cidr.network_address + 1)
+    if "gateway" in raw:
+        gw = _ip(doc, (*path, "gateway"), raw["gateway"])
+        if not isinstance(gw, ipaddress.IPv4Address) or gw not in cidr or gw in (
+                cidr.network_address, cidr.broadcast_address):
+            raise doc.error((*path, "gateway"), f"{format_path((*path, 'gateway'))}: {gw} is not "
+                                                f"a host address of {cidr}")
+        gateway = gw
+    cidr6 = gateway6 = None
+    if "cidr6" in raw:
+        cidr6 = _net6(doc, (*path, "cidr6"), raw["cidr6"])
+        if cidr6.prefixlen > 126:
+            raise doc.error((*path, "cidr6"), f"{format_path((*path, 'cidr6'))}: /{cidr6.prefixlen}"
+                            " is too small; use /126 or larger")
+        gateway6 = ipaddress.IPv6Address(cidr6.network_address + 1)
+    if "gateway6" in raw:
+        if cidr6 is None:
+            raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: "
+                                                 "needs cidr6")
+        gw6 = _ip(doc, (*path, "gateway6"), raw["gateway6"])
+        if not isinstance(gw6, ipaddress.IPv6Address) or gw6 not in cidr6 or \
+                gw6 == cidr6.network_address:
+            raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: {gw6} is "
+                                                 f"not a host address of {cidr6}")
+        gateway6 = gw6
+    rng = None
+    if "range" in raw:
+        rp = (*path, "range")
+        start = _ip(doc, (*rp, "start"), raw["range"]["start"])
+        end = _ip(doc, (*rp, "end"), raw["range"]["end"])
+        for label, ip in (("start", start), ("end", end)):
+            if not isinstance(ip, ipaddress.IPv4Address) or ip not in cidr or ip in (
+                    cidr.network_address, cidr.broadcast_address):
+                raise doc.error((*rp, label), f"{format_path((*rp, label))}: {ip} is not a host "
+                                              f"address of {cidr}")
+        assert isinstance(start, ipaddress.IPv4Address) and isinstance(end, ipaddress.IPv4Address)
+        if start > end:
+            raise doc.error(rp, f"{format_path(rp)}: start {start} is after end {end}")
+        if start == end == gateway:
+            raise doc.error(rp, f"{format_path(rp)}: holds only the gateway {gateway}")
+        rng = AddrRange(start, end)
+    if c.claim("subnet", name, doc, path):
+        c.subnets[SubnetName(name)] = Subnet(
+            SubnetName(name), BridgeName(raw["bridge"]), cidr, gateway, cidr6, gateway6, rng,
+            raw.get("masquerade", True), doc.source(path))
+
+
+def _host_ip(doc: Document, path: Path,
+             text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """A port map's host address; the unspecified address means every address (None)."""
+    if "%" in text:
+        raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)}: zone ids are not "
+                              "supported; give a global or loopback address")
+    ip = _ip(doc, path, text)
+    if ip.is_unspecified:
+        return None
+    if ip.is_multicast or ip.is_link_local:
+        raise doc.error(path, f"{format_path(path)}: {ip} is a multicast or link-local address; "
+                              "a port map needs an address of this host")
+    if ip.version == 6 and ip.is_loopback:
+        raise doc.error(path, f"{format_path(path)}: {ip}: IPv6 loopback cannot be forwarded to "
+                              "an allocation (Linux has no route_localnet for IPv6); use "
+                              "127.0.0.1")
+    return ip
+
+
+def _alloc(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+    aid = raw["id"]
+    address = address6 = None
+    if "address" in raw:
+        a = _ip(doc, (*path, "address"), raw["address"])
+        if not isinstance(a, ipaddress.IPv4Address):
+            raise doc.error((*path, "address"), f"{format_path((*path, 'address'))}: must be IPv4")
+        address = a
+    if "address6" in raw:
+        a6 = _ip(doc, (*path, "address6"), raw["address6"])
+        if not isinstance(a6, ipaddress.IPv6Address):
+            raise doc.error((*path, "address6"), f"{format_path((*path, 'address6'))}: "
+                                                 "must be IPv6")
+        address6 = a6
+    ports: list[PortMap] = []
+    for i, p in enumerate(raw.get("ports", [])):
+        pp = (*path, "ports", i)
+        host_ip = _host_ip(doc, (*pp, "host_ip"), p["host_ip"]) if "host_ip" in p else None
+        ports.append(PortMap(None if p["host"] == "auto" else int(p["host"]), int(p["to"]),
+                             p.get("protocol", "tcp"), host_ip))
+    if c.claim("alloc", aid, doc, path):
+        c.allocs[AllocId(aid)] = Alloc(AllocId(aid), SubnetName(raw["subnet"]), address,
+                                       address6, tuple(ports), doc.source(path))
+
+
+def _docker(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+    name = raw["name"]
+    if name in ("bridge", "host", "none"):
+        raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is one of "
+                                         "Docker's own networks and cannot be managed")
+    subnet = _net4(doc, (*path, "subnet"), raw["subnet"]) if "subnet" in raw else None
+    subnet6 = _net6(doc, (*path, "subnet6"), raw["subnet6"]) if "subnet6" in raw else None
+    ipv6 = raw.get("ipv6")
+    if subnet6 is not None and ipv6 is False:
+        raise doc.error((*path, "ipv6"), f"{format_path((*path, 'ipv6'))}: is false but subnet6 "
+                                         "is given")
+    labels = raw.get("labels", {})
+    reserved = sorted(k for k in labels if k.startswith("io.reconciler."))
+    if reserved:
+        raise doc.error((*path, "labels", reserved[0]),
+                        f"{format_path((*path, 'labels'))}: {reserved[0]!r}: labels under "
+                        "'io.reconciler.' are the reconciler's own (ownership, scope)",
+                        key=True)
+    if c.claim("docker network", name, doc, path):
+        c.docker[DockerNetworkName(name)] = DockerNetwork(
+            DockerNetworkName(name), bool(ipv6) or subnet6 is not None, subnet, subnet6,
+            raw.get("mtu"), raw.get("masquerade", True), raw.get("internal", False),
+            tuple(sorted(labels.items())), doc.source(path))
+
+
+def _settings(c: _Collector, doc: Document, raw: dict[str, Any]) -> None:
+    here = _Defined(doc, ("settings",))
+    if c.settings_at is not None:
+        raise doc.error(("settings",), f"settings are defined twice: at {c.settings_at.source} "
+                                       f"and {here.source}")
+    c.settings_at = here
+    rng = raw.get("auto_port_range")
+    port_range = Settings().auto_port_range
+    if rng is not None:
+        if rng["start"] > rng["end"]:
+            raise doc.error(("settings", "auto_port_range"),
+                            "settings.auto_port_range: start is after end")
+        port_range = (rng["start"], rng["end"])
+    c.settings = Settings(auto_port_range=port_range)
+
+
+_SECTIONS = (("bridges", _bridge), ("subnets", _subnet), ("allocs", _alloc),
+             ("docker_networks", _docker))
+
+
+def _where(state: _Collector, kind: str, name: str) -> Source:
+    return state.seen[(kind, name)].source
+

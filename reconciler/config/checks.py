@@ -1,0 +1,118 @@
+"""Checks across resources that a schema cannot express: references, overlaps, clashes."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+from typing import Any
+
+from reconciler.config.build import _Collector, _where
+from reconciler.domain.errors import ConfigError
+
+MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
+
+
+def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
+    """Checks across resources: references, overlaps, address and port clashes."""
+
+    def err(kind: str, name: str, field: str, message: str) -> ConfigError:
+        d = c.seen[(kind, name)]
+        path = (*d.path, field)
+        pos = d.doc.where(path)
+        return ConfigError(message, file=d.doc.file, line=pos.line, col=pos.col)
+
+    for s in c.subnets.values():
+        if s.bridge not in c.bridges:
+            yield err("subnet", s.name, "bridge",
+                      f"subnet {s.name!r}: bridge {s.bridge!r} is not declared")
+    # overlapping prefixes: among subnets, and against docker networks' declared subnets
+    prefixes: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str, str, str]] = []
+    for s in c.subnets.values():
+        prefixes.append((s.cidr, "subnet", s.name, "cidr"))
+        if s.cidr6 is not None:
+            prefixes.append((s.cidr6, "subnet", s.name, "cidr6"))
+    for d in c.docker.values():
+        if d.subnet is not None:
+            prefixes.append((d.subnet, "docker network", d.name, "subnet"))
+        if d.subnet6 is not None:
+            prefixes.append((d.subnet6, "docker network", d.name, "subnet6"))
+    ordered = sorted(prefixes, key=lambda p: (p[0].version, int(p[0].network_address)))
+    for i, (net, kind, name, field) in enumerate(ordered):
+        for onet, okind, oname, ofield in ordered[i + 1:]:
+            if onet.version != net.version or \
+                    int(onet.network_address) > int(net.broadcast_address):
+                break
+            yield err(okind, oname, ofield,
+                      f"{okind} {oname!r}: {ofield} {onet} overlaps {kind} {name!r} {field} "
+                      f"{net} at {_where(c, kind, name)}")
+    # a Linux bridge takes at most 1023 ports ("Exchange full" at the 1024th veth)
+    per_bridge: dict[str, list[str]] = {}
+    for a in c.allocs.values():
+        sn = c.subnets.get(a.subnet)
+        if sn is not None:
+            per_bridge.setdefault(sn.bridge, []).append(a.id)
+    for bridge_name, ids in sorted(per_bridge.items()):
+        if len(ids) > MAX_BRIDGE_PORTS and ("bridge", bridge_name) in c.seen:
+            yield err("bridge", bridge_name, "name",
+                      f"bridge {bridge_name!r}: {len(ids)} allocations, but a Linux bridge takes "
+                      f"at most {MAX_BRIDGE_PORTS} ports; spread them over more bridges")
+    # allocations: references, addresses, ports
+    addresses: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, str] = {}
+    ports: dict[tuple[str, int], list[tuple[Any, str, int]]] = {}
+    for a in c.allocs.values():
+        sn = c.subnets.get(a.subnet)
+        if sn is None:
+            yield err("alloc", a.id, "subnet",
+                      f"alloc {a.id!r}: subnet {a.subnet!r} is not declared")
+            continue
+        if a.address is not None:
+            if a.address not in sn.cidr or a.address in (sn.cidr.network_address,
+                                                         sn.cidr.broadcast_address):
+                yield err("alloc", a.id, "address",
+                          f"alloc {a.id!r}: address {a.address} is not a host address of "
+                          f"subnet {sn.name!r} ({sn.cidr})")
+            elif a.address == sn.gateway:
+                yield err("alloc", a.id, "address",
+                          f"alloc {a.id!r}: address {a.address} is the gateway of "
+                          f"subnet {sn.name!r}")
+        if a.address6 is not None:
+            if sn.cidr6 is None:
+                yield err("alloc", a.id, "address6",
+                          f"alloc {a.id!r}: address6 given but subnet {sn.name!r} has no cidr6")
+            elif a.address6 not in sn.cidr6 or a.address6 in (sn.cidr6.network_address,
+                                                             sn.gateway6):
+                yield err("alloc", a.id, "address6",
+                          f"alloc {a.id!r}: address6 {a.address6} is not a free host address "
+                          f"of subnet {sn.name!r} ({sn.cidr6})")
+        for addr, field in ((a.address, "address"), (a.address6, "address6")):
+            if addr is None:
+                continue
+            if addr in addresses:
+                holder = addresses[addr]
+                yield err("alloc", a.id, field,
+                          f"alloc {a.id!r}: {field} {addr} is already given to alloc {holder!r} "
+                          f"at {_where(c, 'alloc', holder)}")
+            else:
+                addresses[addr] = a.id
+        for i, p in enumerate(a.ports):
+            if p.host_ip is not None and p.host_ip.version == 6 and sn.cidr6 is None:
+                here = c.seen[("alloc", a.id)]
+                pos = here.doc.where((*here.path, "ports", i, "host_ip"))
+                yield ConfigError(f"alloc {a.id!r}: host_ip {p.host_ip} is IPv6 but subnet "
+                                  f"{sn.name!r} has no cidr6", file=here.doc.file,
+                                  line=pos.line, col=pos.col)
+            if p.host is None:
+                continue
+            for proto in p.protocols:
+                for (other_ip, other_id, other_i) in ports.get((proto, p.host), []):
+                    if p.host_ip is None or other_ip is None or p.host_ip == other_ip:
+                        here = c.seen[("alloc", a.id)]
+                        pos = here.doc.where((*here.path, "ports", i))
+                        yield ConfigError(
+                            f"alloc {a.id!r}: host port {p.host}/{proto} is already mapped by "
+                            f"alloc {other_id!r} (ports[{other_i}]) at "
+                            f"{_where(c, 'alloc', other_id)}",
+                            file=here.doc.file, line=pos.line, col=pos.col)
+                        break
+                ports.setdefault((proto, p.host), []).append((p.host_ip, a.id, i))
+

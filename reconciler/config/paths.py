@@ -1,0 +1,61 @@
+"""Which files a list of desired-state paths names, and reading them: stdlib only.
+
+Shared by the loader and by the thin `plan` client (``planclient``), which must
+start fast and so cannot import YAML or the model.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from reconciler.domain.errors import ConfigError
+
+TYPE_CHECKING = False  # not `typing`: this module is on the thin client's start-up path
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+MAX_FILE_BYTES = 8 * 1024 * 1024
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def expand_paths(paths: Sequence[str]) -> list[str]:
+    """Files named directly, plus every *.yaml/*.yml directly inside named directories."""
+    if not paths:
+        raise ConfigError("no desired-state path given")
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, n) for n in os.listdir(p)
+                           if n.endswith(YAML_SUFFIXES) and not n.startswith("."))
+            found = [f for f in found if os.path.isfile(f)]
+            if not found:
+                raise ConfigError("directory holds no *.yaml or *.yml file", file=p)
+            files.extend(found)
+        elif os.path.exists(p):
+            files.append(p)
+        else:
+            raise ConfigError("no such file or directory", file=p)
+    seen: set[str] = set()
+    unique = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            unique.append(f)
+    return unique
+
+
+def read_bytes(path: str) -> bytes:
+    """The bytes of one desired-state file: a regular file within the size limit."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError("not a regular file", file=path)
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"file too large ({st.st_size} bytes; limit {MAX_FILE_BYTES})",
+                              file=path)
+        with open(path, "rb") as fh:
+            return fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=path) from None

@@ -1,0 +1,127 @@
+"""Docker networks with kind's semantics: the rules the driver and the planner share.
+
+No daemon, no SDK: the options and labels we set, kind's ULA derivation and
+duplicate order, and the JSON form of a declared network that plan ops carry.
+Comparing a declared network with a live one is the planner's
+(``reconciler.planner.docker_diff``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+from reconciler.domain.live import LiveDockerNetwork
+from reconciler.domain.model import DockerNetwork, DockerNetworkName
+
+#: Network options kind sets (and that we compare).
+OPT_MASQUERADE = "com.docker.network.bridge.enable_ip_masquerade"
+
+
+OPT_MTU = "com.docker.network.driver.mtu"
+
+
+#: Docker's own networks: read (the MTU of ``bridge``), never changed.
+PROTECTED_NETWORKS = frozenset({"bridge", "host", "none"})
+
+
+#: Label on a network created IPv4-only because the daemon could not do IPv6
+#: (kind's fallback); ``diff_network`` then accepts it without IPv6.
+IPV6_FALLBACK_LABEL = "io.reconciler.ipv6-unavailable"
+
+
+#: Label naming the reconciler instance that created a network: "host", or the
+#: network namespace a sandbox run (``--netns``) acted on. Docker networks are
+#: global to the daemon, so pruning removes only networks of its own scope — a
+#: sandbox run never prunes the host's networks, nor the host a sandbox's.
+SCOPE_LABEL = "io.reconciler.scope"
+
+
+def ula_subnet(name: str, attempt: int) -> ipaddress.IPv6Network:
+    """The IPv6 ULA /64 kind derives for network ``name`` on probe ``attempt``.
+
+    sha1 over the name's bytes followed by ``attempt`` as a little-endian
+    int32; bytes 2..7 of the digest follow ``fc00``.
+    """
+    digest = hashlib.sha1(name.encode() + struct.pack("<i", attempt)).digest()
+    raw = b"\xfc\x00" + digest[2:8] + bytes(8)
+    return ipaddress.IPv6Network((raw, 64))
+
+
+def sort_duplicates(networks: Iterable[LiveDockerNetwork]) -> list[LiveDockerNetwork]:
+    """kind's order for networks sharing a name: most containers first, then lowest ID."""
+    return sorted(networks, key=lambda n: (-n.containers, n.id))
+
+
+def parse_mtu(value: object) -> int | None:
+    """A positive MTU from a Docker option string, else None."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text.isdigit():
+        return None
+    mtu = int(text)
+    return mtu if mtu > 0 else None
+
+
+def _parse_bool(value: str) -> bool | None:
+    # Go's strconv.ParseBool, which the daemon uses for bridge options.
+    if value in ("1", "t", "T", "true", "TRUE", "True"):
+        return True
+    if value in ("0", "f", "F", "false", "FALSE", "False"):
+        return False
+    return None
+
+
+def split_subnets(subnets: Iterable[str]) -> tuple[list[ipaddress.IPv4Network],
+                                                   list[ipaddress.IPv6Network]]:
+    """IPv4 and IPv6 networks among Docker's IPAM subnet strings (unparsable ones dropped)."""
+    v4: list[ipaddress.IPv4Network] = []
+    v6: list[ipaddress.IPv6Network] = []
+    for text in subnets:
+        try:
+            net = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            v4.append(net)
+        else:
+            v6.append(net)
+    return v4, v6
+
+
+def flag(value: bool) -> str:
+    """A boolean as Docker options spell it."""
+    return "true" if value else "false"
+
+
+def spec_to_json(spec: DockerNetwork) -> dict[str, Any]:
+    """A declared network as JSON-able op arguments (``spec_from_json`` reads it back)."""
+    return {
+        "name": spec.name, "ipv6": spec.ipv6,
+        "subnet": str(spec.subnet) if spec.subnet is not None else None,
+        "subnet6": str(spec.subnet6) if spec.subnet6 is not None else None,
+        "mtu": spec.mtu, "masquerade": spec.masquerade, "internal": spec.internal,
+        "labels": dict(spec.labels),
+    }
+
+
+def spec_from_json(raw: dict[str, Any]) -> DockerNetwork:
+    """The inverse of ``spec_to_json`` (raises ValueError/KeyError on a malformed op)."""
+    subnet = raw.get("subnet")
+    subnet6 = raw.get("subnet6")
+    mtu = raw.get("mtu")
+    return DockerNetwork(
+        name=DockerNetworkName(str(raw["name"])),
+        ipv6=bool(raw.get("ipv6", False)),
+        subnet=ipaddress.IPv4Network(subnet) if subnet else None,
+        subnet6=ipaddress.IPv6Network(subnet6) if subnet6 else None,
+        mtu=int(mtu) if mtu is not None else None,
+        masquerade=bool(raw.get("masquerade", True)),
+        internal=bool(raw.get("internal", False)),
+        labels=tuple(sorted((str(k), str(v)) for k, v in (raw.get("labels") or {}).items())),
+    )
+

@@ -1,0 +1,113 @@
+"""Values describing the live state of the host, as observers report it.
+
+Observation is read-only and produces one ``LiveState``; the planner compares
+it with the ``DesiredState``. Parsing of raw payloads (netlink messages,
+``iptables-save`` output, Docker inspect data) into these values is pure.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+
+IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+
+
+@dataclass(frozen=True)
+class LiveAddress:
+    address: IPInterface
+    owned: bool  # carries our IFA_PROTO marker
+
+
+@dataclass(frozen=True)
+class LiveLink:
+    """A link in the namespace the reconciler acts on."""
+
+    name: str
+    index: int
+    kind: str  # IFLA_INFO_KIND: "bridge", "veth", "dummy", "" for physical
+    mtu: int
+    up: bool
+    owned: bool
+    alias: str | None = None
+    master: str | None = None  # name of the bridge this link is a port of
+    addresses: tuple[LiveAddress, ...] = ()
+    hairpin: bool | None = None  # bridge ports only
+    peer_netnsid: int | None = None  # veth only: where the peer lives (IFLA_LINK_NETNSID)
+
+
+@dataclass(frozen=True)
+class LiveRoute:
+    dst: str  # "default" or a prefix
+    gateway: str | None
+    owned: bool
+
+
+@dataclass(frozen=True)
+class LiveNetns:
+    """An allocation namespace under /run/netns and what is inside it."""
+
+    name: str
+    usable: bool  # False: the file exists but is not a live namespace mount
+    links: tuple[LiveLink, ...] = ()
+    routes: tuple[LiveRoute, ...] = ()
+    nsid: int | None = None
+    #: the reconciler's tag on the file itself (read when it is not a live namespace)
+    file_mark: str | None = None
+
+
+@dataclass(frozen=True)
+class LiveChainSet:
+    """Rules of one iptables table family as ``iptables-save`` prints them.
+
+    ``chains`` maps ``(table, chain)`` to the chain's rules, each the text after
+    ``-A CHAIN`` exactly as iptables-save canonicalises it.
+    """
+
+    available: bool
+    chains: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+    policies: dict[tuple[str, str], str] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LiveDockerNetwork:
+    id: str
+    name: str
+    driver: str
+    labels: dict[str, str]
+    options: dict[str, str]
+    enable_ipv6: bool
+    internal: bool
+    subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
+    containers: int
+
+    @property
+    def owned(self) -> bool:
+        return self.labels.get(DOCKER_LABEL) == DOCKER_LABEL_VALUE
+
+
+@dataclass(frozen=True)
+class LiveDocker:
+    available: bool
+    error: str | None = None
+    default_mtu: int | None = None
+    networks: tuple[LiveDockerNetwork, ...] = ()
+    #: which reconciler instance we are, for the scope label of the networks we create:
+    #: "host", or the network namespace a sandbox run acts on
+    scope: str = "host"
+
+
+@dataclass(frozen=True)
+class LiveState:
+    #: identity of the host: inode of the network namespace the reconciler acts on
+    host_id: str = ""
+    links: dict[str, LiveLink] = field(default_factory=dict)
+    firewall4: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
+    firewall6: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
+    sysctls: dict[str, str] = field(default_factory=dict)
+    netns: dict[str, LiveNetns] = field(default_factory=dict)
+    docker: LiveDocker | None = None  # None: not observed (nothing Docker declared or owned)
+    listening: frozenset[tuple[str, int]] = frozenset()  # (proto, port) bound on the host

@@ -1,0 +1,176 @@
+"""The plan: a frozen, JSON-serialisable value.
+
+A plan is a tuple of ``Change``s. Each change names one resource, says what
+will happen to it (Terraform's closed set of actions), why, which attributes
+differ, and lists the idempotent ``Op``s the executor will run for it. The
+reason is for people; the executor only ever looks at the ops.
+
+
+Rendering for people lives in ``reconciler.ui.render``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+class Action(StrEnum):
+    NOOP = "no-op"
+    CREATE = "create"
+    UPDATE = "update"
+    DELETE = "delete"
+    REPLACE = "replace"
+    CONFLICT = "conflict"  # exists but not ours: blocks apply, never touched
+
+    @property
+    def symbol(self) -> str:
+        return _SYMBOLS[self]
+
+
+_SYMBOLS = {
+    Action.NOOP: " ", Action.CREATE: "+", Action.UPDATE: "~", Action.DELETE: "-",
+    Action.REPLACE: "-/+", Action.CONFLICT: "!",
+}
+
+
+Json = Any
+
+
+@dataclass(frozen=True)
+class Op:
+    """One idempotent driver operation, e.g. ``Op("link.add_bridge", {"name": "nomad"})``."""
+
+    name: str
+    args: dict[str, Json] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Json]:
+        return {"op": self.name, "args": self.args}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Op:
+        return cls(raw["op"], dict(raw.get("args", {})))
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.args.items() if k != "rules")
+        return f"{self.name}({args})"
+
+
+@dataclass(frozen=True)
+class AttrChange:
+    field: str
+    before: Json
+    after: Json
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str
+    name: str
+    action: Action
+    reason: str = ""
+    attrs: tuple[AttrChange, ...] = ()
+    ops: tuple[Op, ...] = ()
+    source: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def address(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "kind": self.kind, "name": self.name, "action": self.action.value,
+            "reason": self.reason, "source": self.source,
+            "attrs": [{"field": a.field, "before": a.before, "after": a.after}
+                      for a in self.attrs],
+            "ops": [o.to_json() for o in self.ops],
+            "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Change:
+        return cls(raw["kind"], raw["name"], Action(raw["action"]), raw.get("reason", ""),
+                   tuple(AttrChange(a["field"], a["before"], a["after"])
+                         for a in raw.get("attrs", [])),
+                   tuple(Op.from_json(o) for o in raw.get("ops", [])), raw.get("source"),
+                   tuple(raw.get("warnings", [])))
+
+
+@dataclass(frozen=True)
+class Plan:
+    changes: tuple[Change, ...] = ()
+    #: hash of the live view of every managed object the plan was computed from
+    live_fingerprint: str = ""
+    #: sha256 of each desired-state file the plan was computed from
+    files: tuple[tuple[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()  # e.g. Docker unreachable: those resources are not planned
+    #: the options it was planned with (prune, adopt, force_replace): `apply FILE` reuses them
+    options: dict[str, Json] = field(default_factory=dict)
+
+    @property
+    def actionable(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.action not in (Action.NOOP, Action.CONFLICT))
+
+    @property
+    def conflicts(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.action is Action.CONFLICT)
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self.actionable)
+
+    def summary(self) -> dict[str, int]:
+        counts = Counter(c.action for c in self.changes)
+        return {
+            "create": counts[Action.CREATE], "update": counts[Action.UPDATE],
+            "replace": counts[Action.REPLACE], "delete": counts[Action.DELETE],
+            "conflict": counts[Action.CONFLICT], "unchanged": counts[Action.NOOP],
+        }
+
+    def to_json(self) -> dict[str, Json]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "changes": [c.to_json() for c in self.changes if c.action is not Action.NOOP],
+            "summary": self.summary(),
+            "live_fingerprint": self.live_fingerprint,
+            "files": [{"path": p, "sha256": h} for p, h in self.files],
+            "warnings": list(self.warnings),
+            "errors": list(self.errors),
+            "options": self.options,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Plan:
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"unsupported plan format {raw.get('format_version')!r}")
+        return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
+                   tuple((f["path"], f["sha256"]) for f in raw.get("files", [])),
+                   tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
+                   dict(raw.get("options", {})))
+
+    def same_work(self, other: Plan) -> bool:
+        """True when both plans would run the same ops on the same live state.
+
+        Where a resource was declared (``source``) is for people and may be
+        spelled differently (relative vs absolute path): it is not compared.
+        """
+        def work(plan: Plan) -> list[dict[str, Json]]:
+            return [{k: v for k, v in c.to_json().items() if k != "source"}
+                    for c in plan.changes if c.action is not Action.NOOP]
+
+        return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint
+
+
+def fingerprint(view: Json) -> str:
+    """Stable hash of a JSON-able value (sorted keys)."""
+    blob = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+

@@ -1,0 +1,737 @@
+"""Docker networks with kind's semantics, through the Docker SDK.
+
+Only this module talks to the Docker daemon. It holds three layers:
+
+* pure functions (error classifiers, inspect-payload parsing) that need no
+  daemon; the ones the planner shares (subnet derivation, the duplicate
+  order, ``diff_network``) live in ``reconciler.docker_logic`` and are
+  re-exported here;
+* ``DockerDriver``, which observes and changes networks through the SDK's
+  low-level API and maps every daemon or connection failure to one clear line
+  (``DriverError`` / ``TemporaryError`` / ``ConflictError``);
+* small result values (``EnsureResult``, ``DedupeResult``).
+
+The reference behaviour is kind's ``ensureNetwork``: a bridge network with IP
+masquerade, the MTU of Docker's default ``bridge`` network, an IPv6 ULA /64
+derived from sha1(name, attempt), an IPv4-only fallback when the daemon cannot
+do IPv6, probing of further subnets on pool overlap, and "already exists" /
+"No such network" races treated as benign. Unlike kind, we only ever delete or
+re-create networks that carry our ownership label.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import IPAMConfig, IPAMPool
+
+from reconciler.domain.docker import (
+    IPV6_FALLBACK_LABEL,
+    OPT_MASQUERADE,
+    OPT_MTU,
+    PROTECTED_NETWORKS,
+    sort_duplicates,
+    ula_subnet,
+)
+from reconciler.domain.docker import flag as _flag
+from reconciler.domain.docker import split_subnets as _networks_of
+from reconciler.domain.errors import ConflictError, DriverError, ReconcilerError, TemporaryError
+from reconciler.domain.live import LiveDocker, LiveDockerNetwork
+from reconciler.domain.model import DockerNetwork
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker.payloads import (
+    NetworkInspect,
+    daemon_message,
+    is_already_exists,
+    is_ipv4_pool_exhausted,
+    is_ipv6_unavailable,
+    is_no_such_network,
+    is_pool_overlap,
+    parse_default_mtu,
+    parse_network,
+)
+
+#: kind's probing budget: attempt 0 plus four more derived subnets.
+MAX_ATTEMPTS = 5
+
+
+DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
+
+
+@dataclass(frozen=True)
+class EnsureResult:
+    """What ``ensure``/``replace`` did for one network."""
+
+    name: str
+    network_id: str
+    created: bool  # False: an existing network was kept (kind's no-op)
+    subnet6: str | None = None  # the IPv6 subnet we asked for, if any
+    attempt: int | None = None  # the derived-subnet attempt that succeeded
+    ipv6_fallback: bool = False  # created IPv4-only because the daemon lacks IPv6
+    removed_duplicates: tuple[str, ...] = ()
+    reconnected: tuple[str, ...] = ()  # container names re-attached by replace
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DedupeResult:
+    kept: LiveDockerNetwork | None
+    removed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """A container attached to a network, as replace re-attaches it."""
+
+    container_id: str
+    container_name: str
+    ipv4: ipaddress.IPv4Address | None
+    ipv6: ipaddress.IPv6Address | None
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _CreateArgs:
+    name: str
+    options: dict[str, str]
+    labels: dict[str, str]
+    internal: bool
+    subnet: ipaddress.IPv4Network | None
+    gateway: str | None = None
+    subnet6: ipaddress.IPv6Network | None = None
+    gateway6: str | None = None
+
+
+_T = TypeVar("_T")
+
+
+class _Unreachable(Exception):
+    """Internal: the daemon could not be reached (converted at the boundary)."""
+
+
+def _explanation(exc: docker.errors.APIError) -> str:
+    explanation = exc.explanation
+    if isinstance(explanation, bytes):
+        explanation = explanation.decode(errors="replace")
+    text = explanation if isinstance(explanation, str) and explanation else str(exc)
+    # Keep inner whitespace: kind's texts have a double space that classifiers need.
+    return daemon_message(text)
+
+
+def _one_line(text: str) -> str:
+    """For messages to people: the daemon's text on one line."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _walk(exc: BaseException, depth: int = 0) -> Iterator[BaseException]:
+    """The exception, its cause/context chain and exceptions in its args."""
+    if depth > 8:
+        return
+    yield exc
+    for arg in exc.args:
+        if isinstance(arg, BaseException):
+            yield from _walk(arg, depth + 1)
+    for nested in (exc.__cause__, exc.__context__):
+        if nested is not None:
+            yield from _walk(nested, depth + 1)
+
+
+def _is_connection_failure(exc: BaseException) -> bool:
+    if isinstance(exc, docker.errors.APIError):
+        return False
+    return any(
+        isinstance(e, requests.exceptions.ConnectionError | requests.exceptions.Timeout
+                   | ConnectionError | FileNotFoundError | TimeoutError)
+        for e in _walk(exc)
+    ) or (isinstance(exc, docker.errors.DockerException)
+          and "Error while fetching server API version" in str(exc))
+
+
+def _unreachable_reason(exc: BaseException) -> str:
+    for e in _walk(exc):
+        if isinstance(e, FileNotFoundError):
+            return "socket not found"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, PermissionError):
+            return "permission denied"
+        if isinstance(e, requests.exceptions.Timeout | TimeoutError):
+            return "timed out"
+    for e in _walk(exc):
+        text = str(e)
+        for marker, reason in (("No such file", "socket not found"),
+                               ("Connection refused", "connection refused"),
+                               ("Permission denied", "permission denied"),
+                               ("timed out", "timed out")):
+            if marker in text:
+                return reason
+    return type(exc).__name__
+
+
+class DockerDriver:
+    """Docker networks with kind's semantics, through the SDK's low-level API.
+
+    The client is created on first use from the environment (``DOCKER_HOST``,
+    ``DOCKER_TLS_VERIFY``, ``DOCKER_CERT_PATH``) with a short timeout; tests may
+    pass one in. Every method raises only ``ReconcilerError`` subclasses,
+    except ``observe``, which never raises.
+    """
+
+    def __init__(self, client: docker.DockerClient | None = None, *, timeout: float = 10.0,
+                 environment: Mapping[str, str] | None = None) -> None:
+        self._client = client
+        self._timeout = timeout
+        self._environment = dict(os.environ if environment is None else environment)
+
+    # -- plumbing -----------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """Where the daemon is expected (for messages)."""
+        return self._environment.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
+
+    @property
+    def client(self) -> docker.DockerClient:
+        if self._client is None:
+            try:
+                self._client = docker.DockerClient.from_env(
+                    timeout=int(max(1, self._timeout)), environment=self._environment)
+            except docker.errors.DockerException as exc:
+                raise _Unreachable(_unreachable_reason(exc)) from exc
+        return self._client
+
+    @property
+    def _api(self) -> Any:
+        return self.client.api
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _unreachable_message(self, reason: str) -> str:
+        return f"docker daemon unreachable at {self.endpoint}: {reason}"
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Map SDK and connection failures to one-line reconciler errors."""
+        try:
+            yield
+        except ReconcilerError:
+            raise
+        except _Unreachable as exc:
+            raise TemporaryError(f"{what}: {self._unreachable_message(str(exc))}",
+                                 delay=1.0) from None
+        except docker.errors.APIError as exc:
+            raise DriverError(f"{what}: {_one_line(_explanation(exc))}") from None
+        except (docker.errors.DockerException, requests.exceptions.RequestException,
+                OSError) as exc:
+            if _is_connection_failure(exc):
+                raise TemporaryError(
+                    f"{what}: {self._unreachable_message(_unreachable_reason(exc))}",
+                    delay=1.0) from None
+            raise DriverError(f"{what}: {type(exc).__name__}: {exc}") from None
+
+    # -- reading ------------------------------------------------------------
+
+    def _inspect(self, net_id: str) -> NetworkInspect | None:
+        """Inspect one network; None when it is gone (benign, as in kind)."""
+        try:
+            attrs: NetworkInspect = self._api.inspect_network(net_id)
+        except docker.errors.APIError as exc:
+            if is_no_such_network(_explanation(exc)):
+                return None
+            raise
+        return attrs
+
+    def _with_name(self, name: str) -> list[NetworkInspect]:
+        """Inspect payloads of every network called exactly ``name``, kind's order."""
+        listed = self._api.networks(filters=_name_filters(name))
+        found = []
+        for entry in listed:
+            if entry.get("Name") != name:  # the daemon's name filter is a regexp search
+                continue
+            attrs = self._inspect(entry["Id"])
+            if attrs is not None:
+                found.append(attrs)
+        order = {n.id: i for i, n in enumerate(sort_duplicates(parse_network(a) for a in found))}
+        return sorted(found, key=lambda a: order[a.get("Id", "")])
+
+    def observe(self, names: Iterable[str]) -> LiveDocker:
+        """Networks called ``names`` plus every network we own, and the default MTU.
+
+        Never raises: when the daemon is down or refuses, the result is
+        ``LiveDocker(available=False, error=...)`` with one clear line.
+        """
+        wanted = set(names)
+        try:
+            listed: list[dict[str, Any]] = self._api.networks()
+            networks: list[LiveDockerNetwork] = []
+            default_mtu: int | None = None
+            for entry in listed:
+                name = entry.get("Name", "")
+                labels = entry.get("Labels") or {}
+                is_ours = labels.get(DOCKER_LABEL) == DOCKER_LABEL_VALUE
+                if name != "bridge" and name not in wanted and not is_ours:
+                    continue
+                attrs = self._inspect(entry["Id"])
+                if attrs is None:
+                    continue
+                if name == "bridge":
+                    default_mtu = parse_default_mtu(attrs)
+                    if name not in wanted and not is_ours:
+                        continue
+                networks.append(parse_network(attrs))
+        except _Unreachable as exc:
+            return LiveDocker(available=False, error=self._unreachable_message(str(exc)))
+        except docker.errors.APIError as exc:
+            why = _one_line(_explanation(exc))
+            return LiveDocker(available=False, error=f"docker: listing networks failed: {why}")
+        except (docker.errors.DockerException, requests.exceptions.RequestException,
+                OSError) as exc:
+            if _is_connection_failure(exc):
+                return LiveDocker(available=False,
+                                  error=self._unreachable_message(_unreachable_reason(exc)))
+            return LiveDocker(available=False,
+                              error=f"docker: observing networks failed: {exc}")
+        networks.sort(key=lambda n: (n.name, -n.containers, n.id))
+        return LiveDocker(available=True, default_mtu=default_mtu, networks=tuple(networks))
+
+    def default_mtu(self) -> int | None:
+        """The MTU of Docker's default ``bridge`` network (None when unknown)."""
+        with self._errors("docker network bridge: inspect"):
+            attrs = self._inspect("bridge")
+        return None if attrs is None else parse_default_mtu(attrs)
+
+    # -- removing -----------------------------------------------------------
+
+    def _remove_ids(self, name: str, ids: Iterable[str]) -> tuple[str, ...]:
+        removed = []
+        for net_id in ids:
+            with self._errors(f"docker network {name}: remove {net_id[:12]}"):
+                try:
+                    self._api.remove_network(net_id)
+                except docker.errors.APIError as exc:
+                    if not is_no_such_network(_explanation(exc)):
+                        raise
+                    continue
+            removed.append(net_id)
+        return tuple(removed)
+
+    def remove(self, network_id_or_name: str) -> bool:
+        """Delete one network we own. False when it was already gone.
+
+        Refuses (``ConflictError``) Docker's own networks, networks without our
+        label, several networks sharing the name, and networks with containers
+        attached.
+        """
+        ref = network_id_or_name
+        what = f"docker network {ref}: remove"
+        if ref in PROTECTED_NETWORKS:
+            raise ConflictError(f"{what}: refusing to remove Docker's own network")
+        with self._errors(what):
+            matches = self._with_name(ref)
+            if not matches:
+                attrs = self._inspect(ref)
+                if attrs is None:
+                    return False
+                matches = [attrs]
+        if len(matches) > 1:
+            ids = ", ".join(a.get("Id", "")[:12] for a in matches)
+            raise ConflictError(f"{what}: {len(matches)} networks share this name ({ids}); "
+                                "dedupe first")
+        live = parse_network(matches[0])
+        what = f"docker network {live.name}: remove"
+        if live.name in PROTECTED_NETWORKS:
+            raise ConflictError(f"{what}: refusing to remove Docker's own network")
+        if not live.owned:
+            raise ConflictError(f"{what}: not managed by reconciler "
+                                f"(no label {DOCKER_LABEL}={DOCKER_LABEL_VALUE})")
+        if live.containers:
+            names = _container_names(matches[0])
+            raise ConflictError(f"{what}: {live.containers} container(s) attached ({names})")
+        return bool(self._remove_ids(live.name, [live.id]))
+
+    def dedupe(self, name: str) -> DedupeResult:
+        """Keep kind's first of several networks called ``name``; remove the rest.
+
+        Only when every candidate is ours; otherwise ``ConflictError`` names them.
+        """
+        with self._errors(f"docker network {name}: list"):
+            found = [parse_network(a) for a in self._with_name(name)]
+        return self._dedupe_found(name, found)
+
+    def _dedupe_found(self, name: str, found: list[LiveDockerNetwork]) -> DedupeResult:
+        found = sort_duplicates(found)
+        if len(found) < 2:
+            return DedupeResult(kept=found[0] if found else None)
+        foreign = [n for n in found if not n.owned]
+        if foreign or name in PROTECTED_NETWORKS:
+            listed = ", ".join(f"{n.id[:12]}{'' if n.owned else ' (not ours)'}" for n in found)
+            raise ConflictError(f"docker network {name}: {len(found)} networks share this name "
+                                f"({listed}); refusing to remove networks we do not own")
+        removed = self._remove_ids(name, [n.id for n in found[1:]])
+        return DedupeResult(kept=found[0], removed=removed)
+
+    # -- creating -----------------------------------------------------------
+
+    def _create(self, args: _CreateArgs) -> str:
+        """One create call; returns the new ID. APIError propagates."""
+        pools = []
+        if args.subnet is not None:
+            pools.append(IPAMPool(subnet=str(args.subnet), gateway=args.gateway))
+        if args.subnet6 is not None:
+            pools.append(IPAMPool(subnet=str(args.subnet6), gateway=args.gateway6))
+        result: dict[str, Any] = self._api.create_network(
+            args.name,
+            driver="bridge",
+            options=args.options,
+            ipam=IPAMConfig(pool_configs=pools) if pools else None,
+            check_duplicate=True,  # as the docker CLI does: the daemon says "already exists"
+            internal=args.internal,
+            labels=args.labels,
+            enable_ipv6=args.subnet6 is not None,
+        )
+        return str(result.get("Id", ""))
+
+    @staticmethod
+    def _base_args(spec: DockerNetwork, default_mtu: int | None) -> _CreateArgs:
+        options = {OPT_MASQUERADE: _flag(spec.masquerade)}
+        mtu = spec.mtu if spec.mtu is not None else default_mtu
+        if mtu is not None and mtu > 0:
+            options[OPT_MTU] = str(mtu)
+        labels = dict(spec.labels)
+        labels[DOCKER_LABEL] = DOCKER_LABEL_VALUE
+        return _CreateArgs(name=spec.name, options=options, labels=labels,
+                           internal=spec.internal, subnet=spec.subnet)
+
+    def _named(self, name: str) -> list[LiveDockerNetwork]:
+        return [parse_network(a) for a in self._with_name(name)]
+
+    def _subnet_in_use(self, subnet: ipaddress.IPv4Network) -> str | None:
+        """The name of a network whose IPv4 subnet overlaps ``subnet``."""
+        for entry in self._api.networks():
+            v4, _ = _networks_of(parse_network(entry).subnets)
+            if any(net.overlaps(subnet) for net in v4):
+                return str(entry.get("Name", ""))
+        return None
+
+    def ensure(self, spec: DockerNetwork, default_mtu: int | None) -> EnsureResult:
+        """kind's ensureNetwork: the network exists afterwards, exactly once.
+
+        An existing network (ours) is kept as it is — comparing its settings is
+        ``diff_network``'s job. Raises ``ConflictError`` when a network with
+        this name exists that we do not own.
+        """
+        name = spec.name
+        with self._errors(f"docker network {name}: ensure"):
+            existing = self._named(name)
+            if existing:
+                return self._kept(name, existing)
+            return self._create_probing(self._base_args(spec, default_mtu), spec)
+
+    def _kept(self, name: str, existing: list[LiveDockerNetwork],
+              **extra: Any) -> EnsureResult:
+        if len(existing) == 1 and not existing[0].owned:
+            raise ConflictError(f"docker network {name}: exists ({existing[0].id[:12]}) but is "
+                                f"not managed by reconciler (no label "
+                                f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE})")
+        result = self._dedupe_found(name, existing)
+        assert result.kept is not None
+        return EnsureResult(name=name, network_id=result.kept.id, created=False,
+                            removed_duplicates=result.removed, **extra)
+
+    def _create_probing(self, base: _CreateArgs, spec: DockerNetwork,
+                        pinned6: ipaddress.IPv6Network | None = None) -> EnsureResult:
+        """Create with kind's probing; called inside ``_errors``."""
+        name = spec.name
+        explicit6 = pinned6 or spec.subnet6
+        derived = explicit6 is None and spec.ipv6
+        attempts = MAX_ATTEMPTS if derived else 1
+        for attempt in range(attempts):
+            subnet6 = explicit6 or (ula_subnet(name, attempt) if derived else None)
+            args = _replace_args(base, subnet6=subnet6)
+            try:
+                net_id = self._create(args)
+            except docker.errors.APIError as exc:
+                raw = _explanation(exc)
+                msg = _one_line(raw)
+                if is_already_exists(raw):
+                    return self._after_create(name, None, subnet6, attempt if derived else None)
+                if subnet6 is not None and attempt == 0 and is_ipv6_unavailable(raw):
+                    if not derived:
+                        raise DriverError(
+                            f"docker network {name}: subnet6 {subnet6} declared but the Docker "
+                            f"daemon cannot set up IPv6: {msg}") from None
+                    return self._create_ipv4_fallback(base, spec, msg)
+                if is_ipv4_pool_exhausted(raw):
+                    raise DriverError(
+                        f"docker network {name}: Docker's default IPv4 address pools are "
+                        f"exhausted; declare `subnet:` or remove unused networks ({msg})"
+                    ) from None
+                if is_pool_overlap(raw):
+                    # kind: perhaps another process created the network meanwhile
+                    existing = self._named(name)
+                    if existing:
+                        return self._kept(name, existing)
+                    if base.subnet is not None:
+                        other = self._subnet_in_use(base.subnet)
+                        if other is not None:
+                            raise DriverError(f"docker network {name}: subnet {base.subnet} "
+                                              f"overlaps docker network {other}") from None
+                    if not derived:
+                        shown = f"subnet6 {subnet6}" if subnet6 is not None else (
+                            f"subnet {base.subnet}")
+                        raise DriverError(f"docker network {name}: {shown} overlaps an "
+                                          f"address pool in use ({msg})") from None
+                    continue
+                raise
+            return self._after_create(name, net_id, subnet6, attempt if derived else None)
+        raise DriverError("exhausted attempts trying to find a non-overlapping subnet "
+                          f"for docker network {name}")
+
+    def _create_ipv4_fallback(self, base: _CreateArgs, spec: DockerNetwork,
+                              why: str) -> EnsureResult:
+        warning = (f"docker network {spec.name}: the Docker daemon cannot set up IPv6 "
+                   f"({_one_line(why)}); created it IPv4-only")
+        labels = {**base.labels, IPV6_FALLBACK_LABEL: "true"}
+        try:
+            net_id = self._create(_replace_args(base, subnet6=None, labels=labels))
+        except docker.errors.APIError as exc:
+            if not is_already_exists(_explanation(exc)):
+                raise
+            net_id = None
+        result = self._after_create(spec.name, net_id, None, None)
+        return _with(result, ipv6_fallback=True, warnings=result.warnings + (warning,))
+
+    def _after_create(self, name: str, net_id: str | None,
+                      subnet6: ipaddress.IPv6Network | None,
+                      attempt: int | None) -> EnsureResult:
+        """kind's createNetworkNoDuplicates tail: re-list and remove duplicates."""
+        existing = self._named(name)
+        if not existing:
+            raise DriverError(f"docker network {name}: created but not found afterwards")
+        if net_id is None:  # somebody else created it: same as "exists"
+            return self._kept(name, existing)
+        result = self._dedupe_found(name, existing)
+        assert result.kept is not None
+        return EnsureResult(name=name, network_id=result.kept.id,
+                            created=result.kept.id == net_id,
+                            subnet6=str(subnet6) if subnet6 is not None else None,
+                            attempt=attempt, removed_duplicates=result.removed)
+
+    # -- replacing ----------------------------------------------------------
+
+    def _endpoints(self, attrs: NetworkInspect) -> list[_Endpoint]:
+        endpoints = []
+        net_name = attrs.get("Name", "")
+        for cid, ep in sorted((attrs.get("Containers") or {}).items()):
+            try:
+                cattrs = self._api.inspect_container(cid)
+            except docker.errors.NotFound:
+                continue  # gone meanwhile
+            settings = (cattrs.get("NetworkSettings") or {}).get("Networks") or {}
+            net = settings.get(net_name) or {}
+            # Docker adds the short ID itself on every connect.
+            aliases = tuple(a for a in (net.get("Aliases") or []) if a != cid[:12])
+            endpoints.append(_Endpoint(
+                container_id=cid,
+                container_name=str(ep.get("Name") or cattrs.get("Name", "").lstrip("/")),
+                ipv4=_address(ep.get("IPv4Address"), ipaddress.IPv4Address),
+                ipv6=_address(ep.get("IPv6Address"), ipaddress.IPv6Address),
+                aliases=aliases,
+            ))
+        return endpoints
+
+    def replace(self, spec: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
+                reconnect: bool, *, adopt: bool = False) -> EnsureResult:
+        """Delete ``live`` and create ``spec`` in its place (Docker cannot update).
+
+        With containers attached: refuse (``ConflictError``) unless
+        ``reconnect``; then record each container's addresses and aliases,
+        disconnect, re-create and re-attach them with the same addresses. The
+        re-created network keeps the live IPv4/IPv6 subnets unless the file
+        declares others, because Docker only accepts fixed addresses on
+        networks with configured subnets. ``adopt`` allows replacing a network
+        that lacks our label (it gets the label).
+        """
+        name = spec.name
+        what = f"docker network {name}: replace"
+        if live.name in PROTECTED_NETWORKS or name in PROTECTED_NETWORKS:
+            raise ConflictError(f"{what}: refusing to touch Docker's own network")
+        with self._errors(what):
+            attrs = self._inspect(live.id)
+            if attrs is None:  # gone meanwhile: plain ensure
+                return self.ensure(spec, default_mtu)
+            current = parse_network(attrs)
+            if not current.owned and not adopt:
+                raise ConflictError(f"{what}: not managed by reconciler (no label "
+                                    f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}); adopt it explicitly")
+            endpoints = self._endpoints(attrs)
+            if endpoints and not reconnect:
+                raise ConflictError(
+                    f"{what}: {len(endpoints)} container(s) attached "
+                    f"({', '.join(e.container_name for e in endpoints)}); "
+                    "re-create with reconnect to re-attach them")
+
+            base = self._base_args(spec, default_mtu)
+            pinned6: ipaddress.IPv6Network | None = None
+            live4, live6 = _networks_of(current.subnets)
+            if endpoints:
+                gateways = _gateways(attrs)
+                if spec.subnet is None and live4:
+                    base = _replace_args(base, subnet=live4[0], gateway=gateways.get(live4[0]))
+                want_v6 = spec.ipv6 or spec.subnet6 is not None
+                if want_v6 and spec.subnet6 is None and live6 and current.enable_ipv6:
+                    pinned6 = live6[0]
+                    base = _replace_args(base, gateway6=gateways.get(pinned6))
+
+            detached: list[_Endpoint] = []
+            try:
+                for ep in endpoints:
+                    self._disconnect(name, current.id, ep)
+                    detached.append(ep)
+                self._remove_ids(name, [current.id])
+            except (ReconcilerError, docker.errors.APIError):
+                # e.g. a container joined meanwhile: put ours back where they were
+                for ep in detached:
+                    self._reconnect_quietly(current.id, ep)
+                raise
+            try:
+                result = self._create_probing(base, spec, pinned6=pinned6)
+            except ReconcilerError as exc:
+                if endpoints:
+                    self._restore(attrs, endpoints, exc)
+                raise
+            except docker.errors.APIError as exc:
+                if endpoints:
+                    self._restore(attrs, endpoints, exc)
+                raise
+            if not endpoints:
+                return result
+            new_attrs = self._inspect(result.network_id)
+            new4, new6 = _networks_of(parse_network(new_attrs or {}).subnets)
+            warnings = list(result.warnings)
+            failures = []
+            reattached = []
+            for ep in endpoints:
+                try:
+                    warnings += self._connect(result.network_id, name, ep, new4, new6)
+                    reattached.append(ep.container_name)
+                except docker.errors.APIError as exc:
+                    failures.append(f"{ep.container_name}: {_one_line(_explanation(exc))}")
+            if failures:
+                raise DriverError(f"{what}: re-created, but could not re-attach "
+                                  + "; ".join(failures))
+            return _with(result, reconnected=tuple(reattached), warnings=tuple(warnings))
+
+    def _reconnect_quietly(self, net_id: str, ep: _Endpoint) -> None:
+        # best effort; the caller reports the original failure
+        with suppress(docker.errors.DockerException, requests.exceptions.RequestException):
+            self._api.connect_container_to_network(
+                ep.container_id, net_id, aliases=list(ep.aliases) or None)
+
+    def _disconnect(self, name: str, net_id: str, ep: _Endpoint) -> None:
+        try:
+            self._api.disconnect_container_from_network(ep.container_id, net_id, force=True)
+        except docker.errors.APIError as exc:
+            msg = _explanation(exc)
+            if not (is_no_such_network(msg) or "is not connected" in msg
+                    or "No such container" in msg):
+                raise
+
+    def _connect(self, net_id: str, name: str, ep: _Endpoint,
+                 subnets4: Sequence[ipaddress.IPv4Network],
+                 subnets6: Sequence[ipaddress.IPv6Network]) -> list[str]:
+        warnings = []
+        ipv4 = ep.ipv4
+        if ipv4 is not None and not any(ipv4 in net for net in subnets4):
+            warnings.append(f"docker network {name}: container {ep.container_name} lost "
+                            f"address {ipv4} (outside the new subnet)")
+            ipv4 = None
+        ipv6 = ep.ipv6
+        if ipv6 is not None and not any(ipv6 in net for net in subnets6):
+            warnings.append(f"docker network {name}: container {ep.container_name} lost "
+                            f"address {ipv6} (outside the new subnet)")
+            ipv6 = None
+        self._api.connect_container_to_network(
+            ep.container_id, net_id,
+            ipv4_address=str(ipv4) if ipv4 is not None else None,
+            ipv6_address=str(ipv6) if ipv6 is not None else None,
+            aliases=list(ep.aliases) or None,
+        )
+        return warnings
+
+    def _restore(self, attrs: NetworkInspect, endpoints: list[_Endpoint],
+                 cause: BaseException) -> None:
+        """Best effort after a failed re-create: bring the old network back."""
+        old = parse_network(attrs)
+        v4, v6 = _networks_of(old.subnets)
+        gateways = _gateways(attrs)
+        args = _CreateArgs(name=old.name, options=dict(old.options), labels=dict(old.labels),
+                           internal=old.internal, subnet=v4[0] if v4 else None,
+                           gateway=gateways.get(v4[0]) if v4 else None,
+                           subnet6=v6[0] if v6 and old.enable_ipv6 else None,
+                           gateway6=gateways.get(v6[0]) if v6 else None)
+        try:
+            net_id = self._create(args)
+            for ep in endpoints:
+                self._connect(net_id, old.name, ep, v4, v6)
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            pass  # the original error is what the user needs to see
+
+
+def _name_filters(name: str) -> dict[str, str] | None:
+    """An anchored name filter (the daemon matches a Go regexp), as kind uses.
+
+    None (list everything) for a name with characters we would have to escape;
+    callers compare names exactly either way.
+    """
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        return {"name": "^" + name.replace(".", "\\.") + "$"}
+    return None
+
+
+def _address(value: object, kind: type[_T]) -> _T | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        iface = ipaddress.ip_interface(value)
+    except ValueError:
+        return None
+    return iface.ip if isinstance(iface.ip, kind) else None
+
+
+def _gateways(attrs: NetworkInspect) -> dict[Any, str]:
+    out: dict[Any, str] = {}
+    for pool in (attrs.get("IPAM") or {}).get("Config") or []:
+        subnet, gateway = pool.get("Subnet"), pool.get("Gateway")
+        if subnet and gateway:
+            try:
+                out[ipaddress.ip_network(subnet, strict=False)] = gateway
+            except ValueError:
+                continue
+    return out
+
+
+def _container_names(attrs: NetworkInspect) -> str:
+    return ", ".join(sorted(str(ep.get("Name", cid[:12]))
+                            for cid, ep in (attrs.get("Containers") or {}).items()))
+
+
+def _replace_args(args: _CreateArgs, **changes: Any) -> _CreateArgs:
+    return replace(args, **changes)
+
+
+def _with(result: EnsureResult, **changes: Any) -> EnsureResult:
+    return replace(result, **changes)
+

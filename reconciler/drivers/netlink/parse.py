@@ -1,0 +1,214 @@
+"""Pure parsers of rtnetlink messages.
+
+Live links, addresses and routes (``parse_link``…), and the few fields of a
+notification that the drift filter needs (``parse_messages``).
+
+Unit-tested on captured kernel messages and hand-built bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from reconciler.domain import ownership
+from reconciler.domain.live import IPInterface, LiveAddress, LiveLink, LiveRoute
+from reconciler.drivers.netlink.wire import (
+    HDR,
+    I32,
+    IFA_ADDRESS,
+    IFA_LOCAL,
+    IFA_PROTO,
+    IFADDR,
+    IFF_UP,
+    IFINFO,
+    IFLA_BRPORT_MODE,
+    IFLA_IFALIAS,
+    IFLA_IFNAME,
+    IFLA_INFO_KIND,
+    IFLA_INFO_SLAVE_DATA,
+    IFLA_INFO_SLAVE_KIND,
+    IFLA_LINK_NETNSID,
+    IFLA_LINKINFO,
+    IFLA_MASTER,
+    IFLA_MTU,
+    RT_TABLE_MAIN,
+    RTA_DST,
+    RTA_GATEWAY,
+    RTA_OIF,
+    RTA_TABLE,
+    RTM_DELADDR,
+    RTM_DELLINK,
+    RTM_DELROUTE,
+    RTM_F_CLONED,
+    RTM_NEWADDR,
+    RTM_NEWLINK,
+    RTM_NEWROUTE,
+    RTMSG,
+    U32,
+    NlMsg,
+    cstr,
+    parse_attrs,
+    split_messages,
+)
+
+
+def parse_link(msg: NlMsg, names_by_index: dict[int, str],
+               addresses: tuple[LiveAddress, ...] = ()) -> LiveLink:
+    """A LiveLink from an RTM_NEWLINK message, with ``addresses`` attached.
+
+    ``names_by_index`` resolves IFLA_MASTER to the bridge's name. Hairpin
+    comes from the bridge-port attributes the kernel puts in
+    IFLA_LINKINFO/IFLA_INFO_SLAVE_DATA of every bridge port.
+    """
+    _family, _type, index, flags, _change = msg.header
+    a = msg.attrs
+    alias = cstr(a[IFLA_IFALIAS]) if IFLA_IFALIAS in a else None
+    kind = ""
+    hairpin: bool | None = None
+    info = a.get(IFLA_LINKINFO)
+    if info is not None:
+        li = parse_attrs(info)
+        if IFLA_INFO_KIND in li:
+            kind = cstr(li[IFLA_INFO_KIND])
+        if IFLA_INFO_SLAVE_KIND in li and cstr(li[IFLA_INFO_SLAVE_KIND]) == "bridge":
+            port = parse_attrs(li.get(IFLA_INFO_SLAVE_DATA, b""))
+            if IFLA_BRPORT_MODE in port:
+                hairpin = bool(port[IFLA_BRPORT_MODE][0])
+    master = None
+    if IFLA_MASTER in a:
+        mindex = U32.unpack_from(a[IFLA_MASTER])[0]
+        master = names_by_index.get(mindex, f"if{mindex}")
+    peer_nsid = I32.unpack_from(a[IFLA_LINK_NETNSID])[0] if IFLA_LINK_NETNSID in a else None
+    return LiveLink(
+        name=cstr(a[IFLA_IFNAME]),
+        index=index,
+        kind=kind,
+        mtu=U32.unpack_from(a[IFLA_MTU])[0] if IFLA_MTU in a else 0,
+        up=bool(flags & IFF_UP),
+        owned=ownership.is_owned_alias(alias),
+        alias=alias,
+        master=master,
+        addresses=addresses,
+        hairpin=hairpin,
+        peer_netnsid=peer_nsid if peer_nsid is not None and peer_nsid >= 0 else None,
+    )
+
+
+def parse_addr(msg: NlMsg) -> tuple[int, LiveAddress] | None:
+    """(ifindex, LiveAddress) from an RTM_NEWADDR message; None for IPv6 link-local."""
+    family, prefixlen, _flags, _scope, index = msg.header
+    a = msg.attrs
+    raw = a.get(IFA_LOCAL) or a.get(IFA_ADDRESS)
+    if raw is None:
+        return None
+    iface: IPInterface
+    if family == socket.AF_INET:
+        iface = ipaddress.IPv4Interface((raw, prefixlen))
+    elif family == socket.AF_INET6:
+        iface = ipaddress.IPv6Interface((raw, prefixlen))
+        if iface.ip.is_link_local:
+            return None
+    else:
+        return None
+    owned = IFA_PROTO in a and a[IFA_PROTO][0] == ownership.ADDR_PROTO
+    return index, LiveAddress(address=iface, owned=owned)
+
+
+def parse_route(msg: NlMsg) -> LiveRoute | None:
+    """A LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
+
+    ``dst`` is ``"default"`` for a zero-length prefix of either family (the
+    gateway's family tells them apart), else ``"prefix/len"``.
+    """
+    family, dst_len, _src_len, _tos, table, proto, _scope, _rtype, rflags = msg.header
+    a = msg.attrs
+    if RTA_TABLE in a:
+        table = U32.unpack_from(a[RTA_TABLE])[0]
+    if table != RT_TABLE_MAIN or rflags & RTM_F_CLONED:
+        return None
+    if family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    if dst_len == 0:
+        dst = "default"
+    else:
+        dst = f"{ipaddress.ip_address(a[RTA_DST])}/{dst_len}" if RTA_DST in a else "default"
+    gw = str(ipaddress.ip_address(a[RTA_GATEWAY])) if RTA_GATEWAY in a else None
+    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO)
+
+
+def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:
+    """Links with their addresses attached, from one link dump and one address dump."""
+    link_msgs = list(link_msgs)
+    names: dict[int, str] = {}
+    for m in link_msgs:
+        if IFLA_IFNAME in m.attrs:
+            names[m.header[2]] = cstr(m.attrs[IFLA_IFNAME])
+    by_index: dict[int, list[LiveAddress]] = {}
+    for m in addr_msgs:
+        parsed = parse_addr(m)
+        if parsed is not None:
+            by_index.setdefault(parsed[0], []).append(parsed[1])
+    return [parse_link(m, names, tuple(by_index.get(m.header[2], ()))) for m in link_msgs]
+
+
+What = Literal["link", "addr", "route"]
+
+
+@dataclass(frozen=True)
+class NetlinkEvent:
+    """The few fields of one rtnetlink notification that the relevance filter needs."""
+
+    what: What
+    deleted: bool
+    index: int  # ifindex of the link (addr: ifa_index, route: RTA_OIF, 0 when absent)
+    name: str | None = None  # links only
+    alias: str | None = None  # links only
+    master: int | None = None  # links only
+    proto: int | None = None  # addr: IFA_PROTO; route: rtm_protocol
+    link_local: bool = False  # addr: an IPv6 fe80::/10 address (kernel-made, never ours)
+
+
+def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
+    body = HDR.size
+    if kind in (RTM_NEWLINK, RTM_DELLINK) and len(raw) - body >= IFINFO.size:
+        _family, _type, index, _flags, _change = IFINFO.unpack_from(raw, body)
+        attrs = parse_attrs(raw, body + IFINFO.size)
+        name, alias = attrs.get(IFLA_IFNAME), attrs.get(IFLA_IFALIAS)
+        master = attrs.get(IFLA_MASTER)
+        return NetlinkEvent("link", kind == RTM_DELLINK, index,
+                            name=None if name is None else cstr(name),
+                            alias=None if alias is None else cstr(alias),
+                            master=U32.unpack_from(master)[0] if master and len(master) >= 4
+                            else None)
+    if kind in (RTM_NEWADDR, RTM_DELADDR) and len(raw) - body >= IFADDR.size:
+        family, _plen, _flags, _scope, index = IFADDR.unpack_from(raw, body)
+        attrs = parse_attrs(raw, body + IFADDR.size)
+        proto = attrs.get(IFA_PROTO)
+        addr = attrs.get(IFA_LOCAL) or attrs.get(IFA_ADDRESS)
+        link_local = (family == socket.AF_INET6 and addr is not None and len(addr) == 16
+                      and ipaddress.IPv6Address(addr).is_link_local)
+        return NetlinkEvent("addr", kind == RTM_DELADDR, index,
+                            proto=proto[0] if proto else None, link_local=link_local)
+    if kind in (RTM_NEWROUTE, RTM_DELROUTE) and len(raw) - body >= RTMSG.size:
+        rtm = RTMSG.unpack_from(raw, body)
+        oif = parse_attrs(raw, body + RTMSG.size).get(RTA_OIF)
+        return NetlinkEvent("route", kind == RTM_DELROUTE,
+                            U32.unpack_from(oif)[0] if oif and len(oif) >= 4 else 0,
+                            proto=rtm[5])
+    return None
+
+
+def parse_messages(data: bytes) -> list[NetlinkEvent]:
+    """Parse one datagram of rtnetlink messages; unknown or malformed messages are skipped."""
+    events: list[NetlinkEvent] = []
+    for raw in split_messages(data):
+        if len(raw) < HDR.size or HDR.unpack_from(raw)[0] > len(raw):
+            break  # truncated: the kernel never sends one
+        ev = _parse_one(HDR.unpack_from(raw)[1], raw)
+        if ev is not None:
+            events.append(ev)
+    return events

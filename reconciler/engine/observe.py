@@ -1,0 +1,125 @@
+"""Observation: read the live state through drivers into one ``LiveState`` value. Read-only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from reconciler.domain.errors import DriverError
+from reconciler.domain.live import LiveDocker, LiveNetns, LiveState
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import alloc_ns_alias
+from reconciler.drivers import netns, sysctl
+from reconciler.drivers.docker import probe as docker_probe
+from reconciler.drivers.procfs import listening_ports
+from reconciler.engine.hostops import HostOps
+
+#: sysctls every plan may need to compare
+SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
+
+
+class Observer:
+    """Holds driver handles (sockets) across passes; ``observe`` is read-only."""
+
+    def __init__(self, ops: HostOps | None = None) -> None:
+        self.ops = ops or HostOps()
+
+    def observe(self, desired: DesiredState) -> LiveState:
+        links = self.ops.netlink.dump_links()
+        host_id = str(os.stat("/proc/thread-self/ns/net").st_ino)
+        fields: dict[str, Any] = {
+            "host_id": host_id,
+            "links": links,
+            "firewall4": self.ops.iptables(4).observe(),
+            "firewall6": self.ops.iptables(6).observe(),
+            "netns": self.observe_allocs(desired, host_id),
+            "docker": self.observe_docker(desired),
+            **self.observe_unannounced(desired),
+        }
+        return dataclasses.replace(LiveState(), **fields)
+
+    def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
+        """The LiveState fields no kernel event announces a change of: sysctls, listening sockets.
+
+        Cheap file reads; the plan agent re-reads them on every request.
+        """
+        extra_sysctls = tuple(f"net/ipv4/conf/{b}/route_localnet" for b in desired.bridges)
+        return {
+            "sysctls": {k: v for k in (*SYSCTL_KEYS, *extra_sysctls)
+                        if (v := sysctl.read(k)) is not None},
+            "listening": listening_ports() if desired.allocs else frozenset(),
+        }
+
+    def observe_allocs(self, desired: DesiredState,
+                        host_id: str) -> dict[str, LiveNetns]:
+        """Desired allocation namespaces, plus undeclared ones that carry this host's mark."""
+        names = set(netns.list_names())
+        wanted = names & set(desired.allocs)
+        mark = alloc_ns_alias(host_id)
+        stale: dict[str, LiveNetns] = {}
+        for name in sorted(names - wanted):
+            try:
+                if not netns.is_namespace_mount(name):
+                    # An empty file (a crash between unmount and unlink): ours only if tagged.
+                    if netns.file_mark(name) == mark:
+                        stale[name] = LiveNetns(name, usable=False, file_mark=mark)
+                    continue
+            except (OSError, DriverError):
+                continue  # removed meanwhile by someone else, or a name we never give
+            if self.ops.netlink.peek_lo_alias(name) == mark:
+                wanted.add(name)  # ours, undeclared: to be pruned
+        return {**self.observe_namespaces(wanted), **stale}
+
+    def observe_namespaces(self, names: Iterable[str]) -> dict[str, LiveNetns]:
+        """Links, addresses and routes inside each named namespace (missing ones left out)."""
+        names = sorted(names)
+        # with no names too: that drops sockets held into namespaces no longer read, which
+        # would keep them (and their veths) alive after someone deleted them
+        observed = dict(self.ops.netlink.observe_netns(names))
+        for name, ns in observed.items():
+            if not ns.usable:
+                observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
+        return observed
+
+    def observe_docker(self, desired: DesiredState) -> LiveDocker | None:
+        """Declared Docker networks and every network we own, or None.
+
+        Whether we own networks only the daemon can say, so it is asked even
+        when nothing Docker is declared. A host without Docker (no socket) is
+        None: host-only runs must not fail for it. A socket whose daemon does
+        not answer is reported, so the planner can warn that owned networks
+        were not checked (an error only when networks are declared).
+        """
+        if not desired.docker_networks:
+            # Host-only run: skip the SDK unless this reconciler owns networks to prune.
+            scopes = docker_probe.owned_scopes()
+            if scopes is not None and docker_scope() not in scopes:
+                return None
+        live = self.ops.docker.observe(sorted(desired.docker_networks))
+        if not live.available:
+            return live
+        return dataclasses.replace(live, scope=docker_scope())
+
+
+def docker_scope() -> str:
+    """Who we are among reconcilers sharing one dockerd (the ``io.reconciler.scope`` label).
+
+    "host" in the network namespace of pid 1; in a sandbox (``--netns NAME``
+    or nsenter) ``netns/NAME``, or ``netns-inode/N`` when it has no name.
+    """
+    mine = netns.current_inode()
+    try:
+        if os.stat("/proc/1/ns/net").st_ino == mine:
+            return "host"
+    except OSError:
+        pass
+    for name in netns.list_names():
+        try:
+            if netns.namespace_inode(name) == mine:
+                return f"netns/{name}"
+        except OSError:
+            continue
+    return f"netns-inode/{mine}"
+

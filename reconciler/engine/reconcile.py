@@ -1,0 +1,134 @@
+"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
+from reconciler.domain.live import LiveState
+from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Plan
+from reconciler.drivers import netns
+from reconciler.engine.executor import Executor, Outcome
+from reconciler.engine.observe import Observer
+from reconciler.planner import make_plan
+from reconciler.planner.context import PlanOptions
+
+log = logging.getLogger("reconciler")
+
+VERIFY_ATTEMPTS = 5
+VERIFY_DELAYS = (0.1, 0.3, 0.6, 1.0)
+
+
+@dataclass
+class ApplyResult:
+    plan: Plan
+    outcomes: list[Outcome] = field(default_factory=list)
+    residual: Plan | None = None
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and (self.residual is None or not self.residual.has_changes) \
+            and not self.plan.errors
+
+
+class Reconciler:
+    """Observe, plan, apply and verify against one host (the current network namespace)."""
+
+    def __init__(self, observer: Observer | None = None, *,
+                 sleep: Callable[[float], None] = time.sleep,
+                 stop: threading.Event | None = None) -> None:
+        self.observer = observer or Observer()
+        self.sleep = sleep
+        self.stop = stop or threading.Event()
+
+    def observe(self, desired: DesiredState) -> LiveState:
+        return self.observer.observe(desired)
+
+    def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
+        live = self.observe(desired)
+        return make_plan(desired, live, options, desired.file_hashes)
+
+    def apply(self, desired: DesiredState, options: PlanOptions, *,
+              saved: Plan | None = None,
+              on_outcome: Callable[[Outcome], None] | None = None) -> ApplyResult:
+        """Plan and execute; the caller holds the host lock."""
+        plan = self.plan(desired, options)
+        if saved is not None:
+            if dict(saved.files) != dict(plan.files):
+                raise StalePlanError("the saved plan is stale: the desired-state files changed "
+                                     "since it was made; run plan again")
+            if not saved.same_work(plan):
+                raise StalePlanError("the saved plan is stale: the live state changed since it "
+                                     "was made; run plan again")
+        if plan.conflicts:
+            lines = [f"refusing to apply: {len(plan.conflicts)} conflict(s) with objects the "
+                     "reconciler does not own; nothing changed"]
+            lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
+                      for c in plan.conflicts]
+            raise ConflictError("\n".join(lines))
+        result = ApplyResult(plan)
+        if not plan.has_changes:
+            return result
+        preflight(plan)
+        result.outcomes = Executor(self.observer.ops, stop=self.stop, sleep=self.sleep,
+                                   on_outcome=on_outcome).execute(plan)
+        if result.failed or self.stop.is_set():
+            return result
+        result.residual = self.verify(desired, options)
+        return result
+
+    def verify(self, desired: DesiredState, options: PlanOptions) -> Plan:
+        """Observe again until nothing is left to do, with a short bounded wait for the kernel."""
+        residual = make_plan(desired, self.observe(desired), options)
+        for delay in VERIFY_DELAYS[: VERIFY_ATTEMPTS - 1]:
+            if not residual.has_changes:
+                break
+            self.sleep(delay)
+            residual = make_plan(desired, self.observe(desired), options)
+        return residual
+
+
+def preflight(plan: Plan) -> None:
+    """Refuse, before changing anything, a plan that could only half work here.
+
+    Under ``ip netns exec`` (a private, slave mount namespace) the namespaces we
+    would create vanish with the process: refuse up front (one line, exit 1)
+    rather than fail midway after bridges and rules were already changed.
+
+    Kernels before 5.18 silently drop the IFA_PROTO tag that proves an address is
+    ours: from the next run on our own gateways would look foreign. Refuse.
+    """
+    if any(op.name in ("addr.add", "alloc.configure") for c in plan.actionable for op in c.ops):
+        problem = kernel_problem(os.uname().release)
+        if problem is not None:
+            raise PreconditionError(problem)
+    if any(op.name == "netns.create" for c in plan.actionable for op in c.ops):
+        problem = netns.private_mount_namespace_problem()
+        if problem is not None:
+            raise PreconditionError(problem)
+
+
+MIN_KERNEL = (5, 18)
+
+
+def kernel_problem(release: str) -> str | None:
+    """Why this kernel cannot carry our address ownership tag, or None (pure)."""
+    try:
+        major, minor = (int(x) for x in release.split("-", 1)[0].split(".")[:2])
+    except ValueError:
+        return None  # an unusual version string: let the kernel speak for itself
+    if (major, minor) >= MIN_KERNEL:
+        return None
+    return (f"kernel {release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}: it drops the "
+            "address protocol tag (IFA_PROTO) that marks addresses the reconciler owns, so "
+            "its own addresses would look foreign on the next run; upgrade the kernel")

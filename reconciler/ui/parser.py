@@ -1,0 +1,175 @@
+"""The `reconcile` argument parser: every command, option and help text.
+
+Commands are named by ``set_defaults(command=NAME)``; ``reconciler.cli.commands``
+maps names to what runs them, so the parser knows no command's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from reconciler import __version__
+from reconciler.ui.render import EXIT_ERROR
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 1: exit 2 means "changes present" in this tool."""
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="reconcile",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Declarative reconciler for Linux host networking: bridges, subnets,\n"
+                    "network-namespace allocations with port maps, and Docker networks,\n"
+                    "kept in YAML files (a directory is read as all its *.yaml files).",
+        epilog="examples:\n"
+               "  reconcile validate examples/quickstart.yaml     check a file, touch nothing\n"
+               "  reconcile --netns sandbox plan examples/fleet/  what would change in a sandbox\n"
+               "  reconcile apply /etc/reconciler                 change this host, then verify\n"
+               "  reconcile watch /etc/reconciler                 keep this host converged\n"
+               "\n"
+               "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
+               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
+    p.add_argument("--version", action="version", version=f"reconcile {__version__}",
+                   help="print the version and exit")
+    p.add_argument("--netns", metavar="NAME",
+                   help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more detail (the ops of each change; debug logs with -vv)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the plan (default auto: when stdout is a terminal and "
+                        "NO_COLOR is unset)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                           title="commands")
+
+    def common(sp: argparse.ArgumentParser, *, paths: bool = True) -> None:
+        if paths:
+            sp.add_argument("paths", nargs="+", metavar="PATH",
+                            help="desired-state files or directories")
+        sp.add_argument("--output", choices=("text", "json"), default="text",
+                        help="text for people (default) or json for programs")
+        sp.add_argument("--no-prune", action="store_true",
+                        help="keep owned objects that the files no longer declare")
+        sp.add_argument("--hostname", metavar="NAME",
+                        help="the name matched against files' hosts: patterns (default: this "
+                             "host's name)")
+        sp.add_argument("--adopt", action="append", metavar="KIND/NAME",
+                        help="take over an existing object the reconciler did not create; "
+                             "KIND is bridge, subnet, alloc or docker_network "
+                             "(e.g. bridge/nomad); repeatable")
+
+    sp = sub.add_parser(
+        "validate", help="check files only (no host access)",
+        description="Check desired-state files against the schema and for semantic errors "
+                    "(references, overlaps, clashing ports). Reads no host state, needs no "
+                    "root. Errors name file:line:col.")
+    sp.add_argument("paths", nargs="+", metavar="PATH", help="desired-state files or directories")
+    sp.add_argument("--hostname", metavar="NAME",
+                    help="show the view of this host (files' hosts: patterns)")
+
+    sp = sub.add_parser(
+        "plan", help="show what apply would change (exit 0 none, 2 changes)",
+        description="Observe the host, compare it with the files and print the plan: "
+                    "+ create, ~ update, - delete, -/+ replace, ! conflict. Changes nothing. "
+                    "Exit 0 when there is nothing to do, 2 when there are changes, 1 on error "
+                    "or conflict.")
+    common(sp)
+    sp.add_argument("--out", metavar="FILE",
+                    help="also save the plan as JSON; `apply FILE` applies exactly it and "
+                         "refuses if the host changed meanwhile")
+    sp.add_argument("--no-agent", action="store_true",
+                    help="plan in this process even when a running `reconcile watch` could "
+                         "answer (same output; RECONCILER_AGENT=off does the same)")
+
+    sp = sub.add_parser(
+        "apply", help="plan, change the host, verify",
+        description="Plan, apply the changes in dependency order, then observe again and "
+                    "fail if anything is still different. PATH may also be one plan saved "
+                    "with `plan --out`. Takes the host lock (shared with destroy and watch).")
+    common(sp)
+    sp.add_argument("--dry-run", action="store_true", help="plan only (same as `plan`)")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+    sp.add_argument("--force-replace", action="store_true",
+                    help="allow replacing Docker networks that have containers attached "
+                         "(they are disconnected and reconnected with the same addresses)")
+
+    sp = sub.add_parser(
+        "destroy", help="remove everything the reconciler manages on this host",
+        description="Remove every object the reconciler owns on this host (or in --netns "
+                    "NAME): owned links, addresses, allocation namespaces, RECONCILER-* "
+                    "chains and owned Docker networks. Objects it did not create are kept.")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
+    sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+
+    sp = sub.add_parser(
+        "show", help="show the live state of managed objects",
+        description="Print what the reconciler owns on this host right now, read from the "
+                    "kernel, iptables and Docker (no files needed).")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
+
+    sp = sub.add_parser(
+        "watch", help="keep this host converged: follow file changes and drift",
+        description="Run as an agent: reconcile now, then again whenever the files change "
+                    "(debounced), on drift reported by netlink or Docker events, and every "
+                    "--interval. An invalid edit keeps the last good state. SIGHUP reloads, "
+                    "SIGTERM finishes the current action and exits. Status and metrics are "
+                    "served on --status-addr.")
+    common(sp)
+    sp.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
+                    help="full resync period, covers drift no event reports, e.g. iptables "
+                         "(default 60)")
+    sp.add_argument("--debounce", type=float, default=0.5, metavar="SECONDS",
+                    help="wait for file changes to settle, e.g. during git pull (default 0.5)")
+    sp.add_argument("--max-backoff", type=float, default=60.0, metavar="SECONDS",
+                    help="cap of the retry delay after failed passes (default 60)")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer before a pass fails (default 60)")
+    sp.add_argument("--status-addr", default="127.0.0.1:9477", metavar="HOST:PORT",
+                    help="serve /status, /metrics, /healthz here (default 127.0.0.1:9477; "
+                         "'off' disables)")
+    sp.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one object per line, for journald or a log shipper")
+    sp.add_argument("--allow-insecure-config", action="store_true",
+                    help="watch files or directories writable by group or others")
+    sp.add_argument("--no-docker-events", action="store_true",
+                    help="do not follow Docker events (the interval still heals)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="observe and report drift (status, metrics, logs: result \"drift\") "
+                         "but change nothing; `reconcile plan` is still answered")
+    sp.add_argument("--no-plan-server", action="store_true",
+                    help="do not answer `reconcile plan` for this namespace (by default the "
+                         "agent does, from its event-driven view: same output, much faster)")
+    sp.set_defaults(prepare=True)
+
+    sp = sub.add_parser(
+        "status", help="show the status of the running watch agent",
+        description="Ask a running `reconcile watch` for its status over HTTP. Exit 0 when "
+                    "its last pass converged and its files load, 1 otherwise.")
+    sp.add_argument("--addr", default="127.0.0.1:9477", metavar="HOST:PORT",
+                    help="the agent's --status-addr (default 127.0.0.1:9477)")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
+    sp.set_defaults(enters_netns=False)
+
+    sp = sub.add_parser(
+        "completion", help="print a shell completion script (bash or zsh)",
+        description="Print a completion script for SHELL. bash: `reconcile completion bash "
+                    "> /etc/bash_completion.d/reconcile`; zsh: `reconcile completion zsh > "
+                    "\"${fpath[1]}/_reconcile\"`, or `source <(reconcile completion zsh)`.")
+    sp.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
+    sp.set_defaults(enters_netns=False)
+    return p
+

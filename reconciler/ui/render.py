@@ -1,0 +1,117 @@
+"""What commands print and exit with: plans as text or JSON, colour, exit codes.
+
+The plan agent answers `reconcile plan` with exactly this text, so the CLI
+and the agent share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from typing import TextIO
+
+from reconciler.domain.errors import VerifyError
+from reconciler.domain.plan import Action, Json, Plan
+
+EXIT_OK, EXIT_ERROR, EXIT_CHANGES = 0, 1, 2
+
+
+def colour(args: argparse.Namespace) -> bool:
+    if args.color == "always":
+        return True
+    if args.color == "never" or os.environ.get("NO_COLOR"):
+        return False
+    return sys.stdout.isatty()
+
+
+def plan_text(plan: Plan, output: str, *, colour: bool, verbose: bool) -> str:
+    """What `plan` prints (the plan agent answers with exactly this too)."""
+    if output == "json":
+        buf = io.StringIO()
+        write_json(plan, buf)
+        return buf.getvalue()
+    return render_text(plan, colour=colour, verbose=verbose)
+
+
+def plan_exit(plan: Plan) -> int:
+    if plan.conflicts or plan.errors:
+        return EXIT_ERROR
+    return EXIT_CHANGES if plan.has_changes else EXIT_OK
+
+
+_COLOURS = {
+    Action.CREATE: "\033[32m", Action.UPDATE: "\033[33m", Action.DELETE: "\033[31m",
+    Action.REPLACE: "\033[35m", Action.CONFLICT: "\033[1;31m",
+}
+
+
+_RESET = "\033[0m"
+
+
+def _fmt(value: Json) -> str:
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> str:
+    """Terraform-style text: one block per change, then a summary line."""
+    lines: list[str] = []
+    for c in plan.changes:
+        if c.action is Action.NOOP:
+            continue
+        sym = c.action.symbol
+        head = f"{sym:>3} {c.kind} {c.name}"
+        if c.reason:
+            head += f": {c.reason}"
+        if colour and c.action in _COLOURS:
+            head = f"{_COLOURS[c.action]}{head}{_RESET}"
+        lines.append(head)
+        for a in c.attrs:
+            if a.before is None and a.after is not None and c.action is Action.CREATE:
+                lines.append(f"      {a.field} = {_fmt(a.after)}")
+            else:
+                lines.append(f"      {a.field}: {_fmt(a.before)} -> {_fmt(a.after)}")
+        for w in c.warnings:
+            lines.append(f"      warning: {w}")
+        if c.source:
+            lines.append(f"      # {c.source}")
+        if verbose:
+            for o in c.ops:
+                lines.append(f"      > {o.describe()}")
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    for e in plan.errors:
+        lines.append(f"error: {e}")
+    s = plan.summary()
+    if plan.has_changes or s["conflict"]:
+        summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
+                   f"{s['replace']} to replace, {s['delete']} to delete")
+        if s["conflict"]:
+            summary += f", {s['conflict']} conflict{'s' if s['conflict'] != 1 else ''}"
+        summary += f" ({s['unchanged']} unchanged)."
+    else:
+        summary = f"No changes. {s['unchanged']} resources match the desired state."
+    if lines:
+        lines.append("")
+    lines.append(summary)
+    return "\n".join(lines) + "\n"
+
+
+def write_json(plan: Plan, out: TextIO = sys.stdout) -> None:
+    json.dump(plan.to_json(), out, indent=2, sort_keys=False)
+    out.write("\n")
+
+
+
+def residual_error(residual: Plan) -> VerifyError:
+    """What is still different after an apply, as the error commands and the agent report."""
+    return VerifyError("apply finished but the host still differs from the desired state:\n"
+                       + render_text(residual).rstrip())
