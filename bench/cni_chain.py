@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reconciler.drivers import netns  # noqa: E402
+from reconciler.drivers import netns, nsfs  # noqa: E402
 
 CNI_PATH = "/usr/lib/cni"
 PLUGINS = ("bridge", "host-local", "firewall", "portmap")
@@ -214,7 +214,7 @@ def throwaway_host(name: str) -> Iterator[None]:
     netns.create(name)
     try:
         with netns.enter(name):
-            if netns.current_inode() != netns.namespace_inode(name):
+            if nsfs.current_inode() != netns.namespace_inode(name):
                 raise RuntimeError(f"not inside {name}: refusing to touch the host")
             subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
             yield

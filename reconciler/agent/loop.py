@@ -47,6 +47,7 @@ from reconciler.config.load import load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
+from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
 from reconciler.engine.reconcile import Reconciler
@@ -136,7 +137,7 @@ class Agent:
                           paths=list(options.paths), state="starting", started_at=wall(),
                           pass_count=0, consecutive_failures=0, last_pass=None,
                           last_success_at=None, revision=None, errors=[], config_error=None,
-                          desired=None, netns_inode=os.stat("/proc/thread-self/ns/net").st_ino,
+                          desired=None, netns_inode=current_inode(),
                           event_sources={})
         self.scheduler = Scheduler(backoff_base=options.backoff_base,
                                    backoff_cap=options.backoff_cap,

@@ -22,12 +22,16 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer as FsObserver
+
 from reconciler.config.paths import YAML_SUFFIXES
 from reconciler.domain import ownership
-from reconciler.drivers.docker.events import _docker_client
+from reconciler.drivers.docker.events import events_client
 from reconciler.drivers.netlink.listen import GROUPS, RECV_BUFFER, dump_links, open_socket
 from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
-from reconciler.drivers.netns import NETNS_RUN_DIR
+from reconciler.drivers.nsfs import NETNS_RUN_DIR
+from reconciler.drivers.nswatch import IN_CREATE, IN_MOVED_TO, IN_NAMES, RunDirWatch
 
 
 def relevant_path(path: str, named: Sequence[str]) -> bool:
@@ -66,33 +70,35 @@ def _links_on_the_way(path: str) -> list[str]:
     return out
 
 
+class _FileEvents(FileSystemEventHandler):
+    """Watchdog's callback: a change of a desired-state file or of a link on the way to one."""
+
+    def __init__(self, watcher: FileWatcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        for p in (event.src_path, getattr(event, "dest_path", "")):
+            p = os.fsdecode(p) if p else ""
+            if p and (relevant_path(p, self.watcher.paths) or p in self.watcher.links):
+                self.watcher.on_change(p)
+                return
+
+
 class FileWatcher:
     """Watchdog (inotify) on the directories holding the desired-state files."""
 
     def __init__(self, paths: Sequence[str], on_change: Callable[[str], None]) -> None:
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer as FsObserver
-
         self.paths = list(paths)
         self.on_change = on_change
         self._observer = FsObserver()
         #: watched directory -> (the real directory inotify follows, the watch)
         self._scheduled: dict[str, tuple[str, Any]] = {}
         #: symlinks on the way to a watched directory (git-sync, ConfigMap ..data swaps)
-        self._links: set[str] = set()
-        outer = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                for p in (event.src_path, getattr(event, "dest_path", "")):
-                    p = os.fsdecode(p) if p else ""
-                    if p and (relevant_path(p, outer.paths) or p in outer._links):
-                        outer.on_change(p)
-                        return
-
-        self._handler = Handler()
+        self.links: set[str] = set()
+        self._handler = _FileEvents(self)
 
     def ensure(self) -> None:
         """Watch every directory that exists now (a deleted one is picked up when it returns).
@@ -105,7 +111,7 @@ class FileWatcher:
         wanted = set(watch_dirs(self.paths))
         for d in sorted(wanted):
             for link in _links_on_the_way(d):
-                self._links.add(link)
+                self.links.add(link)
                 wanted.add(os.path.dirname(link))
         for d in sorted(wanted):
             if not os.path.isdir(d):
@@ -269,36 +275,25 @@ class NetnsDirWatcher:
     """Inotify on /run/netns: an allocation namespace unmounted (``ip netns del``) or re-made.
 
     Unmounting sends no netlink event, and the namespace may even live on
-    (something still holds it), so its veth does not vanish either.
+    (something still holds it), so its veth does not vanish either. A thread
+    waits on the inotify descriptor (``drivers.nswatch``, which the plan view's
+    sentinel reads too); a directory made, removed or replaced later is watched
+    again, and losing the watch asks for a pass (anything may have changed).
     """
 
     def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR, *,
-                 held: Callable[[], Iterable[str]] = frozenset) -> None:
+                 held: Callable[[], Iterable[str]] = frozenset,
+                 stop: threading.Event | None = None) -> None:
         """``held``: names that matter besides ``set_names``, asked at event time (the
         namespaces an observer keeps a socket into, which a pass may have just opened)."""
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer as FsObserver
-
         self.on_drift = on_drift
-        self.run_dir = run_dir
         self.held = held
+        self.stop = stop or threading.Event()
+        self._closed = threading.Event()
         self._names: frozenset[str] = frozenset()
-        self._observer = FsObserver()
-        self._scheduled = False
-        outer = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type not in ("created", "deleted", "moved"):
-                    return
-                for p in (event.src_path, getattr(event, "dest_path", "")):
-                    name = os.path.basename(os.fsdecode(p)) if p else ""
-                    if name and (name in outer._names or outer._held(name)):
-                        outer.on_drift(f"netns {event.event_type} {name}")
-                        return
-
-        self._handler = Handler()
-        self._observer.start()
+        self.watch = RunDirWatch(run_dir)
+        self._thread = threading.Thread(target=self._run, name="netns-drift", daemon=True)
+        self._thread.start()
 
     def _held(self, name: str) -> bool:
         try:
@@ -308,16 +303,31 @@ class NetnsDirWatcher:
 
     def set_names(self, names: Iterable[str]) -> None:
         self._names = frozenset(names)
-        if not self._scheduled and os.path.isdir(self.run_dir):
+
+    def _run(self) -> None:
+        while not (self.stop.is_set() or self._closed.is_set()):
+            if not self.watch.watching and not self.watch.rewatch():
+                self._closed.wait(1.0)  # no /run/netns yet: nothing of ours lives there
+                continue
             try:
-                self._observer.schedule(self._handler, self.run_dir, recursive=False)
-                self._scheduled = True
-            except OSError as exc:
-                log.warning("cannot watch %s: %s", self.run_dir, exc)
+                ready, _w, _x = select.select([self.watch], [], [], 0.5)
+            except (OSError, ValueError):  # closed under us
+                return
+            if not ready:
+                continue
+            for mask, name in self.watch.drain():
+                if not mask & IN_NAMES or not name:
+                    continue
+                if name in self._names or self._held(name):
+                    what = "created" if mask & (IN_CREATE | IN_MOVED_TO) else "deleted"
+                    self.on_drift(f"netns {what} {name}")
+            if not self.watch.watching:
+                self.on_drift("netns directory replaced")
 
     def close(self) -> None:
-        self._observer.stop()
-        self._observer.join(timeout=2.0)
+        self._closed.set()
+        self._thread.join(timeout=2.0)
+        self.watch.close()
 
 
 DOCKER_ACTIONS = frozenset({"create", "destroy", "connect", "disconnect", "remove", "update"})
@@ -352,7 +362,7 @@ class DockerWatcher:
         self.on_drift = on_drift
         self.stop = stop
         self.max_delay = max_delay
-        self._factory = client_factory or _docker_client
+        self._factory = client_factory or events_client
         self._names: frozenset[str] = frozenset()
         self._thread: threading.Thread | None = None
         self._client: Any = None

@@ -37,6 +37,7 @@ from reconciler.agent.planview.protocol import (
 )
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError
+from reconciler.drivers.nsfs import NETNS_RUN_DIR, current_inode, mount_ns_inode, name_ok
 from reconciler.ui.argv import normalise_argv
 
 TYPE_CHECKING = False  # not `typing`: start-up path
@@ -133,18 +134,12 @@ class PlanCall:
     def target_inode(self) -> int:
         try:
             if self.netns is None:
-                return os.stat("/proc/thread-self/ns/net").st_ino
-            if not _netns_name_ok(self.netns):
+                return current_inode()
+            if not name_ok(self.netns):
                 raise Unanswered("the CLI reports bad namespace names")
-            return os.stat(os.path.join("/run/netns", self.netns)).st_ino
+            return os.stat(os.path.join(NETNS_RUN_DIR, self.netns)).st_ino
         except OSError as exc:
             raise Unanswered(f"namespace: {exc}") from None
-
-
-def _netns_name_ok(name: str) -> bool:
-    """drivers.netns.check_name, without importing re."""
-    return (0 < len(name) <= 255 and name not in (".", "..")
-            and all(c.isascii() and (c.isalnum() or c in "_.@:+-") for c in name))
 
 
 def ask_agent(call: PlanCall) -> dict[str, object]:
@@ -162,7 +157,7 @@ def ask_agent(call: PlanCall) -> dict[str, object]:
         "protocol": PROTOCOL, "code": code_id(), "argv": call.rest, "paths": call.paths,
         "files": [[f, os.path.abspath(f), len(b)] for f, b in zip(files, blobs, strict=True)],
         "verbose": call.verbose, "colour": call.colour(), "hostname": socket.gethostname(),
-        "mnt": os.stat("/proc/self/ns/mnt").st_ino, "net": net,
+        "mnt": mount_ns_inode(), "net": net,
         "env": current_env(), "tools": tool_paths(),
     }
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -6,6 +6,8 @@ reconciler and need no side file that could be lost or go stale.
 
 from __future__ import annotations
 
+import hashlib
+
 #: IFLA_IFALIAS of every link we create (bridges, alloc veths).
 LINK_ALIAS = "managed-by=reconciler"
 
@@ -35,8 +37,6 @@ def alloc_veth_name(alloc_id: str) -> str:
     Deterministic, so a restarted reconciler finds its veths again; 48 bits of
     hash make a collision among thousands of allocations negligible.
     """
-    import hashlib
-
     return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
 
 

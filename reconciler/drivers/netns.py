@@ -17,13 +17,11 @@ import contextlib
 import ctypes
 import errno
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 
 from reconciler.domain.errors import DriverError, PreconditionError
-
-NETNS_RUN_DIR = "/run/netns"
+from reconciler.drivers.nsfs import NETNS_RUN_DIR, name_ok
 
 CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
@@ -31,9 +29,6 @@ MS_REC = 0x4000
 MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
 MNT_DETACH = 2
-
-# Names ``ip netns`` accepts that are also safe as one path component.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.@:+-]{1,255}$")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -64,7 +59,7 @@ def _mount(src: str, target: str, flags: int) -> None:
 
 def check_name(name: str) -> None:
     """Raise ``DriverError`` unless ``name`` is usable as ``/run/netns/NAME``."""
-    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+    if not name_ok(name):
         raise DriverError(f"invalid network namespace name {name!r}")
 
 
@@ -80,7 +75,7 @@ def nsfs_dev() -> int:
     """The st_dev every nsfs inode (a namespace handle) reports."""
     global _nsfs_dev
     if _nsfs_dev is None:
-        _nsfs_dev = os.stat("/proc/thread-self/ns/net").st_dev
+        _nsfs_dev = os.stat("/proc/thread-self/ns/net").st_dev  # any nsfs handle will do
     return _nsfs_dev
 
 
@@ -99,11 +94,6 @@ def namespace_inode(path_or_name: str) -> int | None:
     """Inode of the namespace behind the file (identity across renames), None if not a mount."""
     st = os.stat(path_of(path_or_name))
     return st.st_ino if st.st_dev == nsfs_dev() else None
-
-
-def current_inode() -> int:
-    """Inode of the calling thread's network namespace."""
-    return os.stat("/proc/thread-self/ns/net").st_ino
 
 
 def list_names() -> list[str]:

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from reconciler.domain.errors import LockedError, PreconditionError
+from reconciler.drivers.nsfs import current_inode
 
 LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
 
 
 def lock_path() -> str:
-    ino = os.stat("/proc/thread-self/ns/net").st_ino
+    ino = current_inode()
     return os.path.join(LOCK_DIR, f"netns-{ino}.lock")
 
 

@@ -11,8 +11,9 @@ from reconciler.domain.errors import DriverError
 from reconciler.domain.live import LiveDocker, LiveNetns, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import alloc_ns_alias
-from reconciler.drivers import netns, sysctl
+from reconciler.drivers import netns, nsfs, sysctl
 from reconciler.drivers.docker import probe as docker_probe
+from reconciler.drivers.nsfs import current_inode
 from reconciler.drivers.procfs import listening_ports
 from reconciler.engine.hostops import HostOps
 
@@ -28,7 +29,7 @@ class Observer:
 
     def observe(self, desired: DesiredState) -> LiveState:
         links = self.ops.netlink.dump_links()
-        host_id = str(os.stat("/proc/thread-self/ns/net").st_ino)
+        host_id = str(current_inode())
         fields: dict[str, Any] = {
             "host_id": host_id,
             "links": links,
@@ -109,7 +110,7 @@ def docker_scope() -> str:
     "host" in the network namespace of pid 1; in a sandbox (``--netns NAME``
     or nsenter) ``netns/NAME``, or ``netns-inode/N`` when it has no name.
     """
-    mine = netns.current_inode()
+    mine = nsfs.current_inode()
     try:
         if os.stat("/proc/1/ns/net").st_ino == mine:
             return "host"

@@ -23,7 +23,7 @@ import pytest
 
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import LiveNetns, LiveRoute
-from reconciler.drivers import netns
+from reconciler.drivers import netns, nsfs
 from reconciler.drivers.netlink import client as links
 from reconciler.drivers.netlink import parse as nlparse
 
@@ -99,7 +99,7 @@ def test_create_and_delete_like_ip_netns(sandbox: Sandbox) -> None:
     assert netns.create(name) is False  # EEXIST on a live namespace is success
     assert name in netns.list_names()
     # our thread is back where it was
-    assert netns.current_inode() != netns.namespace_inode(name)
+    assert nsfs.current_inode() != netns.namespace_inode(name)
     assert netns.delete(name) is True
     assert not os.path.exists(f"/run/netns/{name}")
     assert netns.delete(name) is False
@@ -123,31 +123,31 @@ def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> N
 
 
 def test_enter_switches_only_the_calling_thread(sandbox: Sandbox) -> None:
-    home = netns.current_inode()
+    home = nsfs.current_inode()
     target = netns.namespace_inode(sandbox.name)
     seen: list[int] = []
     go = threading.Event()
 
     def other() -> None:
         go.wait(10)
-        seen.append(netns.current_inode())
+        seen.append(nsfs.current_inode())
 
     t = threading.Thread(target=other)
     t.start()  # before entering: a thread started inside would inherit the namespace
     with netns.enter(sandbox.name):
-        assert netns.current_inode() == target
+        assert nsfs.current_inode() == target
         go.set()
         t.join()
         born_inside: list[int] = []
-        t2 = threading.Thread(target=lambda: born_inside.append(netns.current_inode()))
+        t2 = threading.Thread(target=lambda: born_inside.append(nsfs.current_inode()))
         t2.start()
         t2.join()
     assert seen == [home]
     assert born_inside == [target]  # documented pitfall: clone() copies the thread's netns
-    assert netns.current_inode() == home
+    assert nsfs.current_inode() == home
     with pytest.raises(DriverError, match="does not exist"), netns.enter(sandbox.ns("nope")):
         pass
-    assert netns.current_inode() == home
+    assert nsfs.current_inode() == home
 
 
 def _python(code: str, *prefix: str) -> subprocess.CompletedProcess[str]:

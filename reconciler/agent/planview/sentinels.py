@@ -5,20 +5,16 @@ See ``reconciler.agent.planview.view`` for how they are used.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import os
-import select
 import socket
 import struct
 
-from reconciler.drivers import netns
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.listen import (
     ALL_GROUPS,
     NETLINK_LISTEN_ALL_NSID,
-    NETLINK_NETFILTER,
     nft_generation,
+    open_nft_socket,
     open_socket,
 )
 from reconciler.drivers.netlink.wire import (
@@ -28,6 +24,8 @@ from reconciler.drivers.netlink.wire import (
     SOL_NETLINK,
     split_messages,
 )
+from reconciler.drivers.nsfs import NETNS_RUN_DIR
+from reconciler.drivers.nswatch import MountWatch, RunDirWatch, netns_mounts
 
 #: what a sentinel can report dirty: a LiveState part to read again, "nsid:N" (one
 #: namespace, by its nsid here), or EVERYTHING (an event may have been lost)
@@ -114,56 +112,19 @@ class NetlinkSentinel(Sentinel):
         self.sock.close()
 
 
-_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
-
-
-_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
-
-
-_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
-
-
-_IN_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
-            | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF)
-
-
-_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
-
-
 class NetnsDirSentinel(Sentinel):
     """Names under /run/netns appearing, going or being re-tagged (inotify, no thread)."""
 
     name = "netns-dir"
     unit = "netns"
 
-    def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
-        self.run_dir = run_dir
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
-        self.fd = fd
-        self.watching = self._add_watch()
-
-    def _add_watch(self) -> bool:
-        return int(self._libc.inotify_add_watch(self.fd, self.run_dir.encode(), _IN_MASK)) >= 0
+    def __init__(self, run_dir: str = NETNS_RUN_DIR) -> None:
+        self.watch = RunDirWatch(run_dir)
 
     def changed(self) -> bool:
-        seen = False
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            seen = seen or bool(data)
-            off = 0
-            while off + 16 <= len(data):  # struct inotify_event: wd, mask, cookie, len, name
-                mask, name_len = struct.unpack_from("=4xI4xI", data, off)
-                if mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_Q_OVERFLOW):
-                    self.watching = False  # the directory went (maybe came back): watch anew
-                off += 16 + name_len
-        if not self.watching:  # no watch when armed, or it died: a change by definition
-            self.watching = self._add_watch()
+        seen = bool(self.watch.drain())
+        if not self.watch.watching:  # no watch when armed, or it died: a change by definition
+            self.watch.rewatch()
             return True
         return seen
 
@@ -171,7 +132,7 @@ class NetnsDirSentinel(Sentinel):
         self.changed()
 
     def close(self) -> None:
-        os.close(self.fd)
+        self.watch.close()
 
 
 class MountSentinel(Sentinel):
@@ -185,36 +146,20 @@ class MountSentinel(Sentinel):
     name = "mounts"
     unit = "netns"
 
-    def __init__(self, run_dir: str = netns.NETNS_RUN_DIR) -> None:
-        self.prefix = run_dir.rstrip("/") + "/"
-        self.fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-        self.poller = select.poll()
-        self.poller.register(self.fd, select.POLLPRI | select.POLLERR)
-        self.snapshot = self._netns_mounts()
-
-    def _netns_mounts(self) -> frozenset[tuple[str, str, str]]:
-        """(mount id, root, mount point) of /run/netns and of every mount below it."""
-        with open("/proc/self/mountinfo") as fh:
-            text = fh.read()
-        out = set()
-        for line in text.splitlines():
-            f = line.split(" ", 5)
-            if len(f) > 4 and (f[4] + "/").startswith(self.prefix):
-                out.add((f[0], f[3], f[4]))
-        return frozenset(out)
-
-    def _signalled(self) -> bool:
-        return any(ev & (select.POLLPRI | select.POLLERR) for _fd, ev in self.poller.poll(0))
+    def __init__(self, run_dir: str = NETNS_RUN_DIR) -> None:
+        self.run_dir = run_dir
+        self.watch = MountWatch()
+        self.snapshot = netns_mounts(run_dir)
 
     def changed(self) -> bool:
-        return self._signalled() and self._netns_mounts() != self.snapshot
+        return self.watch.signalled() and netns_mounts(self.run_dir) != self.snapshot
 
     def arm(self) -> None:
-        self._signalled()
-        self.snapshot = self._netns_mounts()
+        self.watch.signalled()
+        self.snapshot = netns_mounts(self.run_dir)
 
     def close(self) -> None:
-        os.close(self.fd)
+        self.watch.close()
 
 
 def nft_backend() -> bool:
@@ -229,10 +174,7 @@ class NftSentinel(Sentinel):
     unit = "firewall"
 
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                                  NETLINK_NETFILTER)
-        self.sock.settimeout(5.0)
-        self.sock.bind((0, 0))
+        self.sock = open_nft_socket()
         self.seq = 0
         self.gen = self._read()
 

@@ -35,6 +35,7 @@ from reconciler.config.load import load_sources
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
+from reconciler.drivers.nsfs import current_inode, mount_ns_inode
 from reconciler.planner.context import PlanOptions
 from reconciler.ui.options import plan_options
 from reconciler.ui.parser import build_parser
@@ -55,8 +56,8 @@ class PlanServer:
                  on_answer: Callable[[str], None] | None = None) -> None:
         self.stop = stop
         self.on_answer = on_answer or (lambda result: None)
-        self.net = os.stat("/proc/thread-self/ns/net").st_ino
-        self.mnt = os.stat("/proc/self/ns/mnt").st_ino
+        self.net = current_inode()
+        self.mnt = mount_ns_inode()
         self.path = socket_path(self.net)
         self.code = code_id()
         self.env = current_env()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import docker
 
-def _docker_client() -> Any:
-    import docker
 
-    return docker.from_env(timeout=10)
-
+def events_client(timeout: float = 10.0) -> Any:
+    """A client of the daemon ``DOCKER_HOST`` names, for ``client.events(...)``."""
+    return docker.from_env(timeout=timeout)

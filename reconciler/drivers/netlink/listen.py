@@ -101,6 +101,19 @@ ALL_GROUPS = GROUPS | (1 << (RTNLGRP_NSID - 1))
 _NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWGEN, _NFT_MSG_GETGEN, _NFTA_GEN_ID = 10, 15, 16, 1
 
 
+def open_nft_socket(timeout: float = 5.0) -> socket.socket:
+    """A netfilter netlink socket for asking the nf_tables generation (:func:`nft_generation`)."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                         NETLINK_NETFILTER)
+    try:
+        sock.settimeout(timeout)
+        sock.bind((0, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def nft_generation(sock: socket.socket, seq: int) -> int:
     """The nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
     body = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
