@@ -16,6 +16,9 @@ command -v git >/dev/null || need+=(git)
 [ -x /bin/busybox ] || need+=(busybox-static)
 command -v conntrack >/dev/null || need+=(conntrack)
 command -v python3 >/dev/null || need+=(python3)
+if [ "${1:-}" = "--test" ]; then
+  command -v zsh >/dev/null || need+=(zsh)  # the completion test checks the zsh script
+fi
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ]; then
   apt-get update -qq

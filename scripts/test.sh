@@ -8,4 +8,5 @@ bash scripts/start-dockerd.sh
 VENV=${RECONCILER_VENV:-/opt/reconciler}
 "$VENV/bin/ruff" check reconciler tests bench scripts
 "$VENV/bin/mypy"
+"$VENV/bin/lint-imports" --no-cache  # the layer contract (.importlinter)
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" tests

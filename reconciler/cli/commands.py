@@ -196,15 +196,15 @@ def _watch_prepare(args: argparse.Namespace) -> None:
     """Before --netns: bind the status socket where the operator is (loopback of the host)."""
     # lazy, as in every command of the agent: its modules (prometheus_client, watchdog) are
     # ~0.14 s of imports (-X importtime) that validate, plan and apply do not need
-    from reconciler.agent.status import bind
+    from reconciler.agent.status import bind  # noqa: PLC0415
 
     args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import loop
-    from reconciler.agent.logs import configure_logging
-    from reconciler.agent.revision import check_permissions
+    from reconciler.agent import loop  # noqa: PLC0415 (see _watch_prepare)
+    from reconciler.agent.logs import configure_logging  # noqa: PLC0415
+    from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (see _watch_prepare)
 
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
@@ -225,7 +225,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reconciler.agent import status
+    from reconciler.agent import status  # noqa: PLC0415 (see _watch_prepare)
 
     doc = status.fetch(args.addr)
     if args.output == "json":

@@ -100,7 +100,7 @@ class HostOps:
         if self._docker is None:
             # the Docker SDK (with requests/urllib3) costs ~80 ms to import (bench/RESULTS.md,
             # -X importtime): only runs that change a Docker network pay it
-            from reconciler.drivers.docker.client import DockerDriver
+            from reconciler.drivers.docker.client import DockerDriver  # noqa: PLC0415
 
             self._docker = DockerDriver()
         return self._docker

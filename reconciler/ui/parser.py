@@ -10,9 +10,15 @@ import argparse
 import sys
 from typing import Any
 
+import shtab
+
 from reconciler import __version__
 from reconciler.ui.render import EXIT_ERROR
 
+#: what completes a value, for shtab (ui.completion): file names, or the names under
+#: /run/netns (``_reconcile_netns``, defined in the scripts' preamble)
+FILES = shtab.FILE
+NETNS_NAMES = {"bash": "_reconcile_netns", "zsh": "_reconcile_netns"}
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
@@ -40,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
     p.add_argument("--version", action="version", version=f"reconcile {__version__}",
                    help="print the version and exit")
-    p.add_argument("--netns", metavar="NAME",
-                   help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
+    netns = p.add_argument("--netns", metavar="NAME",
+                           help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
+    netns.complete = NETNS_NAMES  # type: ignore[attr-defined]
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="more detail (the ops of each change; debug logs with -vv)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -52,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser, *, paths: bool = True) -> None:
         if paths:
-            sp.add_argument("paths", nargs="+", metavar="PATH",
-                            help="desired-state files or directories")
+            files = sp.add_argument("paths", nargs="+", metavar="PATH",
+                                    help="desired-state files or directories")
+            files.complete = FILES  # type: ignore[attr-defined]
         sp.add_argument("--output", choices=("text", "json"), default="text",
                         help="text for people (default) or json for programs")
         sp.add_argument("--no-prune", action="store_true",
@@ -71,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check desired-state files against the schema and for semantic errors "
                     "(references, overlaps, clashing ports). Reads no host state, needs no "
                     "root. Errors name file:line:col.")
-    sp.add_argument("paths", nargs="+", metavar="PATH", help="desired-state files or directories")
+    paths = sp.add_argument("paths", nargs="+", metavar="PATH",
+                            help="desired-state files or directories")
+    paths.complete = FILES  # type: ignore[attr-defined]
     sp.add_argument("--hostname", metavar="NAME",
                     help="show the view of this host (files' hosts: patterns)")
 
@@ -82,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "Exit 0 when there is nothing to do, 2 when there are changes, 1 on error "
                     "or conflict.")
     common(sp)
-    sp.add_argument("--out", metavar="FILE",
-                    help="also save the plan as JSON; `apply FILE` applies exactly it and "
-                         "refuses if the host changed meanwhile")
+    out = sp.add_argument("--out", metavar="FILE",
+                          help="also save the plan as JSON; `apply FILE` applies exactly it "
+                               "and refuses if the host changed meanwhile")
+    out.complete = FILES  # type: ignore[attr-defined]
     sp.add_argument("--no-agent", action="store_true",
                     help="plan in this process even when a running `reconcile watch` could "
                          "answer (same output; RECONCILER_AGENT=off does the same)")
@@ -172,4 +183,5 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
     sp.set_defaults(enters_netns=False)
     return p
+
 

@@ -12,7 +12,7 @@ import pytest
 
 from reconciler import __version__
 from reconciler.ui import parser as cli
-from reconciler.ui.completion import describe, script
+from reconciler.ui.completion import script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,16 +56,16 @@ def test_help_exits_zero(args):
 
 def test_completion_scripts_mention_every_command_and_option():
     parser = cli.build_parser()
-    global_opts, commands = describe(parser)
+    commands = _subparsers(parser)
     for shell in ("bash", "zsh"):
         text = script(parser, shell)
-        for c in commands:
-            assert c.name in text
-            for o in c.options:
-                for f in o.flags:
-                    assert f in text, (shell, c.name, f)
-        for o in global_opts:
-            assert all(f in text for f in o.flags)
+        for name, sp in commands.items():
+            assert name in text
+            for a in sp._actions:
+                for f in a.option_strings:
+                    assert f in text, (shell, name, f)
+        for a in parser._actions:
+            assert all(f in text for f in a.option_strings), (shell, a.option_strings)
 
 
 BASH_CASES = [
@@ -79,6 +79,8 @@ BASH_CASES = [
     (["reconcile", "completion", ""], {"bash", "zsh"}),
     (["reconcile", "watch", "--log-format", "j"], {"json"}),
     (["reconcile", "validate", "examples/quick"], {"examples/quickstart.yaml"}),
+    (["reconcile", "plan", "--out", "examples/quick"], {"examples/quickstart.yaml"}),
+    (["reconcile", "apply", "--dry-run", "examples/quick"], {"examples/quickstart.yaml"}),
 ]
 
 
@@ -89,7 +91,8 @@ def test_bash_completion_completes(words, expected):
     assert p.returncode == 0
     quoted = " ".join(f"'{w}'" for w in words)
     prog = (f"{p.stdout}\ncompopt() {{ :; }}\nCOMP_WORDS=({quoted}); "
-            f"COMP_CWORD={len(words) - 1}; _reconcile; printf '%s\\n' \"${{COMPREPLY[@]}}\"")
+            f"COMP_CWORD={len(words) - 1}; COMP_LINE=\"${{COMP_WORDS[*]}}\"; "
+            "COMP_POINT=${#COMP_LINE}; _shtab_reconcile; printf '%s\\n' \"${COMPREPLY[@]}\"")
     out = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=30,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
@@ -108,3 +111,21 @@ def test_zsh_completion_is_valid_zsh():
 def test_completion_rejects_unknown_shell():
     p = run("completion", "fish")
     assert p.returncode == 1 and "invalid choice" in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_bash_completion_offers_network_namespace_names(tmp_path):
+    """--netns completes the names under /run/netns (the preamble's _reconcile_netns)."""
+    p = run("completion", "bash")
+    fake = tmp_path / "netns"
+    fake.mkdir()
+    for name in ("blue", "green", "other"):
+        (fake / name).touch()
+    script_text = p.stdout.replace("ls /run/netns", f"ls {fake}")
+    assert script_text != p.stdout, "the preamble no longer lists /run/netns"
+    prog = (f"{script_text}\ncompopt() {{ :; }}\nCOMP_WORDS=(reconcile --netns g); "
+            "COMP_CWORD=2; COMP_LINE=\"${COMP_WORDS[*]}\"; COMP_POINT=${#COMP_LINE}; "
+            "_shtab_reconcile; printf '%s\\n' \"${COMPREPLY[@]}\"")
+    out = subprocess.run(["bash", "-c", prog], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["green"]
