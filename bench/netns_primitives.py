@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from reconciler.domain.ownership import alloc_veth_name
 from reconciler.drivers import netns
 from reconciler.drivers.netlink import client as links  # noqa: E402
 from reconciler.drivers.netlink import parse as nlparse
@@ -56,7 +57,7 @@ def run(n: int, settle: float, link_local: bool) -> None:
             t0 = time.perf_counter()
             for i, name in enumerate(names):
                 nl.create_netns(name)
-                nl.create_veth_into_netns(links.host_veth_name(name), name, "rbr0",
+                nl.create_veth_into_netns(alloc_veth_name(name), name, "rbr0",
                                           mtu=1500, hairpin=True)
                 nl.configure_inside(name, [ipaddress.ip_interface(f"{net[10 + i]}/16")], [gw],
                                     mtu=1500, ipv6_link_local=link_local)
@@ -77,7 +78,8 @@ def run(n: int, settle: float, link_local: bool) -> None:
             assert len(cold) == len(warm) == n and all(v.usable for v in warm.values())
             assert all(len(v.routes) >= 2 for v in warm.values())
 
-            nsids = {name: nl.assign_nsid(name) for name in names}
+            nsids = {name: nl.get_nsid(name) for name in names}  # the veths gave them one
+            assert None not in nsids.values()
             t0 = time.perf_counter()
             for name in names:
                 nlparse.assemble_links(nl.link_messages(nsid=nsids[name]),

@@ -74,7 +74,7 @@ def instrument() -> float:
         imports += time.perf_counter() - t0
 
     wrap(cli, "_load", "load")
-    wrap(loader, "read_file", "  read_file (yaml compose + build)")
+    wrap(loader, "parse_document", "  parse_document (yaml compose + build)")
     wrap(loader, "validate_schema", "  validate_schema")
     wrap(reconcile.Reconciler, "observe", "observe")
     wrap(links.Netlink, "dump_links", "  host links+addrs (netlink)")

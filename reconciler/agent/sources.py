@@ -371,10 +371,6 @@ class DockerWatcher:
     def set_names(self, names: Iterable[str]) -> None:
         self._names = frozenset(names)
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="docker-drift", daemon=True)

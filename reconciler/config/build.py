@@ -79,7 +79,7 @@ class _Defined:
         return self.doc.source(self.path)
 
 
-class _Collector:
+class Collector:
     """Accumulates resources across files, with duplicate-identity detection."""
 
     def __init__(self) -> None:
@@ -111,7 +111,7 @@ class _Collector:
             self.errors.append(exc)
 
 
-def _bridge(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+def _bridge(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     name = raw["name"]
     if name in RESERVED_IFNAMES:
         raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is reserved "
@@ -124,7 +124,7 @@ def _bridge(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> No
                                              raw.get("hairpin", True), doc.source(path))
 
 
-def _subnet(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+def _subnet(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     name = raw["name"]
     cidr = _net4(doc, (*path, "cidr"), raw["cidr"])
     if cidr.prefixlen > 30:
@@ -196,7 +196,7 @@ def _host_ip(doc: Document, path: Path,
     return ip
 
 
-def _alloc(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+def _alloc(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     aid = raw["id"]
     address = address6 = None
     if "address" in raw:
@@ -221,7 +221,7 @@ def _alloc(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
                                        address6, tuple(ports), doc.source(path))
 
 
-def _docker(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
+def _docker(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     name = raw["name"]
     if name in ("bridge", "host", "none"):
         raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is one of "
@@ -246,7 +246,7 @@ def _docker(c: _Collector, doc: Document, path: Path, raw: dict[str, Any]) -> No
             tuple(sorted(labels.items())), doc.source(path))
 
 
-def _settings(c: _Collector, doc: Document, raw: dict[str, Any]) -> None:
+def read_settings(c: Collector, doc: Document, raw: dict[str, Any]) -> None:
     here = _Defined(doc, ("settings",))
     if c.settings_at is not None:
         raise doc.error(("settings",), f"settings are defined twice: at {c.settings_at.source} "
@@ -262,10 +262,10 @@ def _settings(c: _Collector, doc: Document, raw: dict[str, Any]) -> None:
     c.settings = Settings(auto_port_range=port_range)
 
 
-_SECTIONS = (("bridges", _bridge), ("subnets", _subnet), ("allocs", _alloc),
+SECTIONS = (("bridges", _bridge), ("subnets", _subnet), ("allocs", _alloc),
              ("docker_networks", _docker))
 
 
-def _where(state: _Collector, kind: str, name: str) -> Source:
+def defined_at(state: Collector, kind: str, name: str) -> Source:
     return state.seen[(kind, name)].source
 

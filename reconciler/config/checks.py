@@ -6,13 +6,13 @@ import ipaddress
 from collections.abc import Iterator
 from typing import Any
 
-from reconciler.config.build import _Collector, _where
+from reconciler.config.build import Collector, defined_at
 from reconciler.domain.errors import ConfigError
 
 MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
 
 
-def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
+def cross_checks(c: Collector) -> Iterator[ConfigError]:
     """Checks across resources: references, overlaps, address and port clashes."""
 
     def err(kind: str, name: str, field: str, message: str) -> ConfigError:
@@ -44,7 +44,7 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
                 break
             yield err(okind, oname, ofield,
                       f"{okind} {oname!r}: {ofield} {onet} overlaps {kind} {name!r} {field} "
-                      f"{net} at {_where(c, kind, name)}")
+                      f"{net} at {defined_at(c, kind, name)}")
     # a Linux bridge takes at most 1023 ports ("Exchange full" at the 1024th veth)
     per_bridge: dict[str, list[str]] = {}
     for a in c.allocs.values():
@@ -91,7 +91,7 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
                 holder = addresses[addr]
                 yield err("alloc", a.id, field,
                           f"alloc {a.id!r}: {field} {addr} is already given to alloc {holder!r} "
-                          f"at {_where(c, 'alloc', holder)}")
+                          f"at {defined_at(c, 'alloc', holder)}")
             else:
                 addresses[addr] = a.id
         for i, p in enumerate(a.ports):
@@ -111,7 +111,7 @@ def _cross_checks(c: _Collector) -> Iterator[ConfigError]:
                         yield ConfigError(
                             f"alloc {a.id!r}: host port {p.host}/{proto} is already mapped by "
                             f"alloc {other_id!r} (ports[{other_i}]) at "
-                            f"{_where(c, 'alloc', other_id)}",
+                            f"{defined_at(c, 'alloc', other_id)}",
                             file=here.doc.file, line=pos.line, col=pos.col)
                         break
                 ports.setdefault((proto, p.host), []).append((p.host_ip, a.id, i))

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from reconciler.config.paths import MAX_FILE_BYTES, read_bytes
+from reconciler.config.paths import MAX_FILE_BYTES
 from reconciler.domain.errors import ConfigError
 from reconciler.domain.model import Source
 
@@ -188,10 +188,6 @@ def parse_yaml(text: str, file: str) -> Document:
     except RecursionError:
         raise ConfigError("invalid YAML: nesting too deep", file=file) from None
     return Document(file, data, builder.values, builder.keys)
-
-
-def read_file(path: str) -> Document:
-    return parse_document(read_bytes(path), path)
 
 
 def parse_document(raw: bytes, path: str) -> Document:

@@ -13,8 +13,8 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from reconciler.config.build import _SECTIONS, _Collector, _settings
-from reconciler.config.checks import _cross_checks
+from reconciler.config.build import SECTIONS, Collector, read_settings
+from reconciler.config.checks import cross_checks
 from reconciler.config.document import parse_document
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.config.schema import validate_schema
@@ -47,7 +47,7 @@ def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
     The plan agent loads what a client read in its own working directory this way.
     """
     host = hostname if hostname is not None else socket.gethostname()
-    c = _Collector()
+    c = Collector()
     hashes: list[tuple[str, str]] = []
     for f, abspath, raw in sources:
         try:
@@ -67,12 +67,12 @@ def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
         if patterns is not None and not any(fnmatch.fnmatchcase(host, p) for p in patterns):
             continue
         if "settings" in data:
-            c.guard(_settings, c, doc, data["settings"])
-        for section, build in _SECTIONS:
+            c.guard(read_settings, c, doc, data["settings"])
+        for section, build in SECTIONS:
             for i, raw in enumerate(data.get(section, [])):
                 c.guard(build, c, doc, (section, i), raw)
     if not c.errors:
-        c.errors.extend(_cross_checks(c))
+        c.errors.extend(cross_checks(c))
     if c.errors:
         raise ConfigErrors(c.errors) if len(c.errors) > 1 else c.errors[0]
     return DesiredState(c.bridges, c.subnets, c.allocs, c.docker,

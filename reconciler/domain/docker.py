@@ -67,7 +67,7 @@ def parse_mtu(value: object) -> int | None:
     return mtu if mtu > 0 else None
 
 
-def _parse_bool(value: str) -> bool | None:
+def parse_bool(value: str) -> bool | None:
     # Go's strconv.ParseBool, which the daemon uses for bridge options.
     if value in ("1", "t", "T", "true", "TRUE", "True"):
         return True

@@ -18,17 +18,6 @@ DockerNetworkName = NewType("DockerNetworkName", str)
 Protocol = Literal["tcp", "udp", "both"]
 Kind = Literal["bridge", "subnet", "alloc", "docker_network"]
 
-#: Creation order; deletion runs in reverse.
-KIND_ORDER: tuple[Kind, ...] = ("bridge", "subnet", "alloc", "docker_network")
-
-#: The YAML top-level list that holds each kind, and the key that names it.
-KIND_SECTION: dict[Kind, tuple[str, str]] = {
-    "bridge": ("bridges", "name"),
-    "subnet": ("subnets", "name"),
-    "alloc": ("allocs", "id"),
-    "docker_network": ("docker_networks", "name"),
-}
-
 
 @dataclass(frozen=True, order=True)
 class Source:
@@ -135,7 +124,3 @@ class DesiredState:
     files: tuple[str, ...] = ()
     #: (absolute path, sha256) of each file as read, for saved plans' staleness check
     file_hashes: tuple[tuple[str, str], ...] = ()
-
-    def resource_count(self) -> int:
-        return (len(self.bridges) + len(self.subnets) + len(self.allocs)
-                + len(self.docker_networks))

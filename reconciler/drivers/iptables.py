@@ -83,10 +83,6 @@ def parse_save(text: str) -> LiveChainSet:
     )
 
 
-def rule_tokens(rule: str) -> tuple[str, ...]:
-    return tuple(shlex.split(rule))
-
-
 def backend_of(version_output: str) -> str:
     """``iptables -V`` → "nf_tables" or "legacy"."""
     if "nf_tables" in version_output:

@@ -26,7 +26,6 @@ from reconciler.drivers.nsfs import NETNS_RUN_DIR, name_ok
 CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
 MS_REC = 0x4000
-MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
 MNT_DETACH = 2
 

@@ -8,8 +8,8 @@ from reconciler.domain.docker import (
     IPV6_FALLBACK_LABEL,
     OPT_MASQUERADE,
     OPT_MTU,
-    _parse_bool,
     flag,
+    parse_bool,
     parse_mtu,
     split_subnets,
     ula_subnet,
@@ -67,7 +67,7 @@ def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
             diffs.append(("mtu", str(live_mtu) if live_mtu else "(unset)", str(want_mtu), True))
 
     raw_masq = live.options.get(OPT_MASQUERADE)
-    live_masq = True if raw_masq is None else _parse_bool(raw_masq)  # Docker's default: on
+    live_masq = True if raw_masq is None else parse_bool(raw_masq)  # Docker's default: on
     if live_masq != spec.masquerade:
         shown = raw_masq if live_masq is None and raw_masq is not None else flag(bool(live_masq))
         diffs.append(("masquerade", shown, flag(spec.masquerade), True))

@@ -13,6 +13,7 @@ from typing import Any
 import shtab
 
 from reconciler import __version__
+from reconciler.ui.completion import SHELLS
 from reconciler.ui.render import EXIT_ERROR
 
 #: what completes a value, for shtab (ui.completion): file names, or the names under
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a completion script for SHELL. bash: `reconcile completion bash "
                     "> /etc/bash_completion.d/reconcile`; zsh: `reconcile completion zsh > "
                     "\"${fpath[1]}/_reconcile\"`, or `source <(reconcile completion zsh)`.")
-    sp.add_argument("shell", choices=("bash", "zsh"), metavar="SHELL", help="bash or zsh")
+    sp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash or zsh")
     sp.set_defaults(enters_netns=False)
     return p
 

@@ -23,6 +23,7 @@ import pytest
 
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import LiveNetns, LiveRoute
+from reconciler.domain.ownership import alloc_veth_name
 from reconciler.drivers import netns, nsfs
 from reconciler.drivers.netlink import client as links
 from reconciler.drivers.netlink import parse as nlparse
@@ -70,7 +71,7 @@ def addr_protos(ns: str, ifname: str) -> dict[str, int | None]:
 def build_alloc(nl: links.Netlink, box: Sandbox, suffix: str, addr4: str,
                 addr6: str | None = None, hairpin: bool = True) -> tuple[str, str]:
     name = box.ns(suffix)
-    veth = links.host_veth_name(name)
+    veth = alloc_veth_name(name)
     assert nl.create_netns(name)
     assert nl.create_veth_into_netns(veth, name, "rtbr0", mtu=1400, hairpin=hairpin)
     addrs = [iface(addr4)] + ([iface(addr6)] if addr6 else [])
@@ -357,7 +358,7 @@ def test_namespace_that_already_has_eth0(sandbox: Sandbox, nl: links.Netlink) ->
     name = sandbox.ns("busy")
     netns.create(name)
     sh("ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "other")
-    veth = links.host_veth_name(name)
+    veth = alloc_veth_name(name)
     with pytest.raises(DriverError, match="already has a link named eth0"):
         nl.create_veth_into_netns(veth, name, "rtbr0")
     assert ip_link(sandbox.name, veth) is None  # no half-made veth
@@ -367,7 +368,7 @@ def test_host_veth_whose_peer_is_elsewhere(sandbox: Sandbox, nl: links.Netlink) 
     bridge(nl)
     name = sandbox.ns("orphan")
     netns.create(name)
-    veth = links.host_veth_name(name)
+    veth = alloc_veth_name(name)
     sh("ip", "-n", sandbox.name, "link", "add", veth, "type", "veth", "peer", "name", "p0")
     with pytest.raises(DriverError, match="orphan"):
         nl.create_veth_into_netns(veth, name, "rtbr0")
@@ -395,7 +396,7 @@ def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink
     sh("ip", "netns", "del", gone)
     obs = nl.observe_netns(names + [gone])
     assert gone not in obs
-    wait_until(lambda: ip_link(sandbox.name, links.host_veth_name(gone)) is None,
+    wait_until(lambda: ip_link(sandbox.name, alloc_veth_name(gone)) is None,
                what="the veth of a deleted namespace to disappear")
 
     # re-created under the same name: observed afresh, not through the stale socket
@@ -409,17 +410,11 @@ def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink
                what="all allocation veths to disappear")
 
 
-def test_nsid_helpers(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_get_nsid(sandbox: Sandbox, nl: links.Netlink) -> None:
     name = sandbox.ns("id")
     netns.create(name)
     assert nl.get_nsid(name) is None  # no veth across yet: nothing assigned
-    nsid = nl.assign_nsid(name)
-    assert nsid >= 0 and nl.get_nsid(name) == nsid == nl.assign_nsid(name)
+    sh("ip", "-n", sandbox.name, "netns", "set", name, "auto")
+    nsid = nl.get_nsid(name)
     listed = sh("ip", "-n", sandbox.name, "netns", "list-id").stdout
-    assert f"nsid {nsid} " in listed + " "
-    other = sandbox.ns("noid")
-    netns.create(other)
-    with open(f"/run/netns/{sandbox.ns('empty')}", "w"):
-        pass
-    assert nl.netns_ids([name, other, sandbox.ns("empty"), sandbox.ns("missing")]) == \
-        {name: nsid}
+    assert nsid is not None and nsid >= 0 and f"nsid {nsid} " in listed + " "

@@ -19,6 +19,7 @@ import pytest
 
 from reconciler.domain.errors import DriverError, TemporaryError
 from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
+from reconciler.domain.ownership import alloc_veth_name
 from reconciler.drivers import netns
 from reconciler.drivers.netlink import client as links
 from reconciler.drivers.netlink import parse as nlparse
@@ -142,11 +143,11 @@ def test_error_mapping() -> None:
 
 
 def test_host_veth_name() -> None:
-    name = links.host_veth_name("web-1")
-    assert name == links.host_veth_name("web-1")
+    name = alloc_veth_name("web-1")
+    assert name == alloc_veth_name("web-1")
     assert name.startswith("vr") and len(name) == 14 <= 15
-    assert name != links.host_veth_name("web-2")
-    assert links.host_veth_name("x" * 300).isalnum()
+    assert name != alloc_veth_name("web-2")
+    assert alloc_veth_name("x" * 300).isalnum()
 
 
 def test_netns_names_are_checked() -> None:

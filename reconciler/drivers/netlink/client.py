@@ -99,7 +99,6 @@ from reconciler.drivers.netlink.wire import (
     RTM_GETROUTE,
     RTM_NEWADDR,
     RTM_NEWLINK,
-    RTM_NEWNSID,
     RTM_NEWROUTE,
     RTM_SETLINK,
     RTMSG,
@@ -116,9 +115,6 @@ from reconciler.drivers.netlink.wire import (
     u8_attr,
     u32_attr,
 )
-
-host_veth_name = ownership.alloc_veth_name
-
 
 _RECV_SIZE = 1 << 16
 
@@ -371,41 +367,6 @@ class Netlink:
                 nsid = I32.unpack_from(a[NETNSA_NSID])[0]
                 return nsid if nsid >= 0 else None
         return None
-
-    def assign_nsid(self, name: str) -> int:
-        """Get the nsid of ``name``, asking the kernel to allocate one if needed."""
-        nsid = self.get_nsid(name)
-        if nsid is not None:
-            return nsid
-        fd = netns.open_fd(name)
-        try:
-            with contextlib.suppress(DriverError):  # EEXIST: a concurrent assignment won
-                self._host.request(RTM_NEWNSID, 0, RTGEN.pack(0) + u32_attr(NETNSA_FD, fd)
-                                   + attr(NETNSA_NSID, I32.pack(-1)),
-                                   f"network namespace {name}: assign nsid")
-        finally:
-            os.close(fd)
-        nsid = self.get_nsid(name)
-        if nsid is None:
-            raise DriverError(f"network namespace {name}: kernel assigned no nsid")
-        return nsid
-
-    def netns_ids(self, names: Iterable[str]) -> dict[str, int]:
-        """nsid of each named namespace that has one (no socket kept, nothing assigned).
-
-        Owned host veths report their peer's namespace as ``peer_netnsid``;
-        this maps those back to names without opening sockets into namespaces
-        that may not be ours (a cached socket keeps a namespace alive).
-        """
-        out: dict[str, int] = {}
-        for name in names:
-            try:
-                nsid = self.get_nsid(name)
-            except DriverError:
-                continue
-            if nsid is not None:
-                out[name] = nsid
-        return out
 
     # -- observation ------------------------------------------------------------------
 

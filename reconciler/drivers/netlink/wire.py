@@ -29,7 +29,6 @@ NLMSG_DONE = 3
 NLM_F_REQUEST = 0x1
 
 
-NLM_F_MULTI = 0x2
 
 
 NLM_F_ACK = 0x4
