@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import docker
 import pytest
+
+from reconciler.drivers import iptables, sysctl
+from reconciler.drivers.netlink.read import NetlinkReader
 
 
 def _tripwire(*_a: object, **_k: object) -> None:
@@ -11,19 +15,9 @@ def _tripwire(*_a: object, **_k: object) -> None:
 
 @pytest.fixture(autouse=True)
 def no_real_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    from reconciler.drivers import iptables, sysctl
-
     monkeypatch.setattr(iptables.IptablesDriver, "observe", _tripwire)
     monkeypatch.setattr(iptables.IptablesDriver, "restore", _tripwire)
     monkeypatch.setattr(sysctl, "write", _tripwire)
-    try:
-        from reconciler.drivers.netlink import client as links
-        monkeypatch.setattr(links.Netlink, "__init__", _tripwire)
-    except ImportError:
-        pass
-    try:
-        import docker
-        monkeypatch.setattr(docker, "from_env", _tripwire)
-        monkeypatch.setattr(docker, "DockerClient", _tripwire)
-    except ImportError:
-        pass
+    monkeypatch.setattr(NetlinkReader, "__init__", _tripwire)  # Netlink's too (a subclass)
+    monkeypatch.setattr(docker, "from_env", _tripwire)
+    monkeypatch.setattr(docker, "DockerClient", _tripwire)

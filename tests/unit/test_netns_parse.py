@@ -21,8 +21,9 @@ from reconciler.domain.errors import DriverError, TemporaryError
 from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
 from reconciler.domain.ownership import alloc_veth_name
 from reconciler.drivers import netns
-from reconciler.drivers.netlink import client as links
+from reconciler.drivers.netlink import messages as nlmessages
 from reconciler.drivers.netlink import parse as nlparse
+from reconciler.drivers.netlink import transport as nltransport
 from reconciler.drivers.netlink import wire
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "netlink", "alloc.json")
@@ -110,7 +111,7 @@ def test_addr_without_address_attribute_is_skipped() -> None:
 
 
 def test_wire_roundtrip() -> None:
-    body = links._ifinfo(index=7, flags=1, change=1) + wire.str_attr(wire.IFLA_IFNAME, "br0") \
+    body = nlmessages.ifinfo(index=7, flags=1, change=1) + wire.str_attr(wire.IFLA_IFNAME, "br0") \
         + wire.u32_attr(wire.IFLA_MTU, 1400) \
         + wire.nested(wire.IFLA_LINKINFO, wire.str_attr(wire.IFLA_INFO_KIND, "bridge"))
     raw = struct.pack("=IHHII", 16 + len(body), wire.RTM_NEWLINK, 0, 1, 0) + body
@@ -130,14 +131,14 @@ def test_ext_ack_message_is_extracted() -> None:
     err = struct.pack("=i", -errno.EINVAL) + orig + tlv
     raw = struct.pack("=IHHII", 16 + len(err), wire.NLMSG_ERROR,
                       wire.NLM_F_CAPPED | wire.NLM_F_ACK_TLVS, 9, 0) + err
-    assert links._ext_ack(raw, wire.NLM_F_CAPPED | wire.NLM_F_ACK_TLVS) == \
+    assert nltransport._ext_ack(raw, wire.NLM_F_CAPPED | wire.NLM_F_ACK_TLVS) == \
         "Attribute failed policy validation"
 
 
 def test_error_mapping() -> None:
-    busy = links._error(errno.EBUSY, "link vr1: set")
+    busy = nltransport.netlink_error(errno.EBUSY, "link vr1: set")
     assert isinstance(busy, TemporaryError) and busy.errno == errno.EBUSY
-    other = links._error(errno.ENODEV, "link vr1: set", "no such link")
+    other = nltransport.netlink_error(errno.ENODEV, "link vr1: set", "no such link")
     assert type(other) is DriverError
     assert str(other) == "link vr1: set: No such device (no such link)"
 
@@ -172,3 +173,13 @@ def test_covering_mount_and_peer_group() -> None:
     assert netns._shared_group(["shared:3", "master:1"]) == "shared:3"
     assert netns._shared_group(netns._covering_mount(MOUNTINFO_IP_NETNS_EXEC,
                                                      "/run/netns")) is None
+
+
+def test_the_tripwire_guards_every_netlink_client() -> None:
+    """Unit tests cannot open a real rtnetlink socket, through the reader or the client."""
+    from reconciler.drivers.netlink.client import Netlink
+    from reconciler.drivers.netlink.read import NetlinkReader
+
+    for cls in (NetlinkReader, Netlink):
+        with pytest.raises(AssertionError, match="Must not be called"):
+            cls()

@@ -1,0 +1,274 @@
+"""Reading links, addresses and routes over rtnetlink, here and inside allocation namespaces.
+
+:class:`NetlinkReader` holds one socket in the namespace it was created in, plus a
+cache of sockets opened inside allocation namespaces (entered with setns in
+the calling thread, socket created, thread switched back: the socket stays
+bound to that namespace). Not thread-safe: one instance per thread.
+``reconciler.drivers.netlink.client.Netlink`` adds the changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Self
+
+from reconciler.domain.errors import DriverError
+from reconciler.domain.live import LiveLink, LiveNetns, LiveRoute
+from reconciler.drivers import netns
+from reconciler.drivers.netlink.messages import ADDR_DUMP, LINK_DUMP, ROUTE_DUMP, ifinfo
+from reconciler.drivers.netlink.parse import assemble_links, parse_link, parse_route
+from reconciler.drivers.netlink.transport import Socket, netlink_error
+from reconciler.drivers.netlink.wire import (
+    I32,
+    IFA_TARGET_NETNSID,
+    IFINFO,
+    IFLA_EXT_MASK,
+    IFLA_IFNAME,
+    IFLA_TARGET_NETNSID,
+    NETNSA_FD,
+    NETNSA_NSID,
+    RTEXT_FILTER_SKIP_STATS,
+    RTGEN,
+    RTM_GETADDR,
+    RTM_GETLINK,
+    RTM_GETNSID,
+    RTM_GETROUTE,
+    NlMsg,
+    attr,
+    str_attr,
+    u32_attr,
+)
+
+
+@dataclass
+class _NsEntry:
+    inode: int
+    sock: Socket
+    nsid: int | None = None
+
+
+
+def _raise_nofile_limit() -> int:
+    """Raise the soft fd limit to the hard one (sockets are cached per namespace)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
+
+class NetlinkReader:
+    """rtnetlink access to the current namespace and to allocation namespaces.
+
+    The main socket belongs to the namespace of the thread that constructs
+    the object ("host" below, though under ``--netns`` it is the sandbox).
+    Sockets into allocation namespaces are opened on first use and cached by
+    (name, namespace inode); a cached socket keeps its namespace alive, so the
+    cache is pruned whenever observation finds a name gone or re-created, and
+    :meth:`delete_netns` drops the socket before unmounting.
+    """
+
+    def __init__(self) -> None:
+        self._host = Socket()
+        self._ns: dict[str, _NsEntry] = {}
+        self._max_cached = max(64, _raise_nofile_limit() - 512)
+
+    def close(self) -> None:
+        """Close every socket (host and cached namespace sockets)."""
+        for entry in self._ns.values():
+            entry.sock.close()
+        self._ns.clear()
+        self._host.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _entry(self, name: str) -> _NsEntry:
+        """The cached socket inside ``name``, (re)opened if the namespace changed."""
+        path = netns.path_of(name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.forget_netns(name)
+            raise DriverError(f"network namespace {name}: {path} does not exist") from None
+        if st.st_dev != netns.nsfs_dev():
+            self.forget_netns(name)
+            raise DriverError(f"network namespace {name}: {path} is not a namespace "
+                              "(empty file: its bind mount is gone)")
+        entry = self._ns.get(name)
+        if entry is not None and entry.inode == st.st_ino:
+            return entry
+        self.forget_netns(name)
+        if len(self._ns) >= self._max_cached:
+            oldest = next(iter(self._ns))
+            self.forget_netns(oldest)
+        with netns.enter(path):
+            sock = Socket()
+        entry = _NsEntry(st.st_ino, sock)
+        self._ns[name] = entry
+        return entry
+
+    def forget_netns(self, name: str) -> None:
+        """Close the cached socket into ``name`` (it would keep the namespace alive)."""
+        entry = self._ns.pop(name, None)
+        if entry is not None:
+            entry.sock.close()
+
+    def cached_names(self) -> frozenset[str]:
+        """Namespaces this object holds a socket into (and so keeps alive)."""
+        return frozenset(self._ns)
+
+    def prune_cache(self, keep: Iterable[str]) -> None:
+        """Close cached sockets of namespaces not in ``keep``."""
+        keep = set(keep)
+        for name in [n for n in self._ns if n not in keep]:
+            self.forget_netns(name)
+
+    def _sock(self, ns: str | None) -> Socket:
+        return self._host if ns is None else self._entry(ns).sock
+
+    def get_nsid(self, name: str) -> int | None:
+        """The nsid the current namespace uses for ``name``; None when none is assigned."""
+        fd = netns.open_fd(name)
+        try:
+            replies = self._host.request(RTM_GETNSID, 0, RTGEN.pack(0) + u32_attr(NETNSA_FD, fd),
+                                         f"network namespace {name}: get nsid")
+        finally:
+            os.close(fd)
+        for raw in replies:
+            a = NlMsg.decode(raw).attrs
+            if NETNSA_NSID in a:
+                nsid = I32.unpack_from(a[NETNSA_NSID])[0]
+                return nsid if nsid >= 0 else None
+        return None
+
+    def link_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
+        """Raw link dump (stats skipped); ``nsid``: of another namespace via target nsid."""
+        body = LINK_DUMP if nsid is None else LINK_DUMP + attr(IFLA_TARGET_NETNSID,
+                                                                  I32.pack(nsid))
+        where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETLINK, body,
+                                                            f"dump links{where}")]
+
+    def addr_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
+        """Raw address dump, here, inside ``ns`` or (``nsid``) via target nsid."""
+        body = ADDR_DUMP if nsid is None else ADDR_DUMP + attr(IFA_TARGET_NETNSID,
+                                                                  I32.pack(nsid))
+        where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETADDR, body,
+                                                            f"dump addresses{where}")]
+
+    def route_messages(self, ns: str | None = None) -> list[NlMsg]:
+        """Raw main-table route dump (both families); targets by nsid are not supported."""
+        where = f" in {ns}" if ns else ""
+        return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETROUTE, ROUTE_DUMP,
+                                                            f"dump routes{where}")]
+
+    def dump_links(self, ns: str | None = None) -> dict[str, LiveLink]:
+        """Every link of the namespace (host by default) by name, addresses attached."""
+        links = assemble_links(self.link_messages(ns), self.addr_messages(ns))
+        return {link.name: link for link in links}
+
+    def dump_routes(self, ns: str | None = None) -> tuple[LiveRoute, ...]:
+        """Main-table routes of the namespace (host by default)."""
+        out = []
+        for m in self.route_messages(ns):
+            r = parse_route(m)
+            if r is not None:
+                out.append(r)
+        return tuple(out)
+
+    def observe_netns(self, names: Iterable[str], *, prune: bool = True) -> dict[str, LiveNetns]:
+        """Links (with addresses) and main routes inside each named namespace.
+
+        Names whose file is missing are left out; an empty file (or anything
+        that cannot be entered) is reported ``usable=False`` rather than
+        raising. With ``prune`` the socket cache is trimmed to ``names``, so
+        sockets do not keep namespaces that were deleted out of band alive.
+        """
+        names = list(names)
+        if prune:
+            self.prune_cache(names)
+        out: dict[str, LiveNetns] = {}
+        for name in names:
+            try:
+                entry = self._entry(name)
+            except FileNotFoundError:
+                continue
+            except DriverError:
+                if os.path.lexists(netns.path_of(name)):
+                    out[name] = LiveNetns(name=name, usable=False)
+                continue
+            try:
+                links = assemble_links(self.link_messages(name), self.addr_messages(name))
+                routes = self.dump_routes(name)
+            except DriverError:
+                self.forget_netns(name)
+                raise
+            if entry.nsid is None:
+                with contextlib.suppress(DriverError):
+                    entry.nsid = self.get_nsid(name)
+            out[name] = LiveNetns(name=name, usable=True, links=tuple(links), routes=routes,
+                                  nsid=entry.nsid)
+        return out
+
+    def _lookup(self, name: str, ns: str | None) -> bytes | None:
+        """The raw RTM_NEWLINK reply for ``name`` (here or inside ``ns``), None when absent."""
+        try:
+            replies = self._sock(ns).request(
+                RTM_GETLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
+                + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS), f"link {name}: look up")
+        except DriverError as e:
+            if e.errno == errno.ENODEV:
+                return None
+            raise
+        return replies[0] if replies else None
+
+    def link_index(self, name: str, ns: str | None = None) -> int | None:
+        """ifindex of ``name`` (here or inside ``ns``), None when absent."""
+        raw = self._lookup(name, ns)
+        return None if raw is None else int(IFINFO.unpack_from(raw, 16)[2])
+
+    def get_link(self, name: str, ns: str | None = None) -> LiveLink | None:
+        """One link without addresses (master shown as ``if<N>``), None when absent."""
+        raw = self._lookup(name, ns)
+        return None if raw is None else parse_link(NlMsg.decode(raw), {})
+
+    def peek_lo_alias(self, name: str) -> str | None:
+        """The alias of ``lo`` inside namespace ``name``, without caching a socket there.
+
+        Cheap enough to ask of every namespace under /run/netns: it tells our
+        allocation namespaces from everyone else's without holding theirs open.
+        """
+        try:
+            with netns.enter(name):
+                sock = Socket()
+        except (OSError, DriverError):
+            return None
+        try:
+            replies = sock.request(RTM_GETLINK, 0, ifinfo(index=1)
+                                   + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS),
+                                   f"link lo in namespace {name}: look up")
+        except DriverError:
+            return None
+        finally:
+            sock.close()
+        return parse_link(NlMsg.decode(replies[0]), {}).alias if replies else None
+
+    def _index(self, name: str, ns: str | None) -> int:
+        index = self.link_index(name, ns)
+        if index is None:
+            where = f" in namespace {ns}" if ns else ""
+            raise netlink_error(errno.ENODEV, f"link {name}{where}", "no such link")
+        return index
+
