@@ -376,7 +376,7 @@ class FakeDriver:
         self.calls: list[tuple[Any, ...]] = []
 
     def ensure(self, s: DockerNetwork, default_mtu: int | None) -> Any:
-        from reconciler.drivers.docker.client import EnsureResult
+        from reconciler.drivers.docker.results import EnsureResult
 
         self.calls.append(("ensure", s, default_mtu))
         return EnsureResult(s.name, "1" * 64, True, ipv6_fallback=True, warnings=(
@@ -385,7 +385,7 @@ class FakeDriver:
 
     def replace(self, s: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
                 reconnect: bool, *, adopt: bool = False) -> Any:
-        from reconciler.drivers.docker.client import EnsureResult
+        from reconciler.drivers.docker.results import EnsureResult
 
         self.calls.append(("replace", s, live.id, live.name, default_mtu, reconnect, adopt))
         return EnsureResult(s.name, "2" * 64, True, reconnected=("c1",))

@@ -1,15 +1,16 @@
 """Docker networks with kind's semantics, through the Docker SDK.
 
-Only this module talks to the Docker daemon. It holds three layers:
+Over 500 lines on purpose: one class, ``DockerDriver``, whose methods share the
+client, the mapping of every SDK failure to one clear line (``_errors``) and
+kind's create-and-probe logic; the pure parts live beside it (``payloads``,
+``failures``, ``results``).
 
-* pure functions (error classifiers, inspect-payload parsing) that need no
-  daemon; the ones the planner shares (subnet derivation, the duplicate
-  order, ``diff_network``) live in ``reconciler.docker_logic`` and are
-  re-exported here;
-* ``DockerDriver``, which observes and changes networks through the SDK's
-  low-level API and maps every daemon or connection failure to one clear line
-  (``DriverError`` / ``TemporaryError`` / ``ConflictError``);
-* small result values (``EnsureResult``, ``DedupeResult``).
+Only this package talks to the Docker daemon (the event stream is ``events``,
+the one raw API call observation makes is ``probe``). ``DockerDriver`` observes
+and changes networks through the SDK's low-level API and maps every daemon or
+connection failure to one clear line (``DriverError`` / ``TemporaryError`` /
+``ConflictError``). The rules the planner shares (subnet derivation, the
+duplicate order) are ``reconciler.domain.docker``.
 
 The reference behaviour is kind's ``ensureNetwork``: a bridge network with IP
 masquerade, the MTU of Docker's default ``bridge`` network, an IPv6 ULA /64
@@ -48,9 +49,15 @@ from reconciler.domain.errors import ConflictError, DriverError, ReconcilerError
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork
 from reconciler.domain.model import DockerNetwork
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker.failures import (
+    Unreachable,
+    explanation,
+    is_connection_failure,
+    one_line,
+    unreachable_reason,
+)
 from reconciler.drivers.docker.payloads import (
     NetworkInspect,
-    daemon_message,
     is_already_exists,
     is_ipv4_pool_exhausted,
     is_ipv6_unavailable,
@@ -59,6 +66,7 @@ from reconciler.drivers.docker.payloads import (
     parse_default_mtu,
     parse_network,
 )
+from reconciler.drivers.docker.results import DedupeResult, EnsureResult
 
 #: kind's probing budget: attempt 0 plus four more derived subnets.
 MAX_ATTEMPTS = 5
@@ -67,25 +75,8 @@ MAX_ATTEMPTS = 5
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 
 
-@dataclass(frozen=True)
-class EnsureResult:
-    """What ``ensure``/``replace`` did for one network."""
-
-    name: str
-    network_id: str
-    created: bool  # False: an existing network was kept (kind's no-op)
-    subnet6: str | None = None  # the IPv6 subnet we asked for, if any
-    attempt: int | None = None  # the derived-subnet attempt that succeeded
-    ipv6_fallback: bool = False  # created IPv4-only because the daemon lacks IPv6
-    removed_duplicates: tuple[str, ...] = ()
-    reconnected: tuple[str, ...] = ()  # container names re-attached by replace
-    warnings: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class DedupeResult:
-    kept: LiveDockerNetwork | None
-    removed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,67 +105,16 @@ class _CreateArgs:
 _T = TypeVar("_T")
 
 
-class _Unreachable(Exception):
-    """Internal: the daemon could not be reached (converted at the boundary)."""
 
 
-def _explanation(exc: docker.errors.APIError) -> str:
-    explanation = exc.explanation
-    if isinstance(explanation, bytes):
-        explanation = explanation.decode(errors="replace")
-    text = explanation if isinstance(explanation, str) and explanation else str(exc)
-    # Keep inner whitespace: kind's texts have a double space that classifiers need.
-    return daemon_message(text)
 
 
-def _one_line(text: str) -> str:
-    """For messages to people: the daemon's text on one line."""
-    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _walk(exc: BaseException, depth: int = 0) -> Iterator[BaseException]:
-    """The exception, its cause/context chain and exceptions in its args."""
-    if depth > 8:
-        return
-    yield exc
-    for arg in exc.args:
-        if isinstance(arg, BaseException):
-            yield from _walk(arg, depth + 1)
-    for nested in (exc.__cause__, exc.__context__):
-        if nested is not None:
-            yield from _walk(nested, depth + 1)
 
 
-def _is_connection_failure(exc: BaseException) -> bool:
-    if isinstance(exc, docker.errors.APIError):
-        return False
-    return any(
-        isinstance(e, requests.exceptions.ConnectionError | requests.exceptions.Timeout
-                   | ConnectionError | FileNotFoundError | TimeoutError)
-        for e in _walk(exc)
-    ) or (isinstance(exc, docker.errors.DockerException)
-          and "Error while fetching server API version" in str(exc))
 
 
-def _unreachable_reason(exc: BaseException) -> str:
-    for e in _walk(exc):
-        if isinstance(e, FileNotFoundError):
-            return "socket not found"
-        if isinstance(e, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(e, PermissionError):
-            return "permission denied"
-        if isinstance(e, requests.exceptions.Timeout | TimeoutError):
-            return "timed out"
-    for e in _walk(exc):
-        text = str(e)
-        for marker, reason in (("No such file", "socket not found"),
-                               ("Connection refused", "connection refused"),
-                               ("Permission denied", "permission denied"),
-                               ("timed out", "timed out")):
-            if marker in text:
-                return reason
-    return type(exc).__name__
 
 
 class DockerDriver:
@@ -206,7 +146,7 @@ class DockerDriver:
                 self._client = docker.DockerClient.from_env(
                     timeout=int(max(1, self._timeout)), environment=self._environment)
             except docker.errors.DockerException as exc:
-                raise _Unreachable(_unreachable_reason(exc)) from exc
+                raise Unreachable(unreachable_reason(exc)) from exc
         return self._client
 
     @property
@@ -228,16 +168,16 @@ class DockerDriver:
             yield
         except ReconcilerError:
             raise
-        except _Unreachable as exc:
+        except Unreachable as exc:
             raise TemporaryError(f"{what}: {self._unreachable_message(str(exc))}",
                                  delay=1.0) from None
         except docker.errors.APIError as exc:
-            raise DriverError(f"{what}: {_one_line(_explanation(exc))}") from None
+            raise DriverError(f"{what}: {one_line(explanation(exc))}") from None
         except (docker.errors.DockerException, requests.exceptions.RequestException,
                 OSError) as exc:
-            if _is_connection_failure(exc):
+            if is_connection_failure(exc):
                 raise TemporaryError(
-                    f"{what}: {self._unreachable_message(_unreachable_reason(exc))}",
+                    f"{what}: {self._unreachable_message(unreachable_reason(exc))}",
                     delay=1.0) from None
             raise DriverError(f"{what}: {type(exc).__name__}: {exc}") from None
 
@@ -248,7 +188,7 @@ class DockerDriver:
         try:
             attrs: NetworkInspect = self._api.inspect_network(net_id)
         except docker.errors.APIError as exc:
-            if is_no_such_network(_explanation(exc)):
+            if is_no_such_network(explanation(exc)):
                 return None
             raise
         return attrs
@@ -291,16 +231,16 @@ class DockerDriver:
                     if name not in wanted and not is_ours:
                         continue
                 networks.append(parse_network(attrs))
-        except _Unreachable as exc:
+        except Unreachable as exc:
             return LiveDocker(available=False, error=self._unreachable_message(str(exc)))
         except docker.errors.APIError as exc:
-            why = _one_line(_explanation(exc))
+            why = one_line(explanation(exc))
             return LiveDocker(available=False, error=f"docker: listing networks failed: {why}")
         except (docker.errors.DockerException, requests.exceptions.RequestException,
                 OSError) as exc:
-            if _is_connection_failure(exc):
+            if is_connection_failure(exc):
                 return LiveDocker(available=False,
-                                  error=self._unreachable_message(_unreachable_reason(exc)))
+                                  error=self._unreachable_message(unreachable_reason(exc)))
             return LiveDocker(available=False,
                               error=f"docker: observing networks failed: {exc}")
         networks.sort(key=lambda n: (n.name, -n.containers, n.id))
@@ -321,7 +261,7 @@ class DockerDriver:
                 try:
                     self._api.remove_network(net_id)
                 except docker.errors.APIError as exc:
-                    if not is_no_such_network(_explanation(exc)):
+                    if not is_no_such_network(explanation(exc)):
                         raise
                     continue
             removed.append(net_id)
@@ -463,8 +403,8 @@ class DockerDriver:
             try:
                 net_id = self._create(args)
             except docker.errors.APIError as exc:
-                raw = _explanation(exc)
-                msg = _one_line(raw)
+                raw = explanation(exc)
+                msg = one_line(raw)
                 if is_already_exists(raw):
                     return self._after_create(name, None, subnet6, attempt if derived else None)
                 if subnet6 is not None and attempt == 0 and is_ipv6_unavailable(raw):
@@ -502,12 +442,12 @@ class DockerDriver:
     def _create_ipv4_fallback(self, base: _CreateArgs, spec: DockerNetwork,
                               why: str) -> EnsureResult:
         warning = (f"docker network {spec.name}: the Docker daemon cannot set up IPv6 "
-                   f"({_one_line(why)}); created it IPv4-only")
+                   f"({one_line(why)}); created it IPv4-only")
         labels = {**base.labels, IPV6_FALLBACK_LABEL: "true"}
         try:
             net_id = self._create(_replace_args(base, subnet6=None, labels=labels))
         except docker.errors.APIError as exc:
-            if not is_already_exists(_explanation(exc)):
+            if not is_already_exists(explanation(exc)):
                 raise
             net_id = None
         result = self._after_create(spec.name, net_id, None, None)
@@ -628,7 +568,7 @@ class DockerDriver:
                     warnings += self._connect(result.network_id, name, ep, new4, new6)
                     reattached.append(ep.container_name)
                 except docker.errors.APIError as exc:
-                    failures.append(f"{ep.container_name}: {_one_line(_explanation(exc))}")
+                    failures.append(f"{ep.container_name}: {one_line(explanation(exc))}")
             if failures:
                 raise DriverError(f"{what}: re-created, but could not re-attach "
                                   + "; ".join(failures))
@@ -644,7 +584,7 @@ class DockerDriver:
         try:
             self._api.disconnect_container_from_network(ep.container_id, net_id, force=True)
         except docker.errors.APIError as exc:
-            msg = _explanation(exc)
+            msg = explanation(exc)
             if not (is_no_such_network(msg) or "is not connected" in msg
                     or "No such container" in msg):
                 raise
