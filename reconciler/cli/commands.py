@@ -202,7 +202,7 @@ def _watch_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import loop  # noqa: PLC0415 (see _watch_prepare)
+    from reconciler.agent import loop, process  # noqa: PLC0415 (see _watch_prepare)
     from reconciler.agent.logs import configure_logging  # noqa: PLC0415
     from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (see _watch_prepare)
 
@@ -221,7 +221,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
         dry_run=args.dry_run)
-    return loop.run(options, getattr(args, "status_socket", None))
+    return process.run(options, getattr(args, "status_socket", None))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
