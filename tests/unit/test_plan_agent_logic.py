@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -448,3 +449,28 @@ def test_warm_up_fills_an_empty_view_and_never_evicts_a_clients_files(tmp_path: 
     server.warm((str(own),), "h1")
     server._warm_up()
     assert len(view.planned) == 2 and view.planned[1] != view.planned[0]
+
+
+def test_code_identity_counts_every_subpackage(tmp_path, monkeypatch):
+    """A client and an agent of different code must differ in code_id, whichever
+    subpackage changed, a new one included (it once walked four fixed directories)."""
+    from reconciler.agent.planview import protocol
+
+    root = tmp_path / "reconciler"
+    (root / "domain").mkdir(parents=True)
+    (root / "domain" / "model.py").write_text("x = 1\n")
+    monkeypatch.setattr(protocol, "PACKAGE_ROOT", str(root))
+    before = protocol.code_id()
+    (root / "newpkg" / "deeper").mkdir(parents=True)
+    (root / "newpkg" / "deeper" / "mod.py").write_text("y = 2\n")
+    assert protocol.code_id() != before
+    after = protocol.code_id()
+    (root / "newpkg" / "deeper" / "mod.py").write_text("y = 3  # same size? no: longer\n")
+    assert protocol.code_id() != after
+
+
+def test_code_identity_is_rooted_at_the_package():
+    from reconciler.agent.planview import protocol
+
+    assert os.path.isfile(os.path.join(protocol.PACKAGE_ROOT, "__main__.py"))
+    assert "drivers/netlink/wire.py:" in protocol.code_id()
