@@ -21,6 +21,7 @@ Pure: no I/O, nothing from above ``reconciler.domain``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import types
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type
 
 from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
 from reconciler.domain.errors import ReconcilerError
+from reconciler.domain.live import IPInterface
 from reconciler.domain.model import DockerNetwork
 from reconciler.domain.plan import Json, Op
 
@@ -53,7 +55,15 @@ class _TypedOp:
     key_order: tuple[str, ...] = field(default=(), compare=False, repr=False, kw_only=True)
 
     def check(self) -> None:
-        """Raise ValueError (or KeyError, TypeError) if a document field is malformed."""
+        """Raise ValueError (or KeyError, TypeError) if a field holds no valid value."""
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _ip_version(version: int) -> None:
+    if version not in (4, 6):
+        raise ValueError(f"IP version {version} is neither 4 nor 6")
 
 
 # -- links, addresses and routes (drivers.netlink) ------------------------------------------
@@ -119,6 +129,12 @@ class AddrAdd(_TypedOp):
     address: str  # an interface: address/prefix
     netns: str | None = _omit(None)
 
+    def interface(self) -> IPInterface:
+        return ipaddress.ip_interface(self.address)
+
+    def check(self) -> None:
+        self.interface()
+
 
 @dataclass(frozen=True)
 class AddrDel(_TypedOp):
@@ -129,6 +145,12 @@ class AddrDel(_TypedOp):
     address: str
     netns: str | None = _omit(None)
 
+    def interface(self) -> IPInterface:
+        return ipaddress.ip_interface(self.address)
+
+    def check(self) -> None:
+        self.interface()
+
 
 @dataclass(frozen=True)
 class RouteDelDefault(_TypedOp):
@@ -137,6 +159,9 @@ class RouteDelDefault(_TypedOp):
     NAME: ClassVar[str] = "route.del_default"
     version: int
     netns: str
+
+    def check(self) -> None:
+        _ip_version(self.version)
 
 
 # -- allocation namespaces -----------------------------------------------------------------
@@ -183,6 +208,16 @@ class AllocConfigure(_TypedOp):
     ipv6: bool  # keep eth0's IPv6 link-local address
     mark: str | None  # the alias of lo
 
+    def interfaces(self) -> list[IPInterface]:
+        return [ipaddress.ip_interface(a) for a in self.addresses]
+
+    def gateway_ips(self) -> list[IPAddress]:
+        return [ipaddress.ip_address(g) for g in self.gateways]
+
+    def check(self) -> None:
+        self.interfaces()
+        self.gateway_ips()
+
 
 # -- sysctls and the firewall --------------------------------------------------------------
 
@@ -202,6 +237,9 @@ class FirewallRestore(_TypedOp):
     NAME: ClassVar[str] = "firewall.restore"
     family: int
     script: str
+
+    def check(self) -> None:
+        _ip_version(self.family)
 
 
 # -- Docker networks -----------------------------------------------------------------------

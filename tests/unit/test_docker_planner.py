@@ -427,12 +427,17 @@ def test_replace_and_remove_ops_reach_the_driver() -> None:
     assert drv.calls[1] == ("remove", "a" * 64)
 
 
-def test_malformed_op_is_a_driver_error() -> None:
-    from reconciler.domain.errors import DriverError
+def test_malformed_op_is_one_clear_error_and_reaches_no_driver() -> None:
+    from reconciler.domain.errors import ReconcilerError
     from reconciler.domain.plan import Op
 
-    with pytest.raises(DriverError, match="malformed docker op"):
-        _ops(FakeDriver()).run(Op("docker.ensure", {"spec": {"mtu": 1}}))
+    drv = FakeDriver()
+    with pytest.raises(ReconcilerError, match=r"docker.ensure: malformed arguments \(KeyError"):
+        _ops(drv).run(Op("docker.ensure", {"spec": {"mtu": 1}, "default_mtu": None,
+                                           "scope": "host"}))
+    with pytest.raises(ReconcilerError, match="docker.ensure: missing argument 'default_mtu'"):
+        _ops(drv).run(Op("docker.ensure", {"spec": {"name": "kind"}}))
+    assert drv.calls == []
 
 
 def test_daemon_down_with_nothing_declared_is_a_warning_not_an_error():
