@@ -7,13 +7,10 @@ changes the host. An op is decoded into its typed form
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 from typing import TYPE_CHECKING, assert_never
 
 from reconciler.domain import ownership
-from reconciler.domain.errors import DriverError, TemporaryError
 from reconciler.domain.live import LiveDockerNetwork
 from reconciler.domain.ops import (
     AddrAdd,
@@ -52,7 +49,6 @@ class HostOps:
         self._netlink = netlink
         self._ipt: dict[int, IptablesDriver] = {}
         self._docker: DockerDriver | None = None
-        self._op_counts: dict[str, int] = {}  # for _inject_fault only
 
     @property
     def netlink(self) -> Netlink:
@@ -67,9 +63,7 @@ class HostOps:
 
     def run(self, op: Op) -> None:
         """Perform one plan op; ``OpError`` if it is not one of ours or is malformed."""
-        typed = decode(op)
-        self._inject_fault(op.name)
-        self.perform(typed)
+        self.perform(decode(op))
 
     def perform(self, op: TypedOp) -> None:
         """Perform one typed op: one case per op class (mypy checks that none is missing)."""
@@ -153,29 +147,6 @@ class HostOps:
         if result.reconnected:
             log.info("docker network %s: reconnected %s", spec.name,
                      ", ".join(result.reconnected))
-
-    def _inject_fault(self, name: str) -> None:
-        """TEST-ONLY fault injection, off unless ``RECONCILER_FAULTS`` is set.
-
-        ``RECONCILER_FAULTS="alloc.attach:3,netns.create:1:EBUSY"``: the 3rd
-        ``alloc.attach`` op of this process fails as the kernel's EPERM would
-        (a ``DriverError``), the 1st ``netns.create`` as EBUSY would (a
-        ``TemporaryError``, so the executor retries it). Used by
-        tests/integration/test_faults.py; never set it on a real host.
-        """
-        spec = os.environ.get("RECONCILER_FAULTS")
-        if not spec:
-            return
-        self._op_counts[name] = n = self._op_counts.get(name, 0) + 1
-        for item in spec.split(","):
-            op, _, rest = item.strip().partition(":")
-            nth, _, code = rest.partition(":")
-            if op == name and nth.isdigit() and int(nth) == n:
-                code_n = getattr(errno, code or "EPERM", errno.EPERM)
-                msg = f"{name}: {os.strerror(code_n)} (injected fault {n})"
-                exc = TemporaryError(msg) if code_n == errno.EBUSY else DriverError(msg)
-                exc.errno = code_n
-                raise exc
 
     def close(self) -> None:
         if self._netlink is not None and hasattr(self._netlink, "close"):
