@@ -6,8 +6,8 @@ A plan carries each op in its wire form, ``Op(name, args)``
 compared by ``Plan.same_work`` and read back by ``apply FILE``. The planner
 builds the typed ops below and ``encode``s them; ``HostOps`` and the unit
 tests' fake host ``decode`` them and dispatch on the class. ``decode`` is the
-one place a wire op is checked, so a bad one (a hand-edited or newer saved
-plan) is one ``OpError`` line, never a ``KeyError``.
+one place a wire op is checked: one that is not ours (hand-edited, or from a
+newer version) is one ``OpError`` line, never a ``KeyError``.
 
 The JSON is what plans have always held: each field is one key, in declared
 order. Every key is required, except those of fields declared with ``_omit``:
