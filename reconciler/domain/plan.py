@@ -45,7 +45,12 @@ Json = Any
 
 @dataclass(frozen=True)
 class Op:
-    """One idempotent driver operation, e.g. ``Op("link.add_bridge", {"name": "nomad"})``."""
+    """One idempotent driver operation in its wire form, e.g.
+    ``Op("link.add_bridge", {"name": "nomad", "mtu": 1500})``.
+
+    Each op and its arguments are declared once, as a typed op in
+    ``reconciler.domain.ops`` (``encode`` makes the ``Op``, ``decode`` reads it).
+    """
 
     name: str
     args: dict[str, Json] = field(default_factory=dict)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from reconciler.domain.errors import PlanError
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import DesiredState
+from reconciler.domain.ops import SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
-from reconciler.domain.plan import Action, AttrChange, Change, Op, Plan, fingerprint
+from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
 from reconciler.planner import allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
@@ -47,7 +48,7 @@ def _sysctl_changes(ctx: PlanContext) -> list[Change]:
                         "IPv6 default route that way should set accept_ra=2 on its uplink",)
             out.append(Change("sysctl", key, Action.UPDATE, "needed by the declared subnets",
                               (AttrChange("value", have, want),),
-                              (Op("sysctl.set", {"key": key, "value": want}),), warnings=warn))
+                              (encode(SysctlSet(key, want)),), warnings=warn))
     return out
 
 

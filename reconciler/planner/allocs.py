@@ -14,6 +14,18 @@ from dataclasses import dataclass
 
 from reconciler.domain.live import LiveLink, LiveNetns
 from reconciler.domain.model import Alloc, Subnet, SubnetName
+from reconciler.domain.ops import (
+    AddrDel,
+    AllocAttach,
+    AllocConfigure,
+    LinkDelete,
+    LinkSet,
+    LinkSetHairpin,
+    NetnsCreate,
+    NetnsDelete,
+    RouteDelDefault,
+    encode,
+)
 from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
@@ -288,30 +300,27 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if v6 is not None and s.cidr6 is not None:
         want.append(f"{v6}/{s.cidr6.prefixlen}")
         gateways.append(str(s.gateway6))
-    attach = Op("alloc.attach", {"netns": a.id, "veth": veth_name, "bridge": b.name,
-                                 "mtu": b.mtu, "hairpin": b.hairpin})
+    attach = AllocAttach(a.id, veth_name, b.name, b.mtu, b.hairpin)
     mark = alloc_ns_alias(ctx.live.host_id)
-    configure = Op("alloc.configure", {"netns": a.id, "addresses": want, "gateways": gateways,
-                                       "mtu": b.mtu, "ipv6": v6 is not None, "mark": mark})
+    configure = AllocConfigure(a.id, tuple(want), tuple(gateways), b.mtu, v6 is not None, mark)
     ports = sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
                    for m in maps)
     ns = ctx.live.netns.get(a.id)
     veth = ctx.live.links.get(veth_name)
-    stale_veth = [Op("link.delete", {"name": veth_name})] if veth is not None else []
+    stale_veth = [encode(LinkDelete(veth_name))] if veth is not None else []
 
     if ns is None or not ns.usable:
         attrs = (AttrChange("subnet", None, s.name), AttrChange("address", None, want[0]),
                  *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
                  *((AttrChange("ports", None, ports),) if ports else ()))
-        create = Op("netns.create", {"name": a.id, "replace_stale": ns is not None,
-                                     "mark": mark})
+        made = (*stale_veth, encode(NetnsCreate(a.id, ns is not None, mark)), encode(attach),
+                encode(configure))
         if ns is not None:
             return Change("alloc", a.id, Action.REPLACE,
                           f"/run/netns/{a.id} exists but is not a live namespace",
-                          attrs, (*stale_veth, create, attach, configure), src)
+                          attrs, made, src)
         reason = "not present" if veth is None else "namespace missing (veth left behind)"
-        return Change("alloc", a.id, Action.CREATE, reason, attrs,
-                      (*stale_veth, create, attach, configure), src)
+        return Change("alloc", a.id, Action.CREATE, reason, attrs, made, src)
     if not _owned_ns(ctx, ns) and not ctx.adopted("alloc", a.id):
         ctx.blocked.add(f"alloc/{a.id}")
         return Change("alloc", a.id, Action.CONFLICT,
@@ -328,29 +337,29 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         attrs_l.append(AttrChange("veth", "missing" if veth is None or eth0 is None
                                   else "wrong peer", veth_name))
         if eth0 is not None:
-            ops.append(Op("link.delete", {"name": ALLOC_IFNAME, "netns": a.id}))
+            ops.append(encode(LinkDelete(ALLOC_IFNAME, netns=a.id)))
         ops += stale_veth
-        ops += [attach, configure]
+        ops += [encode(attach), encode(configure)]
     else:
         assert veth is not None and eth0 is not None
         if veth.master != b.name:
             attrs_l.append(AttrChange("bridge", veth.master, b.name))
-            ops.append(Op("link.set", {"name": veth_name, "master": b.name}))
+            ops.append(encode(LinkSet(veth_name, master=b.name)))
             # a new bridge port starts with hairpin off: set it whatever it was before
-            ops.append(Op("link.set_hairpin", {"name": veth_name, "on": b.hairpin}))
+            ops.append(encode(LinkSetHairpin(veth_name, b.hairpin)))
         elif veth.hairpin is not None and veth.hairpin != b.hairpin:
             attrs_l.append(AttrChange("hairpin", veth.hairpin, b.hairpin))
-            ops.append(Op("link.set_hairpin", {"name": veth_name, "on": b.hairpin}))
+            ops.append(encode(LinkSetHairpin(veth_name, b.hairpin)))
         if b.mtu is not None and veth.mtu != b.mtu:
             attrs_l.append(AttrChange("mtu", veth.mtu, b.mtu))
-            ops.append(Op("link.set", {"name": veth_name, "mtu": b.mtu}))
+            ops.append(encode(LinkSet(veth_name, mtu=b.mtu)))
         if not veth.up or not veth.owned:
             attrs_l.append(AttrChange("veth", "down" if not veth.up else "unmarked", "up"))
-            ops.append(Op("link.set", {"name": veth_name, "up": True, "owned": True}))
+            ops.append(encode(LinkSet.up_owned(veth_name)))
         have = {str(x.address) for x in eth0.addresses if x.owned}
         for stale in sorted(have - set(want)):
             attrs_l.append(AttrChange("address", stale, None))
-            ops.append(Op("addr.del", {"link": ALLOC_IFNAME, "address": stale, "netns": a.id}))
+            ops.append(encode(AddrDel(ALLOC_IFNAME, stale, netns=a.id)))
         inside_ok = True
         unowned = {str(x.address) for x in eth0.addresses if not x.owned}
         for w in want:
@@ -360,8 +369,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                 if w in unowned:
                     # there, but without our tag (an adopted namespace): re-add it as ours,
                     # or configure would take "exists" for done and never converge
-                    ops.append(Op("addr.del", {"link": ALLOC_IFNAME, "address": w,
-                                               "netns": a.id}))
+                    ops.append(encode(AddrDel(ALLOC_IFNAME, w, netns=a.id)))
         for gw in gateways:
             if not any(r.dst == "default" and r.gateway == gw for r in ns.routes):
                 attrs_l.append(AttrChange("default route", None, f"via {gw}"))
@@ -374,7 +382,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                 version = ipaddress.ip_address(r.gateway).version
                 if version not in versions:
                     attrs_l.append(AttrChange("default route", f"via {r.gateway}", None))
-                    ops.append(Op("route.del_default", {"version": version, "netns": a.id}))
+                    ops.append(encode(RouteDelDefault(version, a.id)))
                     versions.add(version)  # one delete per family
         lo = _inner(ns, "lo")
         if (lo is None or not lo.up or lo.alias != mark or not eth0.up
@@ -382,7 +390,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             attrs_l.append(AttrChange("links inside", "down or wrong MTU", "up"))
             inside_ok = False
         if not inside_ok:
-            ops.append(configure)
+            ops.append(encode(configure))
     if not ops:
         return Change("alloc", a.id, Action.NOOP, source=src)
     return Change("alloc", a.id, Action.UPDATE,
@@ -405,14 +413,14 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
             ctx.observed[f"alloc/{name}"] = {"file_mark": mark}
             changes.append(Change("alloc", name, Action.DELETE,
                                   "leftover file of a deleted namespace", (),
-                                  (Op("netns.delete", {"name": name}),)))
+                                  (encode(NetnsDelete(name)),)))
             continue
         if not _owned_ns(ctx, ns):
             continue
         ctx.observed[f"alloc/{name}"] = _view(ctx, name)
         if ctx.options.prune:
             changes.append(Change("alloc", name, Action.DELETE, "no longer declared", (),
-                                  (Op("netns.delete", {"name": name}),)))
+                                  (encode(NetnsDelete(name)),)))
     for lname, lk in sorted(ctx.live.links.items()):
         if lk.kind != "veth" or not lk.owned or lname in veth_of:
             continue
@@ -421,7 +429,7 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
         ctx.observed[f"veth/{lname}"] = (lk.master, lk.peer_netnsid)
         changes.append(Change("veth", lname, Action.DELETE,
                               "orphan: its allocation namespace is gone", (),
-                              (Op("link.delete", {"name": lname}),)))
+                              (encode(LinkDelete(lname)),)))
     return changes
 
 

@@ -19,6 +19,7 @@ from reconciler.domain.docker import (
 )
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork
 from reconciler.domain.model import DockerNetwork
+from reconciler.domain.ops import DockerDedupe, DockerEnsure, DockerRemove, DockerReplace, encode
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner.context import PlanContext
 from reconciler.planner.docker_diff import diff_network, ipv6_fell_back
@@ -86,11 +87,6 @@ def _create_attrs(spec: DockerNetwork, default_mtu: int | None) -> tuple[AttrCha
     return tuple(attrs)
 
 
-def _op_args(docker: LiveDocker, spec: DockerNetwork) -> dict[str, object]:
-    return {"spec": spec_to_json(spec), "default_mtu": docker.default_mtu,
-            "scope": docker.scope}
-
-
 def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
                   found: list[LiveDockerNetwork]) -> Change:
     name = spec.name
@@ -105,7 +101,8 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
     if not found:
         return Change(KIND, name, Action.CREATE, "not present",
                       _create_attrs(spec, docker.default_mtu),
-                      (Op("docker.ensure", _op_args(docker, spec)),), src)
+                      (encode(DockerEnsure(spec_to_json(spec), docker.default_mtu,
+                                           docker.scope)),), src)
 
     ops: list[Op] = []
     reasons: list[str] = []
@@ -127,7 +124,7 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
                           f"{len(found)} networks share this name and the ones to remove have "
                           f"containers attached: {listed}; keeping {_short(found[0].id)} (most "
                           "containers, then lowest ID) needs them detached first", source=src)
-        ops.append(Op("docker.dedupe", {"name": name}))
+        ops.append(encode(DockerDedupe(name)))
         reasons.append(f"{len(found) - 1} duplicate{'s' if len(found) > 2 else ''}, keeping "
                        f"{_short(found[0].id)} (most containers, then lowest ID)")
     live = found[0]
@@ -166,12 +163,11 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
                       "(`apply --force-replace` disconnects them, re-creates the network and "
                       "reconnects them with the same addresses and aliases)",
                       tuple(attrs), source=src)
-    args = _op_args(docker, spec)
-    args.update({"id": live.id, "reconnect": live.containers > 0, "adopt": adopting})
     if live.containers:
         reasons.append(f"{live.containers} container"
                        f"{'s' if live.containers != 1 else ''} will be reconnected")
-    ops.append(Op("docker.replace", args))
+    ops.append(encode(DockerReplace(spec_to_json(spec), docker.default_mtu, docker.scope,
+                                    live.id, reconnect=live.containers > 0, adopt=adopting)))
     return Change(KIND, name, Action.REPLACE, "; ".join(reasons), tuple(attrs), tuple(ops), src)
 
 
@@ -202,5 +198,5 @@ def _plan_pruned(ctx: PlanContext, docker: LiveDocker,
             KIND, name, Action.DELETE, "no longer declared",
             (AttrChange("subnets", ",".join(s for n in mine for s in n.subnets) or None,
                         None),),
-            tuple(Op("docker.remove", {"id": n.id, "name": name}) for n in mine)))
+            tuple(encode(DockerRemove(n.id, name)) for n in mine)))
     return changes

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveChainSet
 from reconciler.domain.model import DesiredState, Subnet
+from reconciler.domain.ops import FirewallRestore, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, RULE_COMMENT
-from reconciler.domain.plan import Action, AttrChange, Change, Op
+from reconciler.domain.plan import Action, AttrChange, Change
 
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
@@ -251,4 +252,4 @@ def firewall_change(family: int, d: FirewallDiff) -> Change | None:
             parts.append("stale rules of " + ", ".join(sorted(d.stale_owners - d.missing_owners)))
         action, reason = Action.UPDATE, "; ".join(parts) or "rules or jumps differ"
     return Change("firewall", f"ipv{family}", action, reason, d.attrs,
-                  (Op("firewall.restore", {"family": family, "script": d.script}),))
+                  (encode(FirewallRestore(family, d.script)),))

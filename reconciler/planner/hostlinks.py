@@ -7,6 +7,7 @@ import re
 
 from reconciler.domain.live import LiveLink
 from reconciler.domain.model import Bridge, Subnet, SubnetName
+from reconciler.domain.ops import AddrAdd, AddrDel, LinkAddBridge, LinkDelete, LinkSet, encode
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -37,7 +38,7 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         created = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
         created.append(AttrChange("hairpin", None, b.hairpin))
         return Change("bridge", b.name, Action.CREATE, "not present", tuple(created),
-                      (Op("link.add_bridge", {"name": b.name, "mtu": b.mtu}),), src)
+                      (encode(LinkAddBridge(b.name, b.mtu)),), src)
     if link.kind != "bridge":
         ctx.blocked.add(f"bridge/{b.name}")
         what = f"a {link.kind} link" if link.kind else "a device"
@@ -51,23 +52,22 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
                       f"(--adopt bridge/{b.name} takes it over)", source=src)
     attrs: list[AttrChange] = []
     ops: list[Op] = []
-    settings: dict[str, object] = {}
-    if not link.owned:
+    adopt = not link.owned
+    mtu = b.mtu if b.mtu is not None and link.mtu != b.mtu else None
+    up = None if link.up else True
+    if adopt:
         attrs.append(AttrChange("owner", "foreign", "reconciler"))
-        settings["owned"] = True
-    if b.mtu is not None and link.mtu != b.mtu:
-        attrs.append(AttrChange("mtu", link.mtu, b.mtu))
-        settings["mtu"] = b.mtu
-    if not link.up:
+    if mtu is not None:
+        attrs.append(AttrChange("mtu", link.mtu, mtu))
+    if up:
         attrs.append(AttrChange("up", False, True))
-        settings["up"] = True
-    if settings:
-        ops.append(Op("link.set", {"name": b.name, **settings}))
+    if attrs:
+        ops.append(encode(LinkSet(b.name, owned=adopt, mtu=mtu, up=up)))
     stray = sorted(str(a.address) for a in link.addresses
                    if a.owned and (b.name, str(a.address)) not in ctx.claimed_addresses)
     if stray:
         attrs.append(AttrChange("addresses", stray, []))
-        ops.extend(Op("addr.del", {"link": b.name, "address": a}) for a in stray)
+        ops.extend(encode(AddrDel(b.name, a)) for a in stray)
     if not ops:
         return Change("bridge", b.name, Action.NOOP, source=src)
     reason = "adopt" if not link.owned else "changed: " + ", ".join(a.field for a in attrs)
@@ -126,7 +126,7 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                 return Change("subnet", s.name, Action.CONFLICT,
                               f"address {w} on bridge {s.bridge} was not added by the "
                               f"reconciler (--adopt subnet/{s.name} takes it over)", source=src)
-            ops.append(Op("addr.del", {"link": s.bridge, "address": w}))
+            ops.append(encode(AddrDel(s.bridge, w)))
         for other in have.values():
             o = other.address
             if (not other.owned and o.version == iface.version and str(o) != w
@@ -137,9 +137,9 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                                   f"bridge {s.bridge} has address {o} that the reconciler did "
                                   f"not add and that overlaps {iface.network} "
                                   f"(--adopt subnet/{s.name} replaces it)", source=src)
-                ops.append(Op("addr.del", {"link": s.bridge, "address": str(o)}))
+                ops.append(encode(AddrDel(s.bridge, str(o))))
         attrs.append(AttrChange("gateway" if iface.version == 4 else "gateway6", None, w))
-        ops.append(Op("addr.add", {"link": s.bridge, "address": w}))
+        ops.append(encode(AddrAdd(s.bridge, w)))
     exists = managed is not None and (len(wanted) > len(attrs) or
                                       any(_rules_of(ctx, f, f"subnet={s.name}") for f in (4, 6)))
     if not exists:
@@ -213,7 +213,7 @@ def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
                 if a.owned and any(a.address.ip in ipaddress.ip_network(c) for c in cidrs) \
                         and (bridge, str(a.address)) not in ctx.claimed_addresses:
                     # claimed either way: with --no-prune the gateway stays, it is no stray
-                    ops.append(Op("addr.del", {"link": bridge, "address": str(a.address)}))
+                    ops.append(encode(AddrDel(bridge, str(a.address))))
                     ctx.claimed_addresses.add((bridge, str(a.address)))
         if not ctx.options.prune:
             continue
@@ -247,12 +247,12 @@ def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
             ctx.observed[f"bridge/{name}"] = _link_view(link)
             changes.append(Change("bridge", name, Action.DELETE,
                                   "leftover of an interrupted bridge creation", (),
-                                  (Op("link.delete", {"name": name}),)))
+                                  (encode(LinkDelete(name)),)))
             continue
         if link.kind != "bridge" or not link.owned or name in ctx.desired.bridges:
             continue
         ctx.observed[f"bridge/{name}"] = _link_view(link)
         if ctx.options.prune:
             changes.append(Change("bridge", name, Action.DELETE, "no longer declared", (),
-                                  (Op("link.delete", {"name": name}),)))
+                                  (encode(LinkDelete(name)),)))
     return changes

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import SESSION, Netns, unique, write
+from tests.conftest import SESSION, Netns, Result, unique, write
 from tests.integration.traffic import HOST_IP, client_of, fetch, listening
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -54,6 +54,13 @@ def converged(ns: Netns, cfg: Config) -> None:
 def apply(ns: Netns, cfg: Config, **kw: object) -> None:
     r = ns.reconcile("apply", cfg.path, **kw)  # type: ignore[arg-type]
     assert r.rc == 0, r.all
+
+
+def with_faults(ns: Netns, faults: str, *args: str) -> Result:
+    """`reconcile ARGS` in ``ns``, its driver ops failing as ``faults`` says (faults.py)."""
+    p = subprocess.run([sys.executable, "-m", "tests.integration.faults", faults,
+                        "--netns", ns.name, *args], capture_output=True, text=True, timeout=300)
+    return Result(p.returncode, p.stdout, p.stderr)
 
 
 def test_flushed_firewall_is_healed(host_ns: Netns, tmp_path):
@@ -127,7 +134,7 @@ def test_injected_driver_error_is_reported_and_the_next_run_converges(
         with open(cfg.path) as fh:
             fewer = fh.read().rsplit("\n  - ", 1)[0] + "\n"
         cfg = Config(write(tmp_path, "fewer.yaml", fewer), cfg.allocs[:-1], ())
-    r = host_ns.reconcile("apply", cfg.path, env={"RECONCILER_FAULTS": fault})
+    r = with_faults(host_ns, fault, "apply", cfg.path)
     op = fault.split(":")[0]
     assert r.rc == 1, r.all
     assert "Traceback" not in r.all and "internal error" not in r.all
@@ -146,8 +153,7 @@ def test_injected_driver_error_is_reported_and_the_next_run_converges(
 
 def test_transient_busy_error_is_retried(host_ns: Netns, tmp_path):
     cfg = state(tmp_path)
-    r = host_ns.reconcile("-v", "apply", cfg.path,
-                          env={"RECONCILER_FAULTS": "alloc.attach:2:EBUSY"})
+    r = with_faults(host_ns, "alloc.attach:2:EBUSY", "-v", "apply", cfg.path)
     assert r.rc == 0, r.all
     assert "retrying" in r.err
     converged(host_ns, cfg)

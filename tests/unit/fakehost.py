@@ -16,6 +16,23 @@ from reconciler.domain.live import (
     LiveState,
 )
 from reconciler.domain.model import DesiredState
+from reconciler.domain.ops import (
+    AddrAdd,
+    AddrDel,
+    AllocAttach,
+    AllocConfigure,
+    FirewallRestore,
+    LinkAddBridge,
+    LinkDelete,
+    LinkSet,
+    LinkSetHairpin,
+    NetnsCreate,
+    NetnsDelete,
+    RouteDelDefault,
+    SysctlSet,
+    TypedOp,
+    decode,
+)
 from reconciler.domain.ownership import LINK_ALIAS, alloc_ns_alias
 from reconciler.domain.plan import Op
 
@@ -120,57 +137,61 @@ class FakeHost:
     # OpRunner interface
     def run(self, op: Op) -> None:
         self.log.append(op)
-        a = op.args
-        if op.name == "link.add_bridge":
-            if a["name"] not in self.links:
-                self._next_index += 1
-                self.links[a["name"]] = LiveLink(a["name"], self._next_index, "bridge",
-                                                 a.get("mtu") or 1500, True, True)
-        elif op.name == "link.set":
-            link = self.links[a["name"]]
-            master = a.get("master", link.master)
-            self.links[a["name"]] = dataclasses.replace(
-                link, mtu=a.get("mtu", link.mtu), up=a.get("up", link.up),
-                owned=True if a.get("owned") else link.owned, master=master or None,
-                # the kernel: a new bridge port starts with hairpin off
-                hairpin=(False if master else None) if master != link.master
-                else link.hairpin)
-        elif op.name == "link.delete":
-            self._delete_link(a["name"], a.get("netns"))
-        elif op.name == "link.set_hairpin":
-            link = self.links[a["name"]]
-            assert link.master is not None, "hairpin of a link that is no bridge port"
-            self.links[a["name"]] = dataclasses.replace(link, hairpin=a["on"])
-        elif op.name == "netns.create":
-            self._create_netns(a["name"], a.get("replace_stale", False), a.get("mark"))
-        elif op.name == "netns.delete":
-            ns = self.netns.pop(a["name"], None)
-            if ns is not None:  # its veth goes with it (the kernel does it asynchronously)
-                self.links = {n: lk for n, lk in self.links.items()
-                              if lk.kind != "veth" or lk.peer_netnsid != ns.nsid}
-        elif op.name == "alloc.attach":
-            self._attach(a["veth"], a["netns"], a["bridge"], a.get("mtu"), a["hairpin"])
-        elif op.name == "alloc.configure":
-            self._configure(a)
-        elif op.name == "route.del_default":
-            ns = self.netns[a["netns"]]
-            ns.routes = [r for r in ns.routes if not (
-                r.dst == "default" and r.gateway is not None
-                and ipaddress.ip_address(r.gateway).version == a["version"])]
-        elif op.name in ("addr.add", "addr.del"):
-            links = self.links if a.get("netns") is None else self.netns[a["netns"]].links
-            link = links[a["link"]]
-            iface = ipaddress.ip_interface(a["address"])
-            addrs = [x for x in link.addresses if x.address != iface]
-            if op.name == "addr.add":
-                addrs.append(LiveAddress(iface, True))
-            links[a["link"]] = dataclasses.replace(link, addresses=tuple(addrs))
-        elif op.name == "sysctl.set":
-            self.sysctls[a["key"]] = a["value"]
-        elif op.name == "firewall.restore":
-            self.fw[a["family"]].restore(a["script"])
-        else:
-            raise AssertionError(f"fake host does not know op {op.name}")
+        self.perform(decode(op))
+
+    def perform(self, op: TypedOp) -> None:
+        match op:
+            case LinkAddBridge():
+                if op.name not in self.links:
+                    self._next_index += 1
+                    self.links[op.name] = LiveLink(op.name, self._next_index, "bridge",
+                                                   op.mtu or 1500, True, True)
+            case LinkSet():
+                link = self.links[op.name]
+                master = op.master if op.master is not None else link.master
+                self.links[op.name] = dataclasses.replace(
+                    link, mtu=op.mtu if op.mtu is not None else link.mtu,
+                    up=op.up if op.up is not None else link.up,
+                    owned=True if op.owned else link.owned, master=master or None,
+                    # the kernel: a new bridge port starts with hairpin off
+                    hairpin=(False if master else None) if master != link.master
+                    else link.hairpin)
+            case LinkDelete():
+                self._delete_link(op.name, op.netns)
+            case LinkSetHairpin():
+                link = self.links[op.name]
+                assert link.master is not None, "hairpin of a link that is no bridge port"
+                self.links[op.name] = dataclasses.replace(link, hairpin=op.on)
+            case NetnsCreate():
+                self._create_netns(op.name, op.replace_stale, op.mark)
+            case NetnsDelete():
+                ns = self.netns.pop(op.name, None)
+                if ns is not None:  # its veth goes with it (the kernel does it asynchronously)
+                    self.links = {n: lk for n, lk in self.links.items()
+                                  if lk.kind != "veth" or lk.peer_netnsid != ns.nsid}
+            case AllocAttach():
+                self._attach(op.veth, op.netns, op.bridge, op.mtu, op.hairpin)
+            case AllocConfigure():
+                self._configure(op)
+            case RouteDelDefault():
+                ns = self.netns[op.netns]
+                ns.routes = [r for r in ns.routes if not (
+                    r.dst == "default" and r.gateway is not None
+                    and ipaddress.ip_address(r.gateway).version == op.version)]
+            case AddrAdd() | AddrDel():
+                links = self.links if op.netns is None else self.netns[op.netns].links
+                link = links[op.link]
+                iface = op.interface()
+                addrs = [x for x in link.addresses if x.address != iface]
+                if isinstance(op, AddrAdd):
+                    addrs.append(LiveAddress(iface, True))
+                links[op.link] = dataclasses.replace(link, addresses=tuple(addrs))
+            case SysctlSet():
+                self.sysctls[op.key] = op.value
+            case FirewallRestore():
+                self.fw[op.family].restore(op.script)
+            case _:
+                raise AssertionError(f"fake host does not know op {op.NAME}")
 
     # allocation namespaces, as the kernel would do them
     def _create_netns(self, name: str, replace_stale: bool, mark: str | None) -> None:
@@ -213,21 +234,19 @@ class FakeHost:
                                     alias=LINK_ALIAS, master=bridge, hairpin=hairpin,
                                     peer_netnsid=ns.nsid)
 
-    def _configure(self, a: dict[str, object]) -> None:
-        ns = self.netns[str(a["netns"])]
-        ns.links["lo"] = dataclasses.replace(ns.links["lo"], up=True, alias=a.get("mark"))
+    def _configure(self, op: AllocConfigure) -> None:
+        ns = self.netns[op.netns]
+        ns.links["lo"] = dataclasses.replace(ns.links["lo"], up=True, alias=op.mark)
         eth0 = ns.links["eth0"]
         addrs = list(eth0.addresses)
-        for x in a["addresses"]:  # type: ignore[attr-defined]
-            iface = ipaddress.ip_interface(x)
+        for iface in op.interfaces():
             if all(y.address != iface for y in addrs):
                 addrs.append(LiveAddress(iface, True))
-        mtu = a.get("mtu")
         ns.links["eth0"] = dataclasses.replace(
             eth0, up=True, owned=True, alias=LINK_ALIAS, addresses=tuple(addrs),
-            mtu=mtu if isinstance(mtu, int) else eth0.mtu)
-        for gw in a["gateways"]:  # type: ignore[attr-defined]
+            mtu=op.mtu if op.mtu is not None else eth0.mtu)
+        for gw in op.gateway_ips():
             ns.routes = [r for r in ns.routes if not (
                 r.dst == "default" and r.gateway is not None
-                and ipaddress.ip_address(r.gateway).version == ipaddress.ip_address(gw).version)]
+                and ipaddress.ip_address(r.gateway).version == gw.version)]
             ns.routes.append(LiveRoute("default", str(gw), True))

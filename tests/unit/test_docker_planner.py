@@ -21,6 +21,7 @@ from reconciler.domain.docker import (
 )
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveState
 from reconciler.domain.model import DesiredState, DockerNetwork, DockerNetworkName
+from reconciler.domain.ops import DockerDedupe, DockerEnsure, DockerRemove, DockerReplace, decode
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import PlanOptions, make_plan
@@ -310,37 +311,37 @@ class FakeDocker:
     def live(self) -> LiveDocker:
         return docker(*sorted(self.nets, key=lambda x: x.name))
 
-    def _create(self, args: dict[str, Any], subnets: tuple[str, ...] = ()) -> None:
-        s = spec_from_json(args["spec"])
+    def _create(self, op: DockerEnsure | DockerReplace) -> None:
+        s = spec_from_json(op.spec)
         self.n += 1
         opts = {OPT_MASQUERADE: "true" if s.masquerade else "false"}
-        mtu = s.mtu or args["default_mtu"]
+        mtu = s.mtu or op.default_mtu
         if mtu:
             opts[OPT_MTU] = str(mtu)
         want6 = s.ipv6 or s.subnet6 is not None
         v6 = str(s.subnet6 or ula_subnet(s.name, 0)) if want6 else None
         self.nets.append(net(s.name, id=f"{self.n:064d}", options=opts,
-                             labels={**dict(s.labels), **OURS, SCOPE_LABEL: args["scope"]},
+                             labels={**dict(s.labels), **OURS, SCOPE_LABEL: op.scope},
                              enable_ipv6=want6, internal=s.internal,
                              subnets=tuple(x for x in (str(s.subnet or "172.30.0.0/16"), v6)
                                            if x)))
 
     def run(self, c: Change) -> None:
-        for op in c.ops:
-            a = op.args
-            if op.name == "docker.ensure":
-                self._create(a)
-            elif op.name == "docker.replace":
-                self.nets = [x for x in self.nets if x.id != a["id"]]
-                self._create(a)
-            elif op.name == "docker.dedupe":
-                same = sorted((x for x in self.nets if x.name == a["name"]),
-                              key=lambda x: (-x.containers, x.id))
-                self.nets = [x for x in self.nets if x not in same[1:]]
-            elif op.name == "docker.remove":
-                self.nets = [x for x in self.nets if x.id != a["id"]]
-            else:
-                raise AssertionError(op.name)
+        for wire in c.ops:
+            match decode(wire):
+                case DockerEnsure() as op:
+                    self._create(op)
+                case DockerReplace() as op:
+                    self.nets = [x for x in self.nets if x.id != op.id]
+                    self._create(op)
+                case DockerDedupe() as op:
+                    same = sorted((x for x in self.nets if x.name == op.name),
+                                  key=lambda x: (-x.containers, x.id))
+                    self.nets = [x for x in self.nets if x not in same[1:]]
+                case DockerRemove() as op:
+                    self.nets = [x for x in self.nets if x.id != op.id]
+                case op:
+                    raise AssertionError(op)
 
 
 @pytest.mark.parametrize("specs", [
@@ -427,12 +428,17 @@ def test_replace_and_remove_ops_reach_the_driver() -> None:
     assert drv.calls[1] == ("remove", "a" * 64)
 
 
-def test_malformed_op_is_a_driver_error() -> None:
-    from reconciler.domain.errors import DriverError
+def test_malformed_op_is_one_clear_error_and_reaches_no_driver() -> None:
+    from reconciler.domain.errors import ReconcilerError
     from reconciler.domain.plan import Op
 
-    with pytest.raises(DriverError, match="malformed docker op"):
-        _ops(FakeDriver()).run(Op("docker.ensure", {"spec": {"mtu": 1}}))
+    drv = FakeDriver()
+    with pytest.raises(ReconcilerError, match=r"docker.ensure: malformed arguments \(KeyError"):
+        _ops(drv).run(Op("docker.ensure", {"spec": {"mtu": 1}, "default_mtu": None,
+                                           "scope": "host"}))
+    with pytest.raises(ReconcilerError, match="docker.ensure: missing argument 'default_mtu'"):
+        _ops(drv).run(Op("docker.ensure", {"spec": {"name": "kind"}}))
+    assert drv.calls == []
 
 
 def test_daemon_down_with_nothing_declared_is_a_warning_not_an_error():

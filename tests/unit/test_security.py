@@ -28,6 +28,15 @@ from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError, DriverError
 from reconciler.domain.live import LiveChainSet, LiveDocker, LiveState
 from reconciler.domain.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
+from reconciler.domain.ops import (
+    AllocAttach,
+    AllocConfigure,
+    FirewallRestore,
+    NetnsCreate,
+    NetnsDelete,
+    SysctlSet,
+    decode,
+)
 from reconciler.drivers import netns, sysctl
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.firewall import _SAFE_TOKEN, RuleSet
@@ -171,8 +180,9 @@ def check_ops(desired: DesiredState, live: LiveState) -> int:
     for change in plan.changes:
         for op in change.ops:
             a = op.args
-            if op.name == "firewall.restore":
-                for line in a["script"].splitlines():
+            typed = decode(op)
+            if isinstance(typed, FirewallRestore):
+                for line in typed.script.splitlines():
                     lines += 1
                     assert RESTORE_LINE.fullmatch(line), line
                     toks = line.split(" ")
@@ -185,11 +195,13 @@ def check_ops(desired: DesiredState, live: LiveState) -> int:
                         owner = comments[0].partition(":")[2]
                         assert comments[0] == "reconciler" or owner in declared | {
                             "subnet=old"}, line
-            elif op.name == "sysctl.set":
-                sysctl._path(a["key"])  # raises unless one safe net/... path
-                assert re.fullmatch(r"[01]", a["value"])
-            elif op.name.startswith(("netns.", "alloc.")):
-                netns.check_name(a.get("name") or a["netns"])
+            elif isinstance(typed, SysctlSet):
+                sysctl._path(typed.key)  # raises unless one safe net/... path
+                assert re.fullmatch(r"[01]", typed.value)
+            elif isinstance(typed, NetnsCreate | NetnsDelete):
+                netns.check_name(typed.name)
+            elif isinstance(typed, AllocAttach | AllocConfigure):
+                netns.check_name(typed.netns)
             for key in ("name", "link", "veth", "bridge", "master"):
                 if isinstance(a.get(key), str) and not op.name.startswith(("docker.", "netns.")):
                     assert LINK_NAME.fullmatch(a[key]), (op.name, a)

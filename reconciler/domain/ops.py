@@ -1,0 +1,439 @@
+"""The ops a plan runs, one frozen dataclass each: the single declaration of an op's
+name and arguments.
+
+A plan carries each op in its wire form, ``Op(name, args)``
+(``reconciler.domain.plan``): that is what is printed, saved with ``plan --out``,
+compared by ``Plan.same_work`` and read back by ``apply FILE``. The planner
+builds the typed ops below and ``encode``s them; ``HostOps`` and the unit
+tests' fake host ``decode`` them and dispatch on the class. ``decode`` is the
+one place a wire op is checked: one that is not ours (hand-edited, or from a
+newer version) is one ``OpError`` line, never a ``KeyError``.
+
+The JSON is what plans have always held: each field is one key, in declared
+order. Every key is required, except those of fields declared with ``_omit``:
+they are left out while they hold their default. Plans print op arguments
+unsorted, so key order is visible: an op read from JSON keeps its key order
+(``key_order``) and re-encodes to the same bytes.
+
+Pure: no I/O, nothing from above ``reconciler.domain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
+from reconciler.domain.errors import ReconcilerError
+from reconciler.domain.live import IPInterface
+from reconciler.domain.model import DockerNetwork
+from reconciler.domain.plan import Json, Op
+
+_OMIT = "omit_default"
+_T = TypeVar("_T")
+
+
+class OpError(ReconcilerError, ValueError):
+    """A wire op that is not one of ours: unknown name, or arguments of the wrong shape."""
+
+
+def _omit(default: _T) -> _T:
+    """A field whose key is left out of the JSON while it holds ``default``."""
+    return field(default=default, metadata={_OMIT: True})
+
+
+@dataclass(frozen=True)
+class _TypedOp:
+    NAME: ClassVar[str]
+
+    #: the order of the JSON keys when it is not the declared one (see ``LinkSet.up_owned``)
+    key_order: tuple[str, ...] = field(default=(), compare=False, repr=False, kw_only=True)
+
+    def check(self) -> None:
+        """Raise ValueError (or KeyError, TypeError) if a field holds no valid value."""
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _ip_version(version: int) -> None:
+    if version not in (4, 6):
+        raise ValueError(f"IP version {version} is neither 4 nor 6")
+
+
+# -- links, addresses and routes (drivers.netlink) ------------------------------------------
+
+@dataclass(frozen=True)
+class LinkAddBridge(_TypedOp):
+    """Create bridge ``name`` (up, marked ours), or leave an existing one as it is."""
+
+    NAME: ClassVar[str] = "link.add_bridge"
+    name: str
+    mtu: int | None
+
+
+@dataclass(frozen=True)
+class LinkSet(_TypedOp):
+    """Change the given settings of an existing link (here, or inside ``netns``).
+
+    ``owned`` marks it ours (the ownership alias); None leaves a setting as it is.
+    """
+
+    NAME: ClassVar[str] = "link.set"
+    name: str
+    owned: bool = _omit(False)
+    mtu: int | None = _omit(None)
+    up: bool | None = _omit(None)
+    master: str | None = _omit(None)
+    netns: str | None = _omit(None)
+
+    @classmethod
+    def up_owned(cls, name: str) -> LinkSet:
+        """Bring a link up and mark it ours: an allocation's veth.
+
+        Its JSON has always said ``up`` before ``owned``, where a bridge's (adopted
+        and down) says ``owned`` first; saved and printed plans keep both.
+        """
+        return cls(name, owned=True, up=True, key_order=("name", "up", "owned"))
+
+
+@dataclass(frozen=True)
+class LinkDelete(_TypedOp):
+    """Delete a link (a veth takes its peer with it); gone already is fine."""
+
+    NAME: ClassVar[str] = "link.delete"
+    name: str
+    netns: str | None = _omit(None)
+
+
+@dataclass(frozen=True)
+class LinkSetHairpin(_TypedOp):
+    """Set a bridge port's hairpin mode."""
+
+    NAME: ClassVar[str] = "link.set_hairpin"
+    name: str
+    on: bool
+
+
+@dataclass(frozen=True)
+class AddrAdd(_TypedOp):
+    """Add an address, tagged ours, to ``link`` (here, or inside ``netns``)."""
+
+    NAME: ClassVar[str] = "addr.add"
+    link: str
+    address: str  # an interface: address/prefix
+    netns: str | None = _omit(None)
+
+    def interface(self) -> IPInterface:
+        return ipaddress.ip_interface(self.address)
+
+    def check(self) -> None:
+        self.interface()
+
+
+@dataclass(frozen=True)
+class AddrDel(_TypedOp):
+    """Remove an address from ``link`` (here, or inside ``netns``)."""
+
+    NAME: ClassVar[str] = "addr.del"
+    link: str
+    address: str
+    netns: str | None = _omit(None)
+
+    def interface(self) -> IPInterface:
+        return ipaddress.ip_interface(self.address)
+
+    def check(self) -> None:
+        self.interface()
+
+
+@dataclass(frozen=True)
+class RouteDelDefault(_TypedOp):
+    """Remove our default route of IP ``version`` inside an allocation namespace."""
+
+    NAME: ClassVar[str] = "route.del_default"
+    version: int
+    netns: str
+
+    def check(self) -> None:
+        _ip_version(self.version)
+
+
+# -- allocation namespaces -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NetnsCreate(_TypedOp):
+    """``ip netns add``, with ``lo`` marked ``mark`` before the namespace is mounted."""
+
+    NAME: ClassVar[str] = "netns.create"
+    name: str
+    replace_stale: bool  # an empty /run/netns file is there: replace it
+    mark: str | None
+
+
+@dataclass(frozen=True)
+class NetnsDelete(_TypedOp):
+    """``ip netns del``."""
+
+    NAME: ClassVar[str] = "netns.delete"
+    name: str
+
+
+@dataclass(frozen=True)
+class AllocAttach(_TypedOp):
+    """A veth pair: ``veth`` on ``bridge`` here, its peer ``eth0`` inside ``netns``."""
+
+    NAME: ClassVar[str] = "alloc.attach"
+    netns: str
+    veth: str
+    bridge: str
+    mtu: int | None
+    hairpin: bool
+
+
+@dataclass(frozen=True)
+class AllocConfigure(_TypedOp):
+    """Inside ``netns``: lo and eth0 up, our addresses, default routes via ``gateways``."""
+
+    NAME: ClassVar[str] = "alloc.configure"
+    netns: str
+    addresses: tuple[str, ...]  # interfaces: address/prefix
+    gateways: tuple[str, ...]
+    mtu: int | None
+    ipv6: bool  # keep eth0's IPv6 link-local address
+    mark: str | None  # the alias of lo
+
+    def interfaces(self) -> list[IPInterface]:
+        return [ipaddress.ip_interface(a) for a in self.addresses]
+
+    def gateway_ips(self) -> list[IPAddress]:
+        return [ipaddress.ip_address(g) for g in self.gateways]
+
+    def check(self) -> None:
+        self.interfaces()
+        self.gateway_ips()
+
+
+# -- sysctls and the firewall --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SysctlSet(_TypedOp):
+    """Write ``value`` to ``/proc/sys/<key>``."""
+
+    NAME: ClassVar[str] = "sysctl.set"
+    key: str  # e.g. net/ipv4/ip_forward
+    value: str
+
+
+@dataclass(frozen=True)
+class FirewallRestore(_TypedOp):
+    """One ``iptables-restore --noflush`` transaction for IP ``family`` (4 or 6)."""
+
+    NAME: ClassVar[str] = "firewall.restore"
+    family: int
+    script: str
+
+    def check(self) -> None:
+        _ip_version(self.family)
+
+
+# -- Docker networks -----------------------------------------------------------------------
+
+def _network(spec: dict[str, object], scope: str) -> DockerNetwork:
+    """The declared network, with the scope label the networks we create carry."""
+    net = spec_from_json(spec)
+    if scope:
+        labels = {**dict(net.labels), SCOPE_LABEL: scope}
+        net = dataclasses.replace(net, labels=tuple(sorted(labels.items())))
+    return net
+
+
+@dataclass(frozen=True)
+class DockerEnsure(_TypedOp):
+    """Create the network ``spec`` (``domain.docker.spec_to_json``) unless it exists."""
+
+    NAME: ClassVar[str] = "docker.ensure"
+    spec: dict[str, object] = field(hash=False)
+    default_mtu: int | None  # the MTU of Docker's default bridge
+    scope: str  # SCOPE_LABEL of the networks we create
+
+    def network(self) -> DockerNetwork:
+        return _network(self.spec, self.scope)
+
+    def check(self) -> None:
+        self.network()
+
+
+@dataclass(frozen=True)
+class DockerReplace(_TypedOp):
+    """Remove network ``id`` and create ``spec`` in its place (reconnecting containers)."""
+
+    NAME: ClassVar[str] = "docker.replace"
+    spec: dict[str, object] = field(hash=False)
+    default_mtu: int | None
+    scope: str
+    id: str
+    reconnect: bool  # containers are attached: reconnect them to the new network
+    adopt: bool
+
+    def network(self) -> DockerNetwork:
+        return _network(self.spec, self.scope)
+
+    def check(self) -> None:
+        self.network()
+
+
+@dataclass(frozen=True)
+class DockerDedupe(_TypedOp):
+    """Remove all but one of the owned networks called ``name``."""
+
+    NAME: ClassVar[str] = "docker.dedupe"
+    name: str
+
+
+@dataclass(frozen=True)
+class DockerRemove(_TypedOp):
+    """Remove network ``id`` (``name`` is for people); gone already is fine."""
+
+    NAME: ClassVar[str] = "docker.remove"
+    id: str
+    name: str
+
+
+TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
+           | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
+           | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
+           | DockerRemove)
+
+#: every op, by its wire name
+OPS: Mapping[str, type[TypedOp]] = {cls.NAME: cls for cls in get_args(TypedOp)}
+
+
+# -- the wire form -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    type: Any  # the evaluated annotation
+    required: bool
+    omit: bool
+    default: object
+
+
+def _fields(cls: type[TypedOp]) -> tuple[_Field, ...]:
+    hints = get_type_hints(cls)
+    return tuple(
+        _Field(f.name, hints[f.name], f.default is dataclasses.MISSING,
+               bool(f.metadata.get(_OMIT)), f.default)
+        for f in dataclasses.fields(cls) if f.name != "key_order")
+
+
+_FIELDS: Mapping[type[TypedOp], tuple[_Field, ...]] = {cls: _fields(cls) for cls in OPS.values()}
+
+
+def encode(op: TypedOp) -> Op:
+    """The wire form of a typed op, as plans carry it."""
+    args: dict[str, Json] = {}
+    for f in _FIELDS[type(op)]:
+        value = getattr(op, f.name)
+        if f.omit and value == f.default:
+            continue
+        args[f.name] = list(value) if isinstance(value, tuple) else value
+    if op.key_order:
+        ordered = {k: args[k] for k in op.key_order if k in args}
+        args = {**ordered, **args}  # a key the order does not name goes last
+    return Op(op.NAME, args)
+
+
+def decode(op: Op) -> TypedOp:
+    """The typed op of a wire op; ``OpError`` if it is not one we know, or malformed."""
+    cls = OPS.get(op.name) if isinstance(op.name, str) else None
+    if cls is None:
+        raise OpError(f"unknown operation {op.name!r} (plan from a newer version?)")
+    if not isinstance(op.args, dict):
+        raise OpError(f"{op.name}: arguments must be an object, not {_show(op.args)}")
+    known = _FIELDS[cls]
+    names = {f.name for f in known}
+    unknown = [k for k in op.args if k not in names]
+    if unknown:
+        raise OpError(f"{op.name}: unknown argument{'s' if len(unknown) > 1 else ''} "
+                      + ", ".join(repr(k) for k in unknown))
+    kwargs: dict[str, Any] = {}
+    for f in known:
+        if f.name in op.args:
+            kwargs[f.name] = _convert(op.name, f, op.args[f.name])
+        elif f.required:
+            raise OpError(f"{op.name}: missing argument {f.name!r}")
+    order = tuple(op.args)
+    if order != tuple(f.name for f in known if f.name in op.args):
+        kwargs["key_order"] = order
+    typed = cls(**kwargs)
+    try:
+        typed.check()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise OpError(f"{op.name}: malformed arguments ({type(exc).__name__}: {exc})") from None
+    return typed
+
+
+def _convert(name: str, f: _Field, value: object) -> object:
+    try:
+        return _as(f.type, value)
+    except _Mismatch:
+        raise OpError(f"{name}: argument {f.name!r} must be {_describe(f.type)}, "
+                      f"not {_show(value)}") from None
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _as(tp: Any, value: object) -> object:
+    """``value`` as a field of type ``tp`` holds it (a JSON list becomes a tuple)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for alt in get_args(tp):
+            try:
+                return _as(alt, value)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is tuple:
+        (item, _ellipsis) = get_args(tp)
+        if isinstance(value, list | tuple):
+            return tuple(_as(item, v) for v in value)
+        raise _Mismatch
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise _Mismatch
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if tp is int and isinstance(value, bool):  # JSON true is no number
+        raise _Mismatch
+    if isinstance(value, tp):
+        return value
+    raise _Mismatch
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is tuple:
+        return "a list of " + {str: "strings"}.get(get_args(tp)[0], "values")
+    if origin is dict:
+        return "an object"
+    return {str: "a string", int: "an integer", bool: "true or false",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,162 @@
+"""Plans that between them hold every op kind in every shape the planner writes.
+
+``tests/unit/fixtures/ops/plans.json`` holds these plans as the planner before
+typed ops (8d5ad83) wrote them; ``test_ops`` checks that today's planner prints
+the same bytes and that every op survives decode and encode unchanged.
+Regenerate (only for a deliberate change of the plan format) with
+``python -m tests.unit.opscenarios > tests/unit/fixtures/ops/plans.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+from collections.abc import Iterator
+
+from reconciler.domain.live import LiveAddress, LiveDocker, LiveDockerNetwork, LiveState
+from reconciler.domain.model import (
+    Alloc,
+    AllocId,
+    Bridge,
+    BridgeName,
+    DesiredState,
+    DockerNetwork,
+    DockerNetworkName,
+    PortMap,
+    Settings,
+    Subnet,
+    SubnetName,
+)
+from reconciler.domain.ownership import alloc_veth_name
+from reconciler.domain.plan import Plan
+from reconciler.engine.reconcile import Reconciler
+from reconciler.planner import PlanOptions, make_plan
+
+from .fakehost import FakeHost, FakeNetns
+
+
+def _bridge(name: str = "br0", mtu: int | None = 1500, hairpin: bool = True) -> Bridge:
+    return Bridge(BridgeName(name), mtu, hairpin)
+
+
+def _subnet(name: str = "net", br: str = "br0", cidr: str = "10.0.0.0/24",
+            cidr6: str | None = "fd00::/64") -> Subnet:
+    net = ipaddress.IPv4Network(cidr)
+    net6 = ipaddress.IPv6Network(cidr6) if cidr6 else None
+    return Subnet(SubnetName(name), BridgeName(br), net, net.network_address + 1, net6,
+                  net6.network_address + 1 if net6 else None, None)
+
+
+def _alloc(aid: str, *ports: PortMap) -> Alloc:
+    return Alloc(AllocId(aid), SubnetName("net"), None, None, ports)
+
+
+def _state(*bridges: Bridge, sub: Subnet | None = None, allocs: tuple[str, ...] = ("a", "b"),
+           docker: tuple[DockerNetwork, ...] = ()) -> DesiredState:
+    s = sub or _subnet()
+    first = _alloc(allocs[0], PortMap(8080, 80, "tcp", None), PortMap(None, 81, "udp", None))
+    return DesiredState(bridges={b.name: b for b in bridges or (_bridge(),)},
+                        subnets={s.name: s},
+                        allocs={a.id: a for a in (first, *(_alloc(x) for x in allocs[1:]))},
+                        docker_networks={d.name: d for d in docker},
+                        settings=Settings((20000, 32000)))
+
+
+def _plan(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
+    return make_plan(desired, host.observe(desired), PlanOptions(**opts))  # type: ignore[arg-type]
+
+
+def _converged(desired: DesiredState) -> FakeHost:
+    host = FakeHost()
+    result = Reconciler(host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
+        desired, PlanOptions())
+    assert result.ok and not _plan(host, desired).has_changes
+    return host
+
+
+def _docker_net(name: str, id: str, *, owned: bool = True, containers: int = 0,
+                mtu: str = "1500") -> LiveDockerNetwork:
+    labels = {"io.reconciler.managed": "true", "io.reconciler.scope": "host"} if owned else {}
+    return LiveDockerNetwork(
+        id=id, name=name, driver="bridge", labels=labels,
+        options={"com.docker.network.bridge.enable_ip_masquerade": "true",
+                 "com.docker.network.driver.mtu": mtu},
+        enable_ipv6=False, internal=False, subnets=("172.18.0.0/16",), containers=containers)
+
+
+def scenarios() -> Iterator[tuple[str, Plan]]:
+    """(name, plan) for each situation; the plans are deterministic."""
+    want = _state()
+    yield "create", _plan(FakeHost(), want)
+    yield "create without MTU, hairpin off", _plan(
+        FakeHost(), _state(_bridge(mtu=None, hairpin=False)))
+
+    host = FakeHost()
+    host.add_link("br0", "bridge", mtu=1400)
+    host.links["br0"] = dataclasses.replace(host.links["br0"], up=False)
+    yield "adopt a down bridge of another MTU", _plan(host, want, adopt=frozenset({"bridge/br0"}))
+
+    veth = alloc_veth_name("a")
+    host = _converged(want)
+    host.links[veth] = dataclasses.replace(host.links[veth], up=False, owned=False)
+    yield "veth down and unmarked", _plan(host, want)
+
+    host = _converged(want)
+    host.links[veth] = dataclasses.replace(host.links[veth], master="other", hairpin=True)
+    yield "veth on another bridge", _plan(host, want)
+
+    host = _converged(want)
+    yield "hairpin off", _plan(host, _state(_bridge(hairpin=False)))
+    yield "MTU changed", _plan(host, _state(_bridge(mtu=9000)))
+    yield "cidr6 dropped", _plan(host, _state(sub=_subnet(cidr6=None)))
+
+    host = _converged(_state(_bridge(), _bridge("br1")))
+    yield "alloc and bridge pruned", _plan(host, _state(allocs=("a",)))
+    yield "nothing pruned", _plan(host, _state(allocs=("a",)), prune=False)
+
+    host = _converged(want)
+    br0 = host.links["br0"]
+    host.links["br0"] = dataclasses.replace(br0, addresses=(
+        *br0.addresses, LiveAddress(ipaddress.ip_interface("10.9.0.1/24"), True)))
+    ns = host.netns["a"]
+    ns.links["eth0"] = dataclasses.replace(ns.links["eth0"], addresses=(
+        *ns.links["eth0"].addresses, LiveAddress(ipaddress.ip_interface("10.0.0.99/24"), True)))
+    yield "stray addresses", _plan(host, want)
+
+    host = _converged(want)
+    del host.links[veth]
+    yield "veth gone, eth0 left", _plan(host, want)
+
+    host = _converged(want)
+    host.netns["c"] = FakeNetns(99, {}, [], usable=False)
+    yield "stale namespace file", _plan(host, _state(allocs=("a", "b", "c")))
+    orphan = dataclasses.replace(host.links[veth], name=alloc_veth_name("zz"), peer_netnsid=42)
+    host.links[orphan.name] = orphan
+    yield "orphan veth", _plan(host, want)
+
+    kind = DockerNetwork(name=DockerNetworkName("kind"), mtu=1400, labels=(("team", "x"),))
+    web = DockerNetwork(name=DockerNetworkName("web"), ipv6=True,
+                        subnet=ipaddress.IPv4Network("10.5.0.0/16"))
+    docker = LiveDocker(available=True, default_mtu=1500, networks=(
+        _docker_net("kind", "1" * 64, containers=2), _docker_net("web", "2" * 64),
+        _docker_net("web", "3" * 64), _docker_net("old", "4" * 64),
+        _docker_net("old", "5" * 64), _docker_net("theirs", "6" * 64, owned=False)))
+    theirs = DockerNetwork(name=DockerNetworkName("theirs"))
+    live = LiveState(docker=docker)
+    yield "docker", make_plan(DesiredState(docker_networks={
+        "kind": kind, "web": web, "theirs": theirs,  # type: ignore[dict-item]
+        "new": DockerNetwork(name=DockerNetworkName("new"))}), live,  # type: ignore[dict-item]
+        PlanOptions(force_replace=True, adopt=frozenset({"docker_network/theirs"})))
+    yield "docker, default MTU unknown", make_plan(
+        DesiredState(docker_networks={"new": web}),  # type: ignore[dict-item]
+        LiveState(docker=dataclasses.replace(docker, default_mtu=None, scope="netns/x")))
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as ``plan --json`` prints it."""
+    return json.dumps(plan.to_json(), indent=2)
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: p.to_json() for name, p in scenarios()}, indent=2))

@@ -1,0 +1,97 @@
+"""HostOps, the one gate for side effects, against recording drivers: every op reaches one."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import pytest
+
+from reconciler.domain.ops import OPS, OpError
+from reconciler.domain.plan import Op
+from reconciler.engine import hostops
+from reconciler.engine.hostops import HostOps
+
+from .test_ops import recorded_ops
+
+
+class Recorder:
+    """Any method call is recorded as (driver, method, args, kwargs)."""
+
+    def __init__(self, label: str, calls: list[tuple[Any, ...]]) -> None:
+        self.label, self.calls = label, calls
+
+    def __getattr__(self, method: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((self.label, method, args, kwargs))
+            return Result()
+        return call
+
+
+class Result:
+    warnings: tuple[str, ...] = ()
+    removed_duplicates: tuple[str, ...] = ()
+    reconnected: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+Calls = tuple[HostOps, list[tuple[Any, ...]]]
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    log: list[tuple[Any, ...]] = []
+    ops = HostOps(netlink=Recorder("netlink", log))  # type: ignore[arg-type]
+    ops._docker = Recorder("docker", log)  # type: ignore[assignment]
+    ops._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
+    monkeypatch.setattr(hostops, "sysctl", Recorder("sysctl", log))
+    return ops, log
+
+
+def test_every_op_the_planner_writes_reaches_one_driver_call(calls: Calls) -> None:
+    ops, log = calls
+    seen = set()
+    for raw in recorded_ops():
+        before = len(log)
+        ops.run(Op.from_json(raw))
+        assert len(log) == before + 1, raw
+        seen.add(raw["op"])
+    assert seen == set(OPS)
+
+
+@pytest.mark.parametrize(("op", "call"), [
+    (Op("link.set", {"name": "vr1", "up": True, "owned": True}),
+     ("netlink", "set_link", ("vr1",), {"mtu": None, "up": True, "master": None, "ns": None,
+                                        "alias": "managed-by=reconciler"})),
+    (Op("link.set", {"name": "eth0", "mtu": 1400, "netns": "a"}),
+     ("netlink", "set_link", ("eth0",), {"mtu": 1400, "up": None, "master": None, "ns": "a",
+                                         "alias": None})),
+    (Op("link.delete", {"name": "eth0", "netns": "a"}),
+     ("netlink", "delete_link", ("eth0", "a"), {})),
+    (Op("addr.del", {"link": "eth0", "address": "10.0.0.2/24", "netns": "a"}),
+     ("netlink", "del_address", ("eth0", ipaddress.ip_interface("10.0.0.2/24")), {"ns": "a"})),
+    (Op("alloc.configure", {"netns": "a", "addresses": ["10.0.0.2/24", "fd00::2/64"],
+                            "gateways": ["10.0.0.1", "fd00::1"], "mtu": None, "ipv6": True,
+                            "mark": "m"}),
+     ("netlink", "configure_inside",
+      ("a", [ipaddress.ip_interface("10.0.0.2/24"), ipaddress.ip_interface("fd00::2/64")],
+       [ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("fd00::1")]),
+      {"mtu": None, "ipv6_link_local": True, "mark": "m"})),
+    (Op("firewall.restore", {"family": 6, "script": "*filter\nCOMMIT\n"}),
+     ("ipt6", "restore", ("*filter\nCOMMIT\n",), {})),
+    (Op("sysctl.set", {"key": "net/ipv4/ip_forward", "value": "1"}),
+     ("sysctl", "write", ("net/ipv4/ip_forward", "1"), {})),
+])
+def test_op_arguments_reach_the_driver(calls: Calls, op: Op, call: tuple[Any, ...]) -> None:
+    ops, log = calls
+    ops.run(op)
+    assert log == [call]
+
+
+def test_an_op_that_does_not_decode_reaches_no_driver(calls: Calls) -> None:
+    ops, log = calls
+    with pytest.raises(OpError, match="unknown operation 'link.frob'"):
+        ops.run(Op("link.frob", {"name": "x"}))
+    with pytest.raises(OpError, match="addr.add: malformed arguments"):
+        ops.run(Op("addr.add", {"link": "br0", "address": "10.0.0.300/24"}))
+    assert log == []
