@@ -217,10 +217,7 @@ class Agent:
         deletes one, the held socket keeps it (and its veth) alive until the next
         pass drops the socket, so its deletion must start a pass.
         """
-        ops = getattr(self.reconciler.observer, "ops", None)
-        netlink = getattr(ops, "_netlink", None)
-        held = getattr(netlink, "cached_names", None)
-        return held() if callable(held) else frozenset()
+        return self.reconciler.observer.handles.open_namespaces()
 
     def close(self) -> None:
         for src in (self.files, self.netlink, self.netns_dir, self.docker):
@@ -230,7 +227,7 @@ class Agent:
                 except Exception as exc:  # shutting down: report, go on
                     log.debug("closing %s: %s", type(src).__name__, exc)
         try:
-            self.reconciler.observer.ops.close()
+            self.reconciler.observer.handles.close()
         except Exception as exc:
             log.debug("closing drivers: %s", exc)
 
@@ -357,7 +354,7 @@ class Agent:
             report.error = f"internal error: {type(exc).__name__}: {exc}"
             report.errors = [{"resource": "pass", "error": report.error}]
             try:
-                self.reconciler.observer.ops.close()
+                self.reconciler.observer.handles.close()
             except Exception as close_exc:
                 log.debug("closing drivers: %s", close_exc)
             self.reconciler = self._factory(self.stop)

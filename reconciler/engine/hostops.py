@@ -37,6 +37,7 @@ from reconciler.domain.plan import Op
 from reconciler.drivers import sysctl
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
+from reconciler.engine.handles import HostHandles
 
 if TYPE_CHECKING:
     from reconciler.drivers.docker.client import DockerDriver
@@ -45,21 +46,21 @@ log = logging.getLogger("reconciler")
 
 
 class HostOps:
-    def __init__(self, netlink: Netlink | None = None) -> None:
-        self._netlink = netlink
-        self._ipt: dict[int, IptablesDriver] = {}
-        self._docker: DockerDriver | None = None
+    """Performs plan ops through the host's drivers (``HostHandles``, shared with observation)."""
+
+    def __init__(self, handles: HostHandles | None = None) -> None:
+        self.handles = handles or HostHandles()
 
     @property
     def netlink(self) -> Netlink:
-        if self._netlink is None:
-            self._netlink = Netlink()
-        return self._netlink
+        return self.handles.netlink
+
+    @property
+    def docker(self) -> DockerDriver:
+        return self.handles.docker
 
     def iptables(self, family: int) -> IptablesDriver:
-        if family not in self._ipt:
-            self._ipt[family] = IptablesDriver(family)
-        return self._ipt[family]
+        return self.handles.iptables(family)
 
     def run(self, op: Op) -> None:
         """Perform one plan op; ``OpError`` if it is not one of ours or is malformed."""
@@ -111,17 +112,6 @@ class HostOps:
             case _:
                 assert_never(op)
 
-    @property
-    def docker(self) -> DockerDriver:
-        """The Docker driver, made on first use; its client is reused across passes."""
-        if self._docker is None:
-            # the Docker SDK (with requests/urllib3) costs ~80 ms to import (bench/RESULTS.md,
-            # -X importtime): only runs that change a Docker network pay it
-            from reconciler.drivers.docker.client import DockerDriver  # noqa: PLC0415
-
-            self._docker = DockerDriver()
-        return self._docker
-
     @staticmethod
     def _docker_report(name: str, warnings: tuple[str, ...], removed: tuple[str, ...]) -> None:
         # e.g. kind's IPv4-only fallback: the user must see it, whatever the log level
@@ -147,9 +137,3 @@ class HostOps:
         if result.reconnected:
             log.info("docker network %s: reconnected %s", spec.name,
                      ", ".join(result.reconnected))
-
-    def close(self) -> None:
-        if self._netlink is not None and hasattr(self._netlink, "close"):
-            self._netlink.close()
-        if self._docker is not None:
-            self._docker.close()

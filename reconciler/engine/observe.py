@@ -15,7 +15,7 @@ from reconciler.drivers import netns, nsfs, sysctl
 from reconciler.drivers.docker import probe as docker_probe
 from reconciler.drivers.nsfs import current_inode
 from reconciler.drivers.procfs import listening_ports
-from reconciler.engine.hostops import HostOps
+from reconciler.engine.handles import HostHandles
 
 #: sysctls every plan may need to compare
 SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
@@ -24,17 +24,17 @@ SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
 class Observer:
     """Holds driver handles (sockets) across passes; ``observe`` is read-only."""
 
-    def __init__(self, ops: HostOps | None = None) -> None:
-        self.ops = ops or HostOps()
+    def __init__(self, handles: HostHandles | None = None) -> None:
+        self.handles = handles or HostHandles()
 
     def observe(self, desired: DesiredState) -> LiveState:
-        links = self.ops.netlink.dump_links()
+        links = self.handles.netlink.dump_links()
         host_id = str(current_inode())
         fields: dict[str, Any] = {
             "host_id": host_id,
             "links": links,
-            "firewall4": self.ops.iptables(4).observe(),
-            "firewall6": self.ops.iptables(6).observe(),
+            "firewall4": self.handles.iptables(4).observe(),
+            "firewall6": self.handles.iptables(6).observe(),
             "netns": self.observe_allocs(desired, host_id),
             "docker": self.observe_docker(desired),
             **self.observe_unannounced(desired),
@@ -69,7 +69,7 @@ class Observer:
                     continue
             except (OSError, DriverError):
                 continue  # removed meanwhile by someone else, or a name we never give
-            if self.ops.netlink.peek_lo_alias(name) == mark:
+            if self.handles.netlink.peek_lo_alias(name) == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
         return {**self.observe_namespaces(wanted), **stale}
 
@@ -78,7 +78,7 @@ class Observer:
         names = sorted(names)
         # with no names too: that drops sockets held into namespaces no longer read, which
         # would keep them (and their veths) alive after someone deleted them
-        observed = dict(self.ops.netlink.observe_netns(names))
+        observed = dict(self.handles.netlink.observe_netns(names))
         for name, ns in observed.items():
             if not ns.usable:
                 observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
@@ -98,7 +98,7 @@ class Observer:
             scopes = docker_probe.owned_scopes()
             if scopes is not None and docker_scope() not in scopes:
                 return None
-        live = self.ops.docker.observe(sorted(desired.docker_networks))
+        live = self.handles.docker.observe(sorted(desired.docker_networks))
         if not live.available:
             return live
         return dataclasses.replace(live, scope=docker_scope())

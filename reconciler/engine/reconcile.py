@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
+from reconciler.domain.ops import AddrAdd, AllocConfigure, NetnsCreate
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns
-from reconciler.engine.executor import Executor, Outcome
+from reconciler.engine.executor import Executor, OpRunner, Outcome
+from reconciler.engine.hostops import HostOps
 from reconciler.engine.observe import Observer
 from reconciler.planner import make_plan
 from reconciler.planner.context import PlanOptions
@@ -44,10 +46,12 @@ class ApplyResult:
 class Reconciler:
     """Observe, plan, apply and verify against one host (the current network namespace)."""
 
-    def __init__(self, observer: Observer | None = None, *,
+    def __init__(self, observer: Observer | None = None, *, runner: OpRunner | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  stop: threading.Event | None = None) -> None:
+        """``runner`` performs the ops (default: ``HostOps`` over the observer's drivers)."""
         self.observer = observer or Observer()
+        self.runner = runner if runner is not None else HostOps(self.observer.handles)
         self.sleep = sleep
         self.stop = stop or threading.Event()
 
@@ -80,7 +84,7 @@ class Reconciler:
         if not plan.has_changes:
             return result
         preflight(plan)
-        result.outcomes = Executor(self.observer.ops, stop=self.stop, sleep=self.sleep,
+        result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():
             return result
@@ -108,11 +112,12 @@ def preflight(plan: Plan) -> None:
     Kernels before 5.18 silently drop the IFA_PROTO tag that proves an address is
     ours: from the next run on our own gateways would look foreign. Refuse.
     """
-    if any(op.name in ("addr.add", "alloc.configure") for c in plan.actionable for op in c.ops):
+    if any(op.name in (AddrAdd.NAME, AllocConfigure.NAME) for c in plan.actionable
+           for op in c.ops):
         problem = kernel_problem(os.uname().release)
         if problem is not None:
             raise PreconditionError(problem)
-    if any(op.name == "netns.create" for c in plan.actionable for op in c.ops):
+    if any(op.name == NetnsCreate.NAME for c in plan.actionable for op in c.ops):
         problem = netns.private_mount_namespace_problem()
         if problem is not None:
             raise PreconditionError(problem)

@@ -104,7 +104,7 @@ class FakeHost:
         self.links: dict[str, LiveLink] = {}
         self.fw = {4: FakeFirewall(), 6: FakeFirewall()}
         self.sysctls = {"net/ipv4/ip_forward": "0", "net/ipv6/conf/all/forwarding": "0"}
-        self.ops = self
+        self.handles = self  # the observer and the runner in one
         self.log: list[Op] = []
         self._next_index = 10
         #: /run/netns as this host's reconciler would see it (allocation namespaces)

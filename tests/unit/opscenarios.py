@@ -69,7 +69,7 @@ def _plan(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
 
 def _converged(desired: DesiredState) -> FakeHost:
     host = FakeHost()
-    result = Reconciler(host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
+    result = Reconciler(host, runner=host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
         desired, PlanOptions())
     assert result.ok and not _plan(host, desired).has_changes
     return host

@@ -73,7 +73,7 @@ def plan(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
 
 
 def converge(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
-    result = Reconciler(host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
+    result = Reconciler(host, runner=host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
         desired, PlanOptions(**opts))  # type: ignore[arg-type]
     assert result.ok, render_text(result.residual or result.plan)
     again = plan(host, desired, **opts)

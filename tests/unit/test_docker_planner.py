@@ -397,11 +397,10 @@ class FakeDriver:
 
 
 def _ops(drv: FakeDriver) -> Any:
+    from reconciler.engine.handles import HostHandles
     from reconciler.engine.hostops import HostOps
 
-    ops = HostOps(netlink=object())
-    ops._docker = drv  # type: ignore[assignment]
-    return ops
+    return HostOps(HostHandles(netlink=object(), docker=drv))  # type: ignore[arg-type]
 
 
 def test_ensure_op_adds_the_scope_label_and_logs_driver_warnings(

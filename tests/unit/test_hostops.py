@@ -10,6 +10,7 @@ import pytest
 from reconciler.domain.ops import OPS, OpError
 from reconciler.domain.plan import Op
 from reconciler.engine import hostops
+from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 
 from .test_ops import recorded_ops
@@ -41,9 +42,10 @@ Calls = tuple[HostOps, list[tuple[Any, ...]]]
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     log: list[tuple[Any, ...]] = []
-    ops = HostOps(netlink=Recorder("netlink", log))  # type: ignore[arg-type]
-    ops._docker = Recorder("docker", log)  # type: ignore[assignment]
-    ops._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
+    handles = HostHandles(netlink=Recorder("netlink", log),  # type: ignore[arg-type]
+                          docker=Recorder("docker", log))  # type: ignore[arg-type]
+    handles._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
+    ops = HostOps(handles)
     monkeypatch.setattr(hostops, "sysctl", Recorder("sysctl", log))
     return ops, log
 

@@ -151,7 +151,7 @@ class FakeOps:
 
 class FakeObserver:
     def __init__(self) -> None:
-        self.ops = FakeOps()
+        self.handles = FakeOps()
         self.live = LiveState()
         self.sysctls = {"net/ipv4/ip_forward": "1"}
         self.namespaces: dict[str, LiveNetns] = {}
@@ -163,7 +163,7 @@ class FakeObserver:
         self.observed += 1
         return dataclasses.replace(self.live, sysctls=dict(self.sysctls),
                                    netns=dict(self.namespaces),
-                                   links=self.ops.netlink.dump_links())
+                                   links=self.handles.netlink.dump_links())
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         return {"sysctls": dict(self.sysctls), "listening": frozenset()}
@@ -246,12 +246,12 @@ def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
     view.plan(D, "k", OPTS)
     sentinels[0].units = {"links"}
     assert view.plan(D, "k", OPTS)[1] == "cached"  # read again, same: the plan stands
-    assert obs.ops.netlink.dumps == 2 and obs.observed == 1
-    obs.ops.netlink.links = {"eth9": LiveLink("eth9", 9, "veth", 1500, True, False)}
+    assert obs.handles.netlink.dumps == 2 and obs.observed == 1
+    obs.handles.netlink.links = {"eth9": LiveLink("eth9", 9, "veth", 1500, True, False)}
     sentinels[0].units = {"links"}  # another tool's veth: kept, but the plan stands
     assert view.plan(D, "k", OPTS)[1] == "cached"
     assert set(view.live.links) == {"eth9"} and obs.observed == 1
-    obs.ops.netlink.links["br9"] = LiveLink("br9", 10, "bridge", 1500, True, owned=True)
+    obs.handles.netlink.links["br9"] = LiveLink("br9", 10, "bridge", 1500, True, owned=True)
     sentinels[0].units = {"links"}  # a link of ours: planned again
     assert view.plan(D, "k", OPTS)[1] == "refreshed" and obs.observed == 1
 
@@ -261,7 +261,7 @@ def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
     names += ["alloc1", "alloc2", "theirs", "alias-of-2"]
     obs.namespaces = {"alloc1": LiveNetns("alloc1", True), "alloc2": LiveNetns("alloc2", True)}
     # alias-of-2: the same namespace bind-mounted under a second name
-    obs.ops.netlink.nsids = {"alloc1": 1, "alloc2": 2, "theirs": 3, "alias-of-2": 2}
+    obs.handles.netlink.nsids = {"alloc1": 1, "alloc2": 2, "theirs": 3, "alias-of-2": 2}
     view.plan(D2, "k", OPTS)
     obs.namespaces["alloc2"] = LiveNetns("alloc2", True, nsid=2)  # its route went, say
     sentinels[0].units = {"nsid:2", "nsid:77"}  # 77: not under /run/netns, ignored
@@ -270,7 +270,7 @@ def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
     assert view.live.netns["alloc2"].nsid == 2
     sentinels[0].units = {"nsid:3"}  # a foreign namespace: only its lo alias matters
     assert view.plan(D2, "k", OPTS)[1] == "cached" and obs.alloc_reads == 0
-    obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
+    obs.handles.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
     sentinels[0].units = {"nsid:3"}
     view.plan(D2, "k", OPTS)
     assert obs.alloc_reads == 1  # it may be ours now: every namespace is looked at again
@@ -282,7 +282,7 @@ def test_an_undeclared_namespace_of_ours_is_judged_again(parts: Any) -> None:
     view, obs, sentinels, names = parts
     names.append("old1")
     obs.namespaces = {"old1": LiveNetns("old1", True)}
-    obs.ops.netlink.nsids = {"old1": 5}
+    obs.handles.netlink.nsids = {"old1": 5}
     view.plan(D, "k", OPTS)
     del obs.namespaces["old1"]  # lo alias changed: no longer ours
     sentinels[0].units = {"nsid:5"}
@@ -310,7 +310,7 @@ def test_firewall_events_reread_the_rules(parts: Any) -> None:
     view, obs, sentinels, _names = parts
     view.plan(D, "k", OPTS)
     sentinels[0].units = {"firewall"}
-    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.ops.fw.reads == 2
+    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.handles.fw.reads == 2
 
 
 def test_an_allocation_namespace_without_nsid_is_never_cached(parts: Any) -> None:
@@ -319,7 +319,7 @@ def test_an_allocation_namespace_without_nsid_is_never_cached(parts: Any) -> Non
     obs.namespaces = {"alloc1": LiveNetns("alloc1", True)}
     view.plan(D2, "k", OPTS)
     assert view.plan(D2, "k", OPTS)[1] == "observed"
-    obs.ops.netlink.nsids["alloc1"] = 3  # now its events reach us
+    obs.handles.netlink.nsids["alloc1"] = 3  # now its events reach us
     view.plan(D2, "k", OPTS)
     assert view.plan(D2, "k", OPTS)[1] == "cached"
 
@@ -329,10 +329,10 @@ def test_foreign_namespace_without_nsid_is_peeked_each_time(parts: Any) -> None:
     names.append("theirs")
     view.plan(D, "k", OPTS)
     assert view.plan(D, "k", OPTS)[1] == "cached"
-    obs.ops.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
+    obs.handles.netlink.aliases["theirs"] = "managed-by=reconciler alloc-of=1"
     view.plan(D, "k", OPTS)
     assert obs.alloc_reads == 1
-    assert obs.ops.netlink.pruned >= 2  # no socket is kept into namespaces between requests
+    assert obs.handles.netlink.pruned >= 2  # no socket is kept into namespaces between requests
 
 
 def test_a_sentinel_failing_or_an_observation_failing_forgets_the_view(parts: Any) -> None:

@@ -42,7 +42,7 @@ EXAMPLE = state(bridge("nomad", 1500),
 
 
 def converge(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
-    rec = Reconciler(host, sleep=lambda _s: None)  # type: ignore[arg-type]
+    rec = Reconciler(host, runner=host, sleep=lambda _s: None)  # type: ignore[arg-type]
     result = rec.apply(desired, PlanOptions(**opts))  # type: ignore[arg-type]
     assert result.ok, render_text(result.residual or result.plan)
     return result.plan
@@ -118,7 +118,7 @@ def test_foreign_bridge_is_a_conflict_and_untouched():
     assert actions(p)["bridge/nomad"] is Action.CONFLICT
     assert "--adopt bridge/nomad" in render_text(p)
     with pytest.raises(ConflictError):
-        Reconciler(host).apply(EXAMPLE, PlanOptions())  # type: ignore[arg-type]
+        Reconciler(host, runner=host).apply(EXAMPLE, PlanOptions())  # type: ignore[arg-type]
     assert host.log == []
 
 
@@ -196,7 +196,7 @@ def test_plan_json_round_trip_and_staleness():
     again = Plan.from_json(p.to_json())
     assert again.same_work(p)
     converge(host, state(bridge("nomad", 1400)))
-    rec = Reconciler(host)  # type: ignore[arg-type]
+    rec = Reconciler(host, runner=host)  # type: ignore[arg-type]
     with pytest.raises(StalePlanError):
         rec.apply(EXAMPLE, PlanOptions(), saved=again)
 

@@ -27,7 +27,7 @@ RUN_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
 
 
 #: environment the answer depends on: the agent must run with the same values
-ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH", "RECONCILER_FAULTS")
+ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")
 
 
 _HEADER = struct.Struct("!I")

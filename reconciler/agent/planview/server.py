@@ -205,7 +205,7 @@ class PlanServer:
             assert self.view is not None
             self.view.close()
             with contextlib.suppress(Exception):
-                self.view.observer.ops.close()
+                self.view.observer.handles.close()
             self.view, self.tools = self._view_factory(), tools
         if self._parser is None:
             self._parser = build_parser()  # 3 ms: once
@@ -260,5 +260,5 @@ class PlanServer:
         if self.view is not None:
             self.view.close()
             with contextlib.suppress(Exception):
-                self.view.observer.ops.close()
+                self.view.observer.handles.close()
 

@@ -113,7 +113,7 @@ class LiveView:
         noticed (alias re-read): a namespace that had no nsid when it was read
         could have changed unannounced in between.
         """
-        nl = self.observer.ops.netlink
+        nl = self.observer.handles.netlink
         out: dict[str, tuple[int | None, str | None]] = {}
         for name in self.list_names():
             try:
@@ -131,7 +131,7 @@ class LiveView:
         nothing is cached then. A foreign one without an nsid has its ``lo``
         alias (what would make it ours) read again on every request.
         """
-        self.observer.ops.netlink.prune_cache(())  # a socket would keep a namespace alive
+        self.observer.handles.netlink.prune_cache(())  # a socket would keep a namespace alive
         self.by_nsid, self.unwatched, self.foreign = {}, {}, {}
         self.cacheable = True
         for name, (nsid, alias) in survey.items():
@@ -161,7 +161,7 @@ class LiveView:
                 s.rearm()
         if EVERYTHING in dirty:
             return None
-        nl = self.observer.ops.netlink
+        nl = self.observer.handles.netlink
         namespaces: set[str] = set()
         for unit in [u for u in dirty if u.startswith("nsid:")]:
             for name in self.by_nsid.get(int(unit[5:]), ()):  # none: not under /run/netns
@@ -178,8 +178,8 @@ class LiveView:
         if "links" in dirty:
             fresh["links"] = nl.dump_links()
         if "firewall" in dirty or self.firewall_volatile:
-            fresh["firewall4"] = self.observer.ops.iptables(4).observe()
-            fresh["firewall6"] = self.observer.ops.iptables(6).observe()
+            fresh["firewall4"] = self.observer.handles.iptables(4).observe()
+            fresh["firewall6"] = self.observer.handles.iptables(6).observe()
         if "docker" in dirty or self.docker_volatile:
             fresh["docker"] = self.observer.observe_docker(desired)
         if "netns" in dirty:
