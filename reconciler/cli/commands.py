@@ -28,7 +28,7 @@ from reconciler.engine.reconcile import Reconciler
 from reconciler.planner.context import PlanOptions
 from reconciler.ui.argv import normalise_argv
 from reconciler.ui.completion import script
-from reconciler.ui.options import plan_options
+from reconciler.ui.options import plan_options, saved_plan_options
 from reconciler.ui.parser import build_parser
 from reconciler.ui.render import (
     EXIT_ERROR,
@@ -142,10 +142,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             raise ConfigError("apply of a saved plan uses the options it was planned with; "
                               "give --no-prune/--adopt/--force-replace to `plan --out`",
                               file=args.paths[0])
-        o = saved.options
-        options = PlanOptions(prune=bool(o.get("prune", True)),
-                              adopt=frozenset(o.get("adopt", ())),
-                              force_replace=bool(o.get("force_replace", False)))
+        options = saved_plan_options(saved.options, file=args.paths[0])
         return _apply(args, _load(files, args), options, saved)
     return _apply(args, _load(args.paths, args), plan_options(args))
 

@@ -1,4 +1,4 @@
-"""What /proc tells: listening sockets of this namespace, and what is mounted under /run/netns."""
+"""What /proc tells about this network namespace: its listening sockets."""
 
 from __future__ import annotations
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Mapping
 
 from reconciler.domain.errors import ConfigError
 from reconciler.planner.context import PlanOptions
 
 
-def plan_options(args: argparse.Namespace) -> Any:
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The options `plan`, `apply` and `watch` were given (``--adopt`` checked here)."""
     adopt = frozenset(args.adopt or ())
     kinds = ("bridge", "subnet", "alloc", "docker_network")
     for a in adopt:
@@ -20,3 +21,19 @@ def plan_options(args: argparse.Namespace) -> Any:
     return PlanOptions(prune=not args.no_prune, adopt=adopt,
                        force_replace=getattr(args, "force_replace", False))
 
+
+
+def saved_plan_options(options: Mapping[str, object], *, file: str | None = None) -> PlanOptions:
+    """The options a saved plan (``plan --out``) was made with; a malformed one is one
+    ``ConfigError`` line naming the file (a saved plan is a file anyone may have edited)."""
+    def bad(key: str, want: str) -> ConfigError:
+        return ConfigError(f"not a usable saved plan: options.{key} must be {want}", file=file)
+
+    for key in ("prune", "force_replace"):
+        if not isinstance(options.get(key, False), bool):
+            raise bad(key, "true or false")
+    adopt = options.get("adopt", [])
+    if not isinstance(adopt, list | tuple) or not all(isinstance(a, str) for a in adopt):
+        raise bad("adopt", "a list of KIND/NAME strings")
+    return PlanOptions(prune=bool(options.get("prune", True)), adopt=frozenset(adopt),
+                       force_replace=bool(options.get("force_replace", False)))

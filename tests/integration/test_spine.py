@@ -307,3 +307,19 @@ def test_saved_plan_keeps_its_options_and_works_from_another_directory(host_ns: 
     assert host_ns.link("rcl0") is not None
     r = host_ns.reconcile("apply", "--no-prune", out)
     assert r.rc == 1 and "options it was planned with" in r.err
+
+
+@pytest.mark.parametrize(("key", "value"), [("adopt", 5), ("adopt", [1]), ("prune", "no"),
+                                            ("force_replace", [])])
+def test_saved_plan_with_a_malformed_option_is_one_clear_line(host_ns: Netns, tmp_path,
+                                                               key, value):
+    out = tmp_path / "plan.json"
+    assert host_ns.reconcile("plan", EXAMPLE, "--out", str(out)).rc == 2
+    doc = json.loads(out.read_text())
+    doc["options"][key] = value
+    out.write_text(json.dumps(doc, indent=2))
+    r = host_ns.reconcile("apply", str(out))
+    assert r.rc == 1, r.all
+    assert f"options.{key} must be" in r.err and str(out) in r.err, r.err
+    assert "internal error" not in r.all and "Traceback" not in r.all
+    assert host_ns.link("rcl0") is None  # nothing changed

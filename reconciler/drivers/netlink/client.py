@@ -1,4 +1,4 @@
-"""Links, addresses and routes over rtnetlink, here or inside other namespaces.
+"""Changes over rtnetlink: links, addresses, routes, allocation namespaces and their veths.
 
 Why not pyroute2's ``IPRoute`` here: measured on this machine, its decoder
 needs ~0.35 ms per link message and ~0.2 ms of overhead per request, so
@@ -8,15 +8,11 @@ few rtnetlink messages it needs directly (a raw ``AF_NETLINK`` socket, the
 kernel's wire format, extended ACKs) and decodes only the attributes we use;
 a dump of a small namespace costs tens of microseconds.
 
-Layout:
-
-* wire format helpers and :class:`NlMsg` (one decoded message);
-* pure parsers :func:`parse_link`, :func:`parse_addr`, :func:`parse_route`
-  (unit-tested on captured kernel messages);
-* :class:`Netlink`: one socket in the namespace it was created in, plus a
-  cache of sockets opened inside allocation namespaces (entered with setns in
-  the calling thread, socket created, thread switched back — the socket stays
-  bound to that namespace). Not thread-safe: one instance per thread.
+The package's layers: ``wire`` (the codec), ``parse`` (pure parsers,
+unit-tested on captured kernel messages), ``transport`` (one socket),
+``messages`` (request bodies), ``read`` (``NetlinkReader``: sockets here and
+inside allocation namespaces, dumps), this module (``Netlink``: the changes)
+and ``listen`` (subscriptions). Not thread-safe: one instance per thread.
 """
 
 from __future__ import annotations
