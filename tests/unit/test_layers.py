@@ -68,3 +68,24 @@ def test_a_forbidden_edge_breaks_its_contract(tree: str, module: str, line: str,
     assert p.returncode != 0, p.stdout
     broken = [ln for ln in p.stdout.splitlines() if " BROKEN" in ln]
     assert any(contract in ln for ln in broken), p.stdout
+
+
+@pytest.mark.parametrize(("module", "absent"), [
+    ("reconciler.cli.entry", ("yaml", "jsonschema", "docker", "watchdog", "prometheus_client",
+                              "reconciler.engine", "reconciler.planner",
+                              "reconciler.drivers.netlink", "reconciler.ui.parser")),
+    # validate, plan and apply do not pay for the agent or the Docker SDK
+    ("reconciler.cli.commands", ("docker", "watchdog", "prometheus_client", "jsonschema",
+                                 "reconciler.agent.loop")),
+    # an agent that declares no Docker network does not load the SDK (~8 MB resident)
+    ("reconciler.agent.process", ("docker",)),
+])
+def test_lazy_imports_stay_lazy(module: str, absent: tuple[str, ...]) -> None:
+    """What the measured lazy imports keep out of each start-up (checked at run time:
+    import-linter sees a function-level import like any other)."""
+    code = (f"import sys, {module}\n"
+            f"print(sorted(m for m in sys.modules if m in {absent!r}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", f"{module} imported {p.stdout.strip()}"
