@@ -126,7 +126,7 @@ class FileWatcher:
                 watch = self._observer.schedule(self._handler, d, recursive=False)
                 self._scheduled[d] = (real, watch)
             except OSError as exc:
-                log.warning("cannot watch %s: %s", d, exc)
+                files_log.warning("cannot watch %s: %s", d, exc)
 
     def start(self) -> None:
         self.ensure()
@@ -138,6 +138,8 @@ class FileWatcher:
 
 
 log = logging.getLogger("reconciler.drift")
+#: the file watcher logged as part of the watch loop before it moved here: keep its name
+files_log = logging.getLogger("reconciler.watch")
 
 
 class DriftFilter:
@@ -277,20 +279,24 @@ class NetnsDirWatcher:
     (something still holds it), so its veth does not vanish either. A thread
     waits on the inotify descriptor (``drivers.nswatch``, which the plan view's
     sentinel reads too); a directory made, removed or replaced later is watched
-    again, and losing the watch asks for a pass (anything may have changed).
+    again, and a watch lost and found again asks for a pass (anything may have
+    changed in between).
     """
 
     def __init__(self, on_drift: Callable[[str], None], run_dir: str = NETNS_RUN_DIR, *,
                  held: Callable[[], Iterable[str]] = frozenset,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, retry: float = 1.0) -> None:
         """``held``: names that matter besides ``set_names``, asked at event time (the
         namespaces an observer keeps a socket into, which a pass may have just opened)."""
         self.on_drift = on_drift
         self.held = held
         self.stop = stop or threading.Event()
+        self.retry = retry
         self._closed = threading.Event()
         self._names: frozenset[str] = frozenset()
         self.watch = RunDirWatch(run_dir)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._warned = 0
         self._thread = threading.Thread(target=self._run, name="netns-drift", daemon=True)
         self._thread.start()
 
@@ -304,29 +310,51 @@ class NetnsDirWatcher:
         self._names = frozenset(names)
 
     def _run(self) -> None:
+        lost = not self.watch.watching
         while not (self.stop.is_set() or self._closed.is_set()):
-            if not self.watch.watching and not self.watch.rewatch():
-                self._closed.wait(1.0)  # no /run/netns yet: nothing of ours lives there
-                continue
             try:
-                ready, _w, _x = select.select([self.watch], [], [], 0.5)
-            except (OSError, ValueError):  # closed under us
-                return
-            if not ready:
+                lost = self._step(lost)
+            except Exception as exc:  # one bad event must not end the watch: log, go on
+                log.warning("watching %s: %s: %s", self.watch.run_dir, type(exc).__name__, exc)
+                self._closed.wait(self.retry)
+
+    def _step(self, lost: bool) -> bool:
+        """Wait for events once and report them; whether the watch is lost now."""
+        if not self.watch.watching:
+            if not self.watch.rewatch():
+                if self.watch.error not in (0, errno.ENOENT) and self._warned != self.watch.error:
+                    self._warned = self.watch.error
+                    log.warning("cannot watch %s: %s", self.watch.run_dir,
+                                os.strerror(self.watch.error))
+                self._closed.wait(self.retry)  # no /run/netns yet: nothing of ours lives there
+                return True
+            if lost:
+                self.on_drift("netns directory watched again")
+        ready, _w, _x = select.select([self.watch.fileno(), self._wake_r], [], [], 0.5)
+        if self.watch.fileno() not in ready:
+            return False
+        for mask, name in self.watch.drain():
+            if not mask & IN_NAMES or not name:
                 continue
-            for mask, name in self.watch.drain():
-                if not mask & IN_NAMES or not name:
-                    continue
-                if name in self._names or self._held(name):
-                    what = "created" if mask & (IN_CREATE | IN_MOVED_TO) else "deleted"
-                    self.on_drift(f"netns {what} {name}")
-            if not self.watch.watching:
-                self.on_drift("netns directory replaced")
+            if name in self._names or self._held(name):
+                what = "created" if mask & (IN_CREATE | IN_MOVED_TO) else "deleted"
+                self.on_drift(f"netns {what} {name}")
+        if not self.watch.watching:
+            self.on_drift("netns directory replaced or events lost")
+            return True
+        return False
 
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0)
+        if self._thread.is_alive():  # its descriptors stay open rather than be reused under it
+            log.warning("the /run/netns watcher did not stop within 2 s")
+            return
         self.watch.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 DOCKER_ACTIONS = frozenset({"create", "destroy", "connect", "disconnect", "remove", "update"})

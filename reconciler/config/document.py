@@ -43,7 +43,7 @@ class Document:
     data: Any
     values: dict[Path, Pos]
     keys: dict[Path, Pos]
-    sha256: str = ""  # of the bytes parsed (set by read_file)
+    sha256: str = ""  # of the bytes parsed (set by parse_document)
 
     def where(self, path: Path, *, key: bool = False) -> Pos:
         table = self.keys if key else self.values

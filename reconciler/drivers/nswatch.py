@@ -33,8 +33,10 @@ class RunDirWatch:
     """inotify on /run/netns (created, deleted, renamed names; xattr and content changes).
 
     ``watching`` is False while there is no watch (the directory does not exist
-    yet, or was removed or replaced, or events overflowed): whoever reads then
-    must assume anything changed, and :meth:`rewatch`.
+    yet, or was removed, renamed or replaced, or events overflowed): whoever
+    reads then must assume anything changed, and :meth:`rewatch`. Events of a
+    watch that was replaced (a directory renamed away keeps its old watch) are
+    dropped, and the old watch removed.
     """
 
     def __init__(self, run_dir: str = NETNS_RUN_DIR) -> None:
@@ -43,15 +45,24 @@ class RunDirWatch:
         if fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
         self.fd: int = fd
+        self.wd = -1
         self.watching = False
+        #: errno of the last failed watch (ENOENT: no directory yet)
+        self.error = 0
         self.rewatch()
 
     def fileno(self) -> int:
         return self.fd
 
     def rewatch(self) -> bool:
-        """Watch the directory (again); False when it does not exist now."""
-        self.watching = int(_libc.inotify_add_watch(self.fd, self.run_dir.encode(), _MASK)) >= 0
+        """Watch the directory (again); False when it cannot be watched now (see ``error``)."""
+        if self.wd >= 0:
+            _libc.inotify_rm_watch(self.fd, self.wd)  # EINVAL when the kernel dropped it: fine
+            self.wd = -1
+        wd = int(_libc.inotify_add_watch(self.fd, self.run_dir.encode(), _MASK))
+        self.error = 0 if wd >= 0 else ctypes.get_errno()
+        self.wd = wd
+        self.watching = wd >= 0
         return self.watching
 
     def drain(self) -> list[tuple[int, str]]:
@@ -62,14 +73,23 @@ class RunDirWatch:
                 data = os.read(self.fd, 1 << 16)
             except BlockingIOError:
                 return out
+            except OSError:  # closed under us: nothing more to read
+                self.watching = False
+                return out
             off = 0
             while off + _EVENT.size <= len(data):
-                _wd, mask, _cookie, name_len = _EVENT.unpack_from(data, off)
+                wd, mask, _cookie, name_len = _EVENT.unpack_from(data, off)
                 raw = data[off + _EVENT.size: off + _EVENT.size + name_len]
+                off += _EVENT.size + name_len
+                if mask & IN_Q_OVERFLOW:  # wd -1: events of every watch were lost
+                    self.watching = False
+                    out.append((mask, ""))
+                    continue
+                if wd != self.wd:
+                    continue  # a watch replaced since (the directory moved away, then back)
                 if mask & _LOST:
                     self.watching = False
                 out.append((mask, raw.split(b"\0", 1)[0].decode("utf-8", "replace")))
-                off += _EVENT.size + name_len
 
     def close(self) -> None:
         os.close(self.fd)

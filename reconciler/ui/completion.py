@@ -13,7 +13,7 @@ import argparse
 
 import shtab
 
-SHELLS = ("bash", "zsh")
+from reconciler.ui.parser import Completes, build_parser
 
 _PREAMBLE = {
     "bash": (
@@ -32,7 +32,16 @@ _PREAMBLE = {
 }
 
 
-def script(parser: argparse.ArgumentParser, shell: str) -> str:
+_COMPLETERS = {"files": shtab.FILE,
+               "netns": {"bash": "_reconcile_netns", "zsh": "_reconcile_netns"}}
+
+
+def _mark(action: argparse.Action, what: Completes) -> None:
+    action.complete = _COMPLETERS[what]  # type: ignore[attr-defined]  # shtab reads it
+
+
+def script(shell: str) -> str:
     """The completion script for ``shell`` (one of :data:`SHELLS`)."""
+    parser = build_parser(_mark)
     text: str = shtab.complete(parser, shell=shell, preamble=_PREAMBLE[shell])
     return text if text.endswith("\n") else text + "\n"

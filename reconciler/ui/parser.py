@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
-
-import shtab
+from collections.abc import Callable
+from typing import Any, Literal
 
 from reconciler import __version__
-from reconciler.ui.completion import SHELLS
 from reconciler.ui.render import EXIT_ERROR
 
-#: what completes a value, for shtab (ui.completion): file names, or the names under
-#: /run/netns (``_reconcile_netns``, defined in the scripts' preamble)
-FILES = shtab.FILE
-NETNS_NAMES = {"bash": "_reconcile_netns", "zsh": "_reconcile_netns"}
+#: shells ``reconcile completion`` writes a script for
+SHELLS = ("bash", "zsh")
+
+#: what completes an argument's values (``ui.completion`` tells shtab): file names, or the
+#: names under /run/netns
+Completes = Literal["files", "netns"]
+Marker = Callable[[argparse.Action, Completes], None]
+
+
+def _unmarked(_action: argparse.Action, _what: Completes) -> None:
+    """Plain runs need no completion hints (and so do not import shtab)."""
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
@@ -30,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_ERROR)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
+    """The parser; ``mark`` is told which arguments complete as files or namespace names."""
     p = _Parser(
         prog="reconcile",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the version and exit")
     netns = p.add_argument("--netns", metavar="NAME",
                            help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
-    netns.complete = NETNS_NAMES  # type: ignore[attr-defined]
+    mark(netns, "netns")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="more detail (the ops of each change; debug logs with -vv)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -62,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         if paths:
             files = sp.add_argument("paths", nargs="+", metavar="PATH",
                                     help="desired-state files or directories")
-            files.complete = FILES  # type: ignore[attr-defined]
+            mark(files, "files")
         sp.add_argument("--output", choices=("text", "json"), default="text",
                         help="text for people (default) or json for programs")
         sp.add_argument("--no-prune", action="store_true",
@@ -82,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "root. Errors name file:line:col.")
     paths = sp.add_argument("paths", nargs="+", metavar="PATH",
                             help="desired-state files or directories")
-    paths.complete = FILES  # type: ignore[attr-defined]
+    mark(paths, "files")
     sp.add_argument("--hostname", metavar="NAME",
                     help="show the view of this host (files' hosts: patterns)")
 
@@ -96,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = sp.add_argument("--out", metavar="FILE",
                           help="also save the plan as JSON; `apply FILE` applies exactly it "
                                "and refuses if the host changed meanwhile")
-    out.complete = FILES  # type: ignore[attr-defined]
+    mark(out, "files")
     sp.add_argument("--no-agent", action="store_true",
                     help="plan in this process even when a running `reconcile watch` could "
                          "answer (same output; RECONCILER_AGENT=off does the same)")

@@ -58,7 +58,7 @@ def test_completion_scripts_mention_every_command_and_option():
     parser = cli.build_parser()
     commands = _subparsers(parser)
     for shell in ("bash", "zsh"):
-        text = script(parser, shell)
+        text = script(shell)
         for name, sp in commands.items():
             assert name in text
             for a in sp._actions:

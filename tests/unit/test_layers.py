@@ -74,9 +74,11 @@ def test_a_forbidden_edge_breaks_its_contract(tree: str, module: str, line: str,
     ("reconciler.cli.entry", ("yaml", "jsonschema", "docker", "watchdog", "prometheus_client",
                               "reconciler.engine", "reconciler.planner",
                               "reconciler.drivers.netlink", "reconciler.ui.parser")),
-    # validate, plan and apply do not pay for the agent or the Docker SDK
+    # validate, status and completion start without the engine, the planner, the agent or
+    # the Docker SDK (plan and apply import the engine themselves)
     ("reconciler.cli.commands", ("docker", "watchdog", "prometheus_client", "jsonschema",
-                                 "reconciler.agent.loop")),
+                                 "shtab", "reconciler.agent.loop", "reconciler.engine.reconcile",
+                                 "reconciler.planner", "reconciler.domain.ops")),
     # an agent that declares no Docker network does not load the SDK (~8 MB resident)
     ("reconciler.agent.process", ("docker",)),
 ])

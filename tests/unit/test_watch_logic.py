@@ -634,3 +634,17 @@ def test_file_watcher_follows_git_sync_style_symlink_swaps(tmp_path):
             assert seen.wait(5), f"edit inside {target} not seen"
     finally:
         w.close()
+
+
+def test_link_local_is_judged_by_the_local_address_as_observation_does() -> None:
+    """A global address with a link-local peer is not "link-local" (IFA_LOCAL is the
+    address on the link, IFA_ADDRESS the peer), as in parse_addr."""
+    ll, glob = bytes.fromhex("fe80" + "00" * 12 + "0002"), bytes.fromhex("2001db8" + "0" * 24 + "1")
+    body = (struct.pack("=BBBBI", 10, 64, 0, 0, 7) + _rta(wire.IFA_LOCAL, glob)
+            + _rta(wire.IFA_ADDRESS, ll))
+    (ev,) = parse_messages(_msg(wire.RTM_NEWADDR, body))
+    assert ev.what == "addr" and not ev.link_local
+    body = (struct.pack("=BBBBI", 10, 64, 0, 0, 7) + _rta(wire.IFA_LOCAL, ll)
+            + _rta(wire.IFA_ADDRESS, glob))
+    (ev,) = parse_messages(_msg(wire.RTM_NEWADDR, body))
+    assert ev.link_local
