@@ -97,7 +97,7 @@ def run_cli(args: Sequence[str], *, ok: Sequence[int] = (0,), env: dict[str, str
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env=full_env, cwd=ROOT)
+                                env=full_env, cwd=src)  # cwd comes first on sys.path
         timer = threading.Timer(timeout, proc.kill) if timeout else None
         if timer:
             timer.start()
@@ -175,7 +175,7 @@ class Sandbox:
                 [sys.executable, "-m", "reconciler", "--netns", self.host, "watch", path,
                  "--status-addr", "off", "--allow-insecure-config", "--interval", "3600"],
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONPATH=src), cwd=ROOT)
+                env=dict(os.environ, PYTHONPATH=src), cwd=src)
         try:
             sock = socket_path(self.host_inode or 0)
             deadline = time.monotonic() + timeout

@@ -205,7 +205,8 @@ class AllocConfigure(_TypedOp):
     addresses: tuple[str, ...]  # interfaces: address/prefix
     gateways: tuple[str, ...]
     mtu: int | None
-    ipv6: bool  # keep eth0's IPv6 link-local address
+    ipv6: bool  # the alloc has IPv6; not read since eth0 never gets a link-local address
+    # (issue 18), kept: plans saved by earlier versions and the planner's JSON carry it
     mark: str | None  # the alias of lo
 
     def interfaces(self) -> list[IPInterface]:

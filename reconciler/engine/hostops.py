@@ -80,7 +80,7 @@ class HostOps:
             case LinkSetHairpin():
                 self.netlink.set_hairpin(op.name, op.on)
             case AddrAdd():
-                self.netlink.add_address(op.link, op.interface(), ns=op.netns)
+                self._add_address(op)
             case AddrDel():
                 self.netlink.del_address(op.link, op.interface(), ns=op.netns)
             case RouteDelDefault():
@@ -93,9 +93,10 @@ class HostOps:
                 self.netlink.create_veth_into_netns(op.veth, op.netns, op.bridge, op.mtu,
                                                     op.hairpin)
             case AllocConfigure():
+                # op.ipv6 is not read: eth0 never has a link-local address (see
+                # Netlink.configure_inside); the field stays for the plans that carry it
                 self.netlink.configure_inside(op.netns, op.interfaces(), op.gateway_ips(),
-                                              mtu=op.mtu, ipv6_link_local=op.ipv6,
-                                              mark=op.mark)
+                                              mtu=op.mtu, mark=op.mark)
             case SysctlSet():
                 sysctl.write(op.key, op.value)
             case FirewallRestore():
@@ -111,6 +112,26 @@ class HostOps:
                 self.docker.remove(op.id)  # False when already gone: idempotent
             case _:
                 assert_never(op)
+
+    def _add_address(self, op: AddrAdd) -> None:
+        iface = op.interface()
+        if iface.version == 6 and op.netns is None:
+            # An IPv6 address on a host link is a subnet's gateway on its bridge (the only
+            # AddrAdd the planner makes), and a bridge routing for an IPv6 subnet needs a
+            # usable link-local address: the kernel sends the neighbour solicitations of
+            # packets it forwards from it and sends none while it is tentative
+            # (ndisc_send_ns), so the first connection from elsewhere to a new allocation
+            # was lost. Bridges are created with address generation off
+            # (Netlink.ensure_bridge); turn it on without DAD (on a segment of our own
+            # allocations only a MAC clash could duplicate it) and the kernel makes it at
+            # once. A link that has generation on is left as it is.
+            conf = f"net/ipv6/conf/{op.link}"
+            if sysctl.read(f"{conf}/addr_gen_mode") == "1":  # none
+                default = sysctl.read("net/ipv6/conf/default/addr_gen_mode")
+                sysctl.write(f"{conf}/accept_dad", "0")
+                sysctl.write(f"{conf}/addr_gen_mode", default if default not in
+                             (None, "1") else "0")
+        self.netlink.add_address(op.link, iface, ns=op.netns)
 
     @staticmethod
     def _docker_report(name: str, warnings: tuple[str, ...], removed: tuple[str, ...]) -> None:

@@ -300,7 +300,12 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if v6 is not None and s.cidr6 is not None:
         want.append(f"{v6}/{s.cidr6.prefixlen}")
         gateways.append(str(s.gateway6))
-    attach = AllocAttach(a.id, veth_name, b.name, b.mtu, b.hairpin)
+    # Hairpin only where a port map needs it (an alloc reaching its own host port comes
+    # back out of the port it entered by): on every other port it would only send the
+    # alloc its own broadcasts and multicasts back. Ports with hairpin on where the
+    # bridge allows it are left alone (a previous version set it on every port).
+    hairpin = b.hairpin and bool(a.ports)
+    attach = AllocAttach(a.id, veth_name, b.name, b.mtu, hairpin)
     mark = alloc_ns_alias(ctx.live.host_id)
     configure = AllocConfigure(a.id, tuple(want), tuple(gateways), b.mtu, v6 is not None, mark)
     ports = sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
@@ -345,11 +350,13 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         if veth.master != b.name:
             attrs_l.append(AttrChange("bridge", veth.master, b.name))
             ops.append(encode(LinkSet(veth_name, master=b.name)))
-            # a new bridge port starts with hairpin off: set it whatever it was before
-            ops.append(encode(LinkSetHairpin(veth_name, b.hairpin)))
-        elif veth.hairpin is not None and veth.hairpin != b.hairpin:
-            attrs_l.append(AttrChange("hairpin", veth.hairpin, b.hairpin))
-            ops.append(encode(LinkSetHairpin(veth_name, b.hairpin)))
+            # a new bridge port starts with hairpin off: set it where it is wanted
+            if hairpin:
+                ops.append(encode(LinkSetHairpin(veth_name, True)))
+        elif (veth.hairpin is not None and veth.hairpin != hairpin
+              and not (veth.hairpin and b.hairpin)):
+            attrs_l.append(AttrChange("hairpin", veth.hairpin, hairpin))
+            ops.append(encode(LinkSetHairpin(veth_name, hairpin)))
         if b.mtu is not None and veth.mtu != b.mtu:
             attrs_l.append(AttrChange("mtu", veth.mtu, b.mtu))
             ops.append(encode(LinkSet(veth_name, mtu=b.mtu)))

@@ -221,6 +221,8 @@ def test_ensure_bridge(sandbox: Sandbox, nl: links.Netlink) -> None:
     assert br is not None
     assert br["linkinfo"]["info_kind"] == "bridge" and br["mtu"] == 1400
     assert br["ifalias"] == "managed-by=reconciler" and "UP" in br["flags"]
+    assert br["inet6_addr_gen_mode"] == "none"  # off before it was first up
+    assert not [a for a in ip_json(sandbox.name, "addr", "show", "dev", "rtbr0")[0]["addr_info"]]
     assert nl.ensure_bridge("rtbr0", mtu=1500) is False
     assert ip_link(sandbox.name, "rtbr0")["mtu"] == 1400  # type: ignore[index]
     nl.set_link("rtbr0", mtu=1450, up=False, alias="")
@@ -278,6 +280,7 @@ def test_alloc_build_checked_with_ip(sandbox: Sandbox, nl: links.Netlink) -> Non
     eth0 = ip_link(name, "eth0")
     assert eth0 is not None
     assert "UP" in eth0["flags"] and eth0["mtu"] == 1400
+    assert eth0["inet6_addr_gen_mode"] == "none"
     assert eth0["ifalias"] == "managed-by=reconciler"
     assert "UP" in ip_link(name, "lo")["flags"]  # type: ignore[index]
     assert addr_protos(name, "eth0") == {"10.77.0.10/16": 0x52, "fd00:77::10/64": 0x52}
@@ -351,6 +354,16 @@ def test_hairpin_toggles(sandbox: Sandbox, nl: links.Netlink) -> None:
     assert nl.dump_links()[veth].hairpin is True
     nl.set_hairpin(veth, False)
     assert hairpin() is False
+
+
+def test_bridge_recreated_behind_our_back_is_found_again(sandbox: Sandbox,
+                                                         nl: links.Netlink) -> None:
+    bridge(nl)
+    build_alloc(nl, sandbox, "r1", "10.77.0.13/16")  # the bridge's index is remembered now
+    sh("ip", "-n", sandbox.name, "link", "del", "rtbr0")
+    sh("ip", "-n", sandbox.name, "link", "add", "rtbr0", "type", "bridge")
+    _, veth = build_alloc(nl, sandbox, "r2", "10.77.0.14/16")
+    assert ip_link(sandbox.name, veth)["master"] == "rtbr0"  # type: ignore[index]
 
 
 def test_namespace_that_already_has_eth0(sandbox: Sandbox, nl: links.Netlink) -> None:

@@ -296,8 +296,9 @@ def test_dropping_cidr6_removes_the_ipv6_address_and_default_route():
 
 def test_hairpin_change_updates_existing_ports():
     host = FakeHost()
-    converge(host, state(alloc("a"), alloc("b")))
-    off = state(alloc("a"), alloc("b"), br=bridge(hairpin=False))
+    converge(host, state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80))))
+    off = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)),
+                br=bridge(hairpin=False))
     p = plan(host, off)
     changed = {c.name: c for c in p.actionable if c.kind == "alloc"}
     assert set(changed) == {"a", "b"}
@@ -308,11 +309,41 @@ def test_hairpin_change_updates_existing_ports():
 
 def test_reattached_port_gets_its_hairpin_back():
     host = FakeHost()
-    converge(host, state(alloc("a")))
+    converge(host, state(alloc("a", port(8080, 80))))
     veth = alloc_veth_name("a")
     host.links[veth] = dataclasses.replace(host.links[veth], master=None, hairpin=None)
-    converge(host, state(alloc("a")))
+    converge(host, state(alloc("a", port(8080, 80))))
     assert host.links[veth].master == "br0" and host.links[veth].hairpin is True
+
+
+def test_hairpin_only_on_ports_of_allocs_with_port_maps():
+    host = FakeHost()
+    converge(host, state(alloc("a", port(8080, 80)), alloc("b")))
+    assert host.links[alloc_veth_name("a")].hairpin is True
+    assert host.links[alloc_veth_name("b")].hairpin is False
+    # b gains a port map: its port gets hairpin; losing it again changes nothing
+    with_port = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
+    (c,) = [c for c in plan(host, with_port).actionable if c.kind == "alloc"]
+    assert c.name == "b" and ("hairpin", False, True) in [(x.field, x.before, x.after)
+                                                           for x in c.attrs]
+    converge(host, with_port)
+    assert host.links[alloc_veth_name("b")].hairpin is True
+    assert not [c for c in plan(host, state(alloc("a", port(8080, 80)), alloc("b"))).actionable
+                if c.kind == "alloc"]
+
+
+def test_hairpin_on_a_port_without_port_maps_is_no_change_unless_the_bridge_says_off():
+    """Hosts built by a version that set hairpin on every port do not churn on upgrade."""
+    host = FakeHost()
+    converge(host, state(alloc("a")))
+    veth = alloc_veth_name("a")
+    host.links[veth] = dataclasses.replace(host.links[veth], hairpin=True)  # as before
+    assert not [c for c in plan(host, state(alloc("a"))).actionable if c.kind == "alloc"]
+    off = state(alloc("a"), br=bridge(hairpin=False))
+    (c,) = [c for c in plan(host, off).actionable if c.kind == "alloc"]
+    assert ("hairpin", True, False) in [(x.field, x.before, x.after) for x in c.attrs]
+    converge(host, off)
+    assert host.links[veth].hairpin is False
 
 
 def test_deleted_veth_is_recreated_without_touching_the_namespace():

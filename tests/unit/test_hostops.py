@@ -36,6 +36,18 @@ class Result:
     removed: tuple[str, ...] = ()
 
 
+class Sysctl(Recorder):
+    """The sysctl driver: writes are recorded, reads answer from ``values`` (they change
+    nothing, so "one driver call per op" counts the changes)."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        super().__init__("sysctl", calls)
+        self.values: dict[str, str] = {}
+
+    def read(self, key: str) -> str | None:
+        return self.values.get(key)
+
+
 Calls = tuple[HostOps, list[tuple[Any, ...]]]
 
 
@@ -46,7 +58,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
                           docker=Recorder("docker", log))  # type: ignore[arg-type]
     handles._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
     ops = HostOps(handles)
-    monkeypatch.setattr(hostops, "sysctl", Recorder("sysctl", log))
+    monkeypatch.setattr(hostops, "sysctl", Sysctl(log))
     return ops, log
 
 
@@ -78,7 +90,11 @@ def test_every_op_the_planner_writes_reaches_one_driver_call(calls: Calls) -> No
      ("netlink", "configure_inside",
       ("a", [ipaddress.ip_interface("10.0.0.2/24"), ipaddress.ip_interface("fd00::2/64")],
        [ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("fd00::1")]),
-      {"mtu": None, "ipv6_link_local": True, "mark": "m"})),
+      {"mtu": None, "mark": "m"})),  # "ipv6" is not read: eth0 never has a link-local address
+    (Op("addr.add", {"link": "br0", "address": "10.0.0.1/24"}),
+     ("netlink", "add_address", ("br0", ipaddress.ip_interface("10.0.0.1/24")), {"ns": None})),
+    (Op("addr.add", {"link": "eth0", "address": "fd00::2/64", "netns": "a"}),
+     ("netlink", "add_address", ("eth0", ipaddress.ip_interface("fd00::2/64")), {"ns": "a"})),
     (Op("firewall.restore", {"family": 6, "script": "*filter\nCOMMIT\n"}),
      ("ipt6", "restore", ("*filter\nCOMMIT\n",), {})),
     (Op("sysctl.set", {"key": "net/ipv4/ip_forward", "value": "1"}),
@@ -88,6 +104,33 @@ def test_op_arguments_reach_the_driver(calls: Calls, op: Op, call: tuple[Any, ..
     ops, log = calls
     ops.run(op)
     assert log == [call]
+
+
+@pytest.mark.parametrize(("default", "mode"), [("0", "0"), ("3", "3"), ("1", "0"), (None, "0")])
+def test_an_ipv6_gateway_on_a_bridge_without_address_generation_turns_it_on_without_dad(
+        calls: Calls, default: str | None, mode: str) -> None:
+    """A bridge is made with address generation off (ensure_bridge); its IPv6 gateway brings
+    its link-local address back, usable at once: accept_dad 0 first, then the default mode
+    (or eui64 when the default is none or unreadable)."""
+    ops, log = calls
+    values = hostops.sysctl.values  # type: ignore[attr-defined]
+    values["net/ipv6/conf/br0/addr_gen_mode"] = "1"
+    if default is not None:
+        values["net/ipv6/conf/default/addr_gen_mode"] = default
+    ops.run(Op("addr.add", {"link": "br0", "address": "fd00::1/64"}))
+    assert log == [("sysctl", "write", ("net/ipv6/conf/br0/accept_dad", "0"), {}),
+                   ("sysctl", "write", ("net/ipv6/conf/br0/addr_gen_mode", mode), {}),
+                   ("netlink", "add_address", ("br0", ipaddress.ip_interface("fd00::1/64")),
+                    {"ns": None})]
+
+
+def test_an_ipv6_address_on_a_link_with_address_generation_on_changes_no_sysctl(
+        calls: Calls) -> None:
+    ops, log = calls
+    hostops.sysctl.values["net/ipv6/conf/br0/addr_gen_mode"] = "0"  # type: ignore[attr-defined]
+    ops.run(Op("addr.add", {"link": "br0", "address": "fd00::1/64"}))
+    assert log == [("netlink", "add_address", ("br0", ipaddress.ip_interface("fd00::1/64")),
+                    {"ns": None})]
 
 
 def test_an_op_that_does_not_decode_reaches_no_driver(calls: Calls) -> None:

@@ -50,7 +50,7 @@ class _NsEntry:
     inode: int
     sock: Socket
     nsid: int | None = None
-
+    lo_mark: str | None = None  # lo was just brought up with this alias (create_netns)
 
 
 def _raise_nofile_limit() -> int:
@@ -108,15 +108,31 @@ class NetlinkReader:
         entry = self._ns.get(name)
         if entry is not None and entry.inode == st.st_ino:
             return entry
-        self.forget_netns(name)
-        if len(self._ns) >= self._max_cached:
-            oldest = next(iter(self._ns))
-            self.forget_netns(oldest)
+        if entry is not None:
+            # re-created under that name; not forget_netns: the client keeps what creating
+            # the new one told it (Netlink.forget_netns)
+            del self._ns[name]
+            entry.sock.close()
+        self._make_room()
         with netns.enter(path):
             sock = Socket()
         entry = _NsEntry(st.st_ino, sock)
         self._ns[name] = entry
         return entry
+
+    def _make_room(self) -> None:
+        """Close the oldest cached socket when the cache is full (file descriptors)."""
+        if len(self._ns) >= self._max_cached:
+            self.forget_netns(next(iter(self._ns)))
+
+    def _keep_socket(self, name: str, sock: Socket, *, lo_mark: str | None = None) -> None:
+        """Cache ``sock``, opened inside namespace ``name`` by the caller, as the one into it.
+
+        ``lo_mark``: the caller just brought ``lo`` up with that alias there.
+        """
+        self.forget_netns(name)
+        self._make_room()
+        self._ns[name] = _NsEntry(os.stat(netns.path_of(name)).st_ino, sock, lo_mark=lo_mark)
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` (it would keep the namespace alive)."""

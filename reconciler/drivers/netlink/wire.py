@@ -34,6 +34,9 @@ NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
 
 
+NLM_F_ECHO = 0x8  # a request's result is sent back (RTM_NEWLINK: the new link)
+
+
 NLM_F_DUMP_INTR = 0x10
 
 
