@@ -118,13 +118,18 @@ def parse_addr(msg: NlMsg) -> tuple[int, LiveAddress] | None:
     return index, LiveAddress(address=iface, owned=owned)
 
 
+#: rtm_type names (``ip route`` spells them the same)
+ROUTE_TYPES = {1: "unicast", 2: "local", 3: "broadcast", 4: "anycast", 5: "multicast",
+               6: "blackhole", 7: "unreachable", 8: "prohibit", 9: "throw", 10: "nat"}
+
+
 def parse_route(msg: NlMsg) -> LiveRoute | None:
     """A LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
 
     ``dst`` is ``"default"`` for a zero-length prefix of either family (the
     gateway's family tells them apart), else ``"prefix/len"``.
     """
-    family, dst_len, _src_len, _tos, table, proto, _scope, _rtype, rflags = msg.header
+    family, dst_len, _src_len, _tos, table, proto, _scope, rtype, rflags = msg.header
     a = msg.attrs
     if RTA_TABLE in a:
         table = U32.unpack_from(a[RTA_TABLE])[0]
@@ -137,7 +142,10 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     else:
         dst = f"{ipaddress.ip_address(a[RTA_DST])}/{dst_len}" if RTA_DST in a else "default"
     gw = str(ipaddress.ip_address(a[RTA_GATEWAY])) if RTA_GATEWAY in a else None
-    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO)
+    oif = U32.unpack_from(a[RTA_OIF])[0] if len(a.get(RTA_OIF, b"")) >= 4 else 0
+    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO, oif=oif,
+                     type=ROUTE_TYPES.get(rtype, f"type {rtype}"))
+
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:
