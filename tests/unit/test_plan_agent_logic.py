@@ -158,6 +158,8 @@ class FakeObserver:
         self.observed = 0
         self.ns_reads: list[list[str]] = []
         self.alloc_reads = 0
+        self.routes: tuple[Any, ...] = ()
+        self.route_reads = 0
 
     def observe(self, desired: DesiredState) -> LiveState:
         self.observed += 1
@@ -178,6 +180,13 @@ class FakeObserver:
 
     def observe_docker(self, desired: DesiredState) -> Any:
         return None
+
+    def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
+        return {"docker": None, "docker_space": None}
+
+    def observe_routes(self, desired: DesiredState) -> Any:
+        self.route_reads += 1
+        return self.routes
 
 
 @pytest.fixture

@@ -1,0 +1,633 @@
+"""One address space (pure): declared prefixes against the host's, and ``auto`` picks.
+
+Subnets, Docker networks and the host share one address space: the addresses
+and routes of links the reconciler does not own (a VPN's, the LAN's), every
+live Docker network (global to the daemon, whichever namespace we act on),
+and the parts of Docker's default address pools it has not handed out yet.
+
+* :func:`resolve` picks ``cidr: auto`` / ``subnet: auto`` prefixes, before
+  anything else is planned (allocation addresses and gateways depend on them).
+  Prefixes already live are kept first -- a subnet's own rules or its bridge's
+  gateway address, a Docker network's live subnet say which prefix it has, as
+  an allocation's ``eth0`` says which address; new ones are the first free
+  prefix of their size in their pool, in name order, each clear of everything
+  taken so far: the host's occupants, Docker's unassigned pools, the fixed
+  prefixes and host_ips of the files, owned prefixes, and the picks before it.
+* :func:`check` finds what each declared prefix overlaps: a conflict naming
+  both sides (the Docker network that *is* a declared network excepted, and
+  an owned subnet's own gateway and connected route, which are on our own
+  bridge), or a warning when it is only an unassigned range of Docker's pools;
+  and warns about a ``host_ip`` that is not on the host right now.
+* :func:`relevant` is what of the host these depend on (the plan agent keeps a
+  plan while it stays the same), :func:`live_overlaps` what the agent's alarm
+  compares between owned prefixes and foreign ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import ipaddress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from reconciler.domain.docker import DEFAULT_ADDRESS_POOLS, SCOPE_LABEL, sort_duplicates
+from reconciler.domain.live import LiveLink, LiveRoute, LiveState
+from reconciler.domain.model import AutoPrefix, DesiredState
+from reconciler.planner import firewall
+
+Net = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: an inclusive range of addresses of one family: (version, first, last)
+Span = tuple[int, int, int]
+
+#: how many occupants a conflict names before "and N more"
+NAMED = 3
+
+
+@dataclass(frozen=True)
+class Occupant:
+    """Something on the host holding a prefix that a declared one must not overlap."""
+
+    net: Net
+    what: str  # "route 10.8.0.0/16 via 192.0.2.7 on eth0", "docker network kind (…)"
+    docker: str | None = None  # the Docker network's name, for its own declaration
+
+
+def _span(net: Net) -> Span:
+    return (net.version, int(net.network_address), int(net.broadcast_address))
+
+
+def _overlap(a: Span, b: Span) -> bool:
+    return a[0] == b[0] and a[1] <= b[2] and b[1] <= a[2]
+
+
+def _net(text: str) -> Net | None:
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return None
+
+
+def _unroutable(net: Net) -> bool:
+    """Routes every host has that no declared prefix can mean: multicast, IPv6 link-local."""
+    return net.is_multicast or (net.version == 6 and net.is_link_local)
+
+
+# ------------------------------------------------------------------ occupants
+
+
+def _our_links(desired: DesiredState, live: LiveState) -> set[int]:
+    """Links whose addresses and routes are ours: owned, or a declared bridge (a foreign
+    bridge of that name is a conflict of its own, an adopted one becomes ours)."""
+    return {lk.index for lk in live.links.values() if lk.owned or lk.name in desired.bridges}
+
+
+def _docker_bridges(live: LiveState) -> set[str]:
+    """Linux bridges of live Docker networks: their addresses are the networks themselves."""
+    space = live.docker_space
+    if space is None or not space.available:
+        return set()
+    return {n.bridge for n in space.networks}
+
+
+def _pruned_docker(desired: DesiredState, live: LiveState, prune: bool) -> set[str]:
+    """Ids of owned Docker networks this plan removes (no file declares them, no containers)."""
+    docker = live.docker
+    if not prune or docker is None or not docker.available:
+        return set()
+    return {n.id for n in docker.networks
+            if n.owned and n.name not in desired.docker_networks and not n.containers
+            and n.labels.get(SCOPE_LABEL) == docker.scope}
+
+
+def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
+              not_foreign: Iterable[str] = ()) -> list[Occupant]:
+    """What on the host holds address space a declared prefix must not overlap.
+
+    Addresses of foreign links (a link's connected route is its address), other
+    routes of the main table through foreign links or through none (blackhole,
+    unreachable), and every Docker network the daemon lists -- except those this
+    plan prunes. Default routes, multicast and IPv6 link-local routes are left out.
+    Links named in ``not_foreign`` count as ours.
+    """
+    ours = _our_links(desired, live)
+    docker_bridges = _docker_bridges(live) | set(not_foreign)
+    by_index = {lk.index: lk for lk in live.links.values()}
+    out: list[Occupant] = []
+    connected: set[tuple[int, Net]] = set()
+
+    def foreign(lk: LiveLink) -> bool:
+        return lk.index not in ours and lk.name not in docker_bridges
+
+    for lk in sorted(live.links.values(), key=lambda x: x.name):
+        if not foreign(lk):
+            continue
+        for a in lk.addresses:
+            if a.owned:
+                continue
+            connected.add((lk.index, a.address.network))
+            out.append(Occupant(a.address.network, f"address {a.address} on {lk.name}"))
+    for r in live.routes:
+        occ = _route_occupant(r, by_index, connected, foreign)
+        if occ is not None:
+            out.append(occ)
+    space = live.docker_space
+    if space is not None and space.available:
+        pruned = _pruned_docker(desired, live, prune)
+        for n in sorted(space.networks, key=lambda x: (x.name, x.id)):
+            if n.id in pruned:
+                continue
+            for text in n.subnets:
+                net = _net(text)
+                if net is not None:
+                    out.append(Occupant(net, f"docker network {n.name} ({net} on {n.bridge})",
+                                        docker=n.name))
+    return out
+
+
+def _route_occupant(r: LiveRoute, by_index: dict[int, LiveLink],
+                    connected: set[tuple[int, Net]],
+                    foreign: Callable[[LiveLink], bool]) -> Occupant | None:
+    if r.owned or r.dst == "default":
+        return None
+    net = _net(r.dst)
+    if net is None or net.prefixlen == 0 or _unroutable(net):
+        return None
+    if not r.oif:
+        kind = "" if r.type == "unicast" else f"{r.type} "
+        return Occupant(net, f"{kind}route {net}")
+    lk = by_index.get(r.oif)
+    if lk is not None and not foreign(lk):
+        return None
+    if (r.oif, net) in connected:
+        return None  # the connected route of an address already named
+    via = f" via {r.gateway}" if r.gateway else ""
+    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}")
+
+
+# ------------------------------------------------------------------ Docker's pools
+
+
+@dataclass(frozen=True)
+class PoolRange:
+    """A range of one of Docker's default address pools that Docker has not handed out."""
+
+    pool: Net
+    size: int
+    first: int
+    last: int
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    def chunk_at(self, address: int) -> Net:
+        """The /size Docker would hand out that holds ``address``."""
+        block = 1 << (self.pool.max_prefixlen - self.size)
+        start = int(self.pool.network_address)
+        first = start + (address - start) // block * block
+        return ipaddress.ip_network((first, self.size))
+
+
+def _subtract(first: int, last: int, holes: Iterable[tuple[int, int]]) -> Iterator[
+        tuple[int, int]]:
+    cursor = first
+    for lo, hi in sorted(holes):
+        if hi < cursor:
+            continue
+        if lo > last:
+            break
+        if lo > cursor:
+            yield cursor, lo - 1
+        cursor = max(cursor, hi + 1)
+    if cursor <= last:
+        yield cursor, last
+
+
+def unassigned_pools(live: LiveState) -> list[PoolRange]:
+    """Docker's default pools less every chunk that overlaps a live Docker network.
+
+    Docker never hands out a chunk that overlaps a network; with the daemon down its
+    networks are unknown, so the pools count whole. Empty without Docker on the host.
+    """
+    space = live.docker_space
+    if space is None:
+        return []
+    nets = [n for d in space.networks for s in d.subnets if (n := _net(s)) is not None] \
+        if space.available else []
+    out: list[PoolRange] = []
+    for base_text, size in space.pools or DEFAULT_ADDRESS_POOLS:
+        base = _net(base_text)
+        if base is None or not base.prefixlen <= size <= base.max_prefixlen:
+            continue
+        b_first, b_last = int(base.network_address), int(base.broadcast_address)
+        block = 1 << (base.max_prefixlen - size)
+        holes = []
+        for n in nets:
+            if n.version != base.version or not n.overlaps(base):
+                continue
+            lo = max(int(n.network_address), b_first)
+            hi = min(int(n.broadcast_address), b_last)
+            holes.append((b_first + (lo - b_first) // block * block,
+                          b_first + (hi - b_first) // block * block + block - 1))
+        out += [PoolRange(base, size, lo, hi) for lo, hi in _subtract(b_first, b_last, holes)]
+    return out
+
+
+# ------------------------------------------------------------------ auto picks
+
+
+class _Taken:
+    """Spans taken so far, per family, kept merged and sorted for the first-free search."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, list[tuple[int, int]]] = {4: [], 6: []}
+
+    def add(self, span: Span) -> None:
+        version, first, last = span
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted([*self.spans[version], (first, last)]):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self.spans[version] = merged
+
+    def hits(self, span: Span) -> bool:
+        spans = self.spans[span[0]]
+        i = bisect.bisect_right(spans, (span[2], 1 << 129)) - 1
+        return i >= 0 and spans[i][1] >= span[1]
+
+    def first_free(self, auto: AutoPrefix) -> Net | None:
+        """The lowest /size in the pool that overlaps nothing taken."""
+        pool = auto.pool
+        block = 1 << (pool.max_prefixlen - auto.size)
+        base, end = int(pool.network_address), int(pool.broadcast_address)
+        spans = self.spans[pool.version]
+        start = base
+        while start + block - 1 <= end:
+            last = start + block - 1
+            i = bisect.bisect_right(spans, (last, 1 << 129)) - 1
+            if i >= 0 and spans[i][1] >= start:
+                start = base + (spans[i][1] + 1 - base + block - 1) // block * block
+                continue
+            return ipaddress.ip_network((start, auto.size))
+        return None
+
+
+@dataclass
+class Resolution:
+    """The desired state with every ``auto`` prefix picked, and what could not be."""
+
+    desired: DesiredState
+    #: "subnet/NAME" or "docker_network/NAME" -> {"cidr": pool text, ...} for the plan text
+    picked: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    fatal: list[str] = dataclasses.field(default_factory=list)
+
+
+def _fits(net: Net | None, auto: AutoPrefix) -> bool:
+    return (net is not None and net.version == auto.pool.version and net.prefixlen == auto.size
+            and net.subnet_of(auto.pool))  # type: ignore[arg-type]
+
+
+def _rule_prefixes(live: LiveState, subnet: str, family: int) -> list[Net]:
+    """Prefixes a subnet's live rules name (``-d CIDR -o BRIDGE``): ours by their comment."""
+    live_rules = live.firewall4 if family == 4 else live.firewall6
+    out = []
+    for _chain, rule in firewall.live_by_owner(live_rules).get(f"subnet={subnet}", ()):
+        toks = rule.split()
+        if "-d" in toks and "-o" in toks and "!" not in toks:
+            net = _net(toks[toks.index("-d") + 1])
+            if net is not None and net not in out:
+                out.append(net)
+    return out
+
+
+def _gateway_prefixes(live: LiveState, bridge: str, version: int) -> list[Net]:
+    """Prefixes whose first host address is an owned address of the (managed) bridge."""
+    link = live.links.get(bridge)
+    if link is None or link.kind != "bridge":
+        return []
+    out = []
+    for a in link.addresses:
+        net = a.address.network
+        if a.owned and a.address.version == version and int(a.address.ip) == int(
+                net.network_address) + 1:
+            out.append(net)
+    return sorted(out, key=lambda n: int(n.network_address))
+
+
+def _live_docker_prefixes(live: LiveState, name: str, version: int) -> list[Net]:
+    if live.docker is None or not live.docker.available:
+        return []
+    found = sort_duplicates(n for n in live.docker.networks if n.name == name)
+    out = []
+    for n in found[:1]:
+        out += [net for s in n.subnets if (net := _net(s)) is not None and net.version == version]
+    return out
+
+
+def _requests(desired: DesiredState) -> list[tuple[str, str, str, AutoPrefix]]:
+    """(address, name, field, auto) of every ``auto`` prefix, subnets first, in name order."""
+    out: list[tuple[str, str, str, AutoPrefix]] = []
+    for name in sorted(desired.subnets):
+        s = desired.subnets[name]
+        for field, auto in (("cidr", s.auto), ("cidr6", s.auto6)):
+            if auto is not None:
+                out.append((f"subnet/{name}", name, field, auto))
+    for dname in sorted(desired.docker_networks):
+        d = desired.docker_networks[dname]
+        for field, auto in (("subnet", d.auto), ("subnet6", d.auto6)):
+            if auto is not None:
+                out.append((f"docker_network/{dname}", dname, field, auto))
+    return out
+
+
+def _live_evidence(desired: DesiredState, live: LiveState, address: str, name: str,
+                   auto: AutoPrefix) -> list[Net]:
+    """Prefixes the live state names for this resource: its rules, or its Docker network."""
+    version = auto.pool.version
+    if address.startswith("subnet/"):
+        return _rule_prefixes(live, name, version)
+    return _live_docker_prefixes(live, name, version)
+
+
+def _fixed(desired: DesiredState) -> Iterator[tuple[str, str, Net]]:
+    """(address, field, prefix) of every fixed declared prefix."""
+    for name in sorted(desired.subnets):
+        s = desired.subnets[name]
+        for field, net in (("cidr", s.prefix), ("cidr6", s.prefix6)):
+            if isinstance(net, ipaddress.IPv4Network | ipaddress.IPv6Network):
+                yield f"subnet/{name}", field, net
+    for dname in sorted(desired.docker_networks):
+        d = desired.docker_networks[dname]
+        for field, dnet in (("subnet", d.subnet), ("subnet6", d.subnet6)):
+            if dnet is not None and (d.auto is None if field == "subnet" else d.auto6 is None):
+                yield f"docker_network/{dname}", field, dnet
+
+
+def _host_ips(desired: DesiredState) -> Iterator[IPAddr]:
+    for aid in sorted(desired.allocs):
+        for p in desired.allocs[aid].ports:
+            if p.host_ip is not None:
+                yield p.host_ip
+
+
+def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Resolution:
+    """``desired`` with every ``auto`` prefix picked (see the module docstring)."""
+    requests = _requests(desired)
+    if not requests:
+        return Resolution(desired)
+    declared = _Taken()  # what a kept prefix must not overlap: the files' own
+    for _address, _field, net in _fixed(desired):
+        declared.add(_span(net))
+    for ip in _host_ips(desired):
+        declared.add((ip.version, int(ip), int(ip)))
+    taken = _Taken()  # what a new pick must not overlap: all of it
+    for version in (4, 6):
+        for lo, hi in declared.spans[version]:
+            taken.add((version, lo, hi))
+    for occ in occupants(desired, live, prune=prune):
+        taken.add(_span(occ.net))
+    for pr in unassigned_pools(live):
+        taken.add((pr.version, pr.first, pr.last))
+    for lk in live.links.values():  # owned prefixes, also of subnets being pruned (--no-prune)
+        for a in lk.addresses:
+            if a.owned and lk.owned:
+                taken.add(_span(a.address.network))
+    chosen: dict[tuple[str, str], Net] = {}
+
+    def keep(key: tuple[str, str], auto: AutoPrefix, candidates: Iterable[Net]) -> None:
+        for net in candidates:
+            if _fits(net, auto) and not declared.hits(_span(net)):
+                chosen[key] = net
+                declared.add(_span(net))
+                taken.add(_span(net))
+                return
+
+    # pass 1: keep what is live -- first what names the resource (its rules, its Docker
+    # network), then, for subnets, a gateway address on its bridge (rules flushed)
+    for address, name, field, auto in requests:
+        keep((address, field), auto, _live_evidence(desired, live, address, name, auto))
+    for address, name, field, auto in requests:
+        if (address, field) in chosen or not address.startswith("subnet/"):
+            continue
+        bridge = desired.subnets[name].bridge  # type: ignore[index]
+        keep((address, field), auto, _gateway_prefixes(live, bridge, auto.pool.version))
+    res = Resolution(desired)
+    for address, name, field, auto in requests:  # pass 2: the first free prefix, in order
+        key = (address, field)
+        res.picked.setdefault(address, {})[field] = str(auto.pool)
+        if key in chosen:
+            continue
+        pick = taken.first_free(auto)
+        if pick is None:
+            kind, _, _ = address.partition("/")
+            what = "subnet" if kind == "subnet" else "docker network"
+            src = (desired.subnets[name].source if kind == "subnet"  # type: ignore[index]
+                   else desired.docker_networks[name].source)  # type: ignore[index]
+            res.fatal.append(f"{what} {name!r} ({src}): {field}: auto: pool {auto.pool} has no "
+                             f"free /{auto.size} left (the host, Docker and the other "
+                             "declared prefixes take the rest)")
+            continue
+        chosen[key] = pick
+        taken.add(_span(pick))
+    _refuse_collisions(chosen, res)
+    if res.fatal:
+        return res
+    res.desired = _with_picks(desired, chosen)
+    return res
+
+
+def _refuse_collisions(chosen: dict[tuple[str, str], Net], res: Resolution) -> None:
+    """Picks are made against everything taken so far, so they cannot collide; say so if
+    they ever do rather than plan two resources on one prefix."""
+    items = sorted(chosen.items(), key=lambda kv: _span(kv[1]))
+    for (k1, n1), (k2, n2) in zip(items, items[1:], strict=False):
+        if _overlap(_span(n1), _span(n2)):
+            res.fatal.append(f"{k1[0]} {k1[1]} {n1} and {k2[0]} {k2[1]} {n2} were both picked "
+                             "for auto; refusing the plan")
+
+
+def _with_picks(desired: DesiredState, chosen: dict[tuple[str, str], Net]) -> DesiredState:
+    subnets = dict(desired.subnets)
+    for name, s in desired.subnets.items():
+        if s.resolved:
+            continue
+        cidr = chosen.get((f"subnet/{name}", "cidr"), s.prefix)
+        cidr6 = chosen.get((f"subnet/{name}", "cidr6"), s.prefix6)
+        assert isinstance(cidr, ipaddress.IPv4Network)
+        assert cidr6 is None or isinstance(cidr6, ipaddress.IPv6Network)
+        subnets[name] = s.with_prefixes(cidr, cidr6)
+    docker = dict(desired.docker_networks)
+    for dname, d in desired.docker_networks.items():
+        v4 = chosen.get((f"docker_network/{dname}", "subnet"))
+        v6 = chosen.get((f"docker_network/{dname}", "subnet6"))
+        if v4 is not None or v6 is not None:
+            assert v4 is None or isinstance(v4, ipaddress.IPv4Network)
+            assert v6 is None or isinstance(v6, ipaddress.IPv6Network)
+            docker[dname] = dataclasses.replace(d, subnet=v4 or d.subnet,
+                                                subnet6=v6 or d.subnet6)
+    return dataclasses.replace(desired, subnets=subnets, docker_networks=docker)
+
+
+# ------------------------------------------------------------------ conflicts and warnings
+
+
+@dataclass
+class Findings:
+    """What the declared prefixes overlap, for the kind planners to report."""
+
+    #: "subnet/NAME" or "docker_network/NAME" -> the conflict's reason
+    conflicts: dict[str, str] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _declared(desired: DesiredState) -> Iterator[tuple[str, str, str, Net, bool]]:
+    """(address, name, field, prefix, is_docker) of every (resolved) declared prefix."""
+    for name in sorted(desired.subnets):
+        s = desired.subnets[name]
+        yield f"subnet/{name}", name, "cidr", s.cidr, False
+        if s.cidr6 is not None:
+            yield f"subnet/{name}", name, "cidr6", s.cidr6, False
+    for dname in sorted(desired.docker_networks):
+        d = desired.docker_networks[dname]
+        for field, dnet in (("subnet", d.subnet), ("subnet6", d.subnet6)):
+            if dnet is not None:
+                yield f"docker_network/{dname}", dname, field, dnet, True
+
+
+def _named(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:NAMED])
+    return shown + (f" and {len(items) - NAMED} more" if len(items) > NAMED else "")
+
+
+def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
+          picked: dict[str, dict[str, str]] | None = None) -> Findings:
+    """Conflicts and warnings of the declared (resolved) prefixes and host_ips."""
+    picked = picked or {}
+    found = Findings()
+    occ = occupants(desired, live, prune=prune)
+    pools = unassigned_pools(live)
+    reasons: dict[str, list[str]] = {}
+    for address, name, field, net, is_docker in _declared(desired):
+        span = _span(net)
+        hits = [o.what for o in occ if _overlap(span, _span(o.net))
+                and not (is_docker and o.docker == name)]
+        auto = " (auto)" if field in picked.get(address, {}) else ""
+        if hits:
+            reasons.setdefault(address, []).append(
+                f"{field} {net}{auto} overlaps {_named(list(dict.fromkeys(hits)))}")
+            continue
+        if is_docker:
+            continue  # a Docker network's own subnet marks its chunk of the pool as used
+        for pr in pools:
+            if pr.version == span[0] and pr.first <= span[2] and span[1] <= pr.last:
+                chunk = pr.chunk_at(max(span[1], pr.first))
+                found.warnings.append(
+                    f"subnet {name!r}: {field} {net} overlaps {chunk} of Docker's default "
+                    f"address pool {pr.pool}, which Docker has not handed out yet: a Docker "
+                    "network created where this subnet is not routed (or with an explicit "
+                    "--subnet) can take it")
+                break
+    for address, parts in reasons.items():
+        found.conflicts[address] = "; ".join(parts)
+    found.warnings += host_ip_warnings(desired, live)
+    return found
+
+
+def local_addresses(live: LiveState) -> tuple[set[IPAddr], list[Net]]:
+    """Addresses of the host: those on its links, and every address of ``lo``'s prefixes."""
+    exact: set[IPAddr] = set()
+    loopback: list[Net] = []
+    for lk in live.links.values():
+        for a in lk.addresses:
+            exact.add(a.address.ip)
+            if lk.name == "lo":
+                loopback.append(a.address.network)
+    return exact, loopback
+
+
+def host_ip_warnings(desired: DesiredState, live: LiveState) -> list[str]:
+    """A unicast ``host_ip`` not on the host right now (a floating VIP): one line per map."""
+    exact, loopback = local_addresses(live)
+    out = []
+    for aid in sorted(desired.allocs):
+        a = desired.allocs[aid]
+        for i, p in enumerate(a.ports):
+            ip = p.host_ip
+            if ip is None or ip in exact or any(ip in n for n in loopback):
+                continue
+            out.append(f"alloc {aid!r} ports[{i}]: host_ip {ip} is not an address of this "
+                       "host right now (a floating address?): the map takes effect once it is")
+    return out
+
+
+# ------------------------------------------------------------------ the agent's needs
+
+
+def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> object:
+    """What of the host :func:`resolve` and :func:`check` can depend on, as a comparable value.
+
+    The occupants overlapping a declared fixed prefix or an ``auto`` pool, and which
+    declared host_ips are local; two live states that agree on it give the same
+    resolution, conflicts and warnings (the rest of the plan depends on links, rules
+    and namespaces only, see ``links_that_matter``).
+    """
+    wanted: list[Span] = [_span(net) for _a, _f, net in _fixed(desired)]
+    wanted += [_span(auto.pool) for _a, _n, _f, auto in _requests(desired)]
+    if not wanted and not any(True for _ in _host_ips(desired)):
+        return ()
+    occ = sorted({(o.what, str(o.net), o.docker) for o in occupants(desired, live, prune=prune)
+                  if any(_overlap(_span(o.net), w) for w in wanted)})
+    exact, loopback = local_addresses(live)
+    local = sorted(str(ip) for ip in _host_ips(desired)
+                   if ip in exact or any(ip in n for n in loopback))
+    return (tuple(occ), tuple(local))
+
+
+@dataclass(frozen=True, order=True)
+class LiveOverlap:
+    """An owned prefix and a foreign one over it (the agent's alarm)."""
+
+    owned: str  # "subnet prefix 10.66.0.0/24 on rcpa0"
+    foreign: str  # "route 10.66.0.0/25 on tun0"
+
+
+def owned_prefixes(live: LiveState) -> list[tuple[Net, str, str | None]]:
+    """(prefix, what, its own link) of what we own: our bridges' gateway prefixes and the
+    subnets of owned Docker networks."""
+    out: list[tuple[Net, str, str | None]] = []
+    for lk in sorted(live.links.values(), key=lambda x: x.name):
+        if not lk.owned:
+            continue
+        for a in lk.addresses:
+            if a.owned:
+                out.append((a.address.network, f"{a.address.network} on {lk.name}", lk.name))
+    if live.docker is not None and live.docker.available:
+        for n in live.docker.networks:
+            if n.owned:
+                for s in n.subnets:
+                    if (net := _net(s)) is not None:
+                        out.append((net, f"{net} of docker network {n.name}", None))
+    return out
+
+
+def live_overlaps(owned: Sequence[tuple[Net, str, str | None]], links: Iterable[LiveLink],
+                  routes: Iterable[LiveRoute], docker_bridges: Iterable[str] = ()
+                  ) -> list[LiveOverlap]:
+    """Foreign addresses and routes of the host over an owned prefix, from fresh dumps.
+
+    The owned prefixes' own links (our bridges, owned Docker networks' bridges) are
+    not foreign; everything else is, as in a plan's :func:`occupants`.
+    """
+    names = {name for _n, _w, name in owned if name is not None} | set(docker_bridges)
+    live = LiveState(links={lk.name: lk for lk in links}, routes=tuple(routes))
+    foreign = occupants(DesiredState(), live, not_foreign=names)
+    out = set()
+    for net, what, _link in owned:
+        for o in foreign:
+            if _overlap(_span(net), _span(o.net)):
+                out.add(LiveOverlap(what, o.what))
+    return sorted(out)
