@@ -31,7 +31,12 @@ import ipaddress
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from reconciler.domain.docker import DEFAULT_ADDRESS_POOLS, SCOPE_LABEL, sort_duplicates
+from reconciler.domain.docker import (
+    DEFAULT_ADDRESS_POOLS,
+    SCOPE_LABEL,
+    bridge_of,
+    sort_duplicates,
+)
 from reconciler.domain.live import LiveLink, LiveRoute, LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
 from reconciler.planner import firewall
@@ -525,11 +530,11 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
         for pr in pools:
             if pr.version == span[0] and pr.first <= span[2] and span[1] <= pr.last:
                 chunk = pr.chunk_at(max(span[1], pr.first))
+                where = f"{chunk} of " if chunk != pr.pool else ""
                 found.warnings.append(
-                    f"subnet {name!r}: {field} {net} overlaps {chunk} of Docker's default "
-                    f"address pool {pr.pool}, which Docker has not handed out yet: a Docker "
-                    "network created where this subnet is not routed (or with an explicit "
-                    "--subnet) can take it")
+                    f"subnet {name!r}: {field} {net} is in {where}Docker's default address "
+                    f"pool {pr.pool}, not handed out yet: Docker skips it only while this "
+                    "prefix is routed where dockerd runs")
                 break
     for address, parts in reasons.items():
         found.conflicts[address] = "; ".join(parts)
@@ -595,23 +600,28 @@ class LiveOverlap:
     foreign: str  # "route 10.66.0.0/25 on tun0"
 
 
-def owned_prefixes(live: LiveState) -> list[tuple[Net, str, str | None]]:
-    """(prefix, what, its own link) of what we own: our bridges' gateway prefixes and the
-    subnets of owned Docker networks."""
+def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None]]:
+    """(prefix, what, its link) of the owned addresses on owned links: our gateways."""
     out: list[tuple[Net, str, str | None]] = []
-    for lk in sorted(live.links.values(), key=lambda x: x.name):
-        if not lk.owned:
-            continue
-        for a in lk.addresses:
-            if a.owned:
-                out.append((a.address.network, f"{a.address.network} on {lk.name}", lk.name))
+    for lk in sorted(links, key=lambda x: x.name):
+        if lk.owned:
+            out += [(a.address.network, f"{a.address.network} on {lk.name}", lk.name)
+                    for a in lk.addresses if a.owned]
+    return out
+
+
+def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | None]],
+                                                     set[str]]:
+    """The subnets of owned Docker networks, and their Linux bridges (not foreign to them)."""
+    prefixes: list[tuple[Net, str, str | None]] = []
+    bridges: set[str] = set()
     if live.docker is not None and live.docker.available:
         for n in live.docker.networks:
             if n.owned:
-                for s in n.subnets:
-                    if (net := _net(s)) is not None:
-                        out.append((net, f"{net} of docker network {n.name}", None))
-    return out
+                bridges.add(bridge_of(n.id, n.options))
+                prefixes += [(net, f"{net} of docker network {n.name}", None)
+                             for s in n.subnets if (net := _net(s)) is not None]
+    return prefixes, bridges
 
 
 def live_overlaps(owned: Sequence[tuple[Net, str, str | None]], links: Iterable[LiveLink],

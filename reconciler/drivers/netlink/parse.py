@@ -177,7 +177,9 @@ class NetlinkEvent:
     alias: str | None = None  # links only
     master: int | None = None  # links only
     proto: int | None = None  # addr: IFA_PROTO; route: rtm_protocol
-    link_local: bool = False  # addr: an IPv6 fe80::/10 address (kernel-made, never ours)
+    #: addr: an IPv6 fe80::/10 address; route: to IPv6 fe80::/10 or multicast (kernel-made
+    #: on every link, never ours, never in a declared prefix)
+    link_local: bool = False
 
 
 def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
@@ -203,10 +205,15 @@ def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
                             proto=proto[0] if proto else None, link_local=link_local)
     if kind in (RTM_NEWROUTE, RTM_DELROUTE) and len(raw) - body >= RTMSG.size:
         rtm = RTMSG.unpack_from(raw, body)
-        oif = parse_attrs(raw, body + RTMSG.size).get(RTA_OIF)
+        attrs = parse_attrs(raw, body + RTMSG.size)
+        oif = attrs.get(RTA_OIF)
+        dst = attrs.get(RTA_DST)
+        link_local = (rtm[0] == socket.AF_INET6 and dst is not None and len(dst) == 16
+                      and (ipaddress.IPv6Address(dst).is_link_local
+                           or ipaddress.IPv6Address(dst).is_multicast))
         return NetlinkEvent("route", kind == RTM_DELROUTE,
                             U32.unpack_from(oif)[0] if oif and len(oif) >= 4 else 0,
-                            proto=rtm[5])
+                            proto=rtm[5], link_local=link_local)
     return None
 
 
