@@ -292,7 +292,9 @@ def _docker(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
         if "subnet" in raw and auto is None else None
     subnet6 = _net6(doc, (*path, "subnet6"), raw["subnet6"]) \
         if "subnet6" in raw and auto6 is None else None
-    ipv6 = raw.get("ipv6")
+    # the compiled schema check fills in defaults (ipv6: false): only an ipv6 the file
+    # itself spells out can contradict subnet6
+    ipv6 = raw.get("ipv6") if (*path, "ipv6") in doc.keys else None
     if "subnet6" in raw and ipv6 is False:
         raise doc.error((*path, "ipv6"), f"{format_path((*path, 'ipv6'))}: is false but subnet6 "
                                          "is given")
