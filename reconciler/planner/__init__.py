@@ -71,6 +71,8 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         raise PlanError("\n".join(resolution.fatal))
     desired = resolution.desired
     found = addrspace.check(desired, live, prune=opts.prune, picked=resolution.picked)
+    if found.fatal:
+        raise PlanError("\n".join(found.fatal))
     ctx = PlanContext(desired, live, opts, overlaps=found.conflicts, picked=resolution.picked,
                       warnings=list(found.warnings))
     changes: list[Change] = []

@@ -384,15 +384,15 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
     requests = _requests(desired)
     if not requests:
         return Resolution(desired)
-    declared = _Taken()  # what a kept prefix must not overlap: the files' own
+    declared = _Taken()  # what a kept prefix must not overlap: the files' fixed prefixes
     for _address, _field, net in _fixed(desired):
         declared.add(_span(net))
-    for ip in _host_ips(desired):
-        declared.add((ip.version, int(ip), int(ip)))
     taken = _Taken()  # what a new pick must not overlap: all of it
     for version in (4, 6):
         for lo, hi in declared.spans[version]:
             taken.add((version, lo, hi))
+    for ip in _host_ips(desired):  # a kept prefix holding one is refused by check()
+        taken.add((ip.version, int(ip), int(ip)))
     for occ in occupants(desired, live, prune=prune):
         taken.add(_span(occ.net))
     for pr in unassigned_pools(live):
@@ -487,6 +487,8 @@ class Findings:
     #: "subnet/NAME" or "docker_network/NAME" -> the conflict's reason
     conflicts: dict[str, str] = dataclasses.field(default_factory=dict)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: what makes the plan unusable: a host_ip inside a subnet picked for ``auto``
+    fatal: list[str] = dataclasses.field(default_factory=list)
 
 
 def _declared(desired: DesiredState) -> Iterator[tuple[str, str, str, Net, bool]]:
@@ -539,7 +541,27 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     for address, parts in reasons.items():
         found.conflicts[address] = "; ".join(parts)
     found.warnings += host_ip_warnings(desired, live)
+    found.fatal += _host_ips_inside(desired, picked)
     return found
+
+
+def _host_ips_inside(desired: DesiredState, picked: dict[str, dict[str, str]]) -> list[str]:
+    """A host_ip inside an ``auto`` subnet's (kept) prefix: validate could not tell."""
+    out = []
+    for aid in sorted(desired.allocs):
+        a = desired.allocs[aid]
+        for i, p in enumerate(a.ports):
+            if p.host_ip is None:
+                continue
+            for name in sorted(desired.subnets):
+                s = desired.subnets[name]
+                for field, net in (("cidr", s.cidr), ("cidr6", s.cidr6)):
+                    if net is not None and field in picked.get(f"subnet/{name}", {}) and \
+                            p.host_ip in net:
+                        out.append(f"alloc {aid!r} ({a.source}) ports[{i}]: host_ip {p.host_ip} "
+                                   f"is inside subnet {name!r} ({field} {net}, auto): a port "
+                                   "map publishes an address of the host")
+    return out
 
 
 def local_addresses(live: LiveState) -> tuple[set[IPAddr], list[Net]]:
