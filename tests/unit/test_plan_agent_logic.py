@@ -265,6 +265,33 @@ def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
     assert view.plan(D, "k", OPTS)[1] == "refreshed" and obs.observed == 1
 
 
+def test_host_route_events_reread_the_routes_and_replan_only_when_they_matter(
+        parts: Any) -> None:
+    """Plans depend on host routes over declared prefixes (planner.addrspace): a route
+    datagram re-reads the routes; one far from every declared prefix keeps the plan."""
+    import ipaddress
+
+    from reconciler.domain.live import LiveRoute
+    from reconciler.domain.model import Bridge, BridgeName, Subnet
+
+    view, obs, sentinels, _names = parts
+    net = ipaddress.IPv4Network("10.1.0.0/24")
+    d = DesiredState(bridges={BridgeName("b"): Bridge(BridgeName("b"))},
+                     subnets={SubnetName("s"): Subnet(SubnetName("s"), BridgeName("b"), net)})
+    view.plan(d, "k", OPTS)
+    obs.routes = (LiveRoute("10.200.0.0/16", None, False, oif=7),)
+    sentinels[0].units = {"routes"}
+    assert view.plan(d, "k", OPTS)[1] == "cached" and obs.route_reads == 1
+    assert view.live.routes == obs.routes  # kept up to date all the same
+    obs.routes = (LiveRoute("10.1.0.0/25", None, False, oif=7),)  # over the declared subnet
+    sentinels[0].units = {"routes"}
+    assert view.plan(d, "k", OPTS)[1] == "refreshed" and obs.route_reads == 2
+    sentinels[0].units = {"links"}  # links re-read routes too: a link down drops its routes
+    obs.routes = ()
+    assert view.plan(d, "k", OPTS)[1] == "refreshed" and obs.route_reads == 3
+    assert obs.observed == 1
+
+
 def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
     view, obs, sentinels, names = parts
     names += ["alloc1", "alloc2", "theirs", "alias-of-2"]
@@ -416,6 +443,50 @@ def test_other_tools_links_never_change_a_plan(seed: int) -> None:
     for opts in (PlanOptions(), PlanOptions(prune=False)):
         quiet_plan = make_plan(desired, live, opts).to_json()
         assert make_plan(desired, noisy, opts).to_json() == quiet_plan
+
+
+def test_foreign_addresses_and_routes_change_a_plan_only_through_addrspace_relevant() -> None:
+    """What the plan agent relies on for the address space: random foreign addresses and
+    routes, some over the declared subnet (10.0.0.0/24) or near it; whenever
+    ``addrspace.relevant`` is the same with them as without, so is the plan."""
+    import ipaddress
+    import random
+
+    from reconciler.domain.live import LiveAddress, LiveRoute
+    from reconciler.planner import addrspace, make_plan
+    from tests.unit.fakehost import FakeHost
+    from tests.unit.test_allocs_planner import alloc, converge, port, state
+
+    host = FakeHost()
+    desired = state(*(alloc(f"a{i}", port(8000 + i, 80, host_ip="127.0.0.1"))
+                      for i in range(3)))
+    converge(host, desired)
+    live = host.observe(desired)
+    quiet_plan = make_plan(desired, live).to_json()
+    same = differ = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+
+        def prefix(rng: random.Random = rng) -> str:
+            base = rng.choice(["10.0.0.", "10.0.1.", "10.9.0.", "192.0.2.", "127.0.0."])
+            return f"{base}{rng.randrange(0, 256, 16)}/{rng.choice([28, 30, 32])}"
+
+        links = {}
+        for i in range(rng.randint(1, 4)):
+            addrs = tuple(LiveAddress(ipaddress.ip_interface(prefix()), False)
+                          for _ in range(rng.randint(0, 2)))
+            links[f"fx{i}"] = LiveLink(f"fx{i}", 900 + i, "veth", 1500, True, False,
+                                       addresses=addrs)
+        routes = tuple(LiveRoute(str(ipaddress.ip_interface(prefix()).network), None, False,
+                                 oif=rng.choice([0, 900, 5])) for _ in range(rng.randint(0, 3)))
+        noisy = dataclasses.replace(live, links={**live.links, **links},
+                                    routes=live.routes + routes)
+        if addrspace.relevant(desired, noisy) == addrspace.relevant(desired, live):
+            same += 1
+            assert make_plan(desired, noisy).to_json() == quiet_plan, seed
+        else:
+            differ += 1
+    assert same > 20 and differ > 20, (same, differ)
 
 
 # ------------------------------------------------------------------ warm-up
