@@ -20,10 +20,12 @@ def links_that_matter(desired: DesiredState, live: LiveState) -> dict[str, LiveL
     The planner reads host links only by the names it manages (declared and
     subnet bridges, the veths of declared and live allocations), sweeps over
     links it owns, and the bare temporary bridges of interrupted creations with
-    their ports. Other tools' links (every container's veth) are not read: the
-    plan agent uses this to keep a plan when only those come and go. A planner
-    change that reads other links must widen this (tests/unit compares plans
-    with and without random foreign links).
+    their ports. Other tools' links (every container's veth) are not read here:
+    the plan agent uses this to keep a plan when only those come and go. Their
+    addresses (and the host's routes) matter only through the address space,
+    which ``addrspace.relevant`` covers. A planner change that reads other links
+    must widen one of them (tests/unit compares plans with and without random
+    foreign links, addresses and routes).
     """
     names: set[str] = {*desired.bridges, *(s.bridge for s in desired.subnets.values())}
     names |= {alloc_veth_name(a) for a in desired.allocs}

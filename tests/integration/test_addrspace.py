@@ -311,3 +311,25 @@ def test_the_agent_reports_a_foreign_overlap_within_a_second(host_ns: Netns, tmp
     finally:
         assert agent.stop() == 0
 
+
+
+def test_the_address_space_example_applies_and_converges(host_ns: Netns, tmp_path):
+    import yaml
+
+    from tests.conftest import EXAMPLES
+
+    with open(os.path.join(EXAMPLES, "address-space.yaml")) as fh:
+        doc = yaml.safe_load(fh)
+    ids = [unique("a") for _ in doc["allocs"]]  # namespaces are global
+    for a, new in zip(doc["allocs"], ids, strict=True):
+        a["id"] = new
+    path = write(tmp_path, "address-space.yaml", yaml.safe_dump(doc, sort_keys=False))
+    try:
+        assert host_ns.reconcile("apply", path).rc == 0
+        assert host_ns.addrs("apps0") == ["10.240.0.1/24", "fd00:240::1/64"]
+        again = host_ns.reconcile("plan", path)
+        assert again.rc == 0 and "No changes" in again.out, again.all
+        assert host_ns.reconcile("destroy").rc == 0
+    finally:
+        for i in ids:
+            sh("ip", "netns", "del", i, check=False)
