@@ -540,6 +540,11 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
                 break
     for address, parts in reasons.items():
         found.conflicts[address] = "; ".join(parts)
+    space = live.docker_space
+    if space is not None and not space.available and desired.subnets:
+        why = (space.error or "unavailable").removeprefix("docker: ")
+        found.warnings.append(f"docker: {why} — subnets not checked against Docker's networks "
+                              "(its default pools still are)")
     found.warnings += host_ip_warnings(desired, live)
     found.fatal += _host_ips_inside(desired, picked)
     return found
@@ -597,10 +602,11 @@ def host_ip_warnings(desired: DesiredState, live: LiveState) -> list[str]:
 def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> object:
     """What of the host :func:`resolve` and :func:`check` can depend on, as a comparable value.
 
-    The occupants overlapping a declared fixed prefix or an ``auto`` pool, and which
-    declared host_ips are local; two live states that agree on it give the same
-    resolution, conflicts and warnings (the rest of the plan depends on links, rules
-    and namespaces only, see ``links_that_matter``).
+    The occupants and unassigned Docker pool ranges overlapping a declared fixed
+    prefix or an ``auto`` pool, whether Docker answered, and which declared host_ips
+    are local; two live states that agree on it give the same resolution, conflicts
+    and warnings (the rest of the plan depends on links, rules, namespaces and the
+    inspected Docker networks, see ``links_that_matter``).
     """
     wanted: list[Span] = [_span(net) for _a, _f, net in _fixed(desired)]
     wanted += [_span(auto.pool) for _a, _n, _f, auto in _requests(desired)]
@@ -608,10 +614,14 @@ def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> o
         return ()
     occ = sorted({(o.what, str(o.net), o.docker) for o in occupants(desired, live, prune=prune)
                   if any(_overlap(_span(o.net), w) for w in wanted)})
+    pools = sorted((str(pr.pool), pr.size, pr.first, pr.last) for pr in unassigned_pools(live)
+                   if any(_overlap((pr.version, pr.first, pr.last), w) for w in wanted))
+    space = live.docker_space
+    docker = None if space is None else (space.available, space.error)
     exact, loopback = local_addresses(live)
     local = sorted(str(ip) for ip in _host_ips(desired)
                    if ip in exact or any(ip in n for n in loopback))
-    return (tuple(occ), tuple(local))
+    return (tuple(occ), tuple(pools), docker, tuple(local))
 
 
 @dataclass(frozen=True, order=True)

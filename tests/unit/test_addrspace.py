@@ -289,8 +289,8 @@ def test_unassigned_docker_pools_warn_handed_out_ones_do_not():
         "where dockerd runs"]
     assert addrspace.check(d, live()).warnings == []  # no Docker on this host: no pools
     down = DockerAddressSpace(False, pools=(("10.0.0.0/8", 24),), error="down")
-    warned = addrspace.check(d, live(space=down)).warnings
-    assert len(warned) == 1 and "'outside'" in warned[0]  # daemon.json pools, networks unknown
+    warned = addrspace.check(d, live(space=down)).warnings  # daemon.json pools, networks unknown
+    assert len(warned) == 2 and "'outside'" in warned[0] and warned[1].startswith("docker: down")
 
 
 def test_daemon_json_pools(tmp_path):
@@ -657,3 +657,51 @@ def test_auto_picks_overlap_nothing_over_random_host_states(request: pytest.Fixt
                     f"overlaps ({stats['picked']} new picks, {stats['kept']} kept, "
                     f"{stats['exhausted']} states with an exhausted pool)")
     assert stats["overlaps"] == 0 and stats["picked"] > stats["states"] // 2
+
+
+def test_the_probe_lists_every_network_or_says_why_not(tmp_path, monkeypatch):
+    """One raw GET /networks on a unix socket: a fake daemon here, no SDK."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "docker.sock")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    assert probe.list_networks() is None  # no socket: no Docker on this host
+    assert probe.owned_scopes() == set()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    answers = [b"", json.dumps([{"Name": "bridge", "Id": "a" * 64, "IPAM": {"Config": [
+        {"Subnet": "172.17.0.0/16"}]}, "Options": {"com.docker.network.bridge.name": "docker0"}},
+        {"Name": "ours", "Id": "b" * 64, "Labels": {DOCKER_LABEL: DOCKER_LABEL_VALUE,
+                                                    "io.reconciler.scope": "host"}}]).encode()]
+
+    def serve() -> None:
+        for body in answers:
+            conn, _ = server.accept()
+            conn.recv(65536)
+            if body:  # the first one hangs up without an answer: a daemon going away
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        down = probe.list_networks()
+        assert down is not None and not down.answered and "unreachable" in (down.error or "")
+        space = probe.address_space(down)
+        assert space is not None and not space.available
+        d = desired(sub("s", "b", "10.1.0.0/24"))
+        found = addrspace.check(d, live(space=space))
+        assert found.conflicts == {} and any("subnets not checked against Docker's networks"
+                                             in w for w in found.warnings), found.warnings
+        up = probe.list_networks()
+        assert up is not None and up.answered and len(up.networks) == 2
+        assert probe.owned_scopes(up) == {"host"}
+        space = probe.address_space(up)
+        assert space is not None and [(u.name, u.bridge, u.owned) for u in space.networks] == [
+            ("bridge", "docker0", False), ("ours", "br-bbbbbbbbbbbb", True)]
+    finally:
+        t.join(5)
+        server.close()

@@ -160,6 +160,7 @@ class FakeObserver:
         self.alloc_reads = 0
         self.routes: tuple[Any, ...] = ()
         self.route_reads = 0
+        self.docker_space: Any = None
 
     def observe(self, desired: DesiredState) -> LiveState:
         self.observed += 1
@@ -182,7 +183,7 @@ class FakeObserver:
         return None
 
     def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
-        return {"docker": None, "docker_space": None}
+        return {"docker": None, "docker_space": self.docker_space}
 
     def observe_routes(self, desired: DesiredState) -> Any:
         self.route_reads += 1
@@ -289,6 +290,37 @@ def test_host_route_events_reread_the_routes_and_replan_only_when_they_matter(
     sentinels[0].units = {"links"}  # links re-read routes too: a link down drops its routes
     obs.routes = ()
     assert view.plan(d, "k", OPTS)[1] == "refreshed" and obs.route_reads == 3
+    assert obs.observed == 1
+
+
+def test_other_docker_networks_keep_the_plan_unless_they_meet_a_declared_prefix() -> None:
+    """Docker is read on every request; networks far from every declared prefix (other
+    tools' containers' networks come and go) leave the plan standing."""
+    import ipaddress
+
+    from reconciler.domain.live import DockerAddressSpace, DockerNetworkUse
+    from reconciler.domain.model import Bridge, BridgeName, Subnet
+
+    obs = FakeObserver()
+    view = LiveView(obs, [FakeSentinel("a")], firewall_volatile=False,  # type: ignore[arg-type]
+                    docker_volatile=True, list_names=list, planner=fake_plan)
+    d = DesiredState(bridges={BridgeName("b"): Bridge(BridgeName("b"))},
+                     subnets={SubnetName("s"): Subnet(SubnetName("s"), BridgeName("b"),
+                                                      ipaddress.IPv4Network("10.1.0.0/24"))})
+    obs.docker_space = DockerAddressSpace(True, (), (("10.9.0.0/16", 24),))
+    obs.live = dataclasses.replace(obs.live, docker_space=obs.docker_space)
+    view.plan(d, "k", OPTS)
+
+    def net(name: str, subnet: str) -> DockerNetworkUse:
+        return DockerNetworkUse(name, name * 8, (subnet,), f"br-{name}")
+
+    obs.docker_space = DockerAddressSpace(True, (net("far", "10.9.3.0/24"),),
+                                          (("10.9.0.0/16", 24),))
+    assert view.plan(d, "k", OPTS)[1] == "cached"
+    obs.docker_space = DockerAddressSpace(True, (net("far", "10.9.3.0/24"),
+                                                 net("near", "10.1.0.0/16")),
+                                          (("10.9.0.0/16", 24),))
+    assert view.plan(d, "k", OPTS)[1] == "refreshed"
     assert obs.observed == 1
 
 

@@ -215,11 +215,12 @@ class LiveView:
                 changed = {k for k, v in fresh.items() if getattr(live, k) != v}
                 if changed:
                     new = dataclasses.replace(live, **fresh)
-                    if not changed <= {"links", "routes"} or (
+                    if not changed <= {"links", "routes", "docker_space"} or (
                             links_that_matter(desired, new) != links_that_matter(desired, live)
                             or addrspace.relevant(desired, new, prune=options.prune)
                             != addrspace.relevant(desired, live, prune=options.prune)):
-                        self.plans = {}  # else: only other tools' links and routes moved
+                        self.plans = {}  # else: only other tools' links, routes and
+                        # Docker networks moved, none of them near a declared prefix
                     self.live = new
                 how = "refreshed" if not self.plans else "cached"
         if how == "observed":
