@@ -171,6 +171,37 @@ def _route_occupant(r: LiveRoute, by_index: dict[int, LiveLink],
     return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}")
 
 
+class _Index:
+    """Occupants by prefix, to find those overlapping a prefix without a scan of them all:
+    an overlap is either inside the prefix (a range of sorted starts) or one of its at
+    most 128 supernets."""
+
+    def __init__(self, items: Iterable[Occupant]) -> None:
+        self._order: dict[int, list[tuple[int, int, int, Occupant]]] = {4: [], 6: []}
+        self._exact: dict[tuple[int, int, int], list[tuple[int, Occupant]]] = {}
+        for i, o in enumerate(items):
+            key = (o.net.version, int(o.net.network_address), o.net.prefixlen)
+            self._order[o.net.version].append((key[1], o.net.prefixlen, i, o))
+            self._exact.setdefault(key, []).append((i, o))
+        for entries in self._order.values():
+            entries.sort(key=lambda e: (e[0], e[1], e[2]))
+        self._starts = {v: [e[0] for e in entries] for v, entries in self._order.items()}
+
+    def overlapping(self, net: Net) -> list[Occupant]:
+        """Occupants overlapping ``net``, in the order they were given."""
+        version, first, last = _span(net)
+        found: dict[int, Occupant] = {}
+        starts = self._starts[version]
+        entries = self._order[version]
+        for e in entries[bisect.bisect_left(starts, first):bisect.bisect_right(starts, last)]:
+            found[e[2]] = e[3]
+        for length in range(net.prefixlen):
+            sup = net.supernet(new_prefix=length)
+            for i, o in self._exact.get((version, int(sup.network_address), length), ()):
+                found[i] = o
+        return [found[i] for i in sorted(found)]
+
+
 # ------------------------------------------------------------------ Docker's pools
 
 
@@ -244,23 +275,29 @@ def unassigned_pools(live: LiveState) -> list[PoolRange]:
 
 
 class _Taken:
-    """Spans taken so far, per family, kept merged and sorted for the first-free search."""
+    """Spans taken so far, per family, merged and sorted (lazily) for the first-free search."""
 
     def __init__(self) -> None:
-        self.spans: dict[int, list[tuple[int, int]]] = {4: [], 6: []}
+        self._spans: dict[int, list[tuple[int, int]]] = {4: [], 6: []}
+        self._sorted = {4: True, 6: True}
 
     def add(self, span: Span) -> None:
-        version, first, last = span
-        merged: list[tuple[int, int]] = []
-        for lo, hi in sorted([*self.spans[version], (first, last)]):
-            if merged and lo <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        self.spans[version] = merged
+        self._spans[span[0]].append((span[1], span[2]))
+        self._sorted[span[0]] = False
+
+    def merged(self, version: int) -> list[tuple[int, int]]:
+        if not self._sorted[version]:
+            out: list[tuple[int, int]] = []
+            for lo, hi in sorted(self._spans[version]):
+                if out and lo <= out[-1][1] + 1:
+                    out[-1] = (out[-1][0], max(out[-1][1], hi))
+                else:
+                    out.append((lo, hi))
+            self._spans[version], self._sorted[version] = out, True
+        return self._spans[version]
 
     def hits(self, span: Span) -> bool:
-        spans = self.spans[span[0]]
+        spans = self.merged(span[0])
         i = bisect.bisect_right(spans, (span[2], 1 << 129)) - 1
         return i >= 0 and spans[i][1] >= span[1]
 
@@ -269,7 +306,7 @@ class _Taken:
         pool = auto.pool
         block = 1 << (pool.max_prefixlen - auto.size)
         base, end = int(pool.network_address), int(pool.broadcast_address)
-        spans = self.spans[pool.version]
+        spans = self.merged(pool.version)
         start = base
         while start + block - 1 <= end:
             last = start + block - 1
@@ -349,8 +386,7 @@ def _requests(desired: DesiredState) -> list[tuple[str, str, str, AutoPrefix]]:
     return out
 
 
-def _live_evidence(desired: DesiredState, live: LiveState, address: str, name: str,
-                   auto: AutoPrefix) -> list[Net]:
+def _live_evidence(live: LiveState, address: str, name: str, auto: AutoPrefix) -> list[Net]:
     """Prefixes the live state names for this resource: its rules, or its Docker network."""
     version = auto.pool.version
     if address.startswith("subnet/"):
@@ -389,7 +425,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         declared.add(_span(net))
     taken = _Taken()  # what a new pick must not overlap: all of it
     for version in (4, 6):
-        for lo, hi in declared.spans[version]:
+        for lo, hi in declared.merged(version):
             taken.add((version, lo, hi))
     for ip in _host_ips(desired):  # a kept prefix holding one is refused by check()
         taken.add((ip.version, int(ip), int(ip)))
@@ -414,7 +450,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
     # pass 1: keep what is live -- first what names the resource (its rules, its Docker
     # network), then, for subnets, a gateway address on its bridge (rules flushed)
     for address, name, field, auto in requests:
-        keep((address, field), auto, _live_evidence(desired, live, address, name, auto))
+        keep((address, field), auto, _live_evidence(live, address, name, auto))
     for address, name, field, auto in requests:
         if (address, field) in chosen or not address.startswith("subnet/"):
             continue
@@ -515,13 +551,12 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     """Conflicts and warnings of the declared (resolved) prefixes and host_ips."""
     picked = picked or {}
     found = Findings()
-    occ = occupants(desired, live, prune=prune)
+    occ = _Index(occupants(desired, live, prune=prune))
     pools = unassigned_pools(live)
     reasons: dict[str, list[str]] = {}
     for address, name, field, net, is_docker in _declared(desired):
         span = _span(net)
-        hits = [o.what for o in occ if _overlap(span, _span(o.net))
-                and not (is_docker and o.docker == name)]
+        hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
         auto = " (auto)" if field in picked.get(address, {}) else ""
         if hits:
             reasons.setdefault(address, []).append(
@@ -608,12 +643,13 @@ def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> o
     and warnings (the rest of the plan depends on links, rules, namespaces and the
     inspected Docker networks, see ``links_that_matter``).
     """
-    wanted: list[Span] = [_span(net) for _a, _f, net in _fixed(desired)]
-    wanted += [_span(auto.pool) for _a, _n, _f, auto in _requests(desired)]
-    if not wanted and not any(True for _ in _host_ips(desired)):
+    nets = [net for _a, _f, net in _fixed(desired)]
+    nets += [auto.pool for _a, _n, _f, auto in _requests(desired)]
+    if not nets and not any(True for _ in _host_ips(desired)):
         return ()
-    occ = sorted({(o.what, str(o.net), o.docker) for o in occupants(desired, live, prune=prune)
-                  if any(_overlap(_span(o.net), w) for w in wanted)})
+    wanted = [_span(net) for net in nets]
+    index = _Index(occupants(desired, live, prune=prune))
+    occ = sorted({(o.what, str(o.net), o.docker) for net in nets for o in index.overlapping(net)})
     pools = sorted((str(pr.pool), pr.size, pr.first, pr.last) for pr in unassigned_pools(live)
                    if any(_overlap((pr.version, pr.first, pr.last), w) for w in wanted))
     space = live.docker_space
