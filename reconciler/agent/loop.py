@@ -50,8 +50,8 @@ from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
 from reconciler.engine.reconcile import Reconciler
-from reconciler.planner.addrspace import LiveOverlap, owned_docker_prefixes
 from reconciler.planner.context import PlanOptions
+from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
 from reconciler.ui.render import residual_error
 
 log = logging.getLogger("reconciler.watch")

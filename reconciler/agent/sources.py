@@ -34,7 +34,7 @@ from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.nsfs import NETNS_RUN_DIR
 from reconciler.drivers.nswatch import IN_CREATE, IN_MOVED_TO, IN_NAMES, RunDirWatch
-from reconciler.planner.addrspace import LiveOverlap, live_overlaps, owned_prefixes
+from reconciler.planner.hostspace import LiveOverlap, live_overlaps, owned_prefixes
 
 
 def relevant_path(path: str, named: Sequence[str]) -> bool:
@@ -288,7 +288,7 @@ class OverlapAlarm:
     links and routes again (two dumps, not a pass), compares the owned prefixes
     -- owned addresses on our bridges, and the subnets of owned Docker networks
     the last pass saw -- with everything foreign
-    (``planner.addrspace.live_overlaps``) and calls ``report`` with the current
+    (``planner.hostspace.live_overlaps``) and calls ``report`` with the current
     overlaps whenever they differ from the last report. It never touches
     anything: the foreign object is someone else's, and a plan shows the
     conflict. Checks are at least ``gap`` seconds apart.

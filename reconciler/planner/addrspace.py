@@ -1,9 +1,8 @@
-"""One address space (pure): declared prefixes against the host's, and ``auto`` picks.
+"""One address space (pure): declared prefixes checked against the host's, ``auto`` picks.
 
-Subnets, Docker networks and the host share one address space: the addresses
-and routes of links the reconciler does not own (a VPN's, the LAN's), every
-live Docker network (global to the daemon, whichever namespace we act on),
-and the parts of Docker's default address pools it has not handed out yet.
+Subnets, Docker networks and the host share one address space; what the host
+holds in it (foreign addresses and routes, Docker's networks and unassigned
+pools) is ``planner.hostspace``.
 
 * :func:`resolve` picks ``cidr: auto`` / ``subnet: auto`` prefixes, before
   anything else is planned (allocation addresses and gateways depend on them).
@@ -18,9 +17,8 @@ and the parts of Docker's default address pools it has not handed out yet.
   an owned subnet's own gateway and connected route, which are on our own
   bridge), or a warning when it is only an unassigned range of Docker's pools;
   and warns about a ``host_ip`` that is not on the host right now.
-* :func:`relevant` is what of the host these depend on (the plan agent keeps a
-  plan while it stays the same), :func:`live_overlaps` what the agent's alarm
-  compares between owned prefixes and foreign ones.
+* :func:`relevant` is what of the host these depend on: the plan agent keeps a
+  plan while it stays the same.
 """
 
 from __future__ import annotations
@@ -28,247 +26,28 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import ipaddress
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from reconciler.domain.docker import (
-    DEFAULT_ADDRESS_POOLS,
-    SCOPE_LABEL,
-    bridge_of,
-    sort_duplicates,
-)
-from reconciler.domain.live import LiveLink, LiveRoute, LiveState
+from reconciler.domain.docker import sort_duplicates
+from reconciler.domain.live import LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
 from reconciler.planner import firewall
-
-Net = ipaddress.IPv4Network | ipaddress.IPv6Network
-IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
-#: an inclusive range of addresses of one family: (version, first, last)
-Span = tuple[int, int, int]
+from reconciler.planner.hostspace import (
+    IPAddr,
+    Net,
+    PrefixIndex,
+    Span,
+    local_addresses,
+    occupants,
+    overlaps,
+    parse_prefix,
+    span_of,
+    unassigned_pools,
+)
 
 #: how many occupants a conflict names before "and N more"
 NAMED = 3
-
-
-@dataclass(frozen=True)
-class Occupant:
-    """Something on the host holding a prefix that a declared one must not overlap."""
-
-    net: Net
-    what: str  # "route 10.8.0.0/16 via 192.0.2.7 on eth0", "docker network kind (…)"
-    docker: str | None = None  # the Docker network's name, for its own declaration
-
-
-def _span(net: Net) -> Span:
-    return (net.version, int(net.network_address), int(net.broadcast_address))
-
-
-def _overlap(a: Span, b: Span) -> bool:
-    return a[0] == b[0] and a[1] <= b[2] and b[1] <= a[2]
-
-
-def _net(text: str) -> Net | None:
-    try:
-        return ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        return None
-
-
-def _unroutable(net: Net) -> bool:
-    """Routes every host has that no declared prefix can mean: multicast, IPv6 link-local."""
-    return net.is_multicast or (net.version == 6 and net.is_link_local)
-
-
-# ------------------------------------------------------------------ occupants
-
-
-def _our_links(desired: DesiredState, live: LiveState) -> set[int]:
-    """Links whose addresses and routes are ours: owned, or a declared bridge (a foreign
-    bridge of that name is a conflict of its own, an adopted one becomes ours)."""
-    return {lk.index for lk in live.links.values() if lk.owned or lk.name in desired.bridges}
-
-
-def _docker_bridges(live: LiveState) -> set[str]:
-    """Linux bridges of live Docker networks: their addresses are the networks themselves."""
-    space = live.docker_space
-    if space is None or not space.available:
-        return set()
-    return {n.bridge for n in space.networks}
-
-
-def _pruned_docker(desired: DesiredState, live: LiveState, prune: bool) -> set[str]:
-    """Ids of owned Docker networks this plan removes (no file declares them, no containers)."""
-    docker = live.docker
-    if not prune or docker is None or not docker.available:
-        return set()
-    return {n.id for n in docker.networks
-            if n.owned and n.name not in desired.docker_networks and not n.containers
-            and n.labels.get(SCOPE_LABEL) == docker.scope}
-
-
-def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
-              not_foreign: Iterable[str] = ()) -> list[Occupant]:
-    """What on the host holds address space a declared prefix must not overlap.
-
-    Addresses of foreign links (a link's connected route is its address), other
-    routes of the main table through foreign links or through none (blackhole,
-    unreachable), and every Docker network the daemon lists -- except those this
-    plan prunes. Default routes, multicast and IPv6 link-local routes are left out.
-    Links named in ``not_foreign`` count as ours.
-    """
-    ours = _our_links(desired, live)
-    docker_bridges = _docker_bridges(live) | set(not_foreign)
-    by_index = {lk.index: lk for lk in live.links.values()}
-    out: list[Occupant] = []
-    connected: set[tuple[int, Net]] = set()
-
-    def foreign(lk: LiveLink) -> bool:
-        return lk.index not in ours and lk.name not in docker_bridges
-
-    for lk in sorted(live.links.values(), key=lambda x: x.name):
-        if not foreign(lk):
-            continue
-        for a in lk.addresses:
-            if a.owned:
-                continue
-            connected.add((lk.index, a.address.network))
-            out.append(Occupant(a.address.network, f"address {a.address} on {lk.name}"))
-    for r in live.routes:
-        occ = _route_occupant(r, by_index, connected, foreign)
-        if occ is not None:
-            out.append(occ)
-    space = live.docker_space
-    if space is not None and space.available:
-        pruned = _pruned_docker(desired, live, prune)
-        for n in sorted(space.networks, key=lambda x: (x.name, x.id)):
-            if n.id in pruned:
-                continue
-            for text in n.subnets:
-                net = _net(text)
-                if net is not None:
-                    out.append(Occupant(net, f"docker network {n.name} ({net} on {n.bridge})",
-                                        docker=n.name))
-    return out
-
-
-def _route_occupant(r: LiveRoute, by_index: dict[int, LiveLink],
-                    connected: set[tuple[int, Net]],
-                    foreign: Callable[[LiveLink], bool]) -> Occupant | None:
-    if r.owned or r.dst == "default":
-        return None
-    net = _net(r.dst)
-    if net is None or net.prefixlen == 0 or _unroutable(net):
-        return None
-    if not r.oif:
-        kind = "" if r.type == "unicast" else f"{r.type} "
-        return Occupant(net, f"{kind}route {net}")
-    lk = by_index.get(r.oif)
-    if lk is not None and not foreign(lk):
-        return None
-    if (r.oif, net) in connected:
-        return None  # the connected route of an address already named
-    via = f" via {r.gateway}" if r.gateway else ""
-    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}")
-
-
-class _Index:
-    """Occupants by prefix, to find those overlapping a prefix without a scan of them all:
-    an overlap is either inside the prefix (a range of sorted starts) or one of its at
-    most 128 supernets."""
-
-    def __init__(self, items: Iterable[Occupant]) -> None:
-        self._order: dict[int, list[tuple[int, int, int, Occupant]]] = {4: [], 6: []}
-        self._exact: dict[tuple[int, int, int], list[tuple[int, Occupant]]] = {}
-        for i, o in enumerate(items):
-            key = (o.net.version, int(o.net.network_address), o.net.prefixlen)
-            self._order[o.net.version].append((key[1], o.net.prefixlen, i, o))
-            self._exact.setdefault(key, []).append((i, o))
-        for entries in self._order.values():
-            entries.sort(key=lambda e: (e[0], e[1], e[2]))
-        self._starts = {v: [e[0] for e in entries] for v, entries in self._order.items()}
-
-    def overlapping(self, net: Net) -> list[Occupant]:
-        """Occupants overlapping ``net``, in the order they were given."""
-        version, first, last = _span(net)
-        found: dict[int, Occupant] = {}
-        starts = self._starts[version]
-        entries = self._order[version]
-        for e in entries[bisect.bisect_left(starts, first):bisect.bisect_right(starts, last)]:
-            found[e[2]] = e[3]
-        for length in range(net.prefixlen):
-            sup = net.supernet(new_prefix=length)
-            for i, o in self._exact.get((version, int(sup.network_address), length), ()):
-                found[i] = o
-        return [found[i] for i in sorted(found)]
-
-
-# ------------------------------------------------------------------ Docker's pools
-
-
-@dataclass(frozen=True)
-class PoolRange:
-    """A range of one of Docker's default address pools that Docker has not handed out."""
-
-    pool: Net
-    size: int
-    first: int
-    last: int
-
-    @property
-    def version(self) -> int:
-        return self.pool.version
-
-    def chunk_at(self, address: int) -> Net:
-        """The /size Docker would hand out that holds ``address``."""
-        block = 1 << (self.pool.max_prefixlen - self.size)
-        start = int(self.pool.network_address)
-        first = start + (address - start) // block * block
-        return ipaddress.ip_network((first, self.size))
-
-
-def _subtract(first: int, last: int, holes: Iterable[tuple[int, int]]) -> Iterator[
-        tuple[int, int]]:
-    cursor = first
-    for lo, hi in sorted(holes):
-        if hi < cursor:
-            continue
-        if lo > last:
-            break
-        if lo > cursor:
-            yield cursor, lo - 1
-        cursor = max(cursor, hi + 1)
-    if cursor <= last:
-        yield cursor, last
-
-
-def unassigned_pools(live: LiveState) -> list[PoolRange]:
-    """Docker's default pools less every chunk that overlaps a live Docker network.
-
-    Docker never hands out a chunk that overlaps a network; with the daemon down its
-    networks are unknown, so the pools count whole. Empty without Docker on the host.
-    """
-    space = live.docker_space
-    if space is None:
-        return []
-    nets = [n for d in space.networks for s in d.subnets if (n := _net(s)) is not None] \
-        if space.available else []
-    out: list[PoolRange] = []
-    for base_text, size in space.pools or DEFAULT_ADDRESS_POOLS:
-        base = _net(base_text)
-        if base is None or not base.prefixlen <= size <= base.max_prefixlen:
-            continue
-        b_first, b_last = int(base.network_address), int(base.broadcast_address)
-        block = 1 << (base.max_prefixlen - size)
-        holes = []
-        for n in nets:
-            if n.version != base.version or not n.overlaps(base):
-                continue
-            lo = max(int(n.network_address), b_first)
-            hi = min(int(n.broadcast_address), b_last)
-            holes.append((b_first + (lo - b_first) // block * block,
-                          b_first + (hi - b_first) // block * block + block - 1))
-        out += [PoolRange(base, size, lo, hi) for lo, hi in _subtract(b_first, b_last, holes)]
-    return out
 
 
 # ------------------------------------------------------------------ auto picks
@@ -340,9 +119,19 @@ def _rule_prefixes(live: LiveState, subnet: str, family: int) -> list[Net]:
     for _chain, rule in firewall.live_by_owner(live_rules).get(f"subnet={subnet}", ()):
         toks = rule.split()
         if "-d" in toks and "-o" in toks and "!" not in toks:
-            net = _net(toks[toks.index("-d") + 1])
+            net = parse_prefix(toks[toks.index("-d") + 1])
             if net is not None and net not in out:
                 out.append(net)
+    return out
+
+
+def _named_by_other_rules(live: LiveState, subnet: str, version: int) -> set[Net]:
+    """Prefixes the live rules of every other subnet (declared or not) name."""
+    out: set[Net] = set()
+    for owner in firewall.live_by_owner(live.firewall4 if version == 4 else live.firewall6):
+        kind, _, name = owner.partition("=")
+        if kind == "subnet" and name != subnet:
+            out.update(_rule_prefixes(live, name, version))
     return out
 
 
@@ -366,7 +155,8 @@ def _live_docker_prefixes(live: LiveState, name: str, version: int) -> list[Net]
     found = sort_duplicates(n for n in live.docker.networks if n.name == name)
     out = []
     for n in found[:1]:
-        out += [net for s in n.subnets if (net := _net(s)) is not None and net.version == version]
+        out += [net for s in n.subnets
+                if (net := parse_prefix(s)) is not None and net.version == version]
     return out
 
 
@@ -422,7 +212,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         return Resolution(desired)
     declared = _Taken()  # what a kept prefix must not overlap: the files' fixed prefixes
     for _address, _field, net in _fixed(desired):
-        declared.add(_span(net))
+        declared.add(span_of(net))
     taken = _Taken()  # what a new pick must not overlap: all of it
     for version in (4, 6):
         for lo, hi in declared.merged(version):
@@ -430,21 +220,21 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
     for ip in _host_ips(desired):  # a kept prefix holding one is refused by check()
         taken.add((ip.version, int(ip), int(ip)))
     for occ in occupants(desired, live, prune=prune):
-        taken.add(_span(occ.net))
+        taken.add(span_of(occ.net))
     for pr in unassigned_pools(live):
         taken.add((pr.version, pr.first, pr.last))
     for lk in live.links.values():  # owned prefixes, also of subnets being pruned (--no-prune)
         for a in lk.addresses:
             if a.owned and lk.owned:
-                taken.add(_span(a.address.network))
+                taken.add(span_of(a.address.network))
     chosen: dict[tuple[str, str], Net] = {}
 
     def keep(key: tuple[str, str], auto: AutoPrefix, candidates: Iterable[Net]) -> None:
         for net in candidates:
-            if _fits(net, auto) and not declared.hits(_span(net)):
+            if _fits(net, auto) and not declared.hits(span_of(net)):
                 chosen[key] = net
-                declared.add(_span(net))
-                taken.add(_span(net))
+                declared.add(span_of(net))
+                taken.add(span_of(net))
                 return
 
     # pass 1: keep what is live -- first what names the resource (its rules, its Docker
@@ -455,7 +245,10 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         if (address, field) in chosen or not address.startswith("subnet/"):
             continue
         bridge = desired.subnets[name].bridge  # type: ignore[index]
-        keep((address, field), auto, _gateway_prefixes(live, bridge, auto.pool.version))
+        version = auto.pool.version
+        others = _named_by_other_rules(live, name, version)  # an undeclared subnet's, say
+        keep((address, field), auto, [n for n in _gateway_prefixes(live, bridge, version)
+                                      if n not in others])
     res = Resolution(desired)
     for address, name, field, auto in requests:  # pass 2: the first free prefix, in order
         key = (address, field)
@@ -473,7 +266,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
                              "declared prefixes take the rest)")
             continue
         chosen[key] = pick
-        taken.add(_span(pick))
+        taken.add(span_of(pick))
     _refuse_collisions(chosen, res)
     if res.fatal:
         return res
@@ -484,9 +277,9 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
 def _refuse_collisions(chosen: dict[tuple[str, str], Net], res: Resolution) -> None:
     """Picks are made against everything taken so far, so they cannot collide; say so if
     they ever do rather than plan two resources on one prefix."""
-    items = sorted(chosen.items(), key=lambda kv: _span(kv[1]))
+    items = sorted(chosen.items(), key=lambda kv: span_of(kv[1]))
     for (k1, n1), (k2, n2) in zip(items, items[1:], strict=False):
-        if _overlap(_span(n1), _span(n2)):
+        if overlaps(span_of(n1), span_of(n2)):
             res.fatal.append(f"{k1[0]} {k1[1]} {n1} and {k2[0]} {k2[1]} {n2} were both picked "
                              "for auto; refusing the plan")
 
@@ -551,11 +344,11 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     """Conflicts and warnings of the declared (resolved) prefixes and host_ips."""
     picked = picked or {}
     found = Findings()
-    occ = _Index(occupants(desired, live, prune=prune))
+    occ = PrefixIndex(occupants(desired, live, prune=prune))
     pools = unassigned_pools(live)
     reasons: dict[str, list[str]] = {}
     for address, name, field, net, is_docker in _declared(desired):
-        span = _span(net)
+        span = span_of(net)
         hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
         auto = " (auto)" if field in picked.get(address, {}) else ""
         if hits:
@@ -604,18 +397,6 @@ def _host_ips_inside(desired: DesiredState, picked: dict[str, dict[str, str]]) -
     return out
 
 
-def local_addresses(live: LiveState) -> tuple[set[IPAddr], list[Net]]:
-    """Addresses of the host: those on its links, and every address of ``lo``'s prefixes."""
-    exact: set[IPAddr] = set()
-    loopback: list[Net] = []
-    for lk in live.links.values():
-        for a in lk.addresses:
-            exact.add(a.address.ip)
-            if lk.name == "lo":
-                loopback.append(a.address.network)
-    return exact, loopback
-
-
 def host_ip_warnings(desired: DesiredState, live: LiveState) -> list[str]:
     """A unicast ``host_ip`` not on the host right now (a floating VIP): one line per map."""
     exact, loopback = local_addresses(live)
@@ -647,65 +428,14 @@ def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> o
     nets += [auto.pool for _a, _n, _f, auto in _requests(desired)]
     if not nets and not any(True for _ in _host_ips(desired)):
         return ()
-    wanted = [_span(net) for net in nets]
-    index = _Index(occupants(desired, live, prune=prune))
+    wanted = [span_of(net) for net in nets]
+    index = PrefixIndex(occupants(desired, live, prune=prune))
     occ = sorted({(o.what, str(o.net), o.docker) for net in nets for o in index.overlapping(net)})
     pools = sorted((str(pr.pool), pr.size, pr.first, pr.last) for pr in unassigned_pools(live)
-                   if any(_overlap((pr.version, pr.first, pr.last), w) for w in wanted))
+                   if any(overlaps((pr.version, pr.first, pr.last), w) for w in wanted))
     space = live.docker_space
     docker = None if space is None else (space.available, space.error)
     exact, loopback = local_addresses(live)
     local = sorted(str(ip) for ip in _host_ips(desired)
                    if ip in exact or any(ip in n for n in loopback))
     return (tuple(occ), tuple(pools), docker, tuple(local))
-
-
-@dataclass(frozen=True, order=True)
-class LiveOverlap:
-    """An owned prefix and a foreign one over it (the agent's alarm)."""
-
-    owned: str  # "subnet prefix 10.66.0.0/24 on rcpa0"
-    foreign: str  # "route 10.66.0.0/25 on tun0"
-
-
-def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None]]:
-    """(prefix, what, its link) of the owned addresses on owned links: our gateways."""
-    out: list[tuple[Net, str, str | None]] = []
-    for lk in sorted(links, key=lambda x: x.name):
-        if lk.owned:
-            out += [(a.address.network, f"{a.address.network} on {lk.name}", lk.name)
-                    for a in lk.addresses if a.owned]
-    return out
-
-
-def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | None]],
-                                                     set[str]]:
-    """The subnets of owned Docker networks, and their Linux bridges (not foreign to them)."""
-    prefixes: list[tuple[Net, str, str | None]] = []
-    bridges: set[str] = set()
-    if live.docker is not None and live.docker.available:
-        for n in live.docker.networks:
-            if n.owned:
-                bridges.add(bridge_of(n.id, n.options))
-                prefixes += [(net, f"{net} of docker network {n.name}", None)
-                             for s in n.subnets if (net := _net(s)) is not None]
-    return prefixes, bridges
-
-
-def live_overlaps(owned: Sequence[tuple[Net, str, str | None]], links: Iterable[LiveLink],
-                  routes: Iterable[LiveRoute], docker_bridges: Iterable[str] = ()
-                  ) -> list[LiveOverlap]:
-    """Foreign addresses and routes of the host over an owned prefix, from fresh dumps.
-
-    The owned prefixes' own links (our bridges, owned Docker networks' bridges) are
-    not foreign; everything else is, as in a plan's :func:`occupants`.
-    """
-    names = {name for _n, _w, name in owned if name is not None} | set(docker_bridges)
-    live = LiveState(links={lk.name: lk for lk in links}, routes=tuple(routes))
-    foreign = occupants(DesiredState(), live, not_foreign=names)
-    out = set()
-    for net, what, _link in owned:
-        for o in foreign:
-            if _overlap(_span(net), _span(o.net)):
-                out.add(LiveOverlap(what, o.what))
-    return sorted(out)

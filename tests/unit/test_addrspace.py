@@ -46,7 +46,7 @@ from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.domain.plan import Action
 from reconciler.drivers.docker import probe
 from reconciler.drivers.docker.payloads import network_use
-from reconciler.planner import addrspace, make_plan
+from reconciler.planner import addrspace, hostspace, make_plan
 from reconciler.ui.render import render_text
 from tests.figures import SOAK, report
 
@@ -357,12 +357,19 @@ def test_new_picks_go_in_name_order_around_what_is_taken():
 def test_live_prefixes_are_kept_first_from_rules_then_from_the_gateway():
     # b had 10.0.9.0/24 (its rules say so), a has a gateway 10.0.5.1/24 on its bridge
     fw4 = LiveChainSet(True, {("filter", "RECONCILER-FORWARD"): (
-        '-d 10.0.9.0/24 -o br1 -m comment --comment "reconciler:subnet=b" -j ACCEPT',)})
-    br1 = link("br1", 5, "10.0.9.1/24", "10.0.5.1/24", owned=True, kind="bridge")
+        '-d 10.0.9.0/24 -o br1 -m comment --comment reconciler:subnet=b -j ACCEPT',)})
+    br1 = link("br1", 5, "10.0.5.1/24", owned=True, kind="bridge")  # b's gateway flushed
     d = desired(sub("a", "br1", auto("10.0.0.0/16", 24)), sub("b", "br1", auto("10.0.0.0/16", 24)),
                 sub("new", "br2", auto("10.0.0.0/16", 24)))
     assert picks(d, live(br1, fw4=fw4)) == {"subnet/a": "10.0.5.0/24", "subnet/b": "10.0.9.0/24",
                                             "subnet/new": "10.0.0.0/24"}
+    # the gateway of a subnet no file declares any more (its rules still name it, as with
+    # --no-prune) is not taken for a new one on the same bridge
+    fw_old = LiveChainSet(True, {("filter", "RECONCILER-FORWARD"): (
+        '-d 10.0.5.0/24 -o br1 -m comment --comment reconciler:subnet=old -j ACCEPT',)})
+    only_a = desired(sub("a", "br1", auto("10.0.0.0/16", 24)))
+    assert picks(only_a, live(link("br1", 5, "10.0.5.1/24", owned=True, kind="bridge"),
+                              fw4=fw_old)) == {"subnet/a": "10.0.0.0/24"}
     # a kept prefix that no longer fits the request (other size, other pool) is let go
     d2 = desired(sub("a", "br1", auto("10.0.0.0/16", 25)), sub("b", "br1", auto("10.1.0.0/16", 24)))
     assert picks(d2, live(br1, fw4=fw4)) == {"subnet/a": "10.0.0.0/25", "subnet/b": "10.1.0.0/24"}
@@ -433,10 +440,10 @@ def test_live_overlaps_compare_owned_prefixes_with_foreign_ones():
     routes = (LiveRoute("10.1.0.0/24", None, False, oif=5),  # ours: on our bridge
               LiveRoute("10.1.0.0/25", None, False, oif=6),
               LiveRoute("10.99.0.0/16", None, False, oif=6))
-    got = addrspace.live_overlaps(addrspace.owned_prefixes([br, vpn]), [br, vpn], routes)
-    assert got == [addrspace.LiveOverlap("10.1.0.0/24 on br0", "address 10.1.0.200/32 on tun0"),
-                   addrspace.LiveOverlap("10.1.0.0/24 on br0", "route 10.1.0.0/25 on tun0")]
-    assert addrspace.live_overlaps(addrspace.owned_prefixes([vpn]), [br, vpn], routes) == []
+    got = hostspace.live_overlaps(hostspace.owned_prefixes([br, vpn]), [br, vpn], routes)
+    assert got == [hostspace.LiveOverlap("10.1.0.0/24 on br0", "address 10.1.0.200/32 on tun0"),
+                   hostspace.LiveOverlap("10.1.0.0/24 on br0", "route 10.1.0.0/25 on tun0")]
+    assert hostspace.live_overlaps(hostspace.owned_prefixes([vpn]), [br, vpn], routes) == []
 
 
 # ------------------------------------------------------------------ property: 0 overlaps
@@ -518,8 +525,9 @@ def _build(h: dict[str, Any], extra: tuple[Any, ...] = ()) -> tuple[DesiredState
             if had is not None and evidence == "gateway":
                 addrs = (f"{had.network_address + 1}/{had.prefixlen}",)
             if had is not None and evidence == "rules":
-                rules.append(f'-d {had} -o {bridge} -m comment --comment "reconciler:subnet='
-                             f'{name}" -j ACCEPT')
+                # as the iptables driver canonicalises iptables-save: our tokens bare
+                rules.append(f"-d {had} -o {bridge} -m comment --comment reconciler:subnet="
+                             f"{name} -j ACCEPT")
             links.append(link(bridge, 500 + len(links), *addrs, owned=True, kind="bridge"))
         else:
             docker.append(DockerNetwork(DockerNetworkName(name), auto=AutoPrefix(pool, size)))
