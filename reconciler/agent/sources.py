@@ -229,7 +229,7 @@ class NetlinkWatcher:
 
     def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
                  drift_filter: DriftFilter | None = None, *,
-                 on_event: Callable[[NetlinkEvent], None] | None = None) -> None:
+                 on_event: Callable[[NetlinkEvent], object] | None = None) -> None:
         self.on_drift = on_drift
         self.on_event = on_event
         self.stop = stop
@@ -317,10 +317,13 @@ class OverlapAlarm:
         with self._lock:
             self._docker = (list(prefixes), frozenset(bridges))
 
-    def hear(self, ev: NetlinkEvent) -> None:
+    def hear(self, ev: NetlinkEvent) -> bool:
+        """A netlink event of the host; True when it woke the check (addresses, routes and
+        links going away do; IPv6 link-local ones and new or changed links do not)."""
         if ev.link_local or (ev.what == "link" and not ev.deleted):
-            return
+            return False
         self._wake.set()
+        return True
 
     def poke(self) -> None:
         """Check again soon (after a pass: what we own may have changed)."""
