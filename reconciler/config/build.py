@@ -42,8 +42,9 @@ def _prefix(doc: Document, path: Path, text: str,
         raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not "
                               f"{_PREFIX_EXAMPLE[version]}") from None
     if net.version != version:
-        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use "
-                              f"{_OTHER_FIELDS[version]}")
+        other = (f"pool{'6' if version == 4 else ''} for IPv{net.version}"
+                 if path and str(path[-1]).startswith("pool") else _OTHER_FIELDS[version])
+        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use {other}")
     if ipaddress.ip_interface(text).ip != net.network_address:
         raise doc.error(path, f"{format_path(path)}: {text} has host bits set; "
                               f"did you mean {net}?")

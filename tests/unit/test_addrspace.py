@@ -68,7 +68,7 @@ BAD = [
     (HEAD + "  - name: s\n    bridge: b\n    cidr: auto\n    pool: 10.0.0.1/16\n", 7,
      "host bits set; did you mean 10.0.0.0/16?"),
     (HEAD + "  - name: s\n    bridge: b\n    cidr: auto\n    pool: 'fd00::/48'\n", 7,
-     "is IPv6; use cidr6"),
+     "is IPv6; use pool6 for IPv6"),
     (HEAD + "  - name: s\n    bridge: b\n    cidr: auto\n    pool: 10.0.0.0/20\n    size: 16\n",
      8, "a /16 does not fit in pool 10.0.0.0/20; use size: 20 or more"),
     (HEAD + "  - name: s\n    bridge: b\n    cidr: auto\n    pool: 10.0.0.0/26\n", 7,
