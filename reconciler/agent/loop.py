@@ -37,6 +37,7 @@ from reconciler.agent.sources import (
     FileWatcher,
     NetlinkWatcher,
     NetnsDirWatcher,
+    OverlapAlarm,
     watch_dirs,
 )
 from reconciler.agent.status import Metrics, StatusBoard
@@ -44,11 +45,13 @@ from reconciler.config.load import load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Change
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner.context import PlanOptions
+from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
 from reconciler.ui.render import residual_error
 
 log = logging.getLogger("reconciler.watch")
@@ -108,6 +111,14 @@ def _resource_errors(result: Any) -> list[dict[str, str]]:
     return out
 
 
+def _adopt_hint(c: Change) -> str:
+    """How to take the object over, unless the reason says it already or adopting cannot
+    help (an overlap in the address space is someone else's address or route)."""
+    if "--adopt" in c.reason or " overlaps " in c.reason:
+        return ""
+    return f" (adopt with --adopt {c.kind}/{c.name})"
+
+
 def _default_reconciler(stop: threading.Event) -> Reconciler:
     def sleep(seconds: float) -> None:
         stop.wait(seconds)  # SIGTERM cuts verify waits and retry delays short
@@ -135,7 +146,7 @@ class Agent:
                           pass_count=0, consecutive_failures=0, last_pass=None,
                           last_success_at=None, revision=None, errors=[], config_error=None,
                           desired=None, netns_inode=current_inode(),
-                          event_sources={})
+                          event_sources={}, address_overlaps=[])
         self.scheduler = Scheduler(backoff_base=options.backoff_base,
                                    backoff_cap=options.backoff_cap,
                                    max_wait=max(5.0, 10 * options.debounce))
@@ -150,6 +161,7 @@ class Agent:
         self.netlink: Any = None
         self.netns_dir: Any = None
         self.docker: Any = None
+        self.alarm: OverlapAlarm | None = None
         self._loaded_sig: tuple[str, str] | None = None
         #: called with each pass's report (the plan server warms its view)
         self.after_pass: Callable[[PassReport], None] | None = None
@@ -166,6 +178,25 @@ class Agent:
         log.debug("drift: %s", reason)
         self.trigger.request(f"{source} drift", delay=self.options.drift_debounce)
 
+    def on_overlaps(self, found: list[LiveOverlap]) -> None:
+        """The alarm's report: foreign addresses and routes over owned prefixes, now."""
+        now = self.wall()
+        before = {(o["owned"], o["foreign"]): o["since"]
+                  for o in self.board.get("address_overlaps") or []}
+        current = []
+        for o in found:
+            key = (o.owned, o.foreign)
+            if key not in before:
+                log.warning("address overlap: %s overlaps %s, which the reconciler owns; "
+                            "left alone (plans conflict until it is gone)", o.foreign, o.owned)
+            current.append({"owned": o.owned, "foreign": o.foreign,
+                            "since": before.get(key, now)})
+        gone = set(before) - {(o.owned, o.foreign) for o in found}
+        for owned, foreign in sorted(gone):
+            log.info("address overlap gone: %s no longer overlaps %s", foreign, owned)
+        self.metrics.address_overlaps.set(len(found))
+        self.board.update(address_overlaps=current)
+
     def reload(self) -> None:
         """SIGHUP: reload now, and forget the backoff (an operator is looking)."""
         log.info("SIGHUP: reloading")
@@ -179,9 +210,13 @@ class Agent:
         sources: dict[str, str] = {"files": "watching " + ", ".join(watch_dirs(self.options.paths))}
         if self.options.netlink:
             try:
-                nl = NetlinkWatcher(lambda r: self.on_drift("netlink", r), self.stop)
+                alarm = OverlapAlarm(self.on_overlaps, self.stop)
+                nl = NetlinkWatcher(lambda r: self.on_drift("netlink", r), self.stop,
+                                    on_event=alarm.hear)
                 nl.start()
                 self.netlink = nl
+                alarm.start()
+                self.alarm = alarm
                 sources["netlink"] = "listening"
             except OSError as exc:
                 log.warning("netlink drift events unavailable (%s); relying on the interval", exc)
@@ -220,7 +255,7 @@ class Agent:
         return self.reconciler.observer.handles.open_namespaces()
 
     def close(self) -> None:
-        for src in (self.files, self.netlink, self.netns_dir, self.docker):
+        for src in (self.files, self.netlink, self.netns_dir, self.docker, self.alarm):
             if src is not None:
                 try:
                     src.close()
@@ -242,6 +277,7 @@ class Agent:
             if reasons is None:
                 break
             report = self.run_pass(reasons)
+            self._recheck_overlaps()
             if self.after_pass is not None:
                 self.after_pass(report)
             with self.trigger.locked():
@@ -256,6 +292,15 @@ class Agent:
             if self.stop.is_set():
                 break
         self.board.update(state="stopped")
+
+    def _recheck_overlaps(self) -> None:
+        """After a pass: what we own may have changed; the alarm looks again."""
+        if self.alarm is None:
+            return
+        live = self.reconciler.last_live
+        if live is not None:
+            self.alarm.set_docker(*owned_docker_prefixes(live))
+        self.alarm.poke()
 
     def healthy(self) -> tuple[bool, str]:
         if self.stop.is_set():
@@ -366,8 +411,7 @@ class Agent:
         if plan.conflicts:
             report.errors = [{"resource": c.address, "error": "conflict: "
                               + (c.reason or "exists but is not managed by the reconciler")
-                              + f" (adopt with --adopt {c.kind}/{c.name})"}
-                             for c in plan.conflicts]
+                              + _adopt_hint(c)} for c in plan.conflicts]
             raise ReconcilerError(f"{len(plan.conflicts)} conflict(s) with objects the "
                                   "reconciler does not own; nothing changed: "
                                   + ", ".join(c.address for c in plan.conflicts))

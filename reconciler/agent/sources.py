@@ -27,10 +27,13 @@ from watchdog.observers import Observer as FsObserver
 
 from reconciler.config.paths import YAML_SUFFIXES
 from reconciler.domain import ownership
+from reconciler.domain.errors import ReconcilerError
 from reconciler.drivers.netlink.listen import GROUPS, RECV_BUFFER, dump_links, open_socket
 from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
+from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.nsfs import NETNS_RUN_DIR
 from reconciler.drivers.nswatch import IN_CREATE, IN_MOVED_TO, IN_NAMES, RunDirWatch
+from reconciler.planner.hostspace import LiveOverlap, live_overlaps, owned_prefixes
 
 
 def relevant_path(path: str, named: Sequence[str]) -> bool:
@@ -219,13 +222,17 @@ def _index_to_name(index: int) -> str | None:
 class NetlinkWatcher:
     """Listens to rtnetlink notifications in a thread; calls ``on_drift(reason)`` for relevant ones.
 
+    ``on_event``, when given, hears every event (relevant or not): the address-space
+    alarm watches other tools' addresses and routes.
     The socket is opened by :meth:`start` in the caller's thread, so that a
     failure is reported there and the namespace is the caller's.
     """
 
     def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
-                 drift_filter: DriftFilter | None = None) -> None:
+                 drift_filter: DriftFilter | None = None, *,
+                 on_event: Callable[[NetlinkEvent], object] | None = None) -> None:
         self.on_drift = on_drift
+        self.on_event = on_event
         self.stop = stop
         self.filter = drift_filter or DriftFilter()
         self._sock: socket.socket | None = None
@@ -260,6 +267,8 @@ class NetlinkWatcher:
                 self.stop.wait(1.0)
                 continue
             for ev in parse_messages(data):
+                if self.on_event is not None:
+                    self.on_event(ev)
                 if self.filter.relevant(ev):
                     verb = "del" if ev.deleted else "new"
                     what = ev.name if ev.what == "link" and ev.name else f"ifindex {ev.index}"
@@ -270,6 +279,95 @@ class NetlinkWatcher:
             self._thread.join(timeout=2.0)
         if self._sock is not None:
             self._sock.close()
+
+
+class OverlapAlarm:
+    """Foreign addresses and routes over prefixes we own, reported within a second.
+
+    Address and route events of the host (other than IPv6 link-local ones), and
+    links going away, only wake it; in its own thread it then reads the host's
+    links and routes again (two dumps, not a pass), compares the owned prefixes
+    -- owned addresses on our bridges, and the subnets of owned Docker networks
+    the last pass saw -- with everything foreign
+    (``planner.hostspace.live_overlaps``) and calls ``report`` with the current
+    overlaps whenever they differ from the last report. It never touches
+    anything: the foreign object is someone else's, and a plan shows the
+    conflict. Checks are at least ``gap`` seconds apart.
+    """
+
+    def __init__(self, report: Callable[[list[LiveOverlap]], None], stop: threading.Event, *,
+                 reader: Callable[[], NetlinkReader] = NetlinkReader, gap: float = 0.2) -> None:
+        self.report = report
+        self.stop = stop
+        self.gap = gap
+        self._make_reader = reader
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._docker: tuple[list[tuple[Any, str, str | None]], frozenset[str]] = ([],
+                                                                                  frozenset())
+        self._last: list[LiveOverlap] | None = None
+        self._thread = threading.Thread(target=self._run, name="overlap-alarm", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self.poke()
+
+    def set_docker(self, prefixes: Sequence[tuple[Any, str, str | None]],
+                   bridges: Iterable[str]) -> None:
+        """Owned Docker networks' subnets and bridges, as the last pass saw them."""
+        with self._lock:
+            self._docker = (list(prefixes), frozenset(bridges))
+
+    def hear(self, ev: NetlinkEvent) -> bool:
+        """A netlink event of the host; True when it woke the check (addresses, routes and
+        links going away do; IPv6 link-local ones and new or changed links do not)."""
+        if ev.link_local or (ev.what == "link" and not ev.deleted):
+            return False
+        self._wake.set()
+        return True
+
+    def poke(self) -> None:
+        """Check again soon (after a pass: what we own may have changed)."""
+        self._wake.set()
+
+    def check(self, reader: NetlinkReader) -> list[LiveOverlap]:
+        with self._lock:
+            docker, bridges = self._docker
+        links = reader.dump_links()
+        routes = reader.dump_routes()
+        owned = [*owned_prefixes(links.values()), *docker]
+        return live_overlaps(owned, links.values(), routes, bridges) if owned else []
+
+    def _run(self) -> None:
+        reader: NetlinkReader | None = None
+        try:
+            while not self.stop.is_set():
+                if not self._wake.wait(0.5):
+                    continue
+                self._wake.clear()
+                try:
+                    if reader is None:
+                        reader = self._make_reader()
+                    found = self.check(reader)
+                except (OSError, ReconcilerError) as exc:
+                    log.warning("address-space alarm: %s", exc)
+                    if reader is not None:
+                        reader.close()
+                        reader = None
+                    self.stop.wait(1.0)
+                    self._wake.set()
+                    continue
+                if found != self._last:
+                    self._last = found
+                    self.report(found)
+                self.stop.wait(self.gap)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
 
 
 class NetnsDirWatcher:

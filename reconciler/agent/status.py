@@ -64,6 +64,10 @@ class Metrics:
                                      "(changed parts read again), observed (the whole host "
                                      "read again), declined (the client planned itself)",
                                      ["result"], registry=r)
+        self.address_overlaps = Gauge("reconciler_address_overlaps",
+                                      "Foreign addresses and routes on the host that overlap "
+                                      "a prefix the reconciler owns, now (each pair once)",
+                                      registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
 
@@ -240,6 +244,11 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
                  f"{doc.get('consecutive_failures', 0)}")
     for e in doc.get("errors") or []:
         lines.append(f"  {e.get('resource')}: {e.get('error')}")
+    overlaps = doc.get("address_overlaps") or []
+    if overlaps:
+        lines.append(f"address overlaps: {len(overlaps)} (foreign, left alone):")
+        lines.extend(f"  {o.get('foreign')} overlaps owned {o.get('owned')} "
+                     f"(since {_ago(o.get('since'), now)})" for o in overlaps)
     cfg = doc.get("config_error")
     if cfg:
         lines.append(f"config error (keeping the last good desired state) since "

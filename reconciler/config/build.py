@@ -12,6 +12,7 @@ from reconciler.domain.model import (
     AddrRange,
     Alloc,
     AllocId,
+    AutoPrefix,
     Bridge,
     BridgeName,
     DockerNetwork,
@@ -41,8 +42,9 @@ def _prefix(doc: Document, path: Path, text: str,
         raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)} is not "
                               f"{_PREFIX_EXAMPLE[version]}") from None
     if net.version != version:
-        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use "
-                              f"{_OTHER_FIELDS[version]}")
+        other = (f"pool{'6' if version == 4 else ''} for IPv{net.version}"
+                 if path and str(path[-1]).startswith("pool") else _OTHER_FIELDS[version])
+        raise doc.error(path, f"{format_path(path)}: {text} is IPv{net.version}; use {other}")
     if ipaddress.ip_interface(text).ip != net.network_address:
         raise doc.error(path, f"{format_path(path)}: {text} has host bits set; "
                               f"did you mean {net}?")
@@ -124,56 +126,112 @@ def _bridge(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
                                              raw.get("hairpin", True), doc.source(path))
 
 
+AUTO = "auto"
+
+
+_POOL_EXAMPLE = {4: "10.200.0.0/16", 6: "fd00:200::/48"}
+
+
+_MAX_SIZE = {4: 30, 6: 126}
+
+
+def _auto(doc: Document, path: Path, raw: dict[str, Any], key: str, pool_key: str,
+          size_key: str, version: int) -> AutoPrefix | None:
+    """``KEY: auto`` with its pool and size; None for a fixed prefix (which takes neither)."""
+    if raw.get(key) != AUTO:
+        extra = next((k for k in (pool_key, size_key) if k in raw), None)
+        if extra is not None:
+            what = f"{key} is {raw[key]}" if key in raw else f"there is no {key}"
+            raise doc.error((*path, extra), f"{format_path((*path, extra))}: only used with "
+                                            f"{key}: auto ({what})", key=True)
+        return None
+    if pool_key not in raw:
+        raise doc.error((*path, key), f"{format_path((*path, key))}: auto needs {pool_key}, the "
+                                      f"prefix to pick from (e.g. {pool_key}: "
+                                      f"{_POOL_EXAMPLE[version]})")
+    pool = _prefix(doc, (*path, pool_key), raw[pool_key], version)
+    size = int(raw.get(size_key, 24 if version == 4 else 64))
+    if size < pool.prefixlen:
+        where = (*path, size_key) if size_key in raw else (*path, pool_key)
+        raise doc.error(where, f"{format_path(where)}: a /{size} does not fit in {pool_key} "
+                               f"{pool}; use {size_key}: {pool.prefixlen} or more")
+    if size > _MAX_SIZE[version]:
+        raise doc.error((*path, size_key), f"{format_path((*path, size_key))}: /{size} is too "
+                                           f"small; use /{_MAX_SIZE[version]} or larger")
+    return AutoPrefix(pool, size)
+
+
+def _needs_fixed(doc: Document, path: Path, raw: dict[str, Any], key: str,
+                 prefix_key: str) -> None:
+    if key in raw:
+        raise doc.error((*path, key), f"{format_path((*path, key))}: needs a fixed {prefix_key} "
+                                      f"(with {prefix_key}: auto the prefix is only known at "
+                                      "plan time; the gateway is its first host address)")
+
+
 def _subnet(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     name = raw["name"]
-    cidr = _net4(doc, (*path, "cidr"), raw["cidr"])
-    if cidr.prefixlen > 30:
-        raise doc.error((*path, "cidr"), f"{format_path((*path, 'cidr'))}: /{cidr.prefixlen} "
-                        "leaves no room for a gateway and allocations; use /30 or larger")
-    gateway = ipaddress.IPv4Address(cidr.network_address + 1)
-    if "gateway" in raw:
-        gw = _ip(doc, (*path, "gateway"), raw["gateway"])
-        if not isinstance(gw, ipaddress.IPv4Address) or gw not in cidr or gw in (
-                cidr.network_address, cidr.broadcast_address):
-            raise doc.error((*path, "gateway"), f"{format_path((*path, 'gateway'))}: {gw} is not "
-                                                f"a host address of {cidr}")
-        gateway = gw
-    cidr6 = gateway6 = None
-    if "cidr6" in raw:
+    auto = _auto(doc, path, raw, "cidr", "pool", "size", 4)
+    auto6 = _auto(doc, path, raw, "cidr6", "pool6", "size6", 6)
+    prefix: ipaddress.IPv4Network | AutoPrefix
+    prefix6: ipaddress.IPv6Network | AutoPrefix | None = auto6
+    gateway = gateway6 = None
+    rng = None
+    if auto is not None:
+        _needs_fixed(doc, path, raw, "gateway", "cidr")
+        _needs_fixed(doc, path, raw, "range", "cidr")
+        prefix = auto
+    else:
+        cidr = _net4(doc, (*path, "cidr"), raw["cidr"])
+        if cidr.prefixlen > 30:
+            raise doc.error((*path, "cidr"), f"{format_path((*path, 'cidr'))}: /{cidr.prefixlen} "
+                            "leaves no room for a gateway and allocations; use /30 or larger")
+        prefix = cidr
+        first = ipaddress.IPv4Address(cidr.network_address + 1)
+        if "gateway" in raw:
+            gw = _ip(doc, (*path, "gateway"), raw["gateway"])
+            if not isinstance(gw, ipaddress.IPv4Address) or gw not in cidr or gw in (
+                    cidr.network_address, cidr.broadcast_address):
+                raise doc.error((*path, "gateway"), f"{format_path((*path, 'gateway'))}: {gw} "
+                                                    f"is not a host address of {cidr}")
+            gateway = gw
+        if "range" in raw:
+            rp = (*path, "range")
+            start = _ip(doc, (*rp, "start"), raw["range"]["start"])
+            end = _ip(doc, (*rp, "end"), raw["range"]["end"])
+            for label, ip in (("start", start), ("end", end)):
+                if not isinstance(ip, ipaddress.IPv4Address) or ip not in cidr or ip in (
+                        cidr.network_address, cidr.broadcast_address):
+                    raise doc.error((*rp, label), f"{format_path((*rp, label))}: {ip} is not a "
+                                                  f"host address of {cidr}")
+            assert isinstance(start, ipaddress.IPv4Address)
+            assert isinstance(end, ipaddress.IPv4Address)
+            if start > end:
+                raise doc.error(rp, f"{format_path(rp)}: start {start} is after end {end}")
+            if start == end == (gateway or first):
+                raise doc.error(rp, f"{format_path(rp)}: holds only the gateway "
+                                    f"{gateway or first}")
+            rng = AddrRange(start, end)
+    if auto6 is not None:
+        _needs_fixed(doc, path, raw, "gateway6", "cidr6")
+    elif "cidr6" in raw:
         cidr6 = _net6(doc, (*path, "cidr6"), raw["cidr6"])
         if cidr6.prefixlen > 126:
             raise doc.error((*path, "cidr6"), f"{format_path((*path, 'cidr6'))}: /{cidr6.prefixlen}"
                             " is too small; use /126 or larger")
-        gateway6 = ipaddress.IPv6Address(cidr6.network_address + 1)
-    if "gateway6" in raw:
-        if cidr6 is None:
-            raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: "
-                                                 "needs cidr6")
-        gw6 = _ip(doc, (*path, "gateway6"), raw["gateway6"])
-        if not isinstance(gw6, ipaddress.IPv6Address) or gw6 not in cidr6 or \
-                gw6 == cidr6.network_address:
-            raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: {gw6} is "
-                                                 f"not a host address of {cidr6}")
-        gateway6 = gw6
-    rng = None
-    if "range" in raw:
-        rp = (*path, "range")
-        start = _ip(doc, (*rp, "start"), raw["range"]["start"])
-        end = _ip(doc, (*rp, "end"), raw["range"]["end"])
-        for label, ip in (("start", start), ("end", end)):
-            if not isinstance(ip, ipaddress.IPv4Address) or ip not in cidr or ip in (
-                    cidr.network_address, cidr.broadcast_address):
-                raise doc.error((*rp, label), f"{format_path((*rp, label))}: {ip} is not a host "
-                                              f"address of {cidr}")
-        assert isinstance(start, ipaddress.IPv4Address) and isinstance(end, ipaddress.IPv4Address)
-        if start > end:
-            raise doc.error(rp, f"{format_path(rp)}: start {start} is after end {end}")
-        if start == end == gateway:
-            raise doc.error(rp, f"{format_path(rp)}: holds only the gateway {gateway}")
-        rng = AddrRange(start, end)
+        prefix6 = cidr6
+        if "gateway6" in raw:
+            gw6 = _ip(doc, (*path, "gateway6"), raw["gateway6"])
+            if not isinstance(gw6, ipaddress.IPv6Address) or gw6 not in cidr6 or \
+                    gw6 == cidr6.network_address:
+                raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: "
+                                                     f"{gw6} is not a host address of {cidr6}")
+            gateway6 = gw6
+    elif "gateway6" in raw:
+        raise doc.error((*path, "gateway6"), f"{format_path((*path, 'gateway6'))}: needs cidr6")
     if c.claim("subnet", name, doc, path):
         c.subnets[SubnetName(name)] = Subnet(
-            SubnetName(name), BridgeName(raw["bridge"]), cidr, gateway, cidr6, gateway6, rng,
+            SubnetName(name), BridgeName(raw["bridge"]), prefix, gateway, prefix6, gateway6, rng,
             raw.get("masquerade", True), doc.source(path))
 
 
@@ -189,6 +247,9 @@ def _host_ip(doc: Document, path: Path,
     if ip.is_multicast or ip.is_link_local:
         raise doc.error(path, f"{format_path(path)}: {ip} is a multicast or link-local address; "
                               "a port map needs an address of this host")
+    if ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise doc.error(path, f"{format_path(path)}: {ip} is the broadcast address; a port map "
+                              "needs an address of this host")
     if ip.version == 6 and ip.is_loopback:
         raise doc.error(path, f"{format_path(path)}: {ip}: IPv6 loopback cannot be forwarded to "
                               "an allocation (Linux has no route_localnet for IPv6); use "
@@ -226,10 +287,16 @@ def _docker(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
     if name in ("bridge", "host", "none"):
         raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is one of "
                                          "Docker's own networks and cannot be managed")
-    subnet = _net4(doc, (*path, "subnet"), raw["subnet"]) if "subnet" in raw else None
-    subnet6 = _net6(doc, (*path, "subnet6"), raw["subnet6"]) if "subnet6" in raw else None
-    ipv6 = raw.get("ipv6")
-    if subnet6 is not None and ipv6 is False:
+    auto = _auto(doc, path, raw, "subnet", "pool", "size", 4)
+    auto6 = _auto(doc, path, raw, "subnet6", "pool6", "size6", 6)
+    subnet = _net4(doc, (*path, "subnet"), raw["subnet"]) \
+        if "subnet" in raw and auto is None else None
+    subnet6 = _net6(doc, (*path, "subnet6"), raw["subnet6"]) \
+        if "subnet6" in raw and auto6 is None else None
+    # the compiled schema check fills in defaults (ipv6: false): only an ipv6 the file
+    # itself spells out can contradict subnet6
+    ipv6 = raw.get("ipv6") if (*path, "ipv6") in doc.keys else None
+    if "subnet6" in raw and ipv6 is False:
         raise doc.error((*path, "ipv6"), f"{format_path((*path, 'ipv6'))}: is false but subnet6 "
                                          "is given")
     labels = raw.get("labels", {})
@@ -241,9 +308,9 @@ def _docker(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
                         key=True)
     if c.claim("docker network", name, doc, path):
         c.docker[DockerNetworkName(name)] = DockerNetwork(
-            DockerNetworkName(name), bool(ipv6) or subnet6 is not None, subnet, subnet6,
+            DockerNetworkName(name), bool(ipv6) or "subnet6" in raw, subnet, subnet6,
             raw.get("mtu"), raw.get("masquerade", True), raw.get("internal", False),
-            tuple(sorted(labels.items())), doc.source(path))
+            tuple(sorted(labels.items())), doc.source(path), auto, auto6)
 
 
 def read_settings(c: Collector, doc: Document, raw: dict[str, Any]) -> None:

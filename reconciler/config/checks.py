@@ -26,10 +26,12 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
             yield err("subnet", s.name, "bridge",
                       f"subnet {s.name!r}: bridge {s.bridge!r} is not declared")
     # overlapping prefixes: among subnets, and against docker networks' declared subnets
+    # (``auto`` prefixes are picked at plan time, clear of everything else: not checked here)
     prefixes: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str, str, str]] = []
     for s in c.subnets.values():
-        prefixes.append((s.cidr, "subnet", s.name, "cidr"))
-        if s.cidr6 is not None:
+        if s.auto is None:
+            prefixes.append((s.cidr, "subnet", s.name, "cidr"))
+        if s.auto6 is None and s.cidr6 is not None:
             prefixes.append((s.cidr6, "subnet", s.name, "cidr6"))
     for d in c.docker.values():
         if d.subnet is not None:
@@ -65,7 +67,16 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
             yield err("alloc", a.id, "subnet",
                       f"alloc {a.id!r}: subnet {a.subnet!r} is not declared")
             continue
-        if a.address is not None:
+        for field, given, auto in (("address", a.address, sn.auto),
+                                   ("address6", a.address6, sn.auto6)):
+            if given is not None and auto is not None:
+                yield err("alloc", a.id, field,
+                          f"alloc {a.id!r}: a fixed {field} needs a fixed prefix, but subnet "
+                          f"{sn.name!r} has {'cidr' if field == 'address' else 'cidr6'}: auto "
+                          "(leave it out: addresses are allocated and kept stable)")
+        if sn.auto is not None or sn.auto6 is not None:
+            pass  # the prefixes are picked at plan time: nothing to compare addresses with
+        elif a.address is not None:
             if a.address not in sn.cidr or a.address in (sn.cidr.network_address,
                                                          sn.cidr.broadcast_address):
                 yield err("alloc", a.id, "address",
@@ -75,7 +86,7 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
                 yield err("alloc", a.id, "address",
                           f"alloc {a.id!r}: address {a.address} is the gateway of "
                           f"subnet {sn.name!r}")
-        if a.address6 is not None:
+        if a.address6 is not None and sn.auto6 is None and sn.auto is None:
             if sn.cidr6 is None:
                 yield err("alloc", a.id, "address6",
                           f"alloc {a.id!r}: address6 given but subnet {sn.name!r} has no cidr6")
@@ -95,12 +106,22 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
             else:
                 addresses[addr] = a.id
         for i, p in enumerate(a.ports):
-            if p.host_ip is not None and p.host_ip.version == 6 and sn.cidr6 is None:
+            if p.host_ip is not None and p.host_ip.version == 6 and sn.prefix6 is None:
                 here = c.seen[("alloc", a.id)]
                 pos = here.doc.where((*here.path, "ports", i, "host_ip"))
                 yield ConfigError(f"alloc {a.id!r}: host_ip {p.host_ip} is IPv6 but subnet "
                                   f"{sn.name!r} has no cidr6", file=here.doc.file,
                                   line=pos.line, col=pos.col)
+            inside = _declared_prefix_of(c, p.host_ip) if p.host_ip is not None else None
+            if inside is not None:
+                here = c.seen[("alloc", a.id)]
+                pos = here.doc.where((*here.path, "ports", i, "host_ip"))
+                kind, name, field, net = inside
+                yield ConfigError(f"alloc {a.id!r}: host_ip {p.host_ip} is inside {kind} "
+                                  f"{name!r} ({field} {net}, at {defined_at(c, kind, name)}): "
+                                  "a port map publishes an address of the host, not one of a "
+                                  "declared subnet", file=here.doc.file, line=pos.line,
+                                  col=pos.col)
             if p.host is None:
                 continue
             for proto in p.protocols:
@@ -116,3 +137,18 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
                         break
                 ports.setdefault((proto, p.host), []).append((p.host_ip, a.id, i))
 
+
+
+def _declared_prefix_of(c: Collector, ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                        ) -> tuple[str, str, str, ipaddress.IPv4Network | ipaddress.IPv6Network] \
+        | None:
+    """The declared (fixed) subnet prefix holding ``ip``: (kind, name, field, prefix), or None.
+
+    Its gateway is an address of the host, but DNAT on it would catch the subnet's own
+    traffic to the gateway; every other address in it is an allocation's.
+    """
+    for s in c.subnets.values():
+        for field, net in (("cidr", s.prefix), ("cidr6", s.prefix6)):
+            if isinstance(net, ipaddress.IPv4Network | ipaddress.IPv6Network) and ip in net:
+                return ("subnet", s.name, field, net)
+    return None

@@ -40,6 +40,52 @@ IPV6_FALLBACK_LABEL = "io.reconciler.ipv6-unavailable"
 SCOPE_LABEL = "io.reconciler.scope"
 
 
+#: Docker's default address pools (libnetwork ipamutils, Docker 20.10 and later):
+#: 172.17.0.0/16 … 172.31.0.0/16 handed out whole, 192.168.0.0/16 as /20s. The API
+#: does not report them; ``/etc/docker/daemon.json`` ``default-address-pools`` replaces them.
+DEFAULT_ADDRESS_POOLS: tuple[tuple[str, int], ...] = (
+    *((f"172.{n}.0.0/16", 16) for n in range(17, 32)),
+    ("192.168.0.0/16", 20),
+)
+
+
+#: Option naming the Linux bridge of a bridge network (Docker's ``bridge`` network: docker0)
+OPT_BRIDGE_NAME = "com.docker.network.bridge.name"
+
+
+def bridge_of(network_id: str, options: dict[str, str] | None) -> str:
+    """The Linux bridge of a Docker bridge network: the option, else ``br-<id[:12]>``."""
+    named = (options or {}).get(OPT_BRIDGE_NAME)
+    return named if named else f"br-{network_id[:12]}"
+
+
+def parse_address_pools(config: object) -> tuple[tuple[str, int], ...] | None:
+    """``default-address-pools`` of a parsed daemon.json; None when it sets none (or is bad).
+
+    Entries that are not ``{"base": PREFIX, "size": N}`` with N no shorter than the
+    base are dropped: dockerd itself refuses to start with them.
+    """
+    if not isinstance(config, dict):
+        return None
+    raw = config.get("default-address-pools")
+    if not isinstance(raw, list) or not raw:
+        return None
+    out: list[tuple[str, int]] = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            continue
+        base, size = entry.get("base"), entry.get("size")
+        if not isinstance(base, str) or not isinstance(size, int) or isinstance(size, bool):
+            continue
+        try:
+            net = ipaddress.ip_network(base, strict=False)
+        except ValueError:
+            continue
+        if net.prefixlen <= size <= net.max_prefixlen:
+            out.append((str(net), size))
+    return tuple(out) or None
+
+
 def ula_subnet(name: str, attempt: int) -> ipaddress.IPv6Network:
     """The IPv6 ULA /64 kind derives for network ``name`` on probe ``attempt``.
 

@@ -43,6 +43,11 @@ class LiveRoute:
     dst: str  # "default" or a prefix
     gateway: str | None
     owned: bool
+    #: ifindex of the output link (RTA_OIF); 0 when the route has none (blackhole,
+    #: unreachable, multipath)
+    oif: int = 0
+    #: the route type when it is not a plain unicast route: "blackhole", "unreachable", ...
+    type: str = "unicast"
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,33 @@ class LiveDocker:
 
 
 @dataclass(frozen=True)
+class DockerNetworkUse:
+    """Where one live Docker network sits in the address space (from one list call)."""
+
+    name: str
+    id: str
+    subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
+    bridge: str  # its Linux bridge: docker0, br-<id[:12]>, or the bridge.name option
+    owned: bool = False
+
+
+@dataclass(frozen=True)
+class DockerAddressSpace:
+    """Every live Docker network's subnets and the daemon's default address pools.
+
+    Docker networks are global to the daemon, so they count whichever network
+    namespace the reconciler acts on. ``available`` is False when the daemon did
+    not answer: its networks are unknown then (their bridges' routes still show).
+    """
+
+    available: bool
+    networks: tuple[DockerNetworkUse, ...] = ()
+    #: ``default-address-pools``: (base prefix, size of the subnets handed out)
+    pools: tuple[tuple[str, int], ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class LiveState:
     #: identity of the host: inode of the network namespace the reconciler acts on
     host_id: str = ""
@@ -111,3 +143,7 @@ class LiveState:
     netns: dict[str, LiveNetns] = field(default_factory=dict)
     docker: LiveDocker | None = None  # None: not observed (nothing Docker declared or owned)
     listening: frozenset[tuple[str, int]] = frozenset()  # (proto, port) bound on the host
+    #: main-table routes of the host (read when subnets or Docker networks are declared)
+    routes: tuple[LiveRoute, ...] = ()
+    #: all Docker networks and pools; None: no Docker here, or nothing that needs it declared
+    docker_space: DockerAddressSpace | None = None

@@ -7,7 +7,7 @@ drivers can rely on names being kernel-safe and addresses being well formed.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NewType
 
 BridgeName = NewType("BridgeName", str)
@@ -45,16 +45,80 @@ class AddrRange:
 
 
 @dataclass(frozen=True)
+class AutoPrefix:
+    """``cidr: auto`` (``subnet: auto``): the first free ``/size`` inside ``pool``.
+
+    The planner picks it at plan time (``planner.addrspace``) and keeps it once
+    given: the live state shows which prefix a resource has.
+    """
+
+    pool: ipaddress.IPv4Network | ipaddress.IPv6Network
+    size: int
+
+    def __str__(self) -> str:
+        return f"auto /{self.size} from {self.pool}"
+
+
+class UnresolvedPrefixError(AssertionError):
+    """A prefix declared ``auto`` was used before the planner picked it (a bug, not input)."""
+
+
+@dataclass(frozen=True)
 class Subnet:
+    """A declared subnet. ``prefix``/``prefix6`` hold what the file says: a prefix, or
+    ``AutoPrefix`` for ``cidr: auto``; ``cidr``, ``gateway``... are the resolved values
+    (the planner resolves ``auto`` first, ``planner.addrspace.resolve``)."""
+
     name: SubnetName
     bridge: BridgeName
-    cidr: ipaddress.IPv4Network
-    gateway: ipaddress.IPv4Address
-    cidr6: ipaddress.IPv6Network | None = None
-    gateway6: ipaddress.IPv6Address | None = None
+    prefix: ipaddress.IPv4Network | AutoPrefix
+    #: declared gateway; None: the first host address of the prefix
+    declared_gateway: ipaddress.IPv4Address | None = None
+    prefix6: ipaddress.IPv6Network | AutoPrefix | None = None
+    declared_gateway6: ipaddress.IPv6Address | None = None
     range: AddrRange | None = None
     masquerade: bool = True
     source: Source = field(default=Source("<memory>", 0), compare=False)
+
+    @property
+    def auto(self) -> AutoPrefix | None:
+        """The pool ``cidr: auto`` picks from, or None for a fixed cidr."""
+        return self.prefix if isinstance(self.prefix, AutoPrefix) else None
+
+    @property
+    def auto6(self) -> AutoPrefix | None:
+        return self.prefix6 if isinstance(self.prefix6, AutoPrefix) else None
+
+    @property
+    def resolved(self) -> bool:
+        return self.auto is None and self.auto6 is None
+
+    @property
+    def cidr(self) -> ipaddress.IPv4Network:
+        if isinstance(self.prefix, AutoPrefix):
+            raise UnresolvedPrefixError(f"subnet {self.name}: cidr is auto and not resolved")
+        return self.prefix
+
+    @property
+    def cidr6(self) -> ipaddress.IPv6Network | None:
+        if isinstance(self.prefix6, AutoPrefix):
+            raise UnresolvedPrefixError(f"subnet {self.name}: cidr6 is auto and not resolved")
+        return self.prefix6
+
+    @property
+    def gateway(self) -> ipaddress.IPv4Address:
+        if self.declared_gateway is not None:
+            return self.declared_gateway
+        return ipaddress.IPv4Address(self.cidr.network_address + 1)
+
+    @property
+    def gateway6(self) -> ipaddress.IPv6Address | None:
+        cidr6 = self.cidr6
+        if cidr6 is None:
+            return None
+        if self.declared_gateway6 is not None:
+            return self.declared_gateway6
+        return ipaddress.IPv6Address(cidr6.network_address + 1)
 
     @property
     def gateway_interface(self) -> ipaddress.IPv4Interface:
@@ -65,6 +129,11 @@ class Subnet:
         if self.cidr6 is None or self.gateway6 is None:
             return None
         return ipaddress.IPv6Interface(f"{self.gateway6}/{self.cidr6.prefixlen}")
+
+    def with_prefixes(self, cidr: ipaddress.IPv4Network,
+                      cidr6: ipaddress.IPv6Network | None) -> Subnet:
+        """This subnet with its ``auto`` prefixes picked."""
+        return replace(self, prefix=cidr, prefix6=cidr6)
 
 
 @dataclass(frozen=True)
@@ -102,6 +171,9 @@ class DockerNetwork:
     internal: bool = False
     labels: tuple[tuple[str, str], ...] = ()
     source: Source = field(default=Source("<memory>", 0), compare=False)
+    #: ``subnet: auto`` / ``subnet6: auto``: picked at plan time into ``subnet``/``subnet6``
+    auto: AutoPrefix | None = None
+    auto6: AutoPrefix | None = None
 
 
 @dataclass(frozen=True)

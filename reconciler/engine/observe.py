@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from reconciler.domain.errors import DriverError
-from reconciler.domain.live import LiveDocker, LiveNetns, LiveState
+from reconciler.domain.live import LiveDocker, LiveNetns, LiveRoute, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import alloc_ns_alias
 from reconciler.drivers import netns, nsfs, sysctl
@@ -36,7 +36,8 @@ class Observer:
             "firewall4": self.handles.iptables(4).observe(),
             "firewall6": self.handles.iptables(6).observe(),
             "netns": self.observe_allocs(desired, host_id),
-            "docker": self.observe_docker(desired),
+            "routes": self.observe_routes(desired),
+            **self.observe_docker_parts(desired),
             **self.observe_unannounced(desired),
         }
         return dataclasses.replace(LiveState(), **fields)
@@ -84,7 +85,26 @@ class Observer:
                 observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
         return observed
 
-    def observe_docker(self, desired: DesiredState) -> LiveDocker | None:
+    def observe_routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
+        """The host's main-table routes, when declared prefixes must be checked against them.
+
+        One dump; skipped when nothing declares a prefix (a router's full table is large).
+        """
+        if not (desired.subnets or desired.docker_networks):
+            return ()
+        return self.handles.netlink.dump_routes()
+
+    def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
+        """``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker network's
+        subnets and the daemon's pools, when anything declares a prefix (None otherwise, and
+        without Docker on this host). One list call serves both."""
+        listing = docker_probe.list_networks()
+        space = docker_probe.address_space(listing) \
+            if desired.subnets or desired.docker_networks else None
+        return {"docker": self.observe_docker(desired, listing), "docker_space": space}
+
+    def observe_docker(self, desired: DesiredState,
+                       listing: docker_probe.Listing | None = None) -> LiveDocker | None:
         """Declared Docker networks and every network we own, or None.
 
         Whether we own networks only the daemon can say, so it is asked even
@@ -95,7 +115,7 @@ class Observer:
         """
         if not desired.docker_networks:
             # Host-only run: skip the SDK unless this reconciler owns networks to prune.
-            scopes = docker_probe.owned_scopes()
+            scopes = docker_probe.owned_scopes(listing)
             if scopes is not None and docker_scope() not in scopes:
                 return None
         live = self.handles.docker.observe(sorted(desired.docker_networks))

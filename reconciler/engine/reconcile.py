@@ -54,9 +54,12 @@ class Reconciler:
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
         self.sleep = sleep
         self.stop = stop or threading.Event()
+        #: the last observation (the agent's address-space alarm reads owned Docker networks)
+        self.last_live: LiveState | None = None
 
     def observe(self, desired: DesiredState) -> LiveState:
-        return self.observer.observe(desired)
+        self.last_live = self.observer.observe(desired)
+        return self.last_live
 
     def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
         live = self.observe(desired)

@@ -8,7 +8,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import allocs, docker, firewall, hostlinks
+from reconciler.planner import addrspace, allocs, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
 __all__ = ["PlanOptions", "links_that_matter", "make_plan"]
@@ -20,10 +20,12 @@ def links_that_matter(desired: DesiredState, live: LiveState) -> dict[str, LiveL
     The planner reads host links only by the names it manages (declared and
     subnet bridges, the veths of declared and live allocations), sweeps over
     links it owns, and the bare temporary bridges of interrupted creations with
-    their ports. Other tools' links (every container's veth) are not read: the
-    plan agent uses this to keep a plan when only those come and go. A planner
-    change that reads other links must widen this (tests/unit compares plans
-    with and without random foreign links).
+    their ports. Other tools' links (every container's veth) are not read here:
+    the plan agent uses this to keep a plan when only those come and go. Their
+    addresses (and the host's routes) matter only through the address space,
+    which ``addrspace.relevant`` covers. A planner change that reads other links
+    must widen one of them (tests/unit compares plans with and without random
+    foreign links, addresses and routes).
     """
     names: set[str] = {*desired.bridges, *(s.bridge for s in desired.subnets.values())}
     names |= {alloc_veth_name(a) for a in desired.allocs}
@@ -60,8 +62,21 @@ _ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "sysc
 
 def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | None = None,
               files: tuple[tuple[str, str], ...] = ()) -> Plan:
-    """Compare desired and live state and return the plan that converges them."""
-    ctx = PlanContext(desired, live, options or PlanOptions())
+    """Compare desired and live state and return the plan that converges them.
+
+    ``auto`` prefixes are picked first (``addrspace.resolve``): everything after plans
+    with resolved subnets and Docker networks.
+    """
+    opts = options or PlanOptions()
+    resolution = addrspace.resolve(desired, live, prune=opts.prune)
+    if resolution.fatal:
+        raise PlanError("\n".join(resolution.fatal))
+    desired = resolution.desired
+    found = addrspace.check(desired, live, prune=opts.prune, picked=resolution.picked)
+    if found.fatal:
+        raise PlanError("\n".join(found.fatal))
+    ctx = PlanContext(desired, live, opts, overlaps=found.conflicts, picked=resolution.picked,
+                      warnings=list(found.warnings))
     changes: list[Change] = []
     # Subnets first: they claim the bridge addresses that are theirs, bridges then
     # remove only owned addresses nobody claims.
@@ -100,7 +115,6 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         if ch is not None:
             changes.append(ch)
     changes.sort(key=_sort_key)
-    opts = ctx.options
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace})

@@ -41,6 +41,10 @@ class PlanContext:
     errors: list[str] = field(default_factory=list)
     #: problems that make the whole plan unusable (address range exhausted, port clash)
     fatal: list[str] = field(default_factory=list)
+    #: "kind/name" -> what its declared prefixes overlap on the host (planner.addrspace)
+    overlaps: dict[str, str] = field(default_factory=dict)
+    #: "kind/name" -> {field: pool} of the prefixes picked for ``auto``
+    picked: dict[str, dict[str, str]] = field(default_factory=dict)
     _live_rules: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
 
     def live_rules(self, family: int) -> dict[str, list[tuple[str, str]]]:

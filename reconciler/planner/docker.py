@@ -71,10 +71,15 @@ def plan_docker_networks(ctx: PlanContext) -> list[Change]:
     return changes
 
 
-def _create_attrs(spec: DockerNetwork, default_mtu: int | None) -> tuple[AttrChange, ...]:
-    attrs = [AttrChange("subnet", None, str(spec.subnet) if spec.subnet else "(Docker picks)")]
+def _create_attrs(spec: DockerNetwork, default_mtu: int | None,
+                  picked: dict[str, str]) -> tuple[AttrChange, ...]:
+    def shown(field: str, net: object) -> str:
+        return f"{net} (auto from {picked[field]})" if field in picked else str(net)
+
+    attrs = [AttrChange("subnet", None,
+                        shown("subnet", spec.subnet) if spec.subnet else "(Docker picks)")]
     if spec.subnet6 is not None:
-        attrs.append(AttrChange("subnet6", None, str(spec.subnet6)))
+        attrs.append(AttrChange("subnet6", None, shown("subnet6", spec.subnet6)))
     elif spec.ipv6:
         attrs.append(AttrChange("subnet6", None, f"{ula_subnet(spec.name, 0)} (derived)"))
     if spec.mtu is not None:
@@ -98,9 +103,13 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
         ctx.blocked.add(address)
         return Change(KIND, name, Action.CONFLICT, "is one of Docker's own networks",
                       source=src)
+    overlap = ctx.overlaps.get(address)
+    if overlap is not None:
+        ctx.blocked.add(address)
+        return Change(KIND, name, Action.CONFLICT, overlap, source=src)
     if not found:
         return Change(KIND, name, Action.CREATE, "not present",
-                      _create_attrs(spec, docker.default_mtu),
+                      _create_attrs(spec, docker.default_mtu, ctx.picked.get(address, {})),
                       (encode(DockerEnsure(spec_to_json(spec), docker.default_mtu,
                                            docker.scope)),), src)
 

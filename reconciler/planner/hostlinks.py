@@ -110,6 +110,11 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
         "rules4": _rules_of(ctx, 4, f"subnet={s.name}"),
         "rules6": _rules_of(ctx, 6, f"subnet={s.name}"),
     }
+    overlap = ctx.overlaps.get(f"subnet/{s.name}")
+    if overlap is not None:
+        # not blocked: its allocations still show what they would be; the conflict alone
+        # refuses the apply, and what exists of the subnet (its rules, its gateway) stays
+        return Change("subnet", s.name, Action.CONFLICT, overlap, source=src)
     managed = _managed_bridge(ctx, s.bridge)
     have = {str(a.address): a for a in (managed.addresses if managed else ())}
     ops: list[Op] = []
@@ -143,9 +148,15 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     exists = managed is not None and (len(wanted) > len(attrs) or
                                       any(_rules_of(ctx, f, f"subnet={s.name}") for f in (4, 6)))
     if not exists:
-        attrs = [AttrChange("bridge", None, s.bridge), AttrChange("cidr", None, str(s.cidr))]
+        picked = ctx.picked.get(f"subnet/{s.name}", {})
+
+        def shown(field: str, net: object) -> str:
+            return f"{net} (auto from {picked[field]})" if field in picked else str(net)
+
+        attrs = [AttrChange("bridge", None, s.bridge),
+                 AttrChange("cidr", None, shown("cidr", s.cidr))]
         if s.cidr6 is not None:
-            attrs.append(AttrChange("cidr6", None, str(s.cidr6)))
+            attrs.append(AttrChange("cidr6", None, shown("cidr6", s.cidr6)))
         attrs += [AttrChange("gateway", None, str(s.gateway_interface)),
                   AttrChange("masquerade", None, s.masquerade)]
         return Change("subnet", s.name, Action.CREATE, "not present", tuple(attrs),

@@ -308,8 +308,9 @@ def test_alloc_build_checked_with_ip(sandbox: Sandbox, nl: links.Netlink) -> Non
     assert inside["eth0"].owned and inside["eth0"].up and inside["lo"].up
     assert {a.address for a in inside["eth0"].addresses if a.owned} == \
         {iface("10.77.0.10/16"), iface("fd00:77::10/64")}
-    assert LiveRoute("default", "10.77.0.1", True) in obs.routes
-    assert LiveRoute("default", "fd00:77::1", True) in obs.routes
+    eth0_index = inside["eth0"].index  # both default routes leave through eth0 (RTA_OIF)
+    assert LiveRoute("default", "10.77.0.1", True, oif=eth0_index) in obs.routes
+    assert LiveRoute("default", "fd00:77::1", True, oif=eth0_index) in obs.routes
     hostside = nl.dump_links()[veth]
     assert (hostside.master, hostside.hairpin, hostside.owned, hostside.peer_netnsid) == \
         ("rtbr0", True, True, obs.nsid)

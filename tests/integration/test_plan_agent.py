@@ -40,6 +40,16 @@ def alloc_config(tmp_path: object, ids: list[str], *, extra_port: bool = False) 
     return write(tmp_path, "allocs.yaml", "\n".join(lines) + "\n")
 
 
+#: another tool's link in the host (a VPN's): routes over the declared subnet go through it
+FOREIGN = "rcpa-vpn0"
+
+
+def foreign_veth(host: str) -> None:
+    sh("ip", "-n", host, "link", "add", FOREIGN, "type", "veth", "peer", "name", FOREIGN + "p")
+    for name in (FOREIGN, FOREIGN + "p"):
+        sh("ip", "-n", host, "link", "set", name, "up")
+
+
 def plan_counts(agent: Agent) -> dict[str, float]:
     """The agent's plan answers by result, from its /metrics."""
     text = agent.get("/metrics") or ""
@@ -143,9 +153,17 @@ def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: Pla
     # sysctl (no event exists: read on every request)
     check("ip_forward off", lambda: host_ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0"),
           "ip_forward")
+    # a foreign route over the declared subnet (a datagram of route events only): a conflict
+    foreign_veth(host_ns.name)
+    sh("ip", "-n", host_ns.name, "route", "add", "10.66.0.128/25", "dev", FOREIGN)
+    r = same_as_in_process(plan_agent, path)
+    assert r.rc == 1 and f"overlaps route 10.66.0.128/25 on {FOREIGN}" in r.out, r.all
+    sh("ip", "-n", host_ns.name, "route", "del", "10.66.0.128/25", "dev", FOREIGN)
+    r = same_as_in_process(plan_agent, path)
+    assert r.rc == 0, r.all
     counts = plan_agent.counts()
     # every change above was read back part by part: never the whole host again
-    assert counts.get("observed", 0) == observed and counts.get("refreshed", 0) >= 7, counts
+    assert counts.get("observed", 0) == observed and counts.get("refreshed", 0) >= 9, counts
     # the files
     edited = alloc_config(tmp_path, [a, b], extra_port=True)
     r = same_as_in_process(plan_agent, edited)
@@ -441,6 +459,16 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
         declared = sorted(rng.sample(ids, rng.randint(2, len(ids))))
         alloc_config(tmp_path, declared)
 
+    foreign_veth(h)
+    routes: list[str] = []
+
+    def foreign_route() -> None:
+        """Another tool's route over the declared subnet: the plan conflicts until it goes."""
+        length = rng.randint(25, 30)
+        dst = f"10.66.0.{rng.randrange(0, 256, 1 << (32 - length))}/{length}"
+        if sh("ip", "-n", h, "route", "add", dst, "dev", FOREIGN, check=False).returncode == 0:
+            routes.append(dst)
+
     changes: list[tuple[str, Callable[[], object]]] = [
         ("route del", lambda: run_in(alloc_ns(), "route", "del", "default")),
         ("addr flush", lambda: run_in(alloc_ns(), "addr", "flush", "dev", "eth0")),
@@ -463,6 +491,7 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
         ("foreign netns with our mark", lambda: new_foreign(True)),
         ("alloc netns deleted", delete_alloc_ns),
         ("files edited", edit),
+        ("foreign route over the subnet", foreign_route),
     ]
     seen: dict[str, int] = {}
     try:
@@ -476,6 +505,9 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
                 for name in foreign:
                     sh("ip", "netns", "del", name, check=False)
                 foreign.clear()
+                for dst in routes:  # conflicts refuse the apply: the other tool gives way
+                    sh("ip", "-n", h, "route", "del", dst, "dev", FOREIGN, check=False)
+                routes.clear()
                 fixed = host_ns.reconcile("apply", path)
                 assert fixed.rc == 0, fixed.all
                 assert same_as_in_process(plan_agent, path).rc == 0

@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from reconciler.domain.live import (
+    DockerAddressSpace,
     LiveAddress,
     LiveChainSet,
     LiveLink,
@@ -112,6 +113,9 @@ class FakeHost:
         self.listening: set[tuple[str, int]] = set()
         self.host_id = HOST_ID
         self._next_nsid = 0
+        #: host routes besides the connected routes of the links' addresses (a VPN's...)
+        self.routes: list[LiveRoute] = []
+        self.docker_space: DockerAddressSpace | None = None
 
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:
@@ -124,7 +128,17 @@ class FakeHost:
                          firewall4=self.fw[4].live(), firewall6=self.fw[6].live(),
                          sysctls=dict(self.sysctls), netns=netns,
                          listening=frozenset(self.listening) if desired.allocs
-                         else frozenset())
+                         else frozenset(), routes=self._routes(desired),
+                         docker_space=self.docker_space)
+
+    def _routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
+        """Like the kernel: a connected route per address, then the others; read only when
+        something declares a prefix, as the real observer does."""
+        if not (desired.subnets or desired.docker_networks):
+            return ()
+        connected = [LiveRoute(str(a.address.network), None, False, oif=lk.index)
+                     for lk in self.links.values() for a in lk.addresses]
+        return (*connected, *self.routes)
 
     # helpers to set up foreign objects
     def add_link(self, name: str, kind: str, *, owned: bool = False, mtu: int = 1500,

@@ -128,6 +128,7 @@ def test_relative_links_in_docs_resolve(path):
     ("nomad-style-allocs.md", "examples/nomad-allocs.yaml"),
     ("kind-style-networks.md", "examples/kind-network.yaml"),
     ("fleet-with-watch.md", "examples/fleet/"),
+    ("address-space.md", "examples/address-space.yaml"),
 ])
 def test_each_guide_points_at_its_example(guide, example):
     with open(os.path.join(REPO, "docs", guide)) as fh:

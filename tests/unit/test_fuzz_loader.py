@@ -40,7 +40,8 @@ META = "&*!|>%@`{}[]:#-?,'\"\n\t\r\\$;<()~ \x00\x1b\u2028\x85é"
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 KEYS = ["version", "bridges", "subnets", "allocs", "docker_networks", "settings", "hosts", "name",
         "bridge", "cidr", "cidr6", "gateway", "range", "id", "subnet", "address", "ports", "host",
-        "to", "protocol", "host_ip", "mtu", "hairpin", "labels", "ipv6", "<<"]
+        "to", "protocol", "host_ip", "mtu", "hairpin", "labels", "ipv6", "pool", "size", "pool6",
+        "size6", "<<"]
 VALID = """\
 version: 1
 bridges:

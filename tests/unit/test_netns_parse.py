@@ -90,10 +90,21 @@ def test_inside_allocation(dumps: dict[str, list[wire.NlMsg]]) -> None:
 
 def test_routes(dumps: dict[str, list[wire.NlMsg]]) -> None:
     routes = [r for r in map(nlparse.parse_route, dumps["alloc_routes"]) if r is not None]
-    assert LiveRoute("default", "10.9.0.1", owned=True) in routes
-    assert LiveRoute("default", "fd00:9::1", owned=True) in routes
-    assert LiveRoute("10.9.0.0/24", None, owned=False) in routes  # proto kernel
-    assert LiveRoute("192.0.2.0/24", "10.9.0.2", owned=False) in routes  # proto boot
+    # eth0 is ifindex 2 inside the allocation: every route goes through it (RTA_OIF)
+    assert LiveRoute("default", "10.9.0.1", owned=True, oif=2) in routes
+    assert LiveRoute("default", "fd00:9::1", owned=True, oif=2) in routes
+    assert LiveRoute("10.9.0.0/24", None, owned=False, oif=2) in routes  # proto kernel
+    assert LiveRoute("192.0.2.0/24", "10.9.0.2", owned=False, oif=2) in routes  # proto boot
+    assert {r.type for r in routes} == {"unicast"}
+
+
+def test_route_without_a_device_and_its_type() -> None:
+    """A blackhole route has no RTA_OIF: oif 0, and its type named as ip(8) names it."""
+    body = wire.RTMSG.pack(2, 24, 0, 0, wire.RT_TABLE_MAIN, 4, 0, 6, 0)
+    body += wire.attr(wire.RTA_DST, bytes([10, 8, 0, 0]))
+    raw = wire.HDR.pack(wire.HDR.size + len(body), wire.RTM_NEWROUTE, 0, 0, 0) + body
+    route = nlparse.parse_route(wire.NlMsg.decode(raw))
+    assert route == LiveRoute("10.8.0.0/24", None, owned=False, oif=0, type="blackhole")
 
 
 def test_route_outside_main_table_is_ignored(dumps: dict[str, list[wire.NlMsg]]) -> None:

@@ -158,6 +158,9 @@ class FakeObserver:
         self.observed = 0
         self.ns_reads: list[list[str]] = []
         self.alloc_reads = 0
+        self.routes: tuple[Any, ...] = ()
+        self.route_reads = 0
+        self.docker_space: Any = None
 
     def observe(self, desired: DesiredState) -> LiveState:
         self.observed += 1
@@ -178,6 +181,13 @@ class FakeObserver:
 
     def observe_docker(self, desired: DesiredState) -> Any:
         return None
+
+    def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
+        return {"docker": None, "docker_space": self.docker_space}
+
+    def observe_routes(self, desired: DesiredState) -> Any:
+        self.route_reads += 1
+        return self.routes
 
 
 @pytest.fixture
@@ -254,6 +264,64 @@ def test_host_link_events_reread_the_host_links_only(parts: Any) -> None:
     obs.handles.netlink.links["br9"] = LiveLink("br9", 10, "bridge", 1500, True, owned=True)
     sentinels[0].units = {"links"}  # a link of ours: planned again
     assert view.plan(D, "k", OPTS)[1] == "refreshed" and obs.observed == 1
+
+
+def test_host_route_events_reread_the_routes_and_replan_only_when_they_matter(
+        parts: Any) -> None:
+    """Plans depend on host routes over declared prefixes (planner.addrspace): a route
+    datagram re-reads the routes; one far from every declared prefix keeps the plan."""
+    import ipaddress
+
+    from reconciler.domain.live import LiveRoute
+    from reconciler.domain.model import Bridge, BridgeName, Subnet
+
+    view, obs, sentinels, _names = parts
+    net = ipaddress.IPv4Network("10.1.0.0/24")
+    d = DesiredState(bridges={BridgeName("b"): Bridge(BridgeName("b"))},
+                     subnets={SubnetName("s"): Subnet(SubnetName("s"), BridgeName("b"), net)})
+    view.plan(d, "k", OPTS)
+    obs.routes = (LiveRoute("10.200.0.0/16", None, False, oif=7),)
+    sentinels[0].units = {"routes"}
+    assert view.plan(d, "k", OPTS)[1] == "cached" and obs.route_reads == 1
+    assert view.live.routes == obs.routes  # kept up to date all the same
+    obs.routes = (LiveRoute("10.1.0.0/25", None, False, oif=7),)  # over the declared subnet
+    sentinels[0].units = {"routes"}
+    assert view.plan(d, "k", OPTS)[1] == "refreshed" and obs.route_reads == 2
+    sentinels[0].units = {"links"}  # links re-read routes too: a link down drops its routes
+    obs.routes = ()
+    assert view.plan(d, "k", OPTS)[1] == "refreshed" and obs.route_reads == 3
+    assert obs.observed == 1
+
+
+def test_other_docker_networks_keep_the_plan_unless_they_meet_a_declared_prefix() -> None:
+    """Docker is read on every request; networks far from every declared prefix (other
+    tools' containers' networks come and go) leave the plan standing."""
+    import ipaddress
+
+    from reconciler.domain.live import DockerAddressSpace, DockerNetworkUse
+    from reconciler.domain.model import Bridge, BridgeName, Subnet
+
+    obs = FakeObserver()
+    view = LiveView(obs, [FakeSentinel("a")], firewall_volatile=False,  # type: ignore[arg-type]
+                    docker_volatile=True, list_names=list, planner=fake_plan)
+    d = DesiredState(bridges={BridgeName("b"): Bridge(BridgeName("b"))},
+                     subnets={SubnetName("s"): Subnet(SubnetName("s"), BridgeName("b"),
+                                                      ipaddress.IPv4Network("10.1.0.0/24"))})
+    obs.docker_space = DockerAddressSpace(True, (), (("10.9.0.0/16", 24),))
+    obs.live = dataclasses.replace(obs.live, docker_space=obs.docker_space)
+    view.plan(d, "k", OPTS)
+
+    def net(name: str, subnet: str) -> DockerNetworkUse:
+        return DockerNetworkUse(name, name * 8, (subnet,), f"br-{name}")
+
+    obs.docker_space = DockerAddressSpace(True, (net("far", "10.9.3.0/24"),),
+                                          (("10.9.0.0/16", 24),))
+    assert view.plan(d, "k", OPTS)[1] == "cached"
+    obs.docker_space = DockerAddressSpace(True, (net("far", "10.9.3.0/24"),
+                                                 net("near", "10.1.0.0/16")),
+                                          (("10.9.0.0/16", 24),))
+    assert view.plan(d, "k", OPTS)[1] == "refreshed"
+    assert obs.observed == 1
 
 
 def test_namespace_events_reread_that_namespace_only(parts: Any) -> None:
@@ -407,6 +475,50 @@ def test_other_tools_links_never_change_a_plan(seed: int) -> None:
     for opts in (PlanOptions(), PlanOptions(prune=False)):
         quiet_plan = make_plan(desired, live, opts).to_json()
         assert make_plan(desired, noisy, opts).to_json() == quiet_plan
+
+
+def test_foreign_addresses_and_routes_change_a_plan_only_through_addrspace_relevant() -> None:
+    """What the plan agent relies on for the address space: random foreign addresses and
+    routes, some over the declared subnet (10.0.0.0/24) or near it; whenever
+    ``addrspace.relevant`` is the same with them as without, so is the plan."""
+    import ipaddress
+    import random
+
+    from reconciler.domain.live import LiveAddress, LiveRoute
+    from reconciler.planner import addrspace, make_plan
+    from tests.unit.fakehost import FakeHost
+    from tests.unit.test_allocs_planner import alloc, converge, port, state
+
+    host = FakeHost()
+    desired = state(*(alloc(f"a{i}", port(8000 + i, 80, host_ip="127.0.0.1"))
+                      for i in range(3)))
+    converge(host, desired)
+    live = host.observe(desired)
+    quiet_plan = make_plan(desired, live).to_json()
+    same = differ = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+
+        def prefix(rng: random.Random = rng) -> str:
+            base = rng.choice(["10.0.0.", "10.0.1.", "10.9.0.", "192.0.2.", "127.0.0."])
+            return f"{base}{rng.randrange(0, 256, 16)}/{rng.choice([28, 30, 32])}"
+
+        links = {}
+        for i in range(rng.randint(1, 4)):
+            addrs = tuple(LiveAddress(ipaddress.ip_interface(prefix()), False)
+                          for _ in range(rng.randint(0, 2)))
+            links[f"fx{i}"] = LiveLink(f"fx{i}", 900 + i, "veth", 1500, True, False,
+                                       addresses=addrs)
+        routes = tuple(LiveRoute(str(ipaddress.ip_interface(prefix()).network), None, False,
+                                 oif=rng.choice([0, 900, 5])) for _ in range(rng.randint(0, 3)))
+        noisy = dataclasses.replace(live, links={**live.links, **links},
+                                    routes=live.routes + routes)
+        if addrspace.relevant(desired, noisy) == addrspace.relevant(desired, live):
+            same += 1
+            assert make_plan(desired, noisy).to_json() == quiet_plan, seed
+        else:
+            differ += 1
+    assert same > 20 and differ > 20, (same, differ)
 
 
 # ------------------------------------------------------------------ warm-up

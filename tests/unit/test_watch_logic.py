@@ -7,10 +7,12 @@ iptables or Docker.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -648,3 +650,75 @@ def test_link_local_is_judged_by_the_local_address_as_observation_does() -> None
             + _rta(wire.IFA_ADDRESS, glob))
     (ev,) = parse_messages(_msg(wire.RTM_NEWADDR, body))
     assert ev.link_local
+
+
+# --------------------------------------------------------------------------- address space
+
+
+def test_overlap_reports_reach_log_status_and_metric(agent_env: Any, caplog: Any) -> None:
+    from reconciler.planner.hostspace import LiveOverlap
+
+    agent, _conf, _fake = agent_env
+    o = LiveOverlap("10.66.0.0/24 on br0", "route 10.66.0.0/25 on tun0")
+    with caplog.at_level("INFO", logger="reconciler.watch"):
+        agent.on_overlaps([o])
+        agent.on_overlaps([o])  # the same again: no second warning, the same "since"
+        first = agent.board.get("address_overlaps")
+        agent.on_overlaps([])
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "route 10.66.0.0/25 on tun0 overlaps 10.66.0.0/24 on br0" \
+        in warned[0].getMessage()
+    assert [(d["owned"], d["foreign"]) for d in first] == [(o.owned, o.foreign)]
+    assert any("no longer overlaps" in r.getMessage() for r in caplog.records)
+    assert agent.board.get("address_overlaps") == []
+    assert b"reconciler_address_overlaps 0.0" in agent.metrics.render()
+    text = status.render({"address_overlaps": first, "last_pass": {}}, now=first[0]["since"] + 3)
+    assert "address overlaps: 1 (foreign, left alone):" in text
+    assert "route 10.66.0.0/25 on tun0 overlaps owned 10.66.0.0/24 on br0 (since 3s ago)" in text
+
+
+def test_the_overlap_alarm_wakes_on_addresses_and_routes_and_reports_changes() -> None:
+    from reconciler.agent.sources import OverlapAlarm
+    from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
+    from reconciler.drivers.netlink.parse import NetlinkEvent
+
+    class Reader:
+        routes: tuple[LiveRoute, ...] = ()
+
+        def dump_links(self) -> dict[str, LiveLink]:
+            br = LiveLink("br0", 5, "bridge", 1500, True, True, addresses=(
+                LiveAddress(ipaddress.ip_interface("10.66.0.1/24"), True),))
+            return {"br0": br, "tun0": LiveLink("tun0", 6, "", 1500, True, False)}
+
+        def dump_routes(self) -> tuple[LiveRoute, ...]:
+            return self.routes
+
+        def close(self) -> None:
+            pass
+
+    reader = Reader()
+    reports: list[Any] = []
+    stop = threading.Event()
+    alarm = OverlapAlarm(reports.append, stop, reader=lambda: reader, gap=0.0)
+    assert alarm.check(reader) == []  # type: ignore[arg-type]
+    reader.routes = (LiveRoute("10.66.0.0/25", None, False, oif=6),)
+    found = alarm.check(reader)  # type: ignore[arg-type]
+    assert [o.foreign for o in found] == ["route 10.66.0.0/25 on tun0"]
+    alarm.start()
+    try:
+        wait = time.monotonic() + 5
+        while not reports and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert [o.foreign for o in reports[-1]] == ["route 10.66.0.0/25 on tun0"]
+        assert not alarm.hear(NetlinkEvent("link", False, 7, name="veth9"))  # a new veth
+        assert not alarm.hear(NetlinkEvent("route", False, 7, link_local=True))  # fe80::/64
+        assert alarm.hear(NetlinkEvent("link", True, 6, name="tun0"))  # a link goes away
+        reader.routes = ()
+        assert alarm.hear(NetlinkEvent("route", True, 6))
+        wait = time.monotonic() + 5
+        while reports[-1] and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert reports[-1] == []
+    finally:
+        stop.set()
+        alarm.close()

@@ -81,7 +81,8 @@ class NetlinkSentinel(Sentinel):
         self.sock = sock
 
     def dirty(self) -> set[str]:
-        """"links" for an event of this namespace, "nsid:N" for one of namespace N."""
+        """"links" for a link or address event of this namespace, "routes" for a datagram of
+        its route events only, "nsid:N" for an event of namespace N."""
         out: set[str] = set()
         while True:
             try:
@@ -99,8 +100,8 @@ class NetlinkSentinel(Sentinel):
                     nsid = struct.unpack_from("=i", payload)[0]
             if nsid is not None:
                 out.add(f"nsid:{nsid}")
-            elif not _only_routes(data):  # host routes are not part of what is observed
-                out.add("links")
+            else:  # host routes: the address space declared prefixes are checked against
+                out.add("routes" if _only_routes(data) else "links")
 
     def arm(self) -> None:
         self.dirty()  # drop what is queued: the observation that follows sees it

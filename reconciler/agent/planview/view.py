@@ -8,7 +8,8 @@ observation and proves, on each request, that nothing it saw has changed since:
 * **netlink**: one rtnetlink socket subscribed to link, address and route
   events with ``NETLINK_LISTEN_ALL_NSID``, so it also hears every namespace
   that has an nsid here (the kernel gives one to each namespace a veth crosses
-  into: all our allocation namespaces);
+  into: all our allocation namespaces); the host's own routes are part of the
+  address space declared prefixes are checked against;
 * **/run/netns**: inotify (names created, deleted, renamed; the ownership xattr)
   and ``poll`` on /proc/self/mountinfo, then which namespace is mounted where
   under /run/netns (other mounts on the host do not count);
@@ -20,7 +21,8 @@ observation and proves, on each request, that nothing it saw has changed since:
   restart; one list call when no network is declared).
 
 Each sentinel names the part of the live state its news is about, and only
-that part is read again: the host's links (an event of this namespace), one
+that part is read again: the host's links (an event of this namespace), its
+routes (a datagram of route events only), one
 allocation namespace (an event carrying its nsid; events of namespaces not
 under /run/netns are not about anything observed), every allocation namespace
 (/run/netns changed, or a foreign namespace's ``lo`` took our mark), the
@@ -62,7 +64,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns
 from reconciler.engine.observe import Observer
-from reconciler.planner import links_that_matter, make_plan
+from reconciler.planner import addrspace, links_that_matter, make_plan
 from reconciler.planner.context import PlanOptions
 
 log = logging.getLogger("reconciler.planserver")
@@ -180,8 +182,11 @@ class LiveView:
         if "firewall" in dirty or self.firewall_volatile:
             fresh["firewall4"] = self.observer.handles.iptables(4).observe()
             fresh["firewall6"] = self.observer.handles.iptables(6).observe()
+        if "routes" in dirty or "links" in dirty:
+            # a link going down drops its IPv4 routes without a route notification
+            fresh["routes"] = self.observer.observe_routes(desired)
         if "docker" in dirty or self.docker_volatile:
-            fresh["docker"] = self.observer.observe_docker(desired)
+            fresh.update(self.observer.observe_docker_parts(desired))
         if "netns" in dirty:
             survey = self._survey(desired)
             fresh["netns"] = self.observer.observe_allocs(desired, self.live.host_id)
@@ -210,9 +215,12 @@ class LiveView:
                 changed = {k for k, v in fresh.items() if getattr(live, k) != v}
                 if changed:
                     new = dataclasses.replace(live, **fresh)
-                    if changed != {"links"} or (links_that_matter(desired, new)
-                                                != links_that_matter(desired, live)):
-                        self.plans = {}  # else: only other tools' links moved
+                    if not changed <= {"links", "routes", "docker_space"} or (
+                            links_that_matter(desired, new) != links_that_matter(desired, live)
+                            or addrspace.relevant(desired, new, prune=options.prune)
+                            != addrspace.relevant(desired, live, prune=options.prune)):
+                        self.plans = {}  # else: only other tools' links, routes and
+                        # Docker networks moved, none of them near a declared prefix
                     self.live = new
                 how = "refreshed" if not self.plans else "cached"
         if how == "observed":

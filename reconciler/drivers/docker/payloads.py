@@ -6,9 +6,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from reconciler.domain.docker import OPT_MTU
+from reconciler.domain.docker import OPT_MTU, bridge_of
 from reconciler.domain.docker import parse_mtu as _parse_mtu
-from reconciler.domain.live import LiveDockerNetwork
+from reconciler.domain.live import DockerNetworkUse, LiveDockerNetwork
 
 _DAEMON_PREFIX = "Error response from daemon: "
 
@@ -138,6 +138,12 @@ def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
         subnets=subnets,
         containers=len(attrs.get("Containers") or {}),
     )
+
+
+def network_use(attrs: Mapping[str, Any]) -> DockerNetworkUse:
+    """Where a listed network sits in the address space: its subnets and its Linux bridge."""
+    n = parse_network(attrs)
+    return DockerNetworkUse(n.name, n.id, n.subnets, bridge_of(n.id, n.options), n.owned)
 
 
 def parse_default_mtu(bridge_attrs: Mapping[str, Any]) -> int | None:

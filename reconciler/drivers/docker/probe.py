@@ -1,9 +1,11 @@
-"""One raw Docker API call, without the SDK: which scopes own networks here?
+"""One raw Docker API call, without the SDK: every network, its subnets and owner.
 
-Host-only runs must still prune networks this reconciler created earlier, so
-the daemon has to be asked; importing the Docker SDK and negotiating a client
-costs ~100 ms, this costs a few. Only a local unix socket is probed; for
-anything else the caller falls back to the SDK.
+Host-only runs must still prune networks this reconciler created earlier, and
+every declared prefix is checked against Docker's networks, so the daemon has
+to be asked; importing the Docker SDK and negotiating a client costs ~100 ms,
+one ``GET /networks`` costs a few. Only a local unix socket is probed (a
+remote daemon's networks are not on this host). The daemon's default address
+pools come from its configuration file: the API does not report them.
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ import http.client
 import json
 import os
 import socket
-import urllib.parse
+from dataclasses import dataclass
+from typing import Any
 
-from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.docker import DEFAULT_ADDRESS_POOLS, SCOPE_LABEL, parse_address_pools
+from reconciler.domain.live import DockerAddressSpace
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker.payloads import network_use
 
 DEFAULT_SOCKET = "/var/run/docker.sock"
+
+
+#: dockerd's configuration file (``dockerd --config-file`` moves it; not followed)
+DAEMON_CONFIG = "/etc/docker/daemon.json"
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -46,7 +55,43 @@ def socket_path() -> str | None:
     return None
 
 
-def owned_scopes(timeout: float = 2.0) -> set[str] | None:
+@dataclass(frozen=True)
+class Listing:
+    """What ``GET /networks`` said: every network (with its IPAM config), or why not."""
+
+    answered: bool
+    networks: tuple[dict[str, Any], ...] = ()
+    error: str | None = None
+
+
+def list_networks(timeout: float = 2.0) -> Listing | None:
+    """Every network of the local daemon; None when there is none to ask here.
+
+    None: no socket (no Docker on this host), or a DOCKER_HOST that is not a unix
+    socket (a remote daemon: its networks are not on this host).
+    """
+    path = socket_path()
+    if path is None or not os.path.exists(path):
+        return None
+    conn = _UnixConnection(path, timeout)
+    try:
+        conn.request("GET", "/networks")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            return Listing(False, error=f"docker: listing networks failed: HTTP {resp.status}")
+        listed = json.loads(body)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return Listing(False, error=f"docker daemon unreachable at {path}: {why}")
+    finally:
+        conn.close()
+    if not isinstance(listed, list):
+        return Listing(False, error="docker: listing networks: unexpected answer")
+    return Listing(True, tuple(n for n in listed if isinstance(n, dict)))
+
+
+def owned_scopes(listing: Listing | None = None, timeout: float = 2.0) -> set[str] | None:
     """Scope labels of the networks we own, or None when this probe cannot tell.
 
     An absent socket is an empty set: no daemon, nothing of ours to prune.
@@ -56,17 +101,30 @@ def owned_scopes(timeout: float = 2.0) -> set[str] | None:
         return None
     if not os.path.exists(path):
         return set()
-    filters = json.dumps({"label": [f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}"]})
-    conn = _UnixConnection(path, timeout)
-    try:
-        conn.request("GET", "/networks?filters=" + urllib.parse.quote(filters))
-        resp = conn.getresponse()
-        if resp.status != 200:
-            return None
-        listed = json.loads(resp.read())
-    except (OSError, http.client.HTTPException, ValueError):
+    if listing is None:
+        listing = list_networks(timeout)
+    if listing is None or not listing.answered:
         return None
-    finally:
-        conn.close()
-    return {str((n.get("Labels") or {}).get(SCOPE_LABEL, "")) for n in listed
-            if isinstance(n, dict)}
+    return {str((n.get("Labels") or {}).get(SCOPE_LABEL, "")) for n in listing.networks
+            if (n.get("Labels") or {}).get(DOCKER_LABEL) == DOCKER_LABEL_VALUE}
+
+
+def address_pools(path: str = DAEMON_CONFIG) -> tuple[tuple[str, int], ...]:
+    """``default-address-pools`` of the daemon's configuration, else Docker's defaults."""
+    try:
+        with open(path, "rb") as fh:
+            config = json.loads(fh.read(1 << 20))
+    except (OSError, ValueError):
+        return DEFAULT_ADDRESS_POOLS
+    return parse_address_pools(config) or DEFAULT_ADDRESS_POOLS
+
+
+def address_space(listing: Listing | None) -> DockerAddressSpace | None:
+    """Every listed network's place in the address space, and the pools; None: no Docker."""
+    if listing is None:
+        return None
+    pools = address_pools()
+    if not listing.answered:
+        return DockerAddressSpace(False, pools=pools, error=listing.error)
+    uses = sorted((network_use(n) for n in listing.networks), key=lambda u: (u.name, u.id))
+    return DockerAddressSpace(True, tuple(uses), pools)

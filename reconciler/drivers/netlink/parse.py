@@ -118,13 +118,18 @@ def parse_addr(msg: NlMsg) -> tuple[int, LiveAddress] | None:
     return index, LiveAddress(address=iface, owned=owned)
 
 
+#: rtm_type names (``ip route`` spells them the same)
+ROUTE_TYPES = {1: "unicast", 2: "local", 3: "broadcast", 4: "anycast", 5: "multicast",
+               6: "blackhole", 7: "unreachable", 8: "prohibit", 9: "throw", 10: "nat"}
+
+
 def parse_route(msg: NlMsg) -> LiveRoute | None:
     """A LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
 
     ``dst`` is ``"default"`` for a zero-length prefix of either family (the
     gateway's family tells them apart), else ``"prefix/len"``.
     """
-    family, dst_len, _src_len, _tos, table, proto, _scope, _rtype, rflags = msg.header
+    family, dst_len, _src_len, _tos, table, proto, _scope, rtype, rflags = msg.header
     a = msg.attrs
     if RTA_TABLE in a:
         table = U32.unpack_from(a[RTA_TABLE])[0]
@@ -137,7 +142,10 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     else:
         dst = f"{ipaddress.ip_address(a[RTA_DST])}/{dst_len}" if RTA_DST in a else "default"
     gw = str(ipaddress.ip_address(a[RTA_GATEWAY])) if RTA_GATEWAY in a else None
-    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO)
+    oif = U32.unpack_from(a[RTA_OIF])[0] if len(a.get(RTA_OIF, b"")) >= 4 else 0
+    return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO, oif=oif,
+                     type=ROUTE_TYPES.get(rtype, f"type {rtype}"))
+
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:
@@ -169,7 +177,9 @@ class NetlinkEvent:
     alias: str | None = None  # links only
     master: int | None = None  # links only
     proto: int | None = None  # addr: IFA_PROTO; route: rtm_protocol
-    link_local: bool = False  # addr: an IPv6 fe80::/10 address (kernel-made, never ours)
+    #: addr: an IPv6 fe80::/10 address; route: to IPv6 fe80::/10 or multicast (kernel-made
+    #: on every link, never ours, never in a declared prefix)
+    link_local: bool = False
 
 
 def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
@@ -195,10 +205,15 @@ def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
                             proto=proto[0] if proto else None, link_local=link_local)
     if kind in (RTM_NEWROUTE, RTM_DELROUTE) and len(raw) - body >= RTMSG.size:
         rtm = RTMSG.unpack_from(raw, body)
-        oif = parse_attrs(raw, body + RTMSG.size).get(RTA_OIF)
+        attrs = parse_attrs(raw, body + RTMSG.size)
+        oif = attrs.get(RTA_OIF)
+        dst = attrs.get(RTA_DST)
+        link_local = (rtm[0] == socket.AF_INET6 and dst is not None and len(dst) == 16
+                      and (ipaddress.IPv6Address(dst).is_link_local
+                           or ipaddress.IPv6Address(dst).is_multicast))
         return NetlinkEvent("route", kind == RTM_DELROUTE,
                             U32.unpack_from(oif)[0] if oif and len(oif) >= 4 else 0,
-                            proto=rtm[5])
+                            proto=rtm[5], link_local=link_local)
     return None
 
 
