@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reconciler import __version__
+from reconciler.agent.files import FileWatcher, watch_dirs
 from reconciler.agent.revision import (
     check_permissions,
     describe_revision,
@@ -34,11 +35,9 @@ from reconciler.agent.revision import (
 from reconciler.agent.schedule import Scheduler, Trigger
 from reconciler.agent.sources import (
     DockerWatcher,
-    FileWatcher,
     NetlinkWatcher,
     NetnsDirWatcher,
     OverlapAlarm,
-    watch_dirs,
 )
 from reconciler.agent.status import Metrics, StatusBoard
 from reconciler.config.load import load

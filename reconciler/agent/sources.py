@@ -1,4 +1,4 @@
-"""What asks the watch loop for a pass: file changes, netlink, /run/netns and Docker events.
+"""What asks the watch loop for a pass when the host drifts: netlink, /run/netns, Docker events.
 
 They never decide anything: a relevant event only asks the watch loop for a
 pass (level-triggered), which observes the real state and plans from it. So
@@ -22,10 +22,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer as FsObserver
-
-from reconciler.config.paths import YAML_SUFFIXES
 from reconciler.domain import ownership
 from reconciler.domain.errors import ReconcilerError
 from reconciler.drivers.netlink.listen import GROUPS, RECV_BUFFER, dump_links, open_socket
@@ -35,114 +31,7 @@ from reconciler.drivers.nsfs import NETNS_RUN_DIR
 from reconciler.drivers.nswatch import IN_CREATE, IN_MOVED_TO, IN_NAMES, RunDirWatch
 from reconciler.planner.hostspace import LiveOverlap, live_overlaps, owned_prefixes
 
-
-def relevant_path(path: str, named: Sequence[str]) -> bool:
-    """True when a changed path can alter what the loader reads from ``named`` paths."""
-    ap = os.path.abspath(path)
-    for n in named:
-        an = os.path.abspath(n)
-        if ap == an:
-            return True
-        if os.path.dirname(ap) == an:  # a file directly inside a named directory
-            base = os.path.basename(ap)
-            if base.endswith(YAML_SUFFIXES) and not base.startswith("."):
-                return True
-    return False
-
-
-def watch_dirs(paths: Sequence[str]) -> list[str]:
-    """The directories to watch (non-recursively) for the given file/directory paths."""
-    out: list[str] = []
-    for p in paths:
-        ap = os.path.abspath(p)
-        d = ap if os.path.isdir(ap) else os.path.dirname(ap)
-        if d not in out:
-            out.append(d)
-    return out
-
-
-def _links_on_the_way(path: str) -> list[str]:
-    """Every symlink among the components of ``path``."""
-    out = []
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        p = os.sep.join(parts[:i])
-        if os.path.islink(p):
-            out.append(p)
-    return out
-
-
-class _FileEvents(FileSystemEventHandler):
-    """Watchdog's callback: a change of a desired-state file or of a link on the way to one."""
-
-    def __init__(self, watcher: FileWatcher) -> None:
-        super().__init__()
-        self.watcher = watcher
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.event_type in ("opened", "closed_no_write"):
-            return
-        for p in (event.src_path, getattr(event, "dest_path", "")):
-            p = os.fsdecode(p) if p else ""
-            if p and (relevant_path(p, self.watcher.paths) or p in self.watcher.links):
-                self.watcher.on_change(p)
-                return
-
-
-class FileWatcher:
-    """Watchdog (inotify) on the directories holding the desired-state files."""
-
-    def __init__(self, paths: Sequence[str], on_change: Callable[[str], None]) -> None:
-        self.paths = list(paths)
-        self.on_change = on_change
-        self._observer = FsObserver()
-        #: watched directory -> (the real directory inotify follows, the watch)
-        self._scheduled: dict[str, tuple[str, Any]] = {}
-        #: symlinks on the way to a watched directory (git-sync, ConfigMap ..data swaps)
-        self.links: set[str] = set()
-        self._handler = _FileEvents(self)
-
-    def ensure(self) -> None:
-        """Watch every directory that exists now (a deleted one is picked up when it returns).
-
-        inotify follows symlinks once, at the time of the watch: when a link on the
-        way to a watched directory is swapped (git-sync's ``repo`` link, a
-        ConfigMap's ``..data``), the watch is moved to the new target, and the
-        directory holding the link is watched too so that the swap itself wakes us.
-        """
-        wanted = set(watch_dirs(self.paths))
-        for d in sorted(wanted):
-            for link in _links_on_the_way(d):
-                self.links.add(link)
-                wanted.add(os.path.dirname(link))
-        for d in sorted(wanted):
-            if not os.path.isdir(d):
-                continue
-            real = os.path.realpath(d)
-            current = self._scheduled.get(d)
-            if current is not None and current[0] == real:
-                continue
-            if current is not None:
-                with contextlib.suppress(KeyError, OSError):
-                    self._observer.unschedule(current[1])
-            try:
-                watch = self._observer.schedule(self._handler, d, recursive=False)
-                self._scheduled[d] = (real, watch)
-            except OSError as exc:
-                files_log.warning("cannot watch %s: %s", d, exc)
-
-    def start(self) -> None:
-        self.ensure()
-        self._observer.start()
-
-    def close(self) -> None:
-        self._observer.stop()
-        self._observer.join(timeout=2.0)
-
-
 log = logging.getLogger("reconciler.drift")
-#: the file watcher logged as part of the watch loop before it moved here: keep its name
-files_log = logging.getLogger("reconciler.watch")
 
 
 class DriftFilter:

@@ -20,10 +20,11 @@ import pytest
 
 from reconciler.agent import sources as drift
 from reconciler.agent import status
+from reconciler.agent.files import relevant_path, watch_dirs
 from reconciler.agent.loop import Agent, WatchOptions
 from reconciler.agent.revision import check_permissions
 from reconciler.agent.schedule import Scheduler, Trigger
-from reconciler.agent.sources import DriftFilter, docker_event_reason, relevant_path, watch_dirs
+from reconciler.agent.sources import DriftFilter, docker_event_reason
 from reconciler.domain import ownership
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.plan import Action, Change, Plan
@@ -610,7 +611,7 @@ def test_file_watcher_follows_git_sync_style_symlink_swaps(tmp_path):
     import threading
     import time
 
-    from reconciler.agent.sources import FileWatcher
+    from reconciler.agent.files import FileWatcher
 
     def rev(n: int) -> str:
         d = tmp_path / f"rev{n}" / "fleet"
