@@ -232,7 +232,7 @@ def _subnet(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
     if c.claim("subnet", name, doc, path):
         c.subnets[SubnetName(name)] = Subnet(
             SubnetName(name), BridgeName(raw["bridge"]), prefix, gateway, prefix6, gateway6, rng,
-            raw.get("masquerade", True), doc.source(path))
+            raw.get("masquerade", True), raw.get("isolation", "ports"), doc.source(path))
 
 
 def _host_ip(doc: Document, path: Path,

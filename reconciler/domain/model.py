@@ -16,6 +16,8 @@ AllocId = NewType("AllocId", str)
 DockerNetworkName = NewType("DockerNetworkName", str)
 
 Protocol = Literal["tcp", "udp", "both"]
+#: what a subnet forwards in from outside it: declared port maps and replies, or anything
+Isolation = Literal["ports", "open"]
 Kind = Literal["bridge", "subnet", "alloc", "docker_network"]
 
 
@@ -78,6 +80,7 @@ class Subnet:
     declared_gateway6: ipaddress.IPv6Address | None = None
     range: AddrRange | None = None
     masquerade: bool = True
+    isolation: Isolation = "ports"
     source: Source = field(default=Source("<memory>", 0), compare=False)
 
     @property

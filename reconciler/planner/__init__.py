@@ -87,6 +87,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     bridge_changes = [hostlinks.plan_bridge(ctx, desired.bridges[n])
                       for n in sorted(desired.bridges)]
     bridge_changes += hostlinks.plan_pruned_bridges(ctx)
+    _loopback_guards(ctx)
     changes += bridge_changes + subnet_changes
     changes += allocs.plan_allocs(ctx)
     changes = hostlinks.annotate_rules(ctx, changes)
@@ -109,9 +110,11 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         ctx.warnings.extend(d.warnings)
         ctx.observed[f"firewall/ipv{family}"] = {
             f"{t}/{c}": list(r) for (t, c), r in sorted(live_rules.chains.items())
-            if c.startswith(CHAIN_PREFIX) or c in ("FORWARD", "POSTROUTING",
+            if c.startswith(CHAIN_PREFIX) or c in ("FORWARD", "INPUT", "POSTROUTING",
                                                                "PREROUTING", "OUTPUT")}
-        ch = firewall.firewall_change(family, d)
+        planned = [n for n in desired.subnets if f"subnet/{n}" not in ctx.blocked]
+        ch = firewall.firewall_change(family, d,
+                                      firewall.change_notes(desired, live_rules, family, planned))
         if ch is not None:
             changes.append(ch)
     changes.sort(key=_sort_key)
@@ -120,10 +123,23 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
                                     "force_replace": opts.force_replace})
 
 
+def _loopback_guards(ctx: PlanContext) -> None:
+    """The loopback guard on every managed bridge that serves a subnet or has route_localnet on.
+
+    Port maps turn ``route_localnet`` on (never off again): a bridge whose subnet went
+    away keeps it, and so keeps its guard.
+    """
+    served = {s.bridge for s in ctx.desired.subnets.values()}
+    for name in sorted(ctx.desired.bridges):
+        localnet = ctx.live.sysctls.get(f"net/ipv4/conf/{name}/route_localnet") == "1"
+        if f"bridge/{name}" not in ctx.blocked and (name in served or localnet):
+            firewall.loopback_guard(ctx.rules4, name)
+
+
 def _keep_undeclared_rules(ctx: PlanContext) -> None:
     """With --no-prune, the rules of subnets and allocs no file declares stay as they are."""
     declared = {f"subnet={n}" for n in ctx.desired.subnets} | {
-        f"alloc={n}" for n in ctx.desired.allocs}
+        f"alloc={n}" for n in ctx.desired.allocs} | {f"bridge={n}" for n in ctx.desired.bridges}
     for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
         # chain by chain, in live order: the kept rules stay where they are
         for (_table, chain), live_rules in sorted(live.chains.items()):
@@ -132,7 +148,7 @@ def _keep_undeclared_rules(ctx: PlanContext) -> None:
             for r in live_rules:
                 owner = firewall.owner_of(r)
                 if owner is not None and owner not in declared:
-                    rules.chains.setdefault(chain, []).append(r)
+                    rules.add_rule(chain, r, head=firewall.is_ingress(chain, r))
 
 
 def _sort_key(c: Change) -> tuple[int, int, str]:

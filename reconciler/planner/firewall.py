@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveChainSet
-from reconciler.domain.model import DesiredState, Subnet
+from reconciler.domain.model import DesiredState, Subnet, SubnetName
 from reconciler.domain.ops import FirewallRestore, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, RULE_COMMENT
 from reconciler.domain.plan import Action, AttrChange, Change
@@ -21,6 +21,14 @@ from reconciler.domain.plan import Action, AttrChange, Change
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
 DNAT = CHAIN_PREFIX + "DNAT"
+INPUT = CHAIN_PREFIX + "INPUT"
+
+#: conntrack states admitted into an isolated subnet from outside it: replies, and what a
+#: declared port map DNATed (the DNAT rules in RECONCILER-DNAT are the declaration)
+ADMITTED = "RELATED,ESTABLISHED,DNAT"
+#: the loopback guard's exemptions (kube-proxy's, after CVE-2020-8558): replies to the
+#: host's own 127.0.0.1 port-map connections, and what someone DNATed to 127.0.0.0/8
+LOOPBACK_EXEMPT = "RELATED,ESTABLISHED,DNAT"
 
 _LOCAL = ("-m", "addrtype", "--dst-type", "LOCAL")
 #: owned chain -> its table and the built-in chains that jump to it (with match tokens):
@@ -28,6 +36,7 @@ _LOCAL = ("-m", "addrtype", "--dst-type", "LOCAL")
 #: own connections, 127.0.0.1 included (OUTPUT), in both cases only to local addresses.
 JUMPS: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     FORWARD: ("filter", (("FORWARD", ()),)),
+    INPUT: ("filter", (("INPUT", ()),)),
     POSTROUTING: ("nat", (("POSTROUTING", ()),)),
     DNAT: ("nat", (("PREROUTING", _LOCAL), ("OUTPUT", _LOCAL))),
 }
@@ -71,45 +80,127 @@ def live_by_owner(live: LiveChainSet) -> dict[str, list[tuple[str, str]]]:
 
 @dataclass
 class RuleSet:
-    """Desired rules of one family: owned chain -> rules in order."""
+    """Desired rules of one family: owned chain -> rules in order.
+
+    A chain has a head and a tail: rules added with ``head=True`` come before every
+    tail rule, in the order they were added. ``RECONCILER-FORWARD`` decides what
+    enters each subnet in its head and accepts what leaves in its tail, so a packet
+    from one subnet to another meets the isolation of the one it enters first,
+    whatever the order of the subnets' names.
+    """
 
     family: int
     chains: dict[str, list[str]] = field(default_factory=dict)
+    _heads: dict[str, int] = field(default_factory=dict)
 
-    def add(self, chain: str, tokens: Iterable[str]) -> None:
+    def add(self, chain: str, tokens: Iterable[str], *, head: bool = False) -> None:
         toks = tuple(tokens)
         for t in toks:
             # Defence in depth: names are validated by the loader, but nothing that
             # could end a token or a line ever reaches iptables-restore.
             if not _SAFE_TOKEN.fullmatch(t):
                 raise ValueError(f"unsafe iptables token {t!r}")
-        self.chains.setdefault(chain, []).append(" ".join(toks))
+        self.add_rule(chain, " ".join(toks), head=head)
+
+    def add_rule(self, chain: str, rule: str, *, head: bool = False) -> None:
+        """A rule already in iptables-save form (a kept live one: ``--no-prune``)."""
+        rules = self.chains.setdefault(chain, [])
+        if head:
+            n = self._heads.get(chain, 0)
+            rules.insert(n, rule)
+            self._heads[chain] = n + 1
+        else:
+            rules.append(rule)
 
     def table_of(self, chain: str) -> str:
         return JUMPS[chain][0] if chain in JUMPS else "nat"
 
 
 def subnet_rules(rs: RuleSet, s: Subnet) -> None:
-    """Nomad's admin chain (forward accept both ways) and masquerade of egress."""
+    """What is forwarded into the subnet (its isolation), what leaves it, masquerade of egress.
+
+    ``isolation: ports`` admits from outside the subnet only replies and what a
+    declared port map DNATed (conntrack keeps the original destination), plus
+    traffic between the subnet's own allocations (bridged traffic passes FORWARD with
+    ``bridge-nf-call-iptables=1``), and drops the rest: a host that routes to the
+    subnet reaches neither unmapped listeners nor mapped ports behind the map's
+    back. ``isolation: open`` is Nomad's admin chain: anything to the subnet. What
+    the host itself sends (OUTPUT) never passes FORWARD and is untouched.
+    """
     cidr = s.cidr if rs.family == 4 else s.cidr6
     if cidr is None:
         return
     c = comment("subnet", s.name)
-    rs.add(FORWARD, ("-d", str(cidr), "-o", s.bridge, *c, "-j", "ACCEPT"))
+    into = ("-d", str(cidr), "-o", s.bridge)
+    if s.isolation == "open":
+        rs.add(FORWARD, (*into, *c, "-j", "ACCEPT"), head=True)
+    else:
+        rs.add(FORWARD, (*into, "-m", "conntrack", "--ctstate", ADMITTED, *c, "-j", "ACCEPT"),
+               head=True)
+        rs.add(FORWARD, ("-s", str(cidr), "-i", s.bridge, *into, *c, "-j", "ACCEPT"), head=True)
+        rs.add(FORWARD, (*into, *c, "-j", "DROP"), head=True)
     rs.add(FORWARD, ("-s", str(cidr), "-i", s.bridge, *c, "-j", "ACCEPT"))
     if s.masquerade:
         rs.add(POSTROUTING, ("-s", str(cidr), "!", "-d", str(cidr), *c, "-j", "MASQUERADE"))
 
 
-def desired_rules(desired: DesiredState, family: int) -> RuleSet:
-    rs = RuleSet(family)
-    for name in sorted(desired.subnets):
-        subnet_rules(rs, desired.subnets[name])
-    return rs
+def is_ingress(chain: str, rule: str) -> bool:
+    """A rule of ``RECONCILER-FORWARD`` that decides what enters a subnet (goes in the head)."""
+    return chain == FORWARD and " -o " in f" {rule} "
 
 
-# Rules for further kinds (alloc port maps) register here: fn(desired, ruleset, context).
-EXTRA_RULES: list[object] = []
+def live_isolation(live: LiveChainSet, subnet: str) -> str | None:
+    """The isolation the live rules of ``subnet`` give it: "ports", "open", or None (no rules)."""
+    ingress = [r for r in live.chains.get(("filter", FORWARD), ())
+               if owner_of(r) == f"subnet={subnet}" and is_ingress(FORWARD, r)]
+    if not ingress:
+        return None
+    if any(r.endswith("-j DROP") for r in ingress):
+        return "ports"
+    return "open"
+
+
+def loopback_guard(rs: RuleSet, bridge: str) -> None:
+    """Drop what arrives on ``bridge`` for 127.0.0.0/8 unless it is a reply or was DNATed.
+
+    ``route_localnet=1`` (needed for 127.0.0.1 port maps: the kernel otherwise drops
+    loopback sources leaving a real interface) also lets the bridge accept packets *to*
+    127.0.0.0/8: an allocation that routes 127.0.0.1 via its gateway would reach the
+    host's loopback-only services (CVE-2020-8558). Packets the host sends itself
+    arrive on ``lo`` and never match ``-i BRIDGE``; the replies of 127.0.0.1 port maps
+    are ESTABLISHED. The rule is on every bridge the reconciler manages, whether or not
+    ``route_localnet`` is on at the moment, so no order of changes leaves a window.
+    """
+    if rs.family != 4:
+        return  # IPv6 has no route_localnet: the kernel never accepts ::1 from a link
+    rs.add(INPUT, ("-i", bridge, "-d", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate",
+                   LOOPBACK_EXEMPT, *comment("bridge", bridge), "-j", "DROP"))
+
+
+def change_notes(desired: DesiredState, live: LiveChainSet, family: int,
+                 subnets: Iterable[str]) -> list[str]:
+    """What a firewall change opens or closes, for the people reading the plan.
+
+    The first plan after an upgrade to ``isolation: ports`` as the default says so here.
+    """
+    notes: list[str] = []
+    for name in sorted(subnets):
+        s = desired.subnets.get(SubnetName(name))
+        cidr = None if s is None else (s.cidr if family == 4 else s.cidr6)
+        if s is None or cidr is None:
+            continue
+        was = live_isolation(live, s.name)
+        if was is None or was == s.isolation:
+            continue
+        if s.isolation == "ports":
+            notes.append(f"subnet {s.name}: isolation ports closes forwarding into {cidr} from "
+                         "outside it (other hosts, other subnets, Docker networks) except "
+                         "declared port maps and replies; it was open (every port of every "
+                         "allocation); `isolation: open` keeps that")
+        else:
+            notes.append(f"subnet {s.name}: isolation open forwards anything into {cidr} "
+                         "(every port of every allocation, for hosts that route to it)")
+    return notes
 
 
 def _owned_chains(live: LiveChainSet) -> dict[tuple[str, str], tuple[str, ...]]:
@@ -237,7 +328,7 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
                         not desired_keys, not owned, tuple(warnings))
 
 
-def firewall_change(family: int, d: FirewallDiff) -> Change | None:
+def firewall_change(family: int, d: FirewallDiff, notes: Iterable[str] = ()) -> Change | None:
     if not d.changed:
         return None
     if d.empty_live:
@@ -251,5 +342,6 @@ def firewall_change(family: int, d: FirewallDiff) -> Change | None:
         if d.stale_owners - d.missing_owners:
             parts.append("stale rules of " + ", ".join(sorted(d.stale_owners - d.missing_owners)))
         action, reason = Action.UPDATE, "; ".join(parts) or "rules or jumps differ"
+    reason = "; ".join((reason, *notes))
     return Change("firewall", f"ipv{family}", action, reason, d.attrs,
                   (encode(FirewallRestore(family, d.script)),))

@@ -1,10 +1,12 @@
 """Plans that between them hold every op kind in every shape the planner writes.
 
 ``tests/unit/fixtures/ops/plans.json`` holds these plans as the planner before
-typed ops (8d5ad83) wrote them, regenerated once for issue 18 (hairpin only on
-the ports of allocations with port maps: the same bytes as the untyped planner
-of that change, branch ``scale18``); ``test_ops`` checks that today's planner
-prints the same bytes and that every op survives decode and encode unchanged.
+typed ops (8d5ad83) wrote them, regenerated for issue 18 (hairpin only on the
+ports of allocations with port maps: the same bytes as the untyped planner of
+that change, branch ``scale18``) and for issue 14 (the firewall scripts, and the
+live fingerprints they feed, of subnet isolation and the loopback guard);
+``test_ops`` checks that today's planner prints the same bytes and that every
+op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
 ``python -m tests.unit.opscenarios > tests/unit/fixtures/ops/plans.json``.
 """

@@ -72,7 +72,10 @@ def test_create_then_nothing_to_do():
     fw = host.fw[4].chains
     assert fw[("filter", "FORWARD")] == [
         "-m comment --comment reconciler -j RECONCILER-FORWARD"]
-    assert len(fw[("filter", "RECONCILER-FORWARD")]) == 2
+    # isolation ports: replies and DNAT in, the subnet's own traffic, drop the rest; egress
+    assert len(fw[("filter", "RECONCILER-FORWARD")]) == 4
+    assert fw[("filter", "INPUT")] == ["-m comment --comment reconciler -j RECONCILER-INPUT"]
+    assert len(fw[("filter", "RECONCILER-INPUT")]) == 1
     assert len(fw[("nat", "RECONCILER-POSTROUTING")]) == 1
 
 

@@ -52,10 +52,10 @@ NASTY = [
 RESTORE_LINE = re.compile(
     r"\*(filter|nat)|COMMIT|:RECONCILER-[A-Z]+ - \[0:0\]"
     r"|-A RECONCILER-[A-Z]+( \S+)+"
-    r"|-I (FORWARD|POSTROUTING|PREROUTING|OUTPUT) 1( \S+)+"
-    r"|-D (FORWARD|POSTROUTING|PREROUTING|OUTPUT)( \S+)+"
+    r"|-I (FORWARD|INPUT|POSTROUTING|PREROUTING|OUTPUT) 1( \S+)+"
+    r"|-D (FORWARD|INPUT|POSTROUTING|PREROUTING|OUTPUT)( \S+)+"
     r"|-[FX] RECONCILER-[A-Z]+")
-TARGETS = re.compile(r"ACCEPT|MASQUERADE|DNAT|RECONCILER-[A-Z]+")
+TARGETS = re.compile(r"ACCEPT|DROP|MASQUERADE|DNAT|RECONCILER-[A-Z]+")
 LINK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 EXAMPLES = 3000 if SOAK else 300
 
@@ -173,7 +173,8 @@ STALE = LiveChainSet(True, {
 
 def check_ops(desired: DesiredState, live: LiveState) -> int:
     """Every op of the plan is safe; returns the number of restore lines checked."""
-    declared = {f"{k}={n}" for k, names_ in (("subnet", desired.subnets), ("alloc", desired.allocs))
+    declared = {f"{k}={n}" for k, names_ in (("subnet", desired.subnets), ("alloc", desired.allocs),
+                                             ("bridge", desired.bridges))
                 for n in names_}
     lines = 0
     plan = make_plan(desired, live, PlanOptions())
