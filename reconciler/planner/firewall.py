@@ -137,7 +137,9 @@ def subnet_rules(rs: RuleSet, s: Subnet) -> None:
     else:
         rs.add(FORWARD, (*into, "-m", "conntrack", "--ctstate", ADMITTED, *c, "-j", "ACCEPT"),
                head=True)
-        rs.add(FORWARD, ("-s", str(cidr), "-i", s.bridge, *into, *c, "-j", "ACCEPT"), head=True)
+        # in iptables-save's order (-s -d -i -o), or the live rule never compares equal
+        rs.add(FORWARD, ("-s", str(cidr), "-d", str(cidr), "-i", s.bridge, "-o", s.bridge, *c,
+                         "-j", "ACCEPT"), head=True)
         rs.add(FORWARD, (*into, *c, "-j", "DROP"), head=True)
     rs.add(FORWARD, ("-s", str(cidr), "-i", s.bridge, *c, "-j", "ACCEPT"))
     if s.masquerade:
@@ -173,7 +175,7 @@ def loopback_guard(rs: RuleSet, bridge: str) -> None:
     """
     if rs.family != 4:
         return  # IPv6 has no route_localnet: the kernel never accepts ::1 from a link
-    rs.add(INPUT, ("-i", bridge, "-d", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate",
+    rs.add(INPUT, ("-d", "127.0.0.0/8", "-i", bridge, "-m", "conntrack", "!", "--ctstate",
                    LOOPBACK_EXEMPT, *comment("bridge", bridge), "-j", "DROP"))
 
 

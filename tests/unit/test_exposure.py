@@ -24,7 +24,7 @@ from reconciler.ui.render import render_text
 from .fakehost import FakeHost
 
 FWD = ("filter", "RECONCILER-FORWARD")
-GUARD = ("-i br0 -d 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT "
+GUARD = ("-d 127.0.0.0/8 -i br0 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT "
          "-m comment --comment reconciler:bridge=br0 -j DROP")
 
 
@@ -59,12 +59,12 @@ def test_ports_is_the_default_and_admits_only_dnat_replies_and_the_subnet_itself
     c = "-m comment --comment reconciler:subnet=web"
     assert host.fw[4].chains[FWD] == [
         f"-d 10.0.0.0/24 -o br0 -m conntrack --ctstate RELATED,ESTABLISHED,DNAT {c} -j ACCEPT",
-        f"-s 10.0.0.0/24 -i br0 -d 10.0.0.0/24 -o br0 {c} -j ACCEPT",
+        f"-s 10.0.0.0/24 -d 10.0.0.0/24 -i br0 -o br0 {c} -j ACCEPT",
         f"-d 10.0.0.0/24 -o br0 {c} -j DROP",
         f"-s 10.0.0.0/24 -i br0 {c} -j ACCEPT"]
     assert host.fw[6].chains[FWD] == [
         f"-d fd00:1::/64 -o br0 -m conntrack --ctstate RELATED,ESTABLISHED,DNAT {c} -j ACCEPT",
-        f"-s fd00:1::/64 -i br0 -d fd00:1::/64 -o br0 {c} -j ACCEPT",
+        f"-s fd00:1::/64 -d fd00:1::/64 -i br0 -o br0 {c} -j ACCEPT",
         f"-d fd00:1::/64 -o br0 {c} -j DROP",
         f"-s fd00:1::/64 -i br0 {c} -j ACCEPT"]
 
