@@ -20,6 +20,20 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
+#: where pytest's tmp_path directories go when /tmp is the default: the watch agent refuses
+#: desired-state files under a directory others can write (the sticky /tmp included), so the
+#: tests keep theirs in one only root can write
+TRUSTED_TEMPROOT = "/var/lib/reconciler-tests"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if is_root() and not os.environ.get("PYTEST_DEBUG_TEMPROOT") and \
+            config.option.basetemp is None:
+        os.makedirs(TRUSTED_TEMPROOT, mode=0o700, exist_ok=True)
+        os.chmod(TRUSTED_TEMPROOT, 0o700)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = TRUSTED_TEMPROOT
+
+
 #: every name a test makes starts with this, so leak checks see only this run's objects
 SESSION = f"rt{secrets.token_hex(2)}"
 

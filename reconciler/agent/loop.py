@@ -45,6 +45,7 @@ from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Change
+from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
@@ -338,9 +339,16 @@ class Agent:
             files = []
         rev["files_sha256"] = files_digest(files)
         try:
-            if self.options.strict:
-                check_permissions(self.options.paths)
-            desired = load(self.options.paths, hostname=self.hostname)
+            for _attempt in range(3):
+                before = check_permissions(self.options.paths) if self.options.strict else ()
+                desired = load(self.options.paths, hostname=self.hostname)
+                # a symlink that flipped while we read could have pointed the read elsewhere:
+                # what was checked before must be what is there after
+                if not self.options.strict or check_permissions(self.options.paths) == before:
+                    break
+            else:
+                raise PreconditionError("the desired-state files kept moving while they were "
+                                        "read (3 tries); trying again at the next pass")
         except (ConfigError, PreconditionError) as exc:
             return None, rev, str(exc)
         return desired, rev, None
@@ -393,9 +401,13 @@ class Agent:
                 report.errors = [{"resource": "pass", "error": line}
                                  for line in str(exc).splitlines()[:20]]
         except Exception as exc:  # a bug or a broken socket: start over with fresh drivers
-            log.exception("pass %d: internal error", n)
             report.result = "failed"
-            report.error = f"internal error: {type(exc).__name__}: {exc}"
+            if isinstance(exc, OSError) and exc.errno in rundir.WRITE_ERRNOS:
+                # a full disk, a read-only mount: the machine's state, one line, no traceback
+                report.error = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror}"
+            else:
+                log.exception("pass %d: internal error", n)
+                report.error = f"internal error: {type(exc).__name__}: {exc}"
             report.errors = [{"resource": "pass", "error": report.error}]
             try:
                 self.reconciler.observer.handles.close()

@@ -61,33 +61,108 @@ def describe_revision(rev: dict[str, Any]) -> str:
     return "sha256:" + str(rev.get("files_sha256", ""))[:12]
 
 
-def check_permissions(paths: Sequence[str]) -> None:
+#: symlinks followed while resolving one path before giving up (the kernel's ELOOP limit)
+MAX_LINKS = 40
+
+#: (path, device, inode) of every file and directory one resolution passed through
+Chain = tuple[tuple[str, int, int], ...]
+
+
+def resolution(path: str) -> list[tuple[str, os.stat_result]]:
+    """Every directory and file the kernel passes through to open ``path``, with its lstat.
+
+    Component by component from ``/``, following each symlink where it is met: the
+    directory that holds a link is in the list (whoever can write it can flip the
+    link), and so is everything on the way to the link's target, up to ``/``.
+    """
+    out: list[tuple[str, os.stat_result]] = []
+    seen: set[str] = set()
+
+    def visit(p: str) -> os.stat_result:
+        st = os.lstat(p)
+        if p not in seen and not stat.S_ISLNK(st.st_mode):
+            seen.add(p)
+            out.append((p, st))
+        return st
+
+    todo = [c for c in os.path.abspath(path).split("/") if c]
+    cur = "/"
+    visit(cur)
+    links = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            cur = os.path.dirname(cur)  # cur is resolved already: its parent is real
+            continue
+        nxt = os.path.join(cur, part)
+        st = visit(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > MAX_LINKS:
+                raise OSError(40, "too many levels of symbolic links", path)
+            target = os.readlink(nxt)
+            todo = [c for c in target.split("/") if c] + todo
+            if target.startswith("/"):
+                cur = "/"
+            continue
+        cur = nxt
+    return out
+
+
+def _problem(p: str, st: os.stat_result, me: int) -> str | None:
+    what = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_mode & stat.S_IWOTH and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
+        return (f"{p}: refusing to watch: directory is writable by group or others (mode "
+                f"{mode:04o}; the sticky bit does not help: anyone can plant a file or link "
+                "there before us); keep the desired state in a directory only root can "
+                "write, or pass --allow-insecure-config")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{p}: refusing to watch: {what} is writable by group or others (mode "
+                f"{mode:04o}); run `chmod go-w {p}` or pass --allow-insecure-config")
+    if st.st_uid not in (0, me):
+        return (f"{p}: refusing to watch: {what} belongs to uid {st.st_uid}, not root or uid "
+                f"{me}; fix the owner or pass --allow-insecure-config")
+    return None
+
+
+def check_permissions(paths: Sequence[str]) -> Chain:
     """Refuse config that someone other than root (or us) could change, like sshd StrictModes.
 
-    The files and the directories that hold them must not be writable by group
-    or others and must belong to root or to the user running the agent.
+    Every file (each ``*.yaml`` of a named directory too) is resolved as the kernel
+    would open it, symlinks included, and each directory and file on the way, up to
+    ``/``, must belong to root or to the user running the agent and not be writable by
+    group or others — a world-writable directory is refused even with the sticky bit.
+    The watch loop calls this at every load, so a symlink that flips (git-sync, a
+    ConfigMap) is checked again where it points now. Returns what was checked
+    ((path, device, inode) in order), so a caller can tell that nothing moved while it
+    read the files.
     """
     try:
         files = expand_paths(paths)
     except ConfigError:
-        files = [p for p in paths if os.path.exists(p)]
-    targets: list[str] = []
-    for p in [*paths, *files]:
-        ap = os.path.abspath(p)
-        for t in (ap, os.path.dirname(ap)) if not os.path.isdir(ap) else (ap,):
-            if t not in targets and os.path.exists(t):
-                targets.append(t)
+        files = [p for p in paths if os.path.lexists(p)]
     me = os.geteuid()
-    for t in targets:
-        st = os.stat(t)
-        what = "directory" if stat.S_ISDIR(st.st_mode) else "file"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise PreconditionError(
-                f"{t}: refusing to watch: {what} is writable by group or others (mode "
-                f"{stat.S_IMODE(st.st_mode):04o}); run `chmod go-w {t}` or pass "
-                "--allow-insecure-config")
-        if st.st_uid not in (0, me):
-            raise PreconditionError(
-                f"{t}: refusing to watch: {what} belongs to uid {st.st_uid}, not root or uid "
-                f"{me}; fix the owner or pass --allow-insecure-config")
-
+    chain: list[tuple[str, int, int]] = []
+    done: set[str] = set()
+    for p in [*paths, *files]:
+        if not os.path.lexists(p):
+            continue
+        try:
+            steps = resolution(p)
+        except OSError as exc:
+            raise PreconditionError(f"{p}: refusing to watch: cannot resolve it: "
+                                    f"{exc.strerror or exc}") from None
+        for t, st in steps:
+            if t in done:
+                continue
+            done.add(t)
+            problem = _problem(t, st, me)
+            if problem is not None:
+                via = "" if os.path.abspath(p) == t else f" (on the way to {p})"
+                raise PreconditionError(problem.replace(": refusing to watch:",
+                                                        f"{via}: refusing to watch:", 1))
+            chain.append((t, st.st_dev, st.st_ino))
+    return tuple(chain)
