@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from reconciler.domain.errors import LockedError, PreconditionError
+from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 
-LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
+LOCK_DIR = rundir.RUN_DIR
 
 
 def lock_path() -> str:
@@ -26,13 +27,12 @@ def lock_path() -> str:
 
 
 def _open(path: str) -> int:
+    rundir.ensure_dir(LOCK_DIR)
     try:
-        os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return rundir.open_file(path, 0o644)
     except OSError as exc:
-        raise PreconditionError(f"cannot open the host lock {path}: {exc.strerror} "
-                                "(run as root; RECONCILER_LOCK_DIR must be a writable "
-                                "directory)") from None
+        raise PreconditionError(f"cannot open the host lock: "
+                                f"{rundir.describe_open_error(path, exc)}") from None
 
 
 def _is_current(fd: int, path: str) -> bool:
@@ -71,8 +71,12 @@ def host_lock(timeout: float = 60.0, poll: float = 0.1) -> Iterator[None]:
                 break
             os.close(fd)  # locked a file its holder had already removed: take the new one
             fd = _open(path)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # ENOSPC, EDQUOT: the lock holds all the same, say so once
+            raise PreconditionError(f"cannot write the host lock {path}: {exc.strerror}") \
+                from None
         try:
             yield
         finally:

@@ -35,6 +35,7 @@ from reconciler.config.load import load_sources
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
+from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode, mount_ns_inode
 from reconciler.planner.context import PlanOptions
 from reconciler.ui.options import plan_options
@@ -75,10 +76,10 @@ class PlanServer:
 
     def start(self) -> bool:
         """Bind and serve; False (logged) when another agent serves this namespace."""
-        os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
+        rundir.ensure_dir(RUN_DIR)
         lock_path = self.path[: -len(".sock")] + ".lock"
         while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = rundir.open_file(lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
