@@ -8,17 +8,18 @@ operator started the agent from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ipaddress
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import (
@@ -33,6 +34,8 @@ from prometheus_client import (
 from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
 
 DEFAULT_ADDR = "127.0.0.1:9477"
+
+log = logging.getLogger("reconciler.status")
 
 
 class Metrics:
@@ -68,6 +71,9 @@ class Metrics:
                                       "Foreign addresses and routes on the host that overlap "
                                       "a prefix the reconciler owns, now (each pair once)",
                                       registry=r)
+        self.status_refused = Counter("reconciler_status_connections_refused",
+                                      "Status server connections closed unanswered (idle "
+                                      "too long, too many open, malformed)", registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
 
@@ -114,9 +120,9 @@ def bind(addr: str) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(16)
+        sock.listen(128)  # a flood of connects must not make a real client wait for SYN retries
         if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
-            logging.getLogger("reconciler.status").warning(
+            log.warning(
                 "status and metrics on %s are reachable beyond this host and have no "
                 "authentication (they show paths, errors and the revision); the default is "
                 "127.0.0.1:9477", addr)
@@ -127,52 +133,224 @@ def bind(addr: str) -> socket.socket:
     return sock
 
 
+#: HTTP reason phrases of the codes the status server answers with
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class _Conn:
+    """One client connection: what it sent so far, what we still have to send, its deadline."""
+
+    __slots__ = ("deadline", "out", "peer", "request", "sock")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.request = bytearray()
+        self.out: bytes | None = None
+        self.deadline = deadline
+
+
 class StatusServer:
-    """``/status`` (JSON), ``/metrics`` (Prometheus text), ``/healthz`` on a pre-bound socket."""
+    """``/status`` (JSON), ``/metrics`` (Prometheus text), ``/healthz`` on a pre-bound socket.
+
+    One thread and a selector, not a thread per connection: anyone on the host can
+    connect to loopback, and 4000 idle connections must not become 4000 threads, nor
+    use up the agent's file descriptors (then passes fail and drift goes unhealed).
+    A client has ``REQUEST_TIMEOUT`` seconds to send its request and as long again to
+    read the answer; at most ``MAX_CONNECTIONS`` are open at once, and a new one
+    pushes out the oldest that has not finished its request, so a flood of idle
+    connections cannot keep `/healthz` from answering. What a client causes is
+    logged as one line (at most one a second per peer, with a count), never a
+    traceback.
+    """
+
+    MAX_CONNECTIONS = 64
+    REQUEST_TIMEOUT = 5.0
+    MAX_REQUEST = 8192
 
     def __init__(self, sock: socket.socket, board: StatusBoard, metrics: Metrics,
-                 healthy: Callable[[], tuple[bool, str]]) -> None:
-        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+                 healthy: Callable[[], tuple[bool, str]], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/status": lambda: (200, "application/json",
                                 json.dumps(board.snapshot(), indent=2).encode() + b"\n"),
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics.render()),
             "/healthz": lambda: _health(healthy),
         }
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "reconciler"
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                route = routes.get(self.path.split("?", 1)[0].rstrip("/") or "/")
-                code, ctype, body = route() if route else (404, "text/plain", b"not found\n")
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass  # operators poll these; do not fill the journal
-
-        self.httpd = ThreadingHTTPServer(sock.getsockname()[:2], Handler,
-                                         bind_and_activate=False)
-        self.httpd.socket.close()
-        self.httpd.socket = sock
-        self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="status-http",
-                                        kwargs={"poll_interval": 0.2}, daemon=True)
+        self.sock = sock
+        self.metrics = metrics
+        self.clock = clock
+        sock.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(sock, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: dict[socket.socket, _Conn] = {}  # insertion order: oldest first
+        self._stop = threading.Event()
+        self._noted: dict[str, tuple[float, int]] = {}  # peer -> (last line, refused since)
+        self._thread = threading.Thread(target=self._serve, name="status-http", daemon=True)
 
     @property
     def address(self) -> str:
-        host, port = self.httpd.socket.getsockname()[:2]
+        host, port = self.sock.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            self._sel.unregister(self.sock)
+        self.sock.close()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- the loop --------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._sel.select(timeout=0.25)
+            except OSError as exc:  # never expected; do not spin
+                log.warning("status server: select: %s", exc)
+                self._stop.wait(0.25)
+                continue
+            for key, mask in events:
+                if key.data is None:
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                else:
+                    self._io(key.data, mask)
+            self._expire()
+
+    def _accept(self) -> None:
+        for _ in range(256):  # then serve the others: a flood must not starve them
+            try:
+                client, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: free one and go on later
+                self._note("-", f"cannot accept ({exc.strerror or exc})")
+                oldest = next(iter(self._conns.values()), None)
+                if oldest is not None:
+                    self._drop(oldest)
+                return
+            client.setblocking(False)
+            peer = str(addr[0]) if isinstance(addr, tuple) else "-"
+            if len(self._conns) >= self.MAX_CONNECTIONS:
+                idle = next((c for c in self._conns.values() if c.out is None), None)
+                if idle is None:  # all are being answered: the newcomer waits its turn
+                    self._refuse(client, peer, "too many connections")
+                    continue
+                self._refuse(idle.sock, idle.peer, f"more than {self.MAX_CONNECTIONS} open, "
+                                                   "the oldest idle one closed", conn=idle)
+            conn = _Conn(client, peer, self.clock() + self.REQUEST_TIMEOUT)
+            self._conns[client] = conn
+            self._sel.register(client, selectors.EVENT_READ, conn)
+
+    def _io(self, conn: _Conn, mask: int) -> None:
+        try:
+            if conn.out is None and mask & selectors.EVENT_READ:
+                data = conn.sock.recv(4096)
+                if not data:
+                    self._drop(conn)
+                    return
+                conn.request += data
+                if len(conn.request) > self.MAX_REQUEST:
+                    self._note(conn.peer, "request too large")
+                    self._answer(conn, 431, "text/plain", b"request too large\n")
+                elif b"\r\n\r\n" in conn.request or b"\n\n" in conn.request:
+                    self._answer(conn, *self._route(conn))
+            elif conn.out is not None and mask & selectors.EVENT_WRITE:
+                sent = conn.sock.send(conn.out)
+                conn.out = conn.out[sent:]
+                if not conn.out:
+                    self._drop(conn)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset by the client: nothing to tell anyone
+            self._drop(conn)
+
+    def _route(self, conn: _Conn) -> tuple[int, str, bytes, bool]:
+        line = bytes(conn.request).split(b"\n", 1)[0].decode("latin-1").strip()
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            self._note(conn.peer, "malformed request")
+            return 400, "text/plain", b"bad request\n", False
+        method, target = parts[0], parts[1]
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"GET only\n", method == "HEAD"
+        route = self.routes.get(target.split("?", 1)[0].rstrip("/") or "/")
+        if route is None:
+            return 404, "text/plain", b"not found\n", method == "HEAD"
+        try:
+            code, ctype, body = route()
+        except Exception as exc:  # a bug of ours: one line, the agent goes on
+            log.warning("status server: %s failed: %s: %s", target[:64], type(exc).__name__, exc)
+            return 500, "text/plain", b"internal error\n", method == "HEAD"
+        return code, ctype, body, method == "HEAD"
+
+    def _answer(self, conn: _Conn, code: int, ctype: str, body: bytes,
+                head_only: bool = False) -> None:
+        head = (f"HTTP/1.0 {code} {_REASONS.get(code, 'Unknown')}\r\nServer: reconciler\r\n"
+                f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        conn.out = head if head_only else head + body
+        conn.deadline = self.clock() + self.REQUEST_TIMEOUT
+        self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for conn in [c for c in self._conns.values() if c.deadline <= now]:
+            what = "did not send a request" if conn.out is None else "did not read the answer"
+            self._refuse(conn.sock, conn.peer,
+                         f"{what} within {self.REQUEST_TIMEOUT:g}s", conn=conn)
+
+    def _refuse(self, sock: socket.socket, peer: str, why: str, conn: _Conn | None = None) -> None:
+        self.metrics.status_refused.inc()
+        self._note(peer, why)
+        if conn is not None:
+            self._drop(conn)
+        else:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _drop(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock, None)
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def _note(self, peer: str, why: str) -> None:
+        """One log line per refused client: at most one a second per peer, with a count."""
+        now = self.clock()
+        last, since = self._noted.get(peer, (-1e9, 0))
+        if now - last < 1.0:
+            self._noted[peer] = (last, since + 1)
+            return
+        more = f" (and {since} more since the last line)" if since else ""
+        log.warning("status server: closed a connection from %s: %s%s", peer, why, more)
+        self._noted[peer] = (now, 0)
+        if len(self._noted) > 1024:  # peers come and go: keep the table small
+            self._noted = {peer: self._noted[peer]}
 
 
 def _health(healthy: Callable[[], tuple[bool, str]]) -> tuple[int, str, bytes]:
