@@ -23,6 +23,7 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
+from reconciler.domain.ownership import reserved_link_name
 
 #: names /proc/sys/net/*/conf uses for itself: a link with these names would be ambiguous
 RESERVED_IFNAMES = frozenset({"all", "default", ".", ".."})
@@ -121,6 +122,10 @@ def _bridge(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
     if name.startswith("-"):
         raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} starts with "
                                          "'-' and would read as an option to ip or iptables")
+    reserved = reserved_link_name(name)
+    if reserved is not None:
+        raise doc.error((*path, "name"), f"{format_path((*path, 'name'))}: {name!r} is in a "
+                                         f"pattern the reconciler reserves: {reserved}")
     if c.claim("bridge", name, doc, path):
         c.bridges[BridgeName(name)] = Bridge(BridgeName(name), raw.get("mtu"),
                                              raw.get("hairpin", True), doc.source(path))

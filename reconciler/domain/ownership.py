@@ -7,6 +7,7 @@ reconciler and need no side file that could be lost or go stale.
 from __future__ import annotations
 
 import hashlib
+import re
 
 #: IFLA_IFALIAS of every link we create (bridges, alloc veths).
 LINK_ALIAS = "managed-by=reconciler"
@@ -38,6 +39,26 @@ def alloc_veth_name(alloc_id: str) -> str:
     hash make a collision among thousands of allocations negligible.
     """
     return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
+
+
+#: prefix of the name a bridge has between its creation and its rename (drivers/netlink)
+TEMP_BRIDGE_PREFIX = "rcltmp"
+
+#: link names the reconciler gives its own objects: a declared link of such a name would be
+#: taken for (or collide with) one of them, so the loader refuses it (pattern, what it is)
+RESERVED_LINK_NAMES = (
+    (re.compile(r"vr[0-9a-f]{12}"), "the host-side veth name of an allocation (vr + 12 hex)"),
+    (re.compile(TEMP_BRIDGE_PREFIX + r"[0-9a-f]{8}"),
+     "the temporary name of a bridge being created (rcltmp + 8 hex)"),
+)
+
+
+def reserved_link_name(name: str) -> str | None:
+    """What reserved pattern ``name`` is in, or None."""
+    for pattern, what in RESERVED_LINK_NAMES:
+        if pattern.fullmatch(name):
+            return what
+    return None
 
 
 def alloc_ns_alias(host_id: str) -> str:

@@ -123,7 +123,7 @@ class Netlink(NetlinkReader):
         solicitations to every port. A subnet with IPv6 turns it back on when it
         adds its gateway (``engine.hostops.HostOps``, ``AddrAdd``).
         """
-        tmp = name if alias is None else "rcltmp" + secrets.token_hex(4)
+        tmp = name if alias is None else ownership.TEMP_BRIDGE_PREFIX + secrets.token_hex(4)
         body = ifinfo() + str_attr(IFLA_IFNAME, tmp)
         if mtu is not None:
             body += u32_attr(IFLA_MTU, mtu)
