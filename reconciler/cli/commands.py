@@ -27,7 +27,7 @@ from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import CHAIN_PREFIX
 from reconciler.domain.plan import Plan
-from reconciler.drivers import netns
+from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
 from reconciler.ui.parser import build_parser
 from reconciler.ui.render import (
@@ -85,8 +85,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = Reconciler().plan(desired, plan_options(args))
     _print_plan(plan, args)
     if out is not None:
-        with out:
-            write_json(plan, out)
+        try:
+            with out:
+                write_json(plan, out)
+        except OSError as exc:  # ENOSPC, EDQUOT, EIO: at write or at close
+            raise ConfigError(f"cannot write the plan here: {exc.strerror or exc}",
+                              file=args.out) from None
         print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
               file=sys.stderr)
     return plan_exit(plan)
@@ -289,6 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug, not a user error: one line, details with -vv
         if args.verbose > 1:
             raise
+        if isinstance(exc, OSError) and exc.errno in rundir.WRITE_ERRNOS:
+            # a full disk, a read-only mount, a directory we may not write: the machine's
+            # state, not a bug
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"internal error: {type(exc).__name__}: {exc} (run with -vv for details)",
               file=sys.stderr)
         return EXIT_ERROR

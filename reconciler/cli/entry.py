@@ -203,8 +203,13 @@ def answer(argv: list[str]) -> int | None:
         sys.stdout.write(str(reply.get("stdout", "")))
         sys.stdout.flush()
         if out is not None:
-            with out:
-                out.write(str(reply.get("out_json", "")))
+            try:
+                with out:
+                    out.write(str(reply.get("out_json", "")))
+            except OSError as exc:  # ENOSPC, EDQUOT, EIO: as the CLI words it
+                print(f"error: {call.out}: cannot write the plan here: {exc.strerror or exc}",
+                      file=sys.stderr)
+                return 1
             print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly "
                   "it.", file=sys.stderr)
     except BrokenPipeError:

@@ -15,6 +15,7 @@ each other.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -146,12 +147,47 @@ def other_backend_problem(active: str, docker_chains_elsewhere: Sequence[str]) -
             "Docker, then run again")
 
 
-def check_backend_mismatch() -> str | None:
-    """Detect EDGE-CASES #26: our iptables and Docker's on different backends."""
-    active = IptablesDriver(4).backend()
+#: the kernel's list of iptables-legacy tables in the current network namespace
+LEGACY_TABLES = {4: "/proc/net/ip_tables_names", 6: "/proc/net/ip6_tables_names"}
+
+
+def _legacy_tables(family: int) -> bool:
+    """Does this namespace hold any iptables-legacy table? (no process: a /proc read)"""
+    try:
+        with open(LEGACY_TABLES[family]) as fh:
+            return bool(fh.read().strip())
+    except OSError:
+        return False  # x_tables not loaded: no legacy table anywhere
+
+
+def docker_chains(chains: LiveChainSet) -> list[str]:
+    """Names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's rules."""
+    return sorted({c for (_t, c) in chains.chains if c.startswith("DOCKER")})
+
+
+def check_backend_mismatch(family: int = 4) -> str | None:
+    """Detect EDGE-CASES #26: our iptables and Docker's rules on different backends.
+
+    dockerd writes its chains with whichever ``iptables`` it runs: with the nf_tables
+    backend they are tables ``ip filter``/``ip nat`` in nftables, which iptables-nft-save
+    shows and iptables-legacy-save does not; with the legacy backend they are x_tables,
+    listed in /proc/net/ip_tables_names, which only iptables-legacy-save shows. Rules in
+    the two hide each other, and an ACCEPT of ours in one cannot undo Docker's FORWARD
+    DROP in the other: refuse, naming the chains. Per network namespace, as Docker's
+    rules are (a ``--netns`` sandbox never sees the host's dockerd). Cheap when there is
+    nothing to find: the nf_tables side asks the kernel's table list first.
+    """
+    save, _restore, cmd = _TOOLS[family]
+    real = os.path.basename(os.path.realpath(shutil.which(save) or save))
+    active = "legacy" if "legacy" in real else "nf_tables" if "nft" in real else None
     if active is None:
+        active = IptablesDriver(family).backend()
+        if active is None:
+            return None
+    if active == "nf_tables" and not _legacy_tables(family):
         return None
-    other_save = "iptables-legacy-save" if active == "nf_tables" else "iptables-nft-save"
+    prefix = "iptables" if family == 4 else "ip6tables"
+    other_save = f"{prefix}-legacy-save" if active == "nf_tables" else f"{prefix}-nft-save"
     if shutil.which(other_save) is None:
         return None
     try:
@@ -160,12 +196,11 @@ def check_backend_mismatch() -> str | None:
         return None
     if out.returncode != 0:
         return None
-    mine = parse_save(out.stdout)
-    docker = sorted({c for (_t, c) in mine.chains if c.startswith("DOCKER")})
-    if not docker:
+    theirs = docker_chains(parse_save(out.stdout))
+    if not theirs:
         return None
-    # Docker's chains in both backends: it is happy with ours too.
-    here = IptablesDriver(4).observe()
-    if any(c.startswith("DOCKER") for (_t, c) in here.chains):
+    # Docker's chains in both backends (a switch of alternatives left the old ones): ours
+    # holds them too, so Docker runs with our backend now
+    if docker_chains(IptablesDriver(family).observe()):
         return None
-    return other_backend_problem(active, docker)
+    return other_backend_problem(active, theirs)

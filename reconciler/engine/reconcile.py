@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ops import AddrAdd, AllocConfigure, NetnsCreate
+from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.plan import Plan
-from reconciler.drivers import netns
+from reconciler.drivers import iptables, netns
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.observe import Observer
@@ -122,6 +122,14 @@ def preflight(plan: Plan) -> None:
             raise PreconditionError(problem)
     if any(op.name == NetnsCreate.NAME for c in plan.actionable for op in c.ops):
         problem = netns.private_mount_namespace_problem()
+        if problem is not None:
+            raise PreconditionError(problem)
+    families = {typed.family for c in plan.actionable for op in c.ops
+                if op.name == FirewallRestore.NAME
+                and isinstance(typed := decode(op), FirewallRestore)}
+    for family in sorted(families):
+        # our rules in one iptables backend, Docker's in the other: neither sees the other's
+        problem = iptables.check_backend_mismatch(family)
         if problem is not None:
             raise PreconditionError(problem)
 
