@@ -31,7 +31,11 @@ def ensure_dir(path: str = RUN_DIR) -> str:
             os.mkdir(path, 0o700)
         st = os.lstat(path)
     except OSError as exc:
-        raise PreconditionError(f"cannot make the run directory {path}: {exc.strerror} "
+        why = exc.strerror
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+            bad = _first_non_directory(path)
+            why = f"{bad} is not a directory" if bad else why
+        raise PreconditionError(f"cannot make the run directory {path}: {why} "
                                 "(run as root; RECONCILER_LOCK_DIR must name a directory "
                                 "root can write)") from None
     problem = dir_problem(st, os.geteuid())
@@ -39,6 +43,15 @@ def ensure_dir(path: str = RUN_DIR) -> str:
         raise PreconditionError(f"refusing the run directory {path}: {problem}; remove it "
                                 "(root recreates it 0700) or fix it")
     return path
+
+
+def _first_non_directory(path: str) -> str | None:
+    p = "/"
+    for part in os.path.abspath(path).split("/")[1:-1]:
+        p = os.path.join(p, part)
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return p
+    return None
 
 
 def dir_problem(st: os.stat_result, me: int) -> str | None:

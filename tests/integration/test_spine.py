@@ -40,8 +40,12 @@ def test_apply_example_then_plan_is_empty(host_ns: Netns):
     assert host_ns.addrs("rcl0") == ["172.26.64.1/20", "fd00:a:b::1/64"]
     v4 = host_ns.iptables_save(4)
     assert "-A FORWARD -m comment --comment reconciler -j RECONCILER-FORWARD" in v4
-    assert ("-A RECONCILER-FORWARD -d 172.26.64.0/20 -o rcl0 -m comment --comment "
+    # isolation ports (the default): replies and DNAT in, the subnet itself, the rest dropped
+    assert ("-A RECONCILER-FORWARD -d 172.26.64.0/20 -o rcl0 -m conntrack --ctstate "
+            "RELATED,ESTABLISHED,DNAT -m comment --comment "
             '"reconciler:subnet=rcl-net" -j ACCEPT') in v4
+    assert ("-A RECONCILER-FORWARD -d 172.26.64.0/20 -o rcl0 -m comment --comment "
+            '"reconciler:subnet=rcl-net" -j DROP') in v4
     assert ("-A RECONCILER-POSTROUTING -s 172.26.64.0/20 ! -d 172.26.64.0/20 -m comment "
             '--comment "reconciler:subnet=rcl-net" -j MASQUERADE') in v4
     assert "-A RECONCILER-FORWARD -d fd00:a:b::/64 -o rcl0" in host_ns.iptables_save(6)
@@ -260,7 +264,8 @@ def test_plan_alias_after_global_options(host_ns: Netns):
 
 def test_lock_dir_problem_is_one_clear_error(host_ns: Netns):
     r = host_ns.reconcile("apply", EXAMPLE, env={"RECONCILER_LOCK_DIR": "/etc/hostname/x"})
-    assert r.rc == 1 and "cannot open the host lock" in r.err and "internal error" not in r.err
+    assert r.rc == 1 and "cannot make the run directory /etc/hostname/x: /etc/hostname is not " \
+        "a directory" in r.err and "internal error" not in r.err
 
 
 def test_foreign_rules_referring_to_our_chains_are_never_touched(host_ns: Netns, tmp_path):
