@@ -175,8 +175,14 @@ def loopback_guard(rs: RuleSet, bridge: str) -> None:
     """
     if rs.family != 4:
         return  # IPv6 has no route_localnet: the kernel never accepts ::1 from a link
+    c = comment("bridge", bridge)
+    # replies on the bridge to what the host started (its port-map connections, 127.0.0.1
+    # ones included): they must come back however the host's INPUT defaults (ufw's deny,
+    # or its rules flushed under a DROP policy)
+    rs.add(INPUT, ("-i", bridge, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", *c,
+                   "-j", "ACCEPT"))
     rs.add(INPUT, ("-d", "127.0.0.0/8", "-i", bridge, "-m", "conntrack", "!", "--ctstate",
-                   LOOPBACK_EXEMPT, *comment("bridge", bridge), "-j", "DROP"))
+                   LOOPBACK_EXEMPT, *c, "-j", "DROP"))
 
 
 def change_notes(desired: DesiredState, live: LiveChainSet, family: int,

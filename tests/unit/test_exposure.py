@@ -24,8 +24,10 @@ from reconciler.ui.render import render_text
 from .fakehost import FakeHost
 
 FWD = ("filter", "RECONCILER-FORWARD")
-GUARD = ("-d 127.0.0.0/8 -i br0 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT "
-         "-m comment --comment reconciler:bridge=br0 -j DROP")
+GUARD = ["-i br0 -m conntrack --ctstate RELATED,ESTABLISHED -m comment --comment "
+         "reconciler:bridge=br0 -j ACCEPT",
+         "-d 127.0.0.0/8 -i br0 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT "
+         "-m comment --comment reconciler:bridge=br0 -j DROP"]
 
 
 def subnet(name: str, br: str, cidr: str, isolation: Isolation = "ports",
@@ -120,7 +122,7 @@ def test_the_loopback_guard_is_on_every_bridge_that_serves_a_subnet():
     converge(host, state(subnet("web", "br0", "10.0.0.0/24")))
     assert host.fw[4].chains[("filter", "INPUT")] == [
         "-m comment --comment reconciler -j RECONCILER-INPUT"]
-    assert host.fw[4].chains[("filter", "RECONCILER-INPUT")] == [GUARD]
+    assert host.fw[4].chains[("filter", "RECONCILER-INPUT")] == GUARD
     assert ("filter", "RECONCILER-INPUT") not in host.fw[6].chains  # no route_localnet in v6
 
 
@@ -129,7 +131,7 @@ def test_the_guard_stays_while_route_localnet_outlives_the_subnet():
     converge(host, state(subnet("web", "br0", "10.0.0.0/24")))
     host.sysctls["net/ipv4/conf/br0/route_localnet"] = "1"  # port maps turned it on
     converge(host, state(bridges=("br0",)))
-    assert host.fw[4].chains[("filter", "RECONCILER-INPUT")] == [GUARD]
+    assert host.fw[4].chains[("filter", "RECONCILER-INPUT")] == GUARD
     host.sysctls["net/ipv4/conf/br0/route_localnet"] = "0"
     converge(host, state(bridges=("br0",)))
     assert ("filter", "RECONCILER-INPUT") not in host.fw[4].chains

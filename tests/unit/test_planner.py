@@ -75,7 +75,7 @@ def test_create_then_nothing_to_do():
     # isolation ports: replies and DNAT in, the subnet's own traffic, drop the rest; egress
     assert len(fw[("filter", "RECONCILER-FORWARD")]) == 4
     assert fw[("filter", "INPUT")] == ["-m comment --comment reconciler -j RECONCILER-INPUT"]
-    assert len(fw[("filter", "RECONCILER-INPUT")]) == 1
+    assert len(fw[("filter", "RECONCILER-INPUT")]) == 2
     assert len(fw[("nat", "RECONCILER-POSTROUTING")]) == 1
 
 
