@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
@@ -14,7 +14,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.plan import Plan
-from reconciler.drivers import iptables, netns
+from reconciler.drivers import firewalld, iptables, netns
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.observe import Observer
@@ -86,7 +86,7 @@ class Reconciler:
         result = ApplyResult(plan)
         if not plan.has_changes:
             return result
-        preflight(plan)
+        preflight(plan, sorted({s.bridge for s in desired.subnets.values()}))
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():
@@ -105,7 +105,7 @@ class Reconciler:
         return residual
 
 
-def preflight(plan: Plan) -> None:
+def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:
     """Refuse, before changing anything, a plan that could only half work here.
 
     Under ``ip netns exec`` (a private, slave mount namespace) the namespaces we
@@ -132,6 +132,10 @@ def preflight(plan: Plan) -> None:
         problem = iptables.check_backend_mismatch(family)
         if problem is not None:
             raise PreconditionError(problem)
+    # firewalld's own reject outranks any ACCEPT of ours: the bridges must be in its zones
+    problem = firewalld.bridges_problem(subnet_bridges)
+    if problem is not None:
+        raise PreconditionError(problem)
 
 
 MIN_KERNEL = (5, 18)
