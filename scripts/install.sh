@@ -18,11 +18,26 @@ command -v conntrack >/dev/null || need+=(conntrack)
 command -v python3 >/dev/null || need+=(python3)
 if [ "${1:-}" = "--test" ]; then
   command -v zsh >/dev/null || need+=(zsh)  # the completion test checks the zsh script
+  # the coexistence matrix runs them inside namespaces of its own, never on the machine
+  command -v firewalld >/dev/null || need+=(firewalld)
+  command -v ufw >/dev/null || need+=(ufw)
+  command -v dbus-daemon >/dev/null || need+=(dbus-daemon)
 fi
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ]; then
+  # no package may start its service on this machine (firewalld would take over its
+  # firewall): invoke-rc.d asks policy-rc.d, and 101 means "not now"
+  guard=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    guard=1
+  fi
+  trap '[ -n "$guard" ] && rm -f /usr/sbin/policy-rc.d' EXIT
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  [ -n "$guard" ] && rm -f /usr/sbin/policy-rc.d
+  guard=""
 fi
 if [ ! -x "$VENV/bin/pip" ]; then
   python3 -m venv "$VENV"
