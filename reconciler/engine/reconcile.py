@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -63,7 +64,13 @@ class Reconciler:
 
     def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
         live = self.observe(desired)
-        return make_plan(desired, live, options, desired.file_hashes)
+        plan = make_plan(desired, live, options, desired.file_hashes)
+        # also when nothing is to change: a bridge taken out of firewalld's zones leaves the
+        # rules as they were and the allocations' own traffic rejected
+        problem = firewalld.bridges_problem(subnet_bridges(desired))
+        if problem is not None:
+            plan = dataclasses.replace(plan, errors=(*plan.errors, problem))
+        return plan
 
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
@@ -86,7 +93,7 @@ class Reconciler:
         result = ApplyResult(plan)
         if not plan.has_changes:
             return result
-        preflight(plan, sorted({s.bridge for s in desired.subnets.values()}))
+        preflight(plan, subnet_bridges(desired))
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():
@@ -103,6 +110,10 @@ class Reconciler:
             self.sleep(delay)
             residual = make_plan(desired, self.observe(desired), options)
         return residual
+
+
+def subnet_bridges(desired: DesiredState) -> list[str]:
+    return sorted({s.bridge for s in desired.subnets.values()})
 
 
 def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:

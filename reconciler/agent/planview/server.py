@@ -35,7 +35,7 @@ from reconciler.config.load import load_sources
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
-from reconciler.drivers import rundir
+from reconciler.drivers import firewalld, rundir
 from reconciler.drivers.nsfs import current_inode, mount_ns_inode
 from reconciler.planner.context import PlanOptions
 from reconciler.ui.options import plan_options
@@ -202,6 +202,8 @@ class PlanServer:
         tools = tool_paths()
         if request.get("tools") != tools:
             raise Declined("the agent finds other iptables tools (PATH)")
+        if firewalld.running():  # the in-process plan asks firewalld about zones: it answers
+            raise Declined("firewalld runs here")
         if tools != self.tools:  # e.g. update-alternatives switched the iptables backend
             assert self.view is not None
             self.view.close()
