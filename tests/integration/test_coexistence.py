@@ -10,6 +10,8 @@ data-root, exec-root, pidfile and socket. The machine's own firewall is never to
 
 In every cell: port maps are reachable from the client, from the host and from
 127.0.0.1; undeclared ports (of the host, and of the allocation's own address) are not;
+the allocation reaches the client (its own traffic: firewalld rejects it until the
+bridge is in a zone that accepts it, which apply refuses to leave unsaid);
 and after each reload (the manager's, a dockerd restart, ``iptables -F``, ``nft flush
 ruleset``) the next apply heals. CI runs the six ``CI_CELLS`` (every pair of values of two
 axes meets in one); ``RECONCILER_SOAK=1`` all twelve.
@@ -30,7 +32,7 @@ import pytest
 
 from tests.conftest import REPO, Netns, sh, unique, write
 from tests.figures import SOAK, report
-from tests.integration.traffic import HOST_IP, client_of, fetch, listening, scan
+from tests.integration.traffic import CLIENT_IP, HOST_IP, client_of, fetch, listening, scan
 
 pytestmark = pytest.mark.root
 
@@ -240,6 +242,8 @@ def _check(c: Cell, alloc: str, addr: str, client: Netns) -> list[str]:
         bad.append("host->host address:1080")
     if fetch(c.host, "127.0.0.1", 1443) != "ok 443":
         bad.append("host->127.0.0.1:1443")
+    if fetch(Netns(alloc), CLIENT_IP, 9999) != "ok 9999":  # what the allocation starts
+        bad.append("allocation->client:9999")
     return bad
 
 
@@ -275,9 +279,15 @@ allocs:
     addr = next(x["local"] for x in Netns(a).ip_json("addr", "show", "eth0")[0]["addr_info"]
                 if x["family"] == "inet")
     healed = []
-    with client_of(c.host) as client, listening(a, 22, 80, 443):
+    with client_of(c.host) as client, listening(a, 22, 80, 443), listening(client.name, 9999):
         bad = _check(c, a, addr, client)
         assert not bad, f"after {took}: {bad}"
+        if c.manager == "firewalld":
+            # why the refusal: out of the trusted zone (runtime only), firewalld's reject wins
+            c.run("firewall-cmd", "--zone=trusted", f"--remove-interface={BRIDGE}")
+            assert fetch(Netns(a), CLIENT_IP, 9999) == "", "firewalld let it through anyway"
+            assert "firewall-cmd --permanent" in c.reconcile("apply", cfg).stderr
+            c.run("firewall-cmd", "--zone=trusted", f"--add-interface={BRIDGE}")
         for what, reload in c.reloads():
             reload()
             broken = _check(c, a, addr, client)

@@ -262,3 +262,43 @@ def test_bad_requests_get_one_answer_and_no_traceback(caplog, request_bytes: byt
         assert _get(srv.address, "/status")[0] == 200  # and it goes on serving
     finally:
         srv.close()
+
+
+# ----------------------------------------------------------------- firewalld
+
+
+def test_firewalld_bridges_outside_an_accepting_zone_get_the_one_command(monkeypatch):
+    from reconciler.drivers import firewalld
+
+    zones = {"br0": "", "br1": "trusted", "br2": "public"}
+    targets = {"trusted": "ACCEPT", "public": "default"}
+
+    def cmd(*args: str) -> Any:
+        arg = args[0]
+        if arg.startswith("--get-zone-of-interface="):
+            zone = zones[arg.split("=", 1)[1]]
+            return type("R", (), {"returncode": 0 if zone else 2, "stdout": zone + "\n"})()
+        zone = arg.split("=", 1)[1]
+        return type("R", (), {"returncode": 0,
+                              "stdout": f"{zone}\n  target: {targets[zone]}\n  x: y\n"})()
+
+    monkeypatch.setattr(firewalld, "running", lambda: True)
+    monkeypatch.setattr(firewalld, "_cmd", cmd)
+    msg = firewalld.bridges_problem(["br2", "br1", "br0"])
+    assert msg is not None and "\n" not in msg and "bridge(s) br0, br2 " in msg
+    assert ("run `firewall-cmd --permanent --zone=trusted --change-interface=br0 "
+            "--change-interface=br2 && firewall-cmd --reload`") in msg
+    assert firewalld.bridges_problem(["br1"]) is None
+    monkeypatch.setattr(firewalld, "running", lambda: False)
+    assert firewalld.bridges_problem(["br0"]) is None
+
+
+def test_no_firewalld_process_here_means_no_process_is_run(monkeypatch):
+    from reconciler.drivers import firewalld
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("ran a process although no firewalld runs here")
+
+    monkeypatch.setattr(firewalld.subprocess, "run", boom)
+    monkeypatch.setattr(firewalld, "_process_here", lambda: False)
+    assert firewalld.running() is False
