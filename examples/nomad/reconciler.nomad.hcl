@@ -1,6 +1,8 @@
 # The reconciler agent on every client of a Nomad cluster, driven from git: a
-# git-sync sidecar keeps a checkout of your config repo in the allocation directory
-# and `reconcile watch` keeps the host's networking converged with it.
+# git-sync sidecar keeps a checkout of your config repo in a Docker volume the tasks
+# share, and `reconcile watch` keeps the host's networking converged with it. Not in
+# the allocation directory: Nomad makes /alloc world-writable (0777), and the agent
+# refuses config under a directory others can write.
 # Explained in docs/fleet-with-watch.md. Replace the image and the repo URL.
 #
 # The Docker driver must allow what the agent needs, in the client's plugin config:
@@ -36,11 +38,16 @@ job "reconciler" {
       config {
         image = "registry.k8s.io/git-sync/git-sync:v4.2.4"
         args = ["--repo=https://git.example.com/infra/host-networking.git", "--ref=main",
-                "--root=/alloc/git", "--link=repo", "--one-time"]
+                "--root=/git", "--link=repo", "--one-time"]
+        mount {
+          type   = "volume"
+          source = "reconciler-git" # a named volume: root's, 0755
+          target = "/git"
+        }
       }
     }
 
-    # Keeps /alloc/git/repo up to date; the agent's file watch picks up each change.
+    # Keeps /git/repo up to date; the agent's file watch picks up each change.
     task "git-sync" {
       driver = "docker"
       lifecycle {
@@ -51,7 +58,12 @@ job "reconciler" {
       config {
         image = "registry.k8s.io/git-sync/git-sync:v4.2.4"
         args = ["--repo=https://git.example.com/infra/host-networking.git", "--ref=main",
-                "--root=/alloc/git", "--link=repo", "--period=30s"]
+                "--root=/git", "--link=repo", "--period=30s"]
+        mount {
+          type   = "volume"
+          source = "reconciler-git"
+          target = "/git"
+        }
       }
       resources {
         cpu    = 20
@@ -71,10 +83,16 @@ job "reconciler" {
         cap_add      = ["net_admin", "sys_admin"]
         # No AppArmor profile (it forbids mount), and a writable /proc/sys for ip_forward.
         security_opt = ["apparmor=unconfined", "systempaths=unconfined"]
-        args = ["watch", "/alloc/git/repo/fleet",
+        args = ["watch", "/git/repo/fleet",
                 "--hostname=${node.unique.name}", # what files' `hosts:` patterns match
                 "--interval=30", "--log-format=json", "--status-addr=127.0.0.1:9477"]
 
+        mount {
+          type     = "volume"
+          source   = "reconciler-git"
+          target   = "/git"
+          readonly = true
+        }
         # Allocation namespaces must be visible on the host: shared propagation.
         mount {
           type   = "bind"
