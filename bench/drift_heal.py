@@ -130,7 +130,8 @@ def main() -> int:
     tag = secrets.token_hex(3)
     host = f"rtb-{tag}"
     addr = f"127.0.0.1:{free_port()}"
-    conf = tempfile.mkdtemp(prefix="drift-heal-")
+    # not under /tmp: the agent refuses config under a directory others can write
+    conf = tempfile.mkdtemp(prefix="drift-heal-", dir="/run")
     os.chmod(conf, 0o755)
     with open(os.path.join(conf, "net.yaml"), "w") as fh:
         fh.write(desired(tag, args.allocs))
