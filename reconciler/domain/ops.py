@@ -121,10 +121,9 @@ class LinkSetHairpin(_TypedOp):
 
 
 @dataclass(frozen=True)
-class AddrAdd(_TypedOp):
-    """Add an address, tagged ours, to ``link`` (here, or inside ``netns``)."""
+class _AddressOp(_TypedOp):
+    """An address on ``link`` (here, or inside ``netns``): what adding and removing share."""
 
-    NAME: ClassVar[str] = "addr.add"
     link: str
     address: str  # an interface: address/prefix
     netns: str | None = _omit(None)
@@ -137,19 +136,17 @@ class AddrAdd(_TypedOp):
 
 
 @dataclass(frozen=True)
-class AddrDel(_TypedOp):
+class AddrAdd(_AddressOp):
+    """Add an address, tagged ours, to ``link`` (here, or inside ``netns``)."""
+
+    NAME: ClassVar[str] = "addr.add"
+
+
+@dataclass(frozen=True)
+class AddrDel(_AddressOp):
     """Remove an address from ``link`` (here, or inside ``netns``)."""
 
     NAME: ClassVar[str] = "addr.del"
-    link: str
-    address: str
-    netns: str | None = _omit(None)
-
-    def interface(self) -> IPInterface:
-        return ipaddress.ip_interface(self.address)
-
-    def check(self) -> None:
-        self.interface()
 
 
 @dataclass(frozen=True)
