@@ -14,6 +14,7 @@ import struct
 import sys
 
 from reconciler.config.paths import MAX_FILE_BYTES
+from reconciler.drivers.rundir import RUN_DIR
 
 TYPE_CHECKING = False  # not `typing`: start-up path
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 PROTOCOL = 1
 
 
-RUN_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
 
 
 #: environment the answer depends on: the agent must run with the same values

@@ -20,7 +20,6 @@ from reconciler.agent.planview.protocol import (
     ACK,
     MAX_REQUEST_FILE,
     PROTOCOL,
-    RUN_DIR,
     code_id,
     current_env,
     peer_uid,
@@ -76,7 +75,7 @@ class PlanServer:
 
     def start(self) -> bool:
         """Bind and serve; False (logged) when another agent serves this namespace."""
-        rundir.ensure_dir(RUN_DIR)
+        rundir.ensure_dir(rundir.RUN_DIR)
         lock_path = self.path[: -len(".sock")] + ".lock"
         while True:
             fd = rundir.open_file(lock_path)

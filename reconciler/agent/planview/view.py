@@ -36,9 +36,7 @@ before the request. Any doubt -- a lost event (ENOBUFS), an allocation
 namespace without an nsid, an error in a sentinel -- means observing
 everything again, exactly as a fresh process would. Desired-state files come from the client
 (read in its own directory); they are parsed again only when their bytes change.
-
-The socket is ``/run/reconciler/plan-<netns inode>.sock``, mode 0600, one
-server per namespace (an flock), answering root only.
+The socket and its server are ``server.py``.
 """
 
 from __future__ import annotations
