@@ -216,12 +216,13 @@ def test_the_last_ports_of_a_bridge_go_first_and_its_mtu_is_set_again() -> None:
     plan = make_plan(empty, host.observe(empty), PlanOptions())
     ops = [(c.kind, c.name, o.name) for c in plan.actionable for o in c.ops]
     veth_a, veth_b = alloc_veth_name("a"), alloc_veth_name("b")
-    assert ops[:5] == [("alloc", "a", "link.delete"), ("alloc", "a", "netns.delete"),
-                       ("alloc", "b", "link.delete"), ("alloc", "b", "netns.delete"),
+    assert ops[:5] == [("alloc", "a", "link.set"), ("alloc", "a", "netns.delete"),
+                       ("alloc", "b", "link.set"), ("alloc", "b", "netns.delete"),
                        ("bridge", "br0", "link.set")]
     bridge = next(c for c in plan.changes if c.kind == "bridge")
     assert bridge.action is Action.UPDATE and bridge.ops[0].args == {"name": "br0", "mtu": 9000}
-    assert {c.ops[0].args["name"] for c in plan.changes if c.kind == "alloc"} == {veth_a, veth_b}
+    assert [c.ops[0].args for c in plan.changes if c.kind == "alloc"] == [
+        {"name": veth_a, "master": ""}, {"name": veth_b, "master": ""}]
 
 
 @pytest.mark.parametrize("case", ["one alloc stays", "a foreign port stays", "mtu 1500",
@@ -274,3 +275,51 @@ def test_the_fake_host_records_what_it_was_asked_to_delete() -> None:
     host.perform(ConntrackDelete(4, ("udp/53",)))  # type: ignore[attr-defined]
     assert host.conntrack_deleted == [(4, "udp/53")]
     assert dataclasses.asdict(StaleMap.parse("udp/53"))["keep"] is None
+
+
+class _FakeSocket:
+    """Answers every dump with the captured entry; records the filters asked for."""
+
+    def __init__(self) -> None:
+        self.dumps: list[tuple[int | None, int | None]] = []
+        self.deleted: list[bytes] = []
+
+    def dump(self, kind: int, body: bytes, what: str) -> list[bytes]:
+        assert kind == conntrack.CT_GET
+        attrs = conntrack.parse_attrs(body, 4)
+        proto = conntrack.parse_attrs(conntrack.parse_attrs(attrs.get(1, b"")).get(2, b""))
+        num, port = proto.get(1), proto.get(3)
+        self.dumps.append((num[0] if num else None,
+                           struct.unpack("!H", port[:2])[0] if port else None))
+        return [CAPTURED]
+
+    def request(self, kind: int, flags: int, body: bytes, what: str) -> list[bytes]:
+        assert kind == conntrack.CT_DELETE
+        self.deleted.append(body)
+        return []
+
+
+def _table() -> tuple[conntrack.Conntrack, _FakeSocket]:
+    ct = conntrack.Conntrack.__new__(conntrack.Conntrack)
+    sock = _FakeSocket()
+    ct._sock = sock  # type: ignore[assignment]  # noqa: SLF001
+    ct._route = None  # noqa: SLF001
+    return ct, sock
+
+
+def test_few_ports_get_a_kernel_filtered_dump_each_many_one_per_protocol() -> None:
+    ct, sock = _table()
+    ct.delete_matching(4, lambda _e: False, ports={("udp", 53), ("tcp", 80)})
+    assert sock.dumps == [(6, 80), (17, 53)]
+    sock.dumps.clear()
+    ct.delete_matching(4, lambda _e: False,
+                       ports={("udp", p) for p in range(1000, 1009)} | {("tcp", 80)})
+    assert sock.dumps == [(17, None), (6, 80)]
+
+
+def test_what_the_predicate_picks_is_deleted_by_its_tuple() -> None:
+    ct, sock = _table()
+    gone = ct.delete_matching(4, lambda e: e.orig.dport == 5353, ports={("udp", 5353)})
+    assert gone == [parse_entry(CAPTURED)] and len(sock.deleted) == 1
+    e = gone[0]
+    assert sock.deleted[0] == conntrack.delete_request(e)
