@@ -29,17 +29,21 @@ from tests.conftest import Netns, sh, unique, write
 pytestmark = pytest.mark.root
 
 HOST4, CLIENT4 = "10.98.0.1", "10.98.0.2"
+HOST6, CLIENT6 = "fd00:98::1", "fd00:98::2"
 BRIDGE = "rcltr0"
 A_ADDR, B_ADDR = "10.78.0.10", "10.78.0.20"
+A_ADDR6, B_ADDR6 = "fd00:78::10", "fd00:78::20"
 HOST_PORT = 5353
 
-#: answers every datagram and every line of every TCP connection with its tag (argv[1])
+#: answers every datagram and every line of every TCP connection with its tag (argv[1]),
+#: on IPv4 and IPv6
 TAGGED = r"""
 import socket, sys, threading
 tag, port = sys.argv[1].encode(), int(sys.argv[2])
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("0.0.0.0", port))
-t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-t.bind(("0.0.0.0", port)); t.listen(8)
+u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); u.bind(("::", port))
+t = socket.socket(socket.AF_INET6); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); t.bind(("::", port)); t.listen(8)
 def udp():
     while True:
         _d, peer = u.recvfrom(100); u.sendto(tag, peer)
@@ -59,9 +63,10 @@ threading.Event().wait()
 #: one datagram from a fixed source port (argv[3]) to argv[1]:argv[2]; prints the answer
 UDP_FROM = r"""
 import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+v6 = ":" in sys.argv[1]
+s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[3]))); s.settimeout(1.5)
+s.bind(("::" if v6 else "0.0.0.0", int(sys.argv[3]))); s.settimeout(1.5)
 s.sendto(b"ping", (sys.argv[1], int(sys.argv[2])))
 try:
     print(s.recv(100).decode())
@@ -104,14 +109,14 @@ def tagged(ns: str, tag: str, port: int) -> Iterator[None]:
         p.wait()
 
 
-def udp_from(client: str, sport: int) -> str:
-    return sh(*in_ns(client, sys.executable, "-c", UDP_FROM, HOST4, str(HOST_PORT),
+def udp_from(client: str, sport: int, host: str = HOST4) -> str:
+    return sh(*in_ns(client, sys.executable, "-c", UDP_FROM, host, str(HOST_PORT),
                      str(sport))).stdout.strip()
 
 
 @pytest.fixture
 def client(host_ns: Netns) -> Iterator[str]:
-    """Another host: a namespace routed to ``host_ns`` over a veth."""
+    """Another host: a namespace routed to ``host_ns`` over a veth (dual stack)."""
     name = unique("c")
     hv = unique("v")
     sh("ip", "netns", "add", name)
@@ -119,10 +124,13 @@ def client(host_ns: Netns) -> Iterator[str]:
         sh("ip", "link", "add", hv, "netns", host_ns.name, "type", "veth",
            "peer", "name", "eth0", "netns", name)
         host_ns.run("ip", "addr", "add", f"{HOST4}/24", "dev", hv)
+        host_ns.run("ip", "addr", "add", f"{HOST6}/64", "dev", hv, "nodad")
         host_ns.run("ip", "link", "set", hv, "up")
         for args in (("addr", "add", f"{CLIENT4}/24", "dev", "eth0"),
+                     ("addr", "add", f"{CLIENT6}/64", "dev", "eth0", "nodad"),
                      ("link", "set", "eth0", "up"), ("link", "set", "lo", "up"),
-                     ("route", "add", "default", "via", HOST4)):
+                     ("route", "add", "default", "via", HOST4),
+                     ("-6", "route", "add", "default", "via", HOST6)):
             sh("ip", "-n", name, *args)
         yield name
     finally:
@@ -130,9 +138,10 @@ def client(host_ns: Netns) -> Iterator[str]:
 
 
 def config(allocs: list[dict[str, object]], *, mtu: int = 1400) -> str:
-    """The desired state: one bridge, one subnet, ``allocs`` on it."""
+    """The desired state: one bridge, one dual-stack subnet, ``allocs`` on it."""
     lines = ["version: 1", "bridges:", f"  - {{name: {BRIDGE}, mtu: {mtu}}}", "subnets:",
-             "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.78.0.0/24"]
+             "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.78.0.0/24",
+             "    cidr6: fd00:78::/64"]
     lines.append("allocs:" if allocs else "allocs: []")
     lines += ["  - " + json.dumps({"subnet": "net", **a}) for a in allocs]
     return "\n".join(lines) + "\n"
@@ -147,9 +156,9 @@ def apply_ok(host: Netns, path: str) -> str:
     return r.all
 
 
-def conntrack_lines(host: Netns, proto: str) -> list[str]:
-    out = host.run("conntrack", "-L", "-p", proto, "--orig-port-dst", str(HOST_PORT),
-                   check=False).stdout
+def conntrack_lines(host: Netns, proto: str, family: str = "ipv4") -> list[str]:
+    out = host.run("conntrack", "-L", "-f", family, "-p", proto, "--orig-port-dst",
+                   str(HOST_PORT), check=False).stdout
     return [ln for ln in out.splitlines() if ln.strip()]
 
 
@@ -161,8 +170,8 @@ def _moves(proto: str) -> tuple[str, str, str, str]:
     """Two allocations, the files that map the host port to A, then to B (A gone)."""
     a, b = unique("a"), unique("b")
     port = {"host": HOST_PORT, "to": 53, "protocol": proto}
-    return (a, b, config([{"id": a, "address": A_ADDR, "ports": [port]}]),
-            config([{"id": b, "address": B_ADDR, "ports": [port]}]))
+    return (a, b, config([{"id": a, "address": A_ADDR, "address6": A_ADDR6, "ports": [port]}]),
+            config([{"id": b, "address": B_ADDR, "address6": B_ADDR6, "ports": [port]}]))
 
 
 # ------------------------------------------------------------------ (a) conntrack
@@ -185,6 +194,22 @@ def test_udp_map_moved_to_another_alloc_reaches_it_from_the_same_source_port(
     write(tmp_path, "t.yaml", config([]))
     apply_ok(host_ns, path)
     assert not [ln for ln in conntrack_lines(host_ns, "udp") if f"src={B_ADDR}" in ln]
+
+
+@needs_conntrack
+def test_ipv6_udp_map_moved_to_another_alloc_reaches_it_from_the_same_source_port(
+        host_ns: Netns, client: str, tmp_path: object) -> None:
+    a, b, first, second = _moves("udp")
+    path = write(tmp_path, "t.yaml", first)
+    apply_ok(host_ns, path)
+    with tagged(a, "A", 53):
+        assert udp_from(client, 40002, HOST6) == "A"
+        assert any(f"src={A_ADDR6}" in ln for ln in conntrack_lines(host_ns, "udp", "ipv6"))
+    write(tmp_path, "t.yaml", second)
+    apply_ok(host_ns, path)
+    assert not [ln for ln in conntrack_lines(host_ns, "udp", "ipv6") if f"src={A_ADDR6}" in ln]
+    with tagged(b, "B", 53):
+        assert udp_from(client, 40002, HOST6) == "B"
 
 
 @needs_conntrack
