@@ -200,4 +200,3 @@ class HostOps:
         if result.reconnected:
             log.info("docker network %s: reconnected %s", spec.name,
                      ", ".join(result.reconnected))
-

@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import os
 import struct
+from typing import Any
 
 import pytest
 
@@ -25,18 +26,29 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.domain.ops import ConntrackDelete, OpError, StaleMap, decode, encode
+from reconciler.domain.ops import (
+    ConntrackDelete,
+    NetnsDelete,
+    OpError,
+    StaleMap,
+    decode,
+    encode,
+)
 from reconciler.domain.ownership import alloc_veth_name
 from reconciler.domain.plan import Action, Op
-from reconciler.drivers import procfs
+from reconciler.drivers import netns, procfs
 from reconciler.drivers.netlink import conntrack
 from reconciler.drivers.netlink.conntrack import Entry, Tuple, parse_entry, stale_for
+from reconciler.drivers.netlink.wire import parse_attrs
+from reconciler.engine.handles import HostHandles
+from reconciler.engine.hostops import HostOps
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner import conntrack as stale
 from reconciler.planner.firewall import DNAT, RuleSet
 
 from .fakehost import FakeHost
+from .test_hostops import Recorder
 
 ip = ipaddress.ip_address
 
@@ -272,7 +284,7 @@ def test_the_inode_of_a_namespace_link(link: str, inode: int | None) -> None:
 
 def test_the_fake_host_records_what_it_was_asked_to_delete() -> None:
     host = FakeHost()
-    host.perform(ConntrackDelete(4, ("udp/53",)))  # type: ignore[attr-defined]
+    host.perform(ConntrackDelete(4, ("udp/53",)))
     assert host.conntrack_deleted == [(4, "udp/53")]
     assert dataclasses.asdict(StaleMap.parse("udp/53"))["keep"] is None
 
@@ -286,8 +298,8 @@ class _FakeSocket:
 
     def dump(self, kind: int, body: bytes, what: str) -> list[bytes]:
         assert kind == conntrack.CT_GET
-        attrs = conntrack.parse_attrs(body, 4)
-        proto = conntrack.parse_attrs(conntrack.parse_attrs(attrs.get(1, b"")).get(2, b""))
+        attrs = parse_attrs(body, 4)
+        proto = parse_attrs(parse_attrs(attrs.get(1, b"")).get(2, b""))
         num, port = proto.get(1), proto.get(3)
         self.dumps.append((num[0] if num else None,
                            struct.unpack("!H", port[:2])[0] if port else None))
@@ -323,3 +335,38 @@ def test_what_the_predicate_picks_is_deleted_by_its_tuple() -> None:
     assert gone == [parse_entry(CAPTURED)] and len(sock.deleted) == 1
     e = gone[0]
     assert sock.deleted[0] == conntrack.delete_request(e)
+
+
+# ------------------------------------------------------------------ HostOps: a held namespace
+
+
+def _held_ops(monkeypatch: pytest.MonkeyPatch,
+              members: dict[int, tuple[int, ...]]) -> tuple[HostOps, list[tuple[Any, ...]], list[int]]:
+    log: list[tuple[Any, ...]] = []
+    scans: list[int] = []
+    ops = HostOps(HostHandles(netlink=Recorder("netlink", log)))  # type: ignore[arg-type]
+    monkeypatch.setattr(netns, "namespace_inode", lambda name: 1000 + ord(name[0]))
+
+    def scan() -> dict[int, tuple[int, ...]]:
+        scans.append(1)
+        return members
+
+    monkeypatch.setattr(procfs, "netns_members", scan)
+    monkeypatch.setattr(procfs, "process_name", lambda pid: f"p{pid}")
+    return ops, log, scans
+
+
+def test_a_held_namespace_loses_its_veth_and_its_holders_are_named(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    ops, log, scans = _held_ops(monkeypatch, {1000 + ord("a"): (4242, os.getpid())})
+    ops.perform(NetnsDelete("a"))
+    ops.perform(NetnsDelete("b"))  # not held: the namespace goes with its veth by itself
+    assert [(c[1], c[2]) for c in log] == [("delete_netns", ("a",)),
+                                           ("delete_link", (alloc_veth_name("a"),)),
+                                           ("delete_netns", ("b",))]
+    assert scans == [1]  # one scan of /proc per pass, however many namespaces
+    assert "alloc a: its namespace is still held by pid 4242 (p4242); removed its veth " \
+           "and rules" in caplog.text
+    ops.new_pass()
+    ops.perform(NetnsDelete("c"))
+    assert scans == [1, 1]
