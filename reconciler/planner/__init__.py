@@ -135,7 +135,7 @@ def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:
         return ch
     maps = tuple(str(m) for m in stale)
     return dataclasses.replace(
-        ch, attrs=(*ch.attrs, AttrChange("conntrack entries of", None, ", ".join(maps))),
+        ch, attrs=(*ch.attrs, AttrChange("conntrack", "entries of " + ", ".join(maps), None)),
         ops=(*ch.ops, encode(ConntrackDelete(family, maps))))
 
 
