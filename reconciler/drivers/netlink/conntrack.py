@@ -44,7 +44,7 @@ BE32 = struct.Struct("!I")
 CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS = 1, 2, 3
 CTA_ID, CTA_ZONE, CTA_FILTER = 12, 18, 25
 CTA_FILTER_ORIG_FLAGS = 1
-#: CTA_FILTER_ORIG_FLAGS bits (the kernel's CTA_FILTER_F_*; Linux 5.10 and later)
+#: CTA_FILTER_ORIG_FLAGS bits (the kernel's CTA_FILTER_F_*, since Linux 5.8)
 FILTER_PROTO_NUM, FILTER_PROTO_DST_PORT = 1 << 3, 1 << 5
 #: at most this many ports of one protocol get a kernel-filtered dump each; more, one
 #: dump of the protocol (a dump walks the whole table in the kernel, ~µs per entry)
@@ -158,8 +158,7 @@ class Conntrack:
         except OSError as e:
             raise DriverError(f"conntrack: cannot open a netfilter netlink socket: "
                               f"{e.strerror or e}") from None
-
-        self._route: Socket | None = None
+        self._route: Socket | None = None  # rtnetlink, for the local addresses
 
     def close(self) -> None:
         self._sock.close()
@@ -172,7 +171,7 @@ class Conntrack:
         destination port).
 
         The kernel filters them (``CTA_FILTER``): parsing every entry of a busy table
-        costs ~40 µs each here. Kernels before 5.10 ignore the filter and send all;
+        costs ~40 µs each here. A kernel that does not know the filter sends all;
         the same filter applies here too.
         """
         num = PROTOCOLS[proto] if proto is not None else None
@@ -227,7 +226,6 @@ class Conntrack:
                 if predicate(e) and self.delete(e):
                     deleted.append(e)
         return deleted
-
 
     def local_addresses(self) -> frozenset[IPAddress]:
         """The addresses of this namespace's links: what ``--dst-type LOCAL`` matches."""
