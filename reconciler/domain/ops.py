@@ -303,10 +303,75 @@ class DockerRemove(_TypedOp):
     name: str
 
 
+# -- conntrack (drivers.netlink.conntrack) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class StaleMap:
+    """The flows of one port map whose conntrack entries must go (``ConntrackDelete.maps``).
+
+    Those of ``proto`` to ``port`` (on ``host_ip``, else on any local address) whose
+    replies do not come from ``keep`` (``address:port``, the map's destination now),
+    if it has one.
+    """
+
+    proto: str
+    port: int
+    host_ip: IPAddress | None
+    keep: tuple[IPAddress, int] | None
+
+    @classmethod
+    def parse(cls, text: str) -> StaleMap:
+        """``PROTO/PORT[@HOST_IP][>ADDRESS:PORT]`` (IPv6 addresses in brackets after ``>``)."""
+        head, _, keep = text.partition(">")
+        spec, _, host_ip = head.partition("@")
+        proto, _, port = spec.partition("/")
+        if proto not in ("tcp", "udp"):
+            raise ValueError(f"{text!r}: protocol {proto!r} is neither tcp nor udp")
+        kept: tuple[IPAddress, int] | None = None
+        if keep:
+            addr, _, to = keep.rpartition(":")
+            kept = (ipaddress.ip_address(addr.strip("[]")), _port(to))
+        return cls(proto, _port(port), ipaddress.ip_address(host_ip) if host_ip else None, kept)
+
+    def __str__(self) -> str:
+        text = f"{self.proto}/{self.port}" + (f"@{self.host_ip}" if self.host_ip else "")
+        if self.keep is not None:
+            addr, to = self.keep
+            text += f">{addr}:{to}" if addr.version == 4 else f">[{addr}]:{to}"
+        return text
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range")
+    return port
+
+
+@dataclass(frozen=True)
+class ConntrackDelete(_TypedOp):
+    """Delete the conntrack entries of IP ``family`` that port maps moved or made stale.
+
+    Runs after the firewall transaction of its family, so the next packet of each
+    flow meets the new rules. ``maps`` are ``StaleMap`` texts.
+    """
+
+    NAME: ClassVar[str] = "conntrack.delete"
+    family: int
+    maps: tuple[str, ...]
+
+    def stale_maps(self) -> list[StaleMap]:
+        return [StaleMap.parse(m) for m in self.maps]
+
+    def check(self) -> None:
+        _ip_version(self.family)
+        self.stale_maps()
+
+
 TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
            | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
-           | DockerRemove)
+           | DockerRemove | ConntrackDelete)
 
 #: every op, by its wire name
 OPS: Mapping[str, type[TypedOp]] = {cls.NAME: cls for cls in get_args(TypedOp)}

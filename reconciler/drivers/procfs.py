@@ -1,6 +1,10 @@
-"""What /proc tells about this network namespace: its listening sockets."""
+"""What /proc tells: the listening sockets of this network namespace, and which processes
+are in which network namespace."""
 
 from __future__ import annotations
+
+import os
+import re
 
 #: /proc/thread-self/net: /proc/net is the main thread's namespace, which another
 #: thread (the plan server's, the watch loop's) may not share at that moment
@@ -34,3 +38,55 @@ def listening_ports() -> frozenset[tuple[str, int]]:
         found |= {(proto, port) for _addr, port in parse_proc_net(text, state)}
     return frozenset(found)
 
+
+
+_NET_LINK = re.compile(r"^net:\[(\d+)\]$")
+
+
+def netns_inode_of(link: str) -> int | None:
+    """The inode in a ``/proc/PID/ns/net`` link's text (``net:[4026532301]``) (pure)."""
+    m = _NET_LINK.match(link)
+    return int(m.group(1)) if m else None
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:  # gone meanwhile, or a kernel thread we may not read
+        return None
+
+
+def netns_members(proc: str = "/proc") -> dict[int, tuple[int, ...]]:
+    """Network namespace inode -> the pids whose process (or one of its threads) is in it.
+
+    One ``readlink`` per process and, for processes with more than one thread, one per
+    thread (a thread can ``setns`` alone): ~2 ms for 100 processes. Taken once per run
+    by the caller, whatever the number of namespaces it asks about.
+    """
+    members: dict[int, set[int]] = {}
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        links = [_readlink(f"{proc}/{pid}/ns/net")]
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            tids = []
+        if len(tids) > 1:
+            links += [_readlink(f"{proc}/{pid}/task/{tid}/ns/net") for tid in tids]
+        for link in links:
+            inode = netns_inode_of(link) if link else None
+            if inode is not None:
+                members.setdefault(inode, set()).add(pid)
+    return {inode: tuple(sorted(pids)) for inode, pids in members.items()}
+
+
+def process_name(pid: int, proc: str = "/proc") -> str:
+    """The ``comm`` of a process (``?`` when it is gone)."""
+    try:
+        with open(f"{proc}/{pid}/comm") as fh:
+            return fh.read().strip() or "?"
+    except OSError:
+        return "?"

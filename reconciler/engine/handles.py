@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
+from reconciler.drivers.netlink.conntrack import Conntrack
 
 if TYPE_CHECKING:
     from reconciler.drivers.docker.client import DockerDriver
@@ -20,10 +21,12 @@ class HostHandles:
     """Lazily made driver handles; ``close`` releases what was made."""
 
     def __init__(self, netlink: Netlink | None = None,
-                 docker: DockerDriver | None = None) -> None:
+                 docker: DockerDriver | None = None,
+                 conntrack: Conntrack | None = None) -> None:
         self._netlink = netlink
         self._ipt: dict[int, IptablesDriver] = {}
         self._docker = docker
+        self._conntrack = conntrack
 
     @property
     def netlink(self) -> Netlink:
@@ -35,6 +38,13 @@ class HostHandles:
         if family not in self._ipt:
             self._ipt[family] = IptablesDriver(family)
         return self._ipt[family]
+
+    @property
+    def conntrack(self) -> Conntrack:
+        """The conntrack table of this namespace, opened by the first port map that moves."""
+        if self._conntrack is None:
+            self._conntrack = Conntrack()
+        return self._conntrack
 
     @property
     def docker(self) -> DockerDriver:
@@ -55,6 +65,9 @@ class HostHandles:
         if self._netlink is not None:
             self._netlink.close()
             self._netlink = None
+        if self._conntrack is not None:
+            self._conntrack.close()
+            self._conntrack = None
         if self._docker is not None:
             self._docker.close()
             self._docker = None

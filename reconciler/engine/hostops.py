@@ -8,6 +8,7 @@ changes the host. An op is decoded into its typed form
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, assert_never
 
 from reconciler.domain import ownership
@@ -17,6 +18,7 @@ from reconciler.domain.ops import (
     AddrDel,
     AllocAttach,
     AllocConfigure,
+    ConntrackDelete,
     DockerDedupe,
     DockerEnsure,
     DockerRemove,
@@ -34,7 +36,7 @@ from reconciler.domain.ops import (
     decode,
 )
 from reconciler.domain.plan import Op
-from reconciler.drivers import sysctl
+from reconciler.drivers import netns, procfs, sysctl
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
 from reconciler.engine.handles import HostHandles
@@ -50,6 +52,12 @@ class HostOps:
 
     def __init__(self, handles: HostHandles | None = None) -> None:
         self.handles = handles or HostHandles()
+        #: network namespace inode -> pids in it, scanned once per pass (``new_pass``)
+        self._members: dict[int, tuple[int, ...]] | None = None
+
+    def new_pass(self) -> None:
+        """A new plan is executed: what was read of processes may be stale now."""
+        self._members = None
 
     @property
     def netlink(self) -> Netlink:
@@ -88,7 +96,7 @@ class HostOps:
             case NetnsCreate():
                 self.netlink.create_netns(op.name, replace_stale=op.replace_stale, mark=op.mark)
             case NetnsDelete():
-                self.netlink.delete_netns(op.name)
+                self._delete_netns(op.name)
             case AllocAttach():
                 self.netlink.create_veth_into_netns(op.veth, op.netns, op.bridge, op.mtu,
                                                     op.hairpin)
@@ -110,6 +118,8 @@ class HostOps:
                 self._docker_report(op.name, (), result.removed)
             case DockerRemove():
                 self.docker.remove(op.id)  # False when already gone: idempotent
+            case ConntrackDelete():
+                self._conntrack_delete(op)
             case _:
                 assert_never(op)
 
@@ -132,6 +142,38 @@ class HostOps:
                 sysctl.write(f"{conf}/addr_gen_mode", default if default not in
                              (None, "1") else "0")
         self.netlink.add_address(op.link, iface, ns=op.netns)
+
+    def _delete_netns(self, name: str) -> None:
+        """``ip netns del``; a namespace processes still hold also loses its veth, now.
+
+        Unmounted, a namespace lives on while anything holds it (a process inside, an
+        ``nsenter``) and so does its veth on the bridge: the next observation saw an
+        orphan. The holders are named, since the namespace stays theirs. The alloc's
+        rules went with the firewall transaction. Other holders (a socket another
+        process opened inside) are not seen in /proc: their veth goes when they do.
+        """
+        try:
+            inode = netns.namespace_inode(name)
+        except OSError:
+            inode = None
+        if inode is not None and self._members is None:
+            self._members = procfs.netns_members()
+        holders = self._members.get(inode, ()) if inode is not None and self._members else ()
+        holders = tuple(p for p in holders if p != os.getpid())
+        self.netlink.delete_netns(name)
+        if not holders:
+            return
+        self.netlink.delete_link(ownership.alloc_veth_name(name))
+        named = ", ".join(f"pid {pid} ({procfs.process_name(pid)})" for pid in holders[:5])
+        more = f" and {len(holders) - 5} more" if len(holders) > 5 else ""
+        log.warning("alloc %s: its namespace is still held by %s%s; removed its veth and "
+                    "rules", name, named, more)
+
+    def _conntrack_delete(self, op: ConntrackDelete) -> None:
+        gone = self.handles.conntrack.delete_port_flows(op.family, op.stale_maps())
+        if gone:
+            log.info("conntrack: deleted %d stale IPv%d entr%s of %s", len(gone), op.family,
+                     "y" if len(gone) == 1 else "ies", ", ".join(op.maps))
 
     @staticmethod
     def _docker_report(name: str, warnings: tuple[str, ...], removed: tuple[str, ...]) -> None:

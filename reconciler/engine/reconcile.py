@@ -94,6 +94,8 @@ class Reconciler:
         if not plan.has_changes:
             return result
         preflight(plan, subnet_bridges(desired))
+        if isinstance(self.runner, HostOps):
+            self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():

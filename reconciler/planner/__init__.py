@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from reconciler.domain.errors import PlanError
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ops import SysctlSet, encode
+from reconciler.domain.ops import ConntrackDelete, StaleMap, SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import addrspace, allocs, docker, firewall, hostlinks
+from reconciler.planner import addrspace, allocs, conntrack, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
 __all__ = ["PlanOptions", "links_that_matter", "make_plan"]
@@ -90,6 +92,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     _loopback_guards(ctx)
     changes += bridge_changes + subnet_changes
     changes += allocs.plan_allocs(ctx)
+    changes = hostlinks.keep_mtu_of_emptied_bridges(ctx, changes)
     changes = hostlinks.annotate_rules(ctx, changes)
     changes += docker.plan_docker_networks(ctx)
     if ctx.fatal:
@@ -116,11 +119,24 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         ch = firewall.firewall_change(family, d,
                                       firewall.change_notes(desired, live_rules, family, planned))
         if ch is not None:
-            changes.append(ch)
+            changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
     changes.sort(key=_sort_key)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace})
+
+
+def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:
+    """The firewall change, then the deletion of the conntrack entries its rules leave stale.
+
+    After the restore in the same change: the next packet of each flow meets the new rules.
+    """
+    if not stale:
+        return ch
+    maps = tuple(str(m) for m in stale)
+    return dataclasses.replace(
+        ch, attrs=(*ch.attrs, AttrChange("conntrack", "entries of " + ", ".join(maps), None)),
+        ops=(*ch.ops, encode(ConntrackDelete(family, maps))))
 
 
 def _loopback_guards(ctx: PlanContext) -> None:

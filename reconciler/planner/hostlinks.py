@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import replace
 
 from reconciler.domain.live import LiveLink
 from reconciler.domain.model import Bridge, Subnet, SubnetName
 from reconciler.domain.ops import AddrAdd, AddrDel, LinkAddBridge, LinkDelete, LinkSet, encode
+from reconciler.domain.ownership import alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -267,3 +269,57 @@ def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
             changes.append(Change("bridge", name, Action.DELETE, "no longer declared", (),
                                   (encode(LinkDelete(name)),)))
     return changes
+
+
+#: the MTU the kernel gives a bridge without ports whose MTU was not set (ETH_DATA_LEN)
+KERNEL_BRIDGE_MTU = 1500
+
+
+def keep_mtu_of_emptied_bridges(ctx: PlanContext, changes: list[Change]) -> list[Change]:
+    """A declared bridge whose last ports the plan removes keeps its MTU, in the same run.
+
+    The kernel sets the MTU of a bridge to 1500 when its last port leaves unless the
+    MTU was set by a change after creation (``br_mtu_auto_adjust``; an MTU given at
+    creation does not count, so bridges made by earlier versions reset). And a pruned
+    allocation's veth leaves when the kernel destroys its namespace, asynchronously,
+    after the run has moved on. So the veths of those last ports are first taken off
+    the bridge, synchronously (``LinkSet(master="")`` before ``NetnsDelete``: well
+    under a millisecond each, where deleting a veth waits ~20-35 ms for RCU), and the
+    bridge's MTU is set again after the deletes: a change from 1500 that also marks
+    it set, so the next time it stays by itself.
+    """
+    going = {c.name for c in changes if c.kind == "veth" and c.action is Action.DELETE}
+    pruned = {alloc_veth_name(c.name): c.name for c in changes
+              if c.kind == "alloc" and c.action is Action.DELETE}
+    going |= set(pruned)
+    emptied: dict[str, int] = {}
+    for name in sorted(ctx.desired.bridges):
+        b = ctx.desired.bridges[name]
+        link = _managed_bridge(ctx, name)
+        if b.mtu in (None, KERNEL_BRIDGE_MTU) or link is None or f"bridge/{name}" in ctx.blocked:
+            continue
+        ports = [lname for lname, lk in ctx.live.links.items() if lk.master == name]
+        if ports and set(ports) <= going:
+            emptied[name] = b.mtu
+    if not emptied:
+        return changes
+    ports_of_emptied = {pruned[v] for v, lk in ctx.live.links.items()
+                        if v in pruned and lk.master in emptied}
+    out = []
+    for c in changes:
+        if c.kind == "alloc" and c.name in ports_of_emptied:
+            c = replace(c, ops=(encode(LinkSet(alloc_veth_name(c.name), master="")), *c.ops))
+        elif c.kind == "bridge" and c.name in emptied and c.action in (Action.NOOP,
+                                                                       Action.UPDATE):
+            mtu = emptied[c.name]
+            again = AttrChange("mtu", f"{mtu} ({KERNEL_BRIDGE_MTU} once its last port leaves)",
+                               mtu)
+            if c.action is Action.NOOP:
+                c = replace(c, action=Action.UPDATE,
+                            reason="its last ports go: the kernel resets its MTU then",
+                            attrs=(again,), ops=(encode(LinkSet(c.name, mtu=mtu)),))
+            elif not any(a.field == "mtu" for a in c.attrs):  # else it sets it already
+                c = replace(c, attrs=(*c.attrs, again),
+                            ops=(*c.ops, encode(LinkSet(c.name, mtu=mtu))))
+        out.append(c)
+    return out

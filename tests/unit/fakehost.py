@@ -22,6 +22,7 @@ from reconciler.domain.ops import (
     AddrDel,
     AllocAttach,
     AllocConfigure,
+    ConntrackDelete,
     FirewallRestore,
     LinkAddBridge,
     LinkDelete,
@@ -116,6 +117,8 @@ class FakeHost:
         #: host routes besides the connected routes of the links' addresses (a VPN's...)
         self.routes: list[LiveRoute] = []
         self.docker_space: DockerAddressSpace | None = None
+        #: the port maps whose conntrack entries runs asked to delete (no table here)
+        self.conntrack_deleted: list[tuple[int, str]] = []
 
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:
@@ -204,6 +207,8 @@ class FakeHost:
                 self.sysctls[op.key] = op.value
             case FirewallRestore():
                 self.fw[op.family].restore(op.script)
+            case ConntrackDelete():
+                self.conntrack_deleted += [(op.family, str(m)) for m in op.stale_maps()]
             case _:
                 raise AssertionError(f"fake host does not know op {op.NAME}")
 

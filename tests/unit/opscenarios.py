@@ -139,6 +139,14 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     host.links[orphan.name] = orphan
     yield "orphan veth", _plan(host, want)
 
+    host = _converged(want)
+    moved = dataclasses.replace(want, allocs={
+        AllocId("a"): _alloc("a"), AllocId("b"): _alloc("b", PortMap(8080, 80, "tcp", None))})
+    yield "port maps moved and gone", _plan(host, moved)
+    jumbo = _state(_bridge(mtu=9000))
+    yield "last ports of a bridge pruned", _plan(_converged(jumbo),
+                                                 dataclasses.replace(jumbo, allocs={}))
+
     kind = DockerNetwork(name=DockerNetworkName("kind"), mtu=1400, labels=(("team", "x"),))
     web = DockerNetwork(name=DockerNetworkName("web"), ipv6=True,
                         subnet=ipaddress.IPv4Network("10.5.0.0/16"))

@@ -35,6 +35,9 @@ class Result:
     reconnected: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
 
+    def __len__(self) -> int:  # nothing deleted (conntrack entries)
+        return 0
+
 
 class Sysctl(Recorder):
     """The sysctl driver: writes are recorded, reads answer from ``values`` (they change
@@ -55,7 +58,8 @@ Calls = tuple[HostOps, list[tuple[Any, ...]]]
 def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     log: list[tuple[Any, ...]] = []
     handles = HostHandles(netlink=Recorder("netlink", log),  # type: ignore[arg-type]
-                          docker=Recorder("docker", log))  # type: ignore[arg-type]
+                          docker=Recorder("docker", log),  # type: ignore[arg-type]
+                          conntrack=Recorder("conntrack", log))  # type: ignore[arg-type]
     handles._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
     ops = HostOps(handles)
     monkeypatch.setattr(hostops, "sysctl", Sysctl(log))

@@ -125,8 +125,6 @@ class Netlink(NetlinkReader):
         """
         tmp = name if alias is None else ownership.TEMP_BRIDGE_PREFIX + secrets.token_hex(4)
         body = ifinfo() + str_attr(IFLA_IFNAME, tmp)
-        if mtu is not None:
-            body += u32_attr(IFLA_MTU, mtu)
         body += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "bridge"))
         try:
             self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
@@ -151,6 +149,12 @@ class Netlink(NetlinkReader):
                                     f"{existing.kind or 'physical'!r} has that name") from None
             return False
         self._bridge_index.pop(name, None)
+        if mtu is not None:
+            # The MTU is set after creation, not given in it (IFLA_MTU): only a change
+            # marks a bridge's MTU as set by the user (br_change_mtu); one that is not
+            # follows its ports and falls back to 1500 when the last one leaves
+            # (br_mtu_auto_adjust), so the declared MTU was lost with the last allocation.
+            self.set_link(name, mtu=mtu)
         if alias is None and (no_ll := no_ipv6_ll()):
             self._host.request(RTM_NEWLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name) + no_ll,
                                f"bridge {name}: no IPv6 link-local address")

@@ -44,11 +44,14 @@ def netlink_error(code: int, what: str, detail: str = "") -> DriverError:
 
 
 class Socket:
-    """A blocking rtnetlink socket bound to the namespace it was created in."""
+    """A blocking rtnetlink socket bound to the namespace it was created in.
 
-    def __init__(self) -> None:
+    ``protocol`` NETLINK_NETFILTER makes the same socket speak ctnetlink (``conntrack``).
+    """
+
+    def __init__(self, protocol: int = NETLINK_ROUTE) -> None:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                             NETLINK_ROUTE)
+                             protocol)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             for opt in (NETLINK_EXT_ACK, NETLINK_CAP_ACK, NETLINK_GET_STRICT_CHK):

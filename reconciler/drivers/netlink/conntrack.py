@@ -1,0 +1,273 @@
+"""Conntrack entries through ctnetlink (NETLINK_NETFILTER), in-process: dump and delete.
+
+Conntrack remembers where the first packet of a flow was sent: a datagram to a
+host port keeps going to the allocation the DNAT rule chose when the flow began,
+after the rule has moved to another allocation or gone (UDP has no end, so a
+client that keeps its source port is never NATed again). The port-map planner
+asks for the stale entries to go (``engine.hostops``, ``ConntrackDelete``); the
+probes remove their own entries the same way.
+
+One socket, opened in the network namespace the process is in (entries are per
+namespace: a ``--netns`` run has entered its sandbox). A dump is one request per
+family; each delete names the entry by its original tuple, zone and id, so an
+entry that was replaced meanwhile by a new flow with the same tuple is left alone
+(ENOENT: gone already, fine). Parsing is pure (:func:`parse_entry`) and tested on bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from reconciler.domain.errors import DriverError
+from reconciler.domain.ops import StaleMap
+from reconciler.drivers.netlink.messages import ADDR_DUMP
+from reconciler.drivers.netlink.parse import parse_addr
+from reconciler.drivers.netlink.transport import Socket
+from reconciler.drivers.netlink.wire import HDR, RTM_GETADDR, NlMsg, attr, nested, parse_attrs
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_CTNETLINK = 1
+IPCTNL_MSG_CT_GET = 1
+IPCTNL_MSG_CT_DELETE = 2
+CT_GET = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
+CT_DELETE = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE
+
+NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big endian)
+BE16 = struct.Struct("!H")
+BE32 = struct.Struct("!I")
+
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS = 1, 2, 3
+CTA_ID, CTA_ZONE, CTA_FILTER = 12, 18, 25
+CTA_FILTER_ORIG_FLAGS = 1
+#: CTA_FILTER_ORIG_FLAGS bits (the kernel's CTA_FILTER_F_*, since Linux 5.8)
+FILTER_PROTO_NUM, FILTER_PROTO_DST_PORT = 1 << 3, 1 << 5
+#: at most this many ports of one protocol get a kernel-filtered dump each; more, one
+#: dump of the protocol (a dump walks the whole table in the kernel, ~µs per entry)
+PORT_DUMPS = 8
+CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
+CTA_IP_V4_SRC, CTA_IP_V4_DST, CTA_IP_V6_SRC, CTA_IP_V6_DST = 1, 2, 3, 4
+CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
+
+#: IP protocol numbers by the names port maps use
+PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
+_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Tuple:
+    """One direction of a flow: addresses, protocol number, ports (None for port-less ones)."""
+
+    src: IPAddress
+    dst: IPAddress
+    proto: int
+    sport: int | None
+    dport: int | None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A conntrack entry: what the first packet was (``orig``) and what replies look like.
+
+    A DNATed flow's ``reply.src`` is where the rule sent it; ``orig.dst`` where the
+    client sent it.
+    """
+
+    family: int  # 4 or 6
+    orig: Tuple
+    reply: Tuple
+    zone: int
+    id: int | None
+    status: int
+
+
+def _tuple(buf: bytes) -> Tuple | None:
+    t = parse_attrs(buf)
+    ip, proto = parse_attrs(t.get(CTA_TUPLE_IP, b"")), parse_attrs(t.get(CTA_TUPLE_PROTO, b""))
+    if CTA_IP_V4_SRC in ip and CTA_IP_V4_DST in ip:
+        src: IPAddress = ipaddress.IPv4Address(ip[CTA_IP_V4_SRC][:4])
+        dst: IPAddress = ipaddress.IPv4Address(ip[CTA_IP_V4_DST][:4])
+    elif CTA_IP_V6_SRC in ip and CTA_IP_V6_DST in ip:
+        src = ipaddress.IPv6Address(ip[CTA_IP_V6_SRC][:16])
+        dst = ipaddress.IPv6Address(ip[CTA_IP_V6_DST][:16])
+    else:
+        return None
+    num = proto.get(CTA_PROTO_NUM)
+    if not num:
+        return None
+    sport, dport = proto.get(CTA_PROTO_SRC_PORT), proto.get(CTA_PROTO_DST_PORT)
+    return Tuple(src, dst, num[0], BE16.unpack(sport[:2])[0] if sport else None,
+                 BE16.unpack(dport[:2])[0] if dport else None)
+
+
+def parse_entry(raw: bytes) -> Entry | None:
+    """One IPCTNL_MSG_CT_NEW message of a dump (nlmsghdr included); None if not an entry."""
+    if len(raw) < HDR.size + NFGENMSG.size:
+        return None
+    length = HDR.unpack_from(raw, 0)[0]
+    family = NFGENMSG.unpack_from(raw, HDR.size)[0]
+    attrs = parse_attrs(raw, HDR.size + NFGENMSG.size, min(length, len(raw)))
+    orig = _tuple(attrs.get(CTA_TUPLE_ORIG, b""))
+    reply = _tuple(attrs.get(CTA_TUPLE_REPLY, b""))
+    version = {socket.AF_INET: 4, socket.AF_INET6: 6}.get(family)
+    if orig is None or reply is None or version is None:
+        return None
+    zone = attrs.get(CTA_ZONE)
+    ident = attrs.get(CTA_ID)
+    status = attrs.get(CTA_STATUS)
+    return Entry(version, orig, reply, BE16.unpack(zone[:2])[0] if zone else 0,
+                 BE32.unpack(ident[:4])[0] if ident else None,
+                 BE32.unpack(status[:4])[0] if status else 0)
+
+
+def _tuple_attr(kind: int, t: Tuple) -> bytes:
+    v4 = t.src.version == 4
+    ip = nested(CTA_TUPLE_IP,
+                attr(CTA_IP_V4_SRC if v4 else CTA_IP_V6_SRC, t.src.packed),
+                attr(CTA_IP_V4_DST if v4 else CTA_IP_V6_DST, t.dst.packed))
+    proto = attr(CTA_PROTO_NUM, bytes((t.proto,)))
+    if t.sport is not None:
+        proto += attr(CTA_PROTO_SRC_PORT, BE16.pack(t.sport))
+    if t.dport is not None:
+        proto += attr(CTA_PROTO_DST_PORT, BE16.pack(t.dport))
+    return nested(kind, ip, nested(CTA_TUPLE_PROTO, proto))
+
+
+def delete_request(entry: Entry) -> bytes:
+    """The body of the IPCTNL_MSG_CT_DELETE that removes exactly ``entry``."""
+    body = NFGENMSG.pack(_FAMILIES[entry.family], 0, 0) + _tuple_attr(CTA_TUPLE_ORIG, entry.orig)
+    if entry.zone:
+        body += attr(CTA_ZONE, BE16.pack(entry.zone))
+    if entry.id is not None:
+        body += attr(CTA_ID, BE32.pack(entry.id))
+    return body
+
+
+class Conntrack:
+    """The conntrack table of the current network namespace."""
+
+    def __init__(self) -> None:
+        try:
+            self._sock = Socket(NETLINK_NETFILTER)
+        except OSError as e:
+            raise DriverError(f"conntrack: cannot open a netfilter netlink socket: "
+                              f"{e.strerror or e}") from None
+        self._route: Socket | None = None  # rtnetlink, for the local addresses
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._route is not None:
+            self._route.close()
+
+    def dump(self, family: int, *, proto: str | None = None,
+             orig_dport: int | None = None) -> list[Entry]:
+        """The entries of IP ``family`` (4 or 6), optionally of one protocol (and original
+        destination port).
+
+        The kernel filters them (``CTA_FILTER``): parsing every entry of a busy table
+        costs ~40 µs each here. A kernel that does not know the filter sends all;
+        the same filter applies here too.
+        """
+        num = PROTOCOLS[proto] if proto is not None else None
+        body = NFGENMSG.pack(_FAMILIES[family], 0, 0)
+        if num is not None:
+            match = attr(CTA_PROTO_NUM, bytes((num,)))
+            flags = FILTER_PROTO_NUM
+            if orig_dport is not None:
+                match += attr(CTA_PROTO_DST_PORT, BE16.pack(orig_dport))
+                flags |= FILTER_PROTO_DST_PORT
+            body += (nested(CTA_TUPLE_ORIG, nested(CTA_TUPLE_PROTO, match))
+                     + nested(CTA_FILTER, attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", flags))))
+        raw = self._sock.dump(CT_GET, body, f"conntrack: list IPv{family} entries")
+        out = []
+        for msg in raw:
+            e = parse_entry(msg)
+            if e is None or e.family != family:
+                continue
+            if (num is None or e.orig.proto == num) and (
+                    orig_dport is None or e.orig.dport == orig_dport):
+                out.append(e)
+        return out
+
+    def delete(self, entry: Entry) -> bool:
+        """Delete one entry; False if it is gone already (expired, or replaced meanwhile)."""
+        try:
+            self._sock.request(CT_DELETE, 0, delete_request(entry),
+                               f"conntrack: delete {describe(entry)}")
+        except DriverError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def delete_matching(self, family: int, predicate: Callable[[Entry], bool], *,
+                        protos: Iterable[str] | None = None,
+                        ports: Iterable[tuple[str, int]] | None = None) -> list[Entry]:
+        """Delete the entries of ``family`` that ``predicate`` picks, among those of
+        ``protos`` or of (protocol, original destination port) ``ports``, or all."""
+        dumps: list[tuple[str | None, int | None]] = [(None, None)]
+        if ports is not None:
+            wanted = sorted(set(ports))
+            by_proto = {p for p, _ in wanted}
+            dumps = [(p, None) for p in sorted(by_proto)
+                     if sum(1 for q, _ in wanted if q == p) > PORT_DUMPS]
+            dumps += [(p, port) for p, port in wanted if (p, None) not in dumps]
+        elif protos is not None:
+            dumps = [(p, None) for p in sorted(set(protos))]
+        deleted = []
+        for proto, port in dumps:
+            for e in self.dump(family, proto=proto, orig_dport=port):
+                if predicate(e) and self.delete(e):
+                    deleted.append(e)
+        return deleted
+
+    def local_addresses(self) -> frozenset[IPAddress]:
+        """The addresses of this namespace's links: what ``--dst-type LOCAL`` matches."""
+        if self._route is None:
+            self._route = Socket()
+        msgs = self._route.dump(RTM_GETADDR, ADDR_DUMP, "conntrack: dump local addresses")
+        return frozenset(parsed[1].address.ip for raw in msgs
+                         if (parsed := parse_addr(NlMsg.decode(raw))) is not None)
+
+    def delete_port_flows(self, family: int, maps: Sequence[StaleMap]) -> list[Entry]:
+        """Delete the entries of flows to the host ports of ``maps`` their rules no longer
+        send where conntrack does (:func:`stale_for`): a filtered dump per port (or per
+        protocol, for many ports)."""
+        local = self.local_addresses()
+        return self.delete_matching(family, lambda e: any(stale_for(m, e, local) for m in maps),
+                                    ports={(m.proto, m.port) for m in maps})
+
+
+def stale_for(m: StaleMap, e: Entry, local: frozenset[IPAddress]) -> bool:
+    """Entry ``e`` is a flow to map ``m``'s host port that its rule no longer sends there.
+
+    Only flows to this host's own addresses (what the DNAT rules match: ``--dst-type
+    LOCAL``; loopback included): a forwarded flow to a remote port of the same number
+    (masqueraded containers, a service address DNATed by someone else) is none of ours.
+    """
+    dst = e.orig.dst
+    if PROTOCOLS[m.proto] != e.orig.proto or e.orig.dport != m.port:
+        return False
+    to_map = dst == m.host_ip if m.host_ip is not None else (dst in local or dst.is_loopback)
+    if not to_map:
+        return False
+    return m.keep is None or (e.reply.src, e.reply.sport) != m.keep
+
+
+def describe(entry: Entry) -> str:
+    """``udp 10.0.0.2:40000 -> 10.0.0.1:5353 (replies from 10.78.0.10:53)`` for logs."""
+    name = {v: k for k, v in PROTOCOLS.items()}.get(entry.orig.proto, str(entry.orig.proto))
+
+    def end(ip: IPAddress, port: int | None) -> str:
+        host = str(ip) if ip.version == 4 else f"[{ip}]"
+        return host if port is None else f"{host}:{port}"
+
+    return (f"{name} {end(entry.orig.src, entry.orig.sport)} -> "
+            f"{end(entry.orig.dst, entry.orig.dport)} "
+            f"(replies from {end(entry.reply.src, entry.reply.sport)})")
