@@ -29,12 +29,14 @@ from reconciler.domain import ownership
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import IPInterface
 from reconciler.drivers import netns
+from reconciler.drivers.netlink.announce import Announcer, enable_notify
 from reconciler.drivers.netlink.messages import addr_body, ifinfo, no_ipv6_ll, updown
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.netlink.transport import Socket
 from reconciler.drivers.netlink.wire import (
     I32,
     IFF_UP,
+    IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
     IFLA_IFALIAS,
     IFLA_IFNAME,
@@ -48,10 +50,14 @@ from reconciler.drivers.netlink.wire import (
     IFLA_MASTER,
     IFLA_MTU,
     IFLA_NET_NS_FD,
+    NDA_DST,
+    NDA_LLADDR,
+    NDMSG,
     NLM_F_CREATE,
     NLM_F_ECHO,
     NLM_F_EXCL,
     NLM_F_REPLACE,
+    NUD_STALE,
     RT_SCOPE_UNIVERSE,
     RT_TABLE_MAIN,
     RTA_GATEWAY,
@@ -61,6 +67,7 @@ from reconciler.drivers.netlink.wire import (
     RTM_DELROUTE,
     RTM_NEWADDR,
     RTM_NEWLINK,
+    RTM_NEWNEIGH,
     RTM_NEWROUTE,
     RTMSG,
     RTN_UNICAST,
@@ -73,6 +80,10 @@ from reconciler.drivers.netlink.wire import (
     u8_attr,
     u32_attr,
 )
+
+
+def _mac_bytes(mac: str) -> bytes:
+    return bytes.fromhex(mac.replace(":", ""))
 
 
 @dataclass(frozen=True)
@@ -99,15 +110,31 @@ class Netlink(NetlinkReader):
         # bridge veths were put on, and the peer of a veth just created (until configured)
         self._bridge_index: dict[str, int] = {}
         self._fresh: dict[str, _FreshPeer] = {}
+        # the announcement sockets create_netns made inside a new namespace, for
+        # configure_inside (no second setns into it)
+        self._announcers: dict[str, tuple[int, Announcer]] = {}
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` and forget the peer just put there."""
         self._fresh.pop(name, None)
+        kept = self._announcers.pop(name, None)
+        if kept is not None:
+            kept[1].close()
         super().forget_netns(name)
 
+    def close(self) -> None:
+        for _inode, announcer in self._announcers.values():
+            announcer.close()
+        self._announcers.clear()
+        super().close()
+
     def ensure_bridge(self, name: str, mtu: int | None = None,
-                      alias: str | None = ownership.LINK_ALIAS) -> bool:
-        """Create bridge ``name`` (up, with MTU and ownership alias). False if it existed.
+                      alias: str | None = ownership.LINK_ALIAS, mac: str | None = None) -> bool:
+        """Create bridge ``name`` (up, with MTU, ownership alias and MAC). False if it existed.
+
+        A MAC given at creation is set (addr_assign_type NET_ADDR_SET): the
+        bridge keeps it whatever ports come and go, where otherwise it takes
+        its lowest port's and 00:00:00:00:00:00 with none.
 
         An existing bridge is left as is (use :meth:`set_link` to converge it);
         an existing link of another kind raises ConflictError.
@@ -127,6 +154,8 @@ class Netlink(NetlinkReader):
         body = ifinfo() + str_attr(IFLA_IFNAME, tmp)
         if mtu is not None:
             body += u32_attr(IFLA_MTU, mtu)
+        if mac is not None:
+            body += attr(IFLA_ADDRESS, _mac_bytes(mac))
         body += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "bridge"))
         try:
             self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
@@ -175,6 +204,27 @@ class Netlink(NetlinkReader):
         where = f" in namespace {ns}" if ns else ""
         self._sock(ns).request(RTM_NEWLINK, 0, body, f"link {name}{where}: set")
 
+    def set_mac(self, name: str, mac: str) -> None:
+        """Set a link's MAC. Set to the one it has, it still counts as set (dev_set_mac_address
+        marks NET_ADDR_SET either way): how an existing bridge is pinned without a change."""
+        self._host.request(RTM_NEWLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
+                           + attr(IFLA_ADDRESS, _mac_bytes(mac)), f"link {name}: set MAC {mac}")
+
+    def replace_neighbour(self, link: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                          mac: str) -> None:
+        """Point the neighbour entry of ``ip`` on ``link`` (here) at ``mac``, created or
+        replaced in state STALE: usable at once, and confirmed by the kernel's own probe
+        (delay_first_probe_time) the first time it is used, so a wrong guess lives seconds,
+        not a REACHABLE entry's reachable_time."""
+        index = self._bridge_index.get(link)
+        if index is None:
+            index = self._index(link, None)
+        family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+        body = (NDMSG.pack(family, index, NUD_STALE, 0, 0) + attr(NDA_DST, ip.packed)
+                + attr(NDA_LLADDR, _mac_bytes(mac)))
+        self._host.request(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_REPLACE, body,
+                           f"neighbour {ip} on {link}: replace")
+
     def delete_link(self, name: str, ns: str | None = None) -> bool:
         """Delete a link (a veth takes its peer with it). False if it did not exist.
 
@@ -206,7 +256,8 @@ class Netlink(NetlinkReader):
     def create_veth_into_netns(self, host_name: str, netns_name: str, bridge: str,
                                mtu: int | None = None, hairpin: bool = True,
                                peer_name: str = "eth0",
-                               alias: str | None = ownership.LINK_ALIAS) -> bool:
+                               alias: str | None = ownership.LINK_ALIAS,
+                               mac: str | None = None) -> bool:
         """Create a veth pair, the peer directly inside ``netns_name``, host end on ``bridge``.
 
         Two messages: RTM_NEWLINK creates both ends (peer placed by
@@ -218,7 +269,9 @@ class Netlink(NetlinkReader):
         applies IFLA_AF_SPEC after the flags: the peer is still down, so the host
         end has no carrier and IPv6 makes no address on it yet. An existing veth
         (whose peer may be up) gets address generation off in a message of its own
-        first. The peer stays down until :meth:`configure_inside`.
+        first. The peer stays down until :meth:`configure_inside`. ``mac`` is the
+        peer's MAC, given in the creation itself (IFLA_ADDRESS of the peer's ifinfo);
+        an existing pair keeps the one it has.
 
         The creation asks for the kernel's echo (NLM_F_ECHO): it gives the peer's
         ifindex inside the namespace and the namespace's nsid here, which
@@ -240,7 +293,7 @@ class Netlink(NetlinkReader):
             inode = os.fstat(fd).st_ino
             try:
                 replies = self._create_veth(host_name, netns_name, fd, peer_name,
-                                            bridge_index, mtu)
+                                            bridge_index, mtu, mac)
             except DriverError as e:
                 if cached is None or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
@@ -249,7 +302,7 @@ class Netlink(NetlinkReader):
                 del self._bridge_index[bridge]
                 bridge_index = self._index(bridge, None)
                 replies = self._create_veth(host_name, netns_name, fd, peer_name,
-                                            bridge_index, mtu)
+                                            bridge_index, mtu, mac)
             created = True
         except DriverError as e:
             if e.errno != errno.EEXIST:
@@ -291,7 +344,7 @@ class Netlink(NetlinkReader):
         return created
 
     def _create_veth(self, host_name: str, netns_name: str, fd: int, peer_name: str,
-                     bridge_index: int, mtu: int | None) -> list[bytes]:
+                     bridge_index: int, mtu: int | None, mac: str | None) -> list[bytes]:
         # The peer cannot be brought up here: veth_open() fails with ENOTCONN
         # until the pair is complete. configure_inside() brings it up.
         peer = ifinfo() + str_attr(IFLA_IFNAME, peer_name) + u32_attr(IFLA_NET_NS_FD, fd)
@@ -300,6 +353,8 @@ class Netlink(NetlinkReader):
         if mtu is not None:
             peer += u32_attr(IFLA_MTU, mtu)
             host += u32_attr(IFLA_MTU, mtu)
+        if mac is not None:
+            peer += attr(IFLA_ADDRESS, _mac_bytes(mac))
         host += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "veth"),
                        nested(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer)))
         return self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL | NLM_F_ECHO, host,
@@ -399,8 +454,14 @@ class Netlink(NetlinkReader):
         if replace_stale:
             self.forget_netns(name)
         kept: list[Socket] = []
+        announcers: list[Announcer] = []
 
         def init() -> None:
+            # eth0 is made here later and takes the namespace's defaults: arp_notify and
+            # ndisc_notify on; the sockets that will announce its addresses, made now that
+            # this thread is inside anyway
+            enable_notify("default")
+            announcers.append(Announcer())
             sock = Socket()
             try:
                 sock.request(RTM_NEWLINK, 0,
@@ -418,9 +479,14 @@ class Netlink(NetlinkReader):
             if kept:
                 self._keep_socket(name, kept[0], lo_mark=mark)
                 kept.clear()
+            if announcers and created:
+                self._announcers[name] = (os.stat(netns.path_of(name)).st_ino,
+                                          announcers.pop())
         finally:
             for sock in kept:
                 sock.close()
+            for announcer in announcers:
+                announcer.close()
         if not created and mark is not None and self.peek_lo_alias(name) != mark:
             # someone made a namespace of that name since we looked: not ours to fill
             raise ConflictError(f"network namespace {name}: appeared meanwhile and was not "
@@ -452,6 +518,11 @@ class Netlink(NetlinkReader):
 
         The index of ``ifname`` comes from the echo of :meth:`create_veth_into_netns`
         when that just made it, else from a lookup.
+
+        Then every address is announced from inside (``announce``: gratuitous ARP,
+        unsolicited NA), and ``arp_notify``/``ndisc_notify`` are on for ``ifname``: a
+        namespace :meth:`create_netns` made has them as its defaults and the sockets
+        ready; any other is entered once for both.
 
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
@@ -497,4 +568,23 @@ class Netlink(NetlinkReader):
                     raise
         for gw in gateways:
             self.replace_default_route(ifname, gw, ns=netns_name, index=index)
+        self._announce(netns_name, entry.inode, ifname, index, addrs)
+
+    def _announce(self, netns_name: str, inode: int, ifname: str, index: int,
+                  addrs: Sequence[IPInterface]) -> None:
+        kept = self._announcers.pop(netns_name, None)
+        try:
+            if kept is not None and kept[0] == inode:
+                announcer = kept[1]
+            else:
+                if kept is not None:
+                    kept[1].close()
+                with netns.enter(netns_name):
+                    enable_notify(ifname)
+                    announcer = Announcer()
+            with announcer:
+                announcer.announce(ifname, index, addrs)
+        except OSError as e:
+            raise DriverError(f"link {ifname} in namespace {netns_name}: announcing its "
+                              f"addresses: {e.strerror or e}") from None
 
