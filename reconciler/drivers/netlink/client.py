@@ -22,6 +22,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,15 +30,18 @@ from reconciler.domain import ownership
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import IPInterface
 from reconciler.drivers import netns
-from reconciler.drivers.netlink.announce import Announcer, enable_notify
+from reconciler.drivers.netlink.announce import enable_notify
 from reconciler.drivers.netlink.messages import addr_body, ifinfo, no_ipv6_ll, updown
+from reconciler.drivers.netlink.parse import bridge_port_state
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.netlink.transport import Socket
 from reconciler.drivers.netlink.wire import (
+    BR_STATE_FORWARDING,
     I32,
     IFF_UP,
     IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
+    IFLA_EXT_MASK,
     IFLA_IFALIAS,
     IFLA_IFNAME,
     IFLA_INFO_DATA,
@@ -62,9 +66,11 @@ from reconciler.drivers.netlink.wire import (
     RT_TABLE_MAIN,
     RTA_GATEWAY,
     RTA_OIF,
+    RTEXT_FILTER_SKIP_STATS,
     RTM_DELADDR,
     RTM_DELLINK,
     RTM_DELROUTE,
+    RTM_GETLINK,
     RTM_NEWADDR,
     RTM_NEWLINK,
     RTM_NEWNEIGH,
@@ -94,6 +100,8 @@ class _FreshPeer:
     ifname: str
     index: int  # its ifindex there (IFLA_LINK of the host end)
     nsid: int | None  # that namespace's nsid here (IFLA_LINK_NETNSID of the host end)
+    host_index: int  # the host end's ifindex (a port of the bridge)
+    mac: str | None  # the MAC it was created with; None: the kernel's (unknown here)
 
 
 class Netlink(NetlinkReader):
@@ -110,23 +118,15 @@ class Netlink(NetlinkReader):
         # bridge veths were put on, and the peer of a veth just created (until configured)
         self._bridge_index: dict[str, int] = {}
         self._fresh: dict[str, _FreshPeer] = {}
-        # the announcement sockets create_netns made inside a new namespace, for
-        # configure_inside (no second setns into it)
-        self._announcers: dict[str, tuple[int, Announcer]] = {}
+        # namespaces create_netns made (by name: their inode), whose links are born with
+        # arp_notify and ndisc_notify on: configure_inside need not enter them to set it
+        self._notifying: dict[str, int] = {}
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` and forget the peer just put there."""
         self._fresh.pop(name, None)
-        kept = self._announcers.pop(name, None)
-        if kept is not None:
-            kept[1].close()
+        self._notifying.pop(name, None)
         super().forget_netns(name)
-
-    def close(self) -> None:
-        for _inode, announcer in self._announcers.values():
-            announcer.close()
-        self._announcers.clear()
-        super().close()
 
     def ensure_bridge(self, name: str, mtu: int | None = None,
                       alias: str | None = ownership.LINK_ALIAS, mac: str | None = None) -> bool:
@@ -316,13 +316,15 @@ class Netlink(NetlinkReader):
             os.close(fd)
         self._bridge_index[bridge] = bridge_index
         for raw in replies:  # the echo of the host end: IFLA_LINK is the peer's index there
-            a = NlMsg.decode(raw).attrs
+            echo = NlMsg.decode(raw)
+            a = echo.attrs
             if IFLA_LINK in a:
                 nsid = I32.unpack_from(a[IFLA_LINK_NETNSID])[0] \
                     if IFLA_LINK_NETNSID in a else -1
                 self._fresh[netns_name] = _FreshPeer(inode, peer_name,
                                                      U32.unpack_from(a[IFLA_LINK])[0],
-                                                     nsid if nsid >= 0 else None)
+                                                     nsid if nsid >= 0 else None,
+                                                     echo.header[2], mac)
         # The kernel ignores IFLA_IFALIAS at creation, and bridge-port attributes
         # exist only once the port does: one more message for all of it.
         body = ifinfo(flags=IFF_UP, change=IFF_UP) + str_attr(IFLA_IFNAME, host_name)
@@ -454,14 +456,11 @@ class Netlink(NetlinkReader):
         if replace_stale:
             self.forget_netns(name)
         kept: list[Socket] = []
-        announcers: list[Announcer] = []
 
         def init() -> None:
             # eth0 is made here later and takes the namespace's defaults: arp_notify and
-            # ndisc_notify on; the sockets that will announce its addresses, made now that
-            # this thread is inside anyway
+            # ndisc_notify on (see configure_inside), set while this thread is inside anyway
             enable_notify("default")
-            announcers.append(Announcer())
             sock = Socket()
             try:
                 sock.request(RTM_NEWLINK, 0,
@@ -479,14 +478,11 @@ class Netlink(NetlinkReader):
             if kept:
                 self._keep_socket(name, kept[0], lo_mark=mark)
                 kept.clear()
-            if announcers and created:
-                self._announcers[name] = (os.stat(netns.path_of(name)).st_ino,
-                                          announcers.pop())
+            if created and mark is not None:
+                self._notifying[name] = os.stat(netns.path_of(name)).st_ino
         finally:
             for sock in kept:
                 sock.close()
-            for announcer in announcers:
-                announcer.close()
         if not created and mark is not None and self.peek_lo_alias(name) != mark:
             # someone made a namespace of that name since we looked: not ours to fill
             raise ConflictError(f"network namespace {name}: appeared meanwhile and was not "
@@ -519,10 +515,15 @@ class Netlink(NetlinkReader):
         The index of ``ifname`` comes from the echo of :meth:`create_veth_into_netns`
         when that just made it, else from a lookup.
 
-        Then every address is announced from inside (``announce``: gratuitous ARP,
-        unsolicited NA), and ``arp_notify``/``ndisc_notify`` are on for ``ifname``: a
-        namespace :meth:`create_netns` made has them as its defaults and the sockets
-        ready; any other is entered once for both.
+        Last, the addresses are announced from inside (a gratuitous ARP and an
+        unsolicited NA with the override flag for each; see ``announce``), so whoever
+        cached the MAC of a re-created ``eth0`` learns the new one at once: with
+        ``arp_notify`` and ``ndisc_notify`` on for ``ifname`` (a namespace
+        :meth:`create_netns` made has both as its defaults; any other is entered
+        once to set them), setting its MAC to the one it has makes the kernel send
+        them (NETDEV_CHANGEADDR). Not at NETDEV_UP: the bridge enables the new port
+        only when linkwatch has seen its carrier, after the up, and drops what
+        comes earlier; so a new pair's host end is first seen forwarding.
 
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
@@ -550,6 +551,13 @@ class Netlink(NetlinkReader):
             sock.request(RTM_NEWLINK, 0, ifinfo() + attrs + no_ll,
                          f"link {ifname}{where}: configure")
             attrs = name
+        if self._notifying.pop(netns_name, None) != entry.inode:
+            try:
+                with netns.enter(netns_name):
+                    enable_notify(ifname)
+            except OSError as e:
+                raise DriverError(f"link {ifname}{where}: arp_notify/ndisc_notify: "
+                                  f"{e.strerror}") from None
         sock.request(RTM_NEWLINK, 0, ifinfo(flags=IFF_UP, change=IFF_UP) + attrs,
                      f"link {ifname}{where}: set up")
         if index is None:
@@ -568,23 +576,25 @@ class Netlink(NetlinkReader):
                     raise
         for gw in gateways:
             self.replace_default_route(ifname, gw, ns=netns_name, index=index)
-        self._announce(netns_name, entry.inode, ifname, index, addrs)
+        mac = fresh.mac if fresh is not None and fresh.index == index else None
+        if mac is None:
+            link = self.get_link(ifname, netns_name)
+            mac = link.mac if link is not None else None
+        if mac is not None:
+            if fresh is not None:
+                self._wait_forwarding(fresh.host_index)
+            sock.request(RTM_NEWLINK, 0, ifinfo(index=index) + attr(IFLA_ADDRESS,
+                                                                    _mac_bytes(mac)),
+                         f"link {ifname}{where}: announce its addresses")
 
-    def _announce(self, netns_name: str, inode: int, ifname: str, index: int,
-                  addrs: Sequence[IPInterface]) -> None:
-        kept = self._announcers.pop(netns_name, None)
-        try:
-            if kept is not None and kept[0] == inode:
-                announcer = kept[1]
-            else:
-                if kept is not None:
-                    kept[1].close()
-                with netns.enter(netns_name):
-                    enable_notify(ifname)
-                    announcer = Announcer()
-            with announcer:
-                announcer.announce(ifname, index, addrs)
-        except OSError as e:
-            raise DriverError(f"link {ifname} in namespace {netns_name}: announcing its "
-                              f"addresses: {e.strerror or e}") from None
-
+    def _wait_forwarding(self, index: int, limit: float = 0.2) -> None:
+        """Until the bridge port ``index`` forwards (linkwatch has seen its carrier; with
+        STP off at once after that), at most ``limit`` seconds: usually it already does."""
+        deadline = time.monotonic() + limit
+        body = ifinfo(index=index) + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS)
+        while True:
+            replies = self._host.request(RTM_GETLINK, 0, body, f"link {index}: port state")
+            state = bridge_port_state(NlMsg.decode(replies[0])) if replies else None
+            if state in (None, BR_STATE_FORWARDING) or time.monotonic() > deadline:
+                return
+            time.sleep(0.0005)

@@ -27,6 +27,7 @@ from reconciler.drivers.netlink.wire import (
     IFINFO,
     IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
+    IFLA_BRPORT_STATE,
     IFLA_IFALIAS,
     IFLA_IFNAME,
     IFLA_INFO_KIND,
@@ -157,6 +158,15 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO, oif=oif,
                      type=ROUTE_TYPES.get(rtype, f"type {rtype}"))
 
+
+
+def bridge_port_state(msg: NlMsg) -> int | None:
+    """IFLA_BRPORT_STATE of a bridge port's RTM_NEWLINK (BR_STATE_*); None for others."""
+    li = parse_attrs(msg.attrs.get(IFLA_LINKINFO, b""))
+    if IFLA_INFO_SLAVE_KIND not in li or cstr(li[IFLA_INFO_SLAVE_KIND]) != "bridge":
+        return None
+    port = parse_attrs(li.get(IFLA_INFO_SLAVE_DATA, b""))
+    return port[IFLA_BRPORT_STATE][0] if IFLA_BRPORT_STATE in port else None
 
 
 def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:

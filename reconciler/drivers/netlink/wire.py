@@ -115,11 +115,6 @@ IFLA_INET6_ADDR_GEN_MODE = 8
 IN6_ADDR_GEN_MODE_NONE = 1
 
 
-IFLA_INET_CONF = 1  # in IFLA_AF_SPEC/AF_INET: IPv4 devconf, attribute type = devconf index
-
-
-IPV4_DEVCONF_ARP_NOTIFY = 22
-
 
 IFLA_IFALIAS = 20
 
@@ -149,6 +144,12 @@ IFLA_INFO_SLAVE_DATA = 5
 
 
 VETH_INFO_PEER = 1
+
+
+IFLA_BRPORT_STATE = 1  # STP state of a bridge port
+
+
+BR_STATE_FORWARDING = 3
 
 
 IFLA_BRPORT_MODE = 4  # hairpin
