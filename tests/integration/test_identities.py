@@ -90,6 +90,12 @@ def v6_of(ns: str) -> str:
                 if a["family"] == "inet6" and a.get("scope") == "global")
 
 
+def notify_settings(ns: str) -> list[str]:
+    """arp_notify and ndisc_notify of the namespace's eth0 (``/proc/sys/net`` of it)."""
+    return [sh("ip", "netns", "exec", ns, "cat", f"/proc/sys/net/{key}").stdout.strip()
+            for key in ("ipv4/conf/eth0/arp_notify", "ipv6/conf/eth0/ndisc_notify")]
+
+
 def ids(n: int) -> list[str]:
     base = unique("i")
     return [f"{base}-{i}" for i in range(n)]
@@ -179,6 +185,8 @@ def test_an_older_bridge_is_pinned_to_its_mac_and_older_allocs_keep_theirs(host_
     # an allocation made before stable MACs: a random eth0 MAC, kept (no churn)
     old = "06:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
     sh("ip", "-n", aid, "link", "set", "eth0", "address", old)
+    sh("ip", "netns", "exec", aid, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/conf/default/arp_notify"
+       " && echo 0 > /proc/sys/net/ipv6/conf/default/ndisc_notify")  # as earlier versions made it
     with client_of(host_ns) as client, listening(aid, 80):
         assert fetch(client, HOST_IP, 18081) == "ok 80"
         ip = v4_of(aid)
@@ -194,6 +202,7 @@ def test_an_older_bridge_is_pinned_to_its_mac_and_older_allocs_keep_theirs(host_
         assert r.rc == 0, r.all
         assert link_mac(aid, "eth0") == alloc_mac(aid)
         assert neighbours(host_ns, BRIDGE)[ip][0] == alloc_mac(aid)
+        assert notify_settings(aid) == ["1", "1"]  # a namespace of an earlier run: entered
         got, took = connect_soon(client, 18081, within=1.0)
         assert got == "ok 80", f"port map unreachable for {took:.1f}s"
     sh("ip", "-n", h, "link", "del", port)
@@ -271,6 +280,4 @@ def test_new_addresses_are_announced_on_the_wire(host_ns: Netns, tmp_path):
           and f[21] == 255 and f[54] == 136 and f[58] & 0x20 and f[62:78] == ip6
           and f[78:80] == b"\x02\x01" and f[80:86] == mac]
     assert na, "no unsolicited neighbour advertisement (override, target lladdr) for it"
-    for key in ("ipv4/conf/eth0/arp_notify", "ipv6/conf/eth0/ndisc_notify"):
-        assert sh("ip", "netns", "exec", aid, "cat", f"/proc/sys/net/{key}").stdout.strip() \
-            == "1", key
+    assert notify_settings(aid) == ["1", "1"]
