@@ -523,7 +523,8 @@ class Netlink(NetlinkReader):
         once to set them), setting its MAC to the one it has makes the kernel send
         them (NETDEV_CHANGEADDR). Not at NETDEV_UP: the bridge enables the new port
         only when linkwatch has seen its carrier, after the up, and drops what
-        comes earlier; so a new pair's host end is first seen forwarding.
+        comes earlier; so for a new pair it first waits until the host end forwards
+        (one look-up: it usually does by then).
 
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
