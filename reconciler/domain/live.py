@@ -36,6 +36,10 @@ class LiveLink:
     addresses: tuple[LiveAddress, ...] = ()
     hairpin: bool | None = None  # bridge ports only
     peer_netnsid: int | None = None  # veth only: where the peer lives (IFLA_LINK_NETNSID)
+    mac: str | None = None  # IFLA_ADDRESS, lower-case ``aa:bb:..``; None: the link has none
+    #: bridges we own: whether their MAC is set (addr_assign_type NET_ADDR_SET), so it no
+    #: longer follows their ports; None: not asked (``engine.observe`` asks for bridges)
+    mac_pinned: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,16 @@ class LiveRoute:
     oif: int = 0
     #: the route type when it is not a plain unicast route: "blackhole", "unreachable", ...
     type: str = "unicast"
+
+
+@dataclass(frozen=True)
+class LiveNeighbour:
+    """A neighbour (ARP / NDP) entry with a link-layer address, on a link of the host."""
+
+    index: int  # ifindex of the link it is on
+    address: str  # the IP address, as ``ipaddress`` prints it
+    mac: str
+    permanent: bool  # NUD_PERMANENT: someone pinned it (``ip neigh add ... permanent``)
 
 
 @dataclass(frozen=True)
@@ -147,3 +161,5 @@ class LiveState:
     routes: tuple[LiveRoute, ...] = ()
     #: all Docker networks and pools; None: no Docker here, or nothing that needs it declared
     docker_space: DockerAddressSpace | None = None
+    #: neighbour entries on the declared bridges (read when allocations are declared)
+    neighbours: tuple[LiveNeighbour, ...] = ()

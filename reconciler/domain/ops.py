@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,14 @@ class _TypedOp:
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+_MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
+
+
+def _mac(mac: str) -> None:
+    if not _MAC.fullmatch(mac):
+        raise ValueError(f"{mac!r} is not a MAC address (aa:bb:cc:dd:ee:ff, lower case)")
+
+
 def _ip_version(version: int) -> None:
     if version not in (4, 6):
         raise ValueError(f"IP version {version} is neither 4 nor 6")
@@ -75,6 +84,13 @@ class LinkAddBridge(_TypedOp):
     NAME: ClassVar[str] = "link.add_bridge"
     name: str
     mtu: int | None
+    #: the MAC it is created with (set, so it does not follow its ports); plans saved
+    #: before stable MACs have none: the kernel's then
+    mac: str | None = _omit(None)
+
+    def check(self) -> None:
+        if self.mac is not None:
+            _mac(self.mac)
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,36 @@ class LinkSetHairpin(_TypedOp):
     NAME: ClassVar[str] = "link.set_hairpin"
     name: str
     on: bool
+
+
+@dataclass(frozen=True)
+class LinkSetMac(_TypedOp):
+    """Set a link's MAC (to the one it has: pins a bridge's, which then stops following its
+    ports)."""
+
+    NAME: ClassVar[str] = "link.set_mac"
+    name: str
+    mac: str
+
+    def check(self) -> None:
+        _mac(self.mac)
+
+
+@dataclass(frozen=True)
+class NeighReplace(_TypedOp):
+    """Point the neighbour entry of ``address`` on ``link`` at ``mac`` (created stale)."""
+
+    NAME: ClassVar[str] = "neigh.replace"
+    link: str
+    address: str  # an IP address, no prefix
+    mac: str
+
+    def ip(self) -> IPAddress:
+        return ipaddress.ip_address(self.address)
+
+    def check(self) -> None:
+        self.ip()
+        _mac(self.mac)
 
 
 @dataclass(frozen=True)
@@ -191,6 +237,13 @@ class AllocAttach(_TypedOp):
     bridge: str
     mtu: int | None
     hairpin: bool
+    #: eth0's MAC (``ownership.alloc_mac``); plans saved before stable MACs have none:
+    #: the kernel's random one then
+    mac: str | None = _omit(None)
+
+    def check(self) -> None:
+        if self.mac is not None:
+            _mac(self.mac)
 
 
 @dataclass(frozen=True)
@@ -369,6 +422,7 @@ class ConntrackDelete(_TypedOp):
 
 
 TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
+           | LinkSetMac | NeighReplace
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
            | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
            | DockerRemove | ConntrackDelete)

@@ -73,3 +73,41 @@ def alloc_ns_alias(host_id: str) -> str:
 
 #: name of the allocation's interface inside its namespace
 ALLOC_IFNAME = "eth0"
+
+
+# -- stable MAC addresses ---------------------------------------------------------------
+
+#: what a derived MAC hashes before the name: an allocation's ``eth0`` and a bridge differ,
+#: so an allocation id and a bridge name that are the same string never share a MAC
+ALLOC_MAC_PREFIX = b"reconciler/alloc-mac/"
+BRIDGE_MAC_PREFIX = b"reconciler/bridge-mac/"
+
+#: a bridge with no port and no address of its own reports this (it follows its ports)
+ZERO_MAC = "00:00:00:00:00:00"
+
+
+def derived_mac(prefix: bytes, name: str) -> str:
+    """A MAC of six bytes of sha256(prefix + name): locally administered, unicast.
+
+    The first octet's two low bits are forced to ``10`` (bit 1 set: locally
+    administered, so it can never be a vendor's address; bit 0 clear:
+    unicast), which leaves 46 bits of hash. Pure and fixed: the same name
+    gives the same MAC across heals, restarts and versions (a unit test pins
+    one value).
+    """
+    raw = bytearray(hashlib.sha256(prefix + name.encode()).digest()[:6])
+    raw[0] = (raw[0] & 0xFC) | 0x02
+    return ":".join(f"{b:02x}" for b in raw)
+
+
+def alloc_mac(alloc_id: str) -> str:
+    """The MAC of an allocation's ``eth0``: whoever caches it (the bridge's neighbour
+    entry, a client's) stays right when ``eth0`` is re-created."""
+    return derived_mac(ALLOC_MAC_PREFIX, alloc_id)
+
+
+def bridge_mac(name: str) -> str:
+    """The MAC a bridge is created with: set, so it no longer follows its lowest port
+    (and is not 00:00:00:00:00:00 without ports), and every allocation's cached
+    gateway MAC stays right as allocations come and go."""
+    return derived_mac(BRIDGE_MAC_PREFIX, name)

@@ -28,6 +28,8 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    LinkSetMac,
+    NeighReplace,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -78,7 +80,7 @@ class HostOps:
         """Perform one typed op: one case per op class (mypy checks that none is missing)."""
         match op:
             case LinkAddBridge():
-                self.netlink.ensure_bridge(op.name, op.mtu, ownership.LINK_ALIAS)
+                self.netlink.ensure_bridge(op.name, op.mtu, ownership.LINK_ALIAS, mac=op.mac)
             case LinkSet():
                 self.netlink.set_link(op.name, mtu=op.mtu, up=op.up, master=op.master,
                                       ns=op.netns,
@@ -87,6 +89,10 @@ class HostOps:
                 self.netlink.delete_link(op.name, op.netns)
             case LinkSetHairpin():
                 self.netlink.set_hairpin(op.name, op.on)
+            case LinkSetMac():
+                self.netlink.set_mac(op.name, op.mac)
+            case NeighReplace():
+                self.netlink.replace_neighbour(op.link, op.ip(), op.mac)
             case AddrAdd():
                 self._add_address(op)
             case AddrDel():
@@ -99,7 +105,7 @@ class HostOps:
                 self._delete_netns(op.name)
             case AllocAttach():
                 self.netlink.create_veth_into_netns(op.veth, op.netns, op.bridge, op.mtu,
-                                                    op.hairpin)
+                                                    op.hairpin, mac=op.mac)
             case AllocConfigure():
                 # op.ipv6 is not read: eth0 never has a link-local address (see
                 # Netlink.configure_inside); the field stays for the plans that carry it

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
 
 from reconciler.domain.errors import DriverError
-from reconciler.domain.live import LiveDocker, LiveNetns, LiveRoute, LiveState
+from reconciler.domain.live import (
+    LiveDocker,
+    LiveLink,
+    LiveNeighbour,
+    LiveNetns,
+    LiveRoute,
+    LiveState,
+)
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ownership import alloc_ns_alias
-from reconciler.drivers import netns, nsfs, sysctl
+from reconciler.domain.ownership import ZERO_MAC, alloc_ns_alias, bridge_mac
+from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
 from reconciler.drivers.docker import probe as docker_probe
 from reconciler.drivers.nsfs import current_inode
 from reconciler.drivers.procfs import listening_ports
@@ -20,19 +28,25 @@ from reconciler.engine.handles import HostHandles
 #: sysctls every plan may need to compare
 SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
 
+log = logging.getLogger("reconciler")
+
 
 class Observer:
     """Holds driver handles (sockets) across passes; ``observe`` is read-only."""
 
     def __init__(self, handles: HostHandles | None = None) -> None:
         self.handles = handles or HostHandles()
+        #: (name, ifindex, MAC) of bridges seen with their MAC set: it stays set (nothing
+        #: turns NET_ADDR_SET back), so they are not asked again while they are the same
+        self._pinned: set[tuple[str, int, str | None]] = set()
 
     def observe(self, desired: DesiredState) -> LiveState:
-        links = self.handles.netlink.dump_links()
+        links = self.observe_links(desired)
         host_id = str(current_inode())
         fields: dict[str, Any] = {
             "host_id": host_id,
             "links": links,
+            "neighbours": self.observe_neighbours(desired, links),
             "firewall4": self.handles.iptables(4).observe(),
             "firewall6": self.handles.iptables(6).observe(),
             "netns": self.observe_allocs(desired, host_id),
@@ -41,6 +55,52 @@ class Observer:
             **self.observe_unannounced(desired),
         }
         return dataclasses.replace(LiveState(), **fields)
+
+    def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:
+        """Every link here, and for the declared bridges whether their MAC is set.
+
+        A bridge with the MAC we create bridges with was made by us, so it is set;
+        one with 00:00:00:00:00:00 has no port and follows them. Only the others
+        (bridges made by versions that did not set it) are asked (``sysfsnet``).
+        """
+        links = self.handles.netlink.dump_links()
+        ask: dict[str, sysfsnet.Seen] = {}
+        for name in desired.bridges:
+            lk = links.get(name)
+            if lk is None or lk.kind != "bridge":
+                continue
+            if lk.mac == bridge_mac(name) or (name, lk.index, lk.mac) in self._pinned:
+                links[name] = dataclasses.replace(lk, mac_pinned=True)
+            elif lk.mac in (None, ZERO_MAC):
+                links[name] = dataclasses.replace(lk, mac_pinned=False)
+            else:
+                ask[name] = (lk.index, lk.mac)
+        try:
+            answers = sysfsnet.mac_is_set(ask)
+        except OSError as e:
+            log.debug("bridge MACs not checked: %s", e)
+            answers = {}
+        for asked, pinned in answers.items():
+            if pinned is not None:
+                lk = links[asked]
+                links[asked] = dataclasses.replace(lk, mac_pinned=pinned)
+                if pinned:
+                    self._pinned.add((asked, lk.index, lk.mac))
+        return links
+
+    def observe_neighbours(self, desired: DesiredState,
+                           links: dict[str, LiveLink]) -> tuple[LiveNeighbour, ...]:
+        """Neighbour entries on the declared bridges, when allocations are declared: an entry
+        for an allocation's address that names another MAC than its ``eth0`` is stale.
+
+        Not announced to the plan agent (no neighbour events are heard): it reads them
+        on every request, one dump.
+        """
+        if not desired.allocs:
+            return ()
+        return self.handles.netlink.dump_neighbours(
+            lk.index for name in desired.bridges
+            if (lk := links.get(name)) is not None and lk.kind == "bridge")
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         """The LiveState fields no kernel event announces a change of: sysctls, listening sockets.

@@ -12,8 +12,9 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from reconciler.domain import ownership
 from reconciler.domain.live import LiveLink, LiveNetns
-from reconciler.domain.model import Alloc, Subnet, SubnetName
+from reconciler.domain.model import Alloc, BridgeName, Subnet, SubnetName
 from reconciler.domain.ops import (
     AddrDel,
     AllocAttach,
@@ -21,6 +22,7 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    NeighReplace,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -266,6 +268,55 @@ def subnet_port_rules(ctx: PlanContext, s: Subnet) -> None:
     ctx.sysctls[f"net/ipv4/conf/{s.bridge}/route_localnet"] = "1"
 
 
+# ------------------------------------------------------------------ MACs and neighbours
+
+
+def mac_clashes(ctx: PlanContext) -> dict[str, str]:
+    """Declared allocations whose derived MAC another one on the same bridge derives too:
+    id -> the conflict's reason. (46 bits of hash: never seen, but two ``eth0`` with one
+    MAC on one bridge would steal each other's frames.)"""
+    by_mac: dict[tuple[BridgeName, str], list[str]] = {}
+    for aid in sorted(ctx.desired.allocs):
+        bridge = ctx.desired.subnets[ctx.desired.allocs[aid].subnet].bridge
+        by_mac.setdefault((bridge, ownership.alloc_mac(aid)), []).append(aid)
+    out: dict[str, str] = {}
+    for (bridge, mac), ids in by_mac.items():
+        for one in ids if len(ids) > 1 else ():
+            others = ", ".join(repr(o) for o in ids if o != one)
+            out[one] = (f"its eth0 MAC {mac} (derived from its id) is also that of alloc "
+                        f"{others} on bridge {bridge}: rename one of them")
+    return out
+
+
+def _neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr | None, ...],
+                   mac: str | None) -> tuple[list[AttrChange], list[Op]]:
+    """Entries of the bridge's neighbour table for the allocation's addresses that name
+    another MAC than ``mac`` (eth0's: live, or the derived one it is (re)created with).
+
+    Replaced, not waited out: the kernel would keep sending to the old MAC until
+    the entry went stale and its probes failed (40 s and more). A permanent entry
+    is someone's on purpose: a warning names it, it is left alone.
+    """
+    link = ctx.live.links.get(bridge)
+    if mac is None or link is None or link.kind != "bridge":
+        return [], []
+    attrs: list[AttrChange] = []
+    ops: list[Op] = []
+    want = {str(x) for x in addrs if x is not None}
+    for n in ctx.live.neighbours:
+        if n.index != link.index or n.address not in want or n.mac == mac:
+            continue
+        if n.permanent:
+            ctx.warnings.append(
+                f"alloc {a.id!r} ({a.source}): bridge {bridge} has a permanent neighbour entry "
+                f"{n.address} lladdr {n.mac}, not eth0's {mac}: traffic to the allocation goes "
+                f"to {n.mac}; not ours, left alone (ip neigh del {n.address} dev {bridge})")
+            continue
+        attrs.append(AttrChange("neighbour", f"{n.address} at {n.mac}", mac))
+        ops.append(encode(NeighReplace(bridge, n.address, mac)))
+    return attrs, ops
+
+
 # ------------------------------------------------------------------ per alloc
 
 
@@ -286,13 +337,17 @@ def _view(ctx: PlanContext, aid: str) -> object:
 
 
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
-               maps: list[Mapped]) -> Change:
+               maps: list[Mapped], clash: str | None = None) -> Change:
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
     ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
     if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
         return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
+    if clash is not None:
+        ctx.blocked.add(f"alloc/{a.id}")
+        return Change("alloc", a.id, Action.CONFLICT, clash, source=src)
+    derived_mac = ownership.alloc_mac(a.id)
     veth_name = alloc_veth_name(a.id)
     v4, v6 = addrs
     want = [f"{v4}/{s.cidr.prefixlen}"]
@@ -305,7 +360,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     # alloc its own broadcasts and multicasts back. Ports with hairpin on where the
     # bridge allows it are left alone (a previous version set it on every port).
     hairpin = b.hairpin and bool(a.ports)
-    attach = AllocAttach(a.id, veth_name, b.name, b.mtu, hairpin)
+    attach = AllocAttach(a.id, veth_name, b.name, b.mtu, hairpin, mac=derived_mac)
     mark = alloc_ns_alias(ctx.live.host_id)
     configure = AllocConfigure(a.id, tuple(want), tuple(gateways), b.mtu, v6 is not None, mark)
     ports = sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
@@ -317,9 +372,12 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if ns is None or not ns.usable:
         attrs = (AttrChange("subnet", None, s.name), AttrChange("address", None, want[0]),
                  *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
-                 *((AttrChange("ports", None, ports),) if ports else ()))
+                 *((AttrChange("ports", None, ports),) if ports else ()),
+                 AttrChange("mac", None, derived_mac))
+        neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, derived_mac)
+        attrs += tuple(neigh_attrs)
         made = (*stale_veth, encode(NetnsCreate(a.id, ns is not None, mark)), encode(attach),
-                encode(configure))
+                encode(configure), *neigh_ops)
         if ns is not None:
             return Change("alloc", a.id, Action.REPLACE,
                           f"/run/netns/{a.id} exists but is not a live namespace",
@@ -345,6 +403,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             ops.append(encode(LinkDelete(ALLOC_IFNAME, netns=a.id)))
         ops += stale_veth
         ops += [encode(attach), encode(configure)]
+        eth0_mac: str | None = derived_mac  # what the new eth0 will have
     else:
         assert veth is not None and eth0 is not None
         if veth.master != b.name:
@@ -398,6 +457,10 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             inside_ok = False
         if not inside_ok:
             ops.append(encode(configure))
+        eth0_mac = eth0.mac  # kept, whatever it is: no churn of allocations made before
+    neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, eth0_mac)
+    attrs_l += neigh_attrs
+    ops += neigh_ops
     if not ops:
         return Change("alloc", a.id, Action.NOOP, source=src)
     return Change("alloc", a.id, Action.UPDATE,
@@ -447,9 +510,10 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
         return []
     changes = []
     with_ports: set[SubnetName] = set()
+    clashes = mac_clashes(ctx)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid])
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid))
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall

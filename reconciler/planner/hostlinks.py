@@ -8,8 +8,16 @@ from dataclasses import replace
 
 from reconciler.domain.live import LiveLink
 from reconciler.domain.model import Bridge, Subnet, SubnetName
-from reconciler.domain.ops import AddrAdd, AddrDel, LinkAddBridge, LinkDelete, LinkSet, encode
-from reconciler.domain.ownership import alloc_veth_name
+from reconciler.domain.ops import (
+    AddrAdd,
+    AddrDel,
+    LinkAddBridge,
+    LinkDelete,
+    LinkSet,
+    LinkSetMac,
+    encode,
+)
+from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -39,8 +47,10 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
     if link is None:
         created = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
         created.append(AttrChange("hairpin", None, b.hairpin))
+        mac = bridge_mac(b.name)
+        created.append(AttrChange("mac", None, mac))
         return Change("bridge", b.name, Action.CREATE, "not present", tuple(created),
-                      (encode(LinkAddBridge(b.name, b.mtu)),), src)
+                      (encode(LinkAddBridge(b.name, b.mtu, mac=mac)),), src)
     if link.kind != "bridge":
         ctx.blocked.add(f"bridge/{b.name}")
         what = f"a {link.kind} link" if link.kind else "a device"
@@ -65,6 +75,10 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         attrs.append(AttrChange("up", False, True))
     if attrs:
         ops.append(encode(LinkSet(b.name, owned=adopt, mtu=mtu, up=up)))
+    pin = _mac_pin(link)
+    if pin is not None:
+        attrs.append(AttrChange("mac", link.mac, f"pin {pin}"))
+        ops.append(encode(LinkSetMac(b.name, pin)))
     stray = sorted(str(a.address) for a in link.addresses
                    if a.owned and (b.name, str(a.address)) not in ctx.claimed_addresses)
     if stray:
@@ -74,6 +88,20 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         return Change("bridge", b.name, Action.NOOP, source=src)
     reason = "adopt" if not link.owned else "changed: " + ", ".join(a.field for a in attrs)
     return Change("bridge", b.name, Action.UPDATE, reason, tuple(attrs), tuple(ops), src)
+
+
+def _mac_pin(link: LiveLink) -> str | None:
+    """The MAC to pin a bridge to when its MAC still follows its ports; None when it is set.
+
+    A bridge made before stable MACs keeps the MAC it has (its allocations have it
+    cached as their gateway's); one without ports has none (00:00:..) and gets the
+    MAC new bridges get. Unknown (``mac_pinned`` None): left alone.
+    """
+    if link.mac_pinned is not False:
+        return None
+    if link.mac is None or link.mac == ZERO_MAC:
+        return bridge_mac(link.name)
+    return link.mac
 
 
 def _wanted_addresses(s: Subnet) -> list[str]:

@@ -12,6 +12,7 @@ from reconciler.domain.live import (
     LiveAddress,
     LiveChainSet,
     LiveLink,
+    LiveNeighbour,
     LiveNetns,
     LiveRoute,
     LiveState,
@@ -28,6 +29,8 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    LinkSetMac,
+    NeighReplace,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -119,6 +122,8 @@ class FakeHost:
         self.docker_space: DockerAddressSpace | None = None
         #: the port maps whose conntrack entries runs asked to delete (no table here)
         self.conntrack_deleted: list[tuple[int, str]] = []
+        #: neighbour entries of the host's links
+        self.neighbours: list[LiveNeighbour] = []
 
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:
@@ -132,7 +137,16 @@ class FakeHost:
                          sysctls=dict(self.sysctls), netns=netns,
                          listening=frozenset(self.listening) if desired.allocs
                          else frozenset(), routes=self._routes(desired),
-                         docker_space=self.docker_space)
+                         docker_space=self.docker_space,
+                         neighbours=self._neighbours(desired))
+
+    def _neighbours(self, desired: DesiredState) -> tuple[LiveNeighbour, ...]:
+        """Like the real observer: entries on the declared bridges, when allocs are declared."""
+        if not desired.allocs:
+            return ()
+        bridges = {lk.index for name, lk in self.links.items()
+                   if name in desired.bridges and lk.kind == "bridge"}
+        return tuple(n for n in self.neighbours if n.index in bridges)
 
     def _routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
         """Like the kernel: a connected route per address, then the others; read only when
@@ -162,7 +176,8 @@ class FakeHost:
                 if op.name not in self.links:
                     self._next_index += 1
                     self.links[op.name] = LiveLink(op.name, self._next_index, "bridge",
-                                                   op.mtu or 1500, True, True)
+                                                   op.mtu or 1500, True, True, mac=op.mac,
+                                                   mac_pinned=op.mac is not None)
             case LinkSet():
                 link = self.links[op.name]
                 master = op.master if op.master is not None else link.master
@@ -175,6 +190,14 @@ class FakeHost:
                     else link.hairpin)
             case LinkDelete():
                 self._delete_link(op.name, op.netns)
+            case LinkSetMac():
+                self.links[op.name] = dataclasses.replace(self.links[op.name], mac=op.mac,
+                                                          mac_pinned=True)
+            case NeighReplace():
+                index = self.links[op.link].index
+                self.neighbours = [n for n in self.neighbours
+                                   if (n.index, n.address) != (index, op.address)]
+                self.neighbours.append(LiveNeighbour(index, op.address, op.mac, False))
             case LinkSetHairpin():
                 link = self.links[op.name]
                 assert link.master is not None, "hairpin of a link that is no bridge port"
@@ -187,7 +210,7 @@ class FakeHost:
                     self.links = {n: lk for n, lk in self.links.items()
                                   if lk.kind != "veth" or lk.peer_netnsid != ns.nsid}
             case AllocAttach():
-                self._attach(op.veth, op.netns, op.bridge, op.mtu, op.hairpin)
+                self._attach(op.veth, op.netns, op.bridge, op.mtu, op.hairpin, op.mac)
             case AllocConfigure():
                 self._configure(op)
             case RouteDelDefault():
@@ -213,6 +236,11 @@ class FakeHost:
                 raise AssertionError(f"fake host does not know op {op.NAME}")
 
     # allocation namespaces, as the kernel would do them
+    def _random_mac(self) -> str:
+        """What the kernel gives a link created without a MAC (here: a new one each time)."""
+        self._next_index += 1
+        return f"0a:00:00:00:{self._next_index >> 8 & 0xff:02x}:{self._next_index & 0xff:02x}"
+
     def _create_netns(self, name: str, replace_stale: bool, mark: str | None) -> None:
         ns = self.netns.get(name)
         if ns is not None and ns.usable:
@@ -239,7 +267,7 @@ class FakeHost:
                               if lk.kind != "veth" or lk.peer_netnsid != ns.nsid}
 
     def _attach(self, veth: str, netns: str, bridge: str, mtu: int | None,
-                hairpin: bool) -> None:
+                hairpin: bool, mac: str | None = None) -> None:
         ns = self.netns[netns]
         assert ns.usable and bridge in self.links
         if veth in self.links:
@@ -247,7 +275,8 @@ class FakeHost:
         else:
             assert "eth0" not in ns.links, "eth0 already exists (EDGE 9)"
             self._next_index += 1
-            ns.links["eth0"] = LiveLink("eth0", 2, "veth", mtu or 1500, False, False)
+            ns.links["eth0"] = LiveLink("eth0", 2, "veth", mtu or 1500, False, False,
+                                        mac=mac or self._random_mac())
         self._next_index += 1
         self.links[veth] = LiveLink(veth, self._next_index, "veth", mtu or 1500, True, True,
                                     alias=LINK_ALIAS, master=bridge, hairpin=hairpin,

@@ -4,8 +4,10 @@
 typed ops (8d5ad83) wrote them, regenerated for issue 18 (hairpin only on the
 ports of allocations with port maps: the same bytes as the untyped planner of
 that change, branch ``scale18``) and for issue 14 (the firewall scripts, and the
-live fingerprints they feed, of subnet isolation and the loopback guard);
-``test_ops`` checks that today's planner prints the same bytes and that every
+live fingerprints they feed, of subnet isolation and the loopback guard), and for
+issue 13 (stable MACs: bridges and eth0 made with a MAC, pins, neighbour entries;
+``plans-before-stable-macs.json`` keeps the plans before it, which must still
+decode); ``test_ops`` checks that today's planner prints the same bytes and that every
 op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
 ``python -m tests.unit.opscenarios > tests/unit/fixtures/ops/plans.json``.
@@ -18,7 +20,13 @@ import ipaddress
 import json
 from collections.abc import Iterator
 
-from reconciler.domain.live import LiveAddress, LiveDocker, LiveDockerNetwork, LiveState
+from reconciler.domain.live import (
+    LiveAddress,
+    LiveDocker,
+    LiveDockerNetwork,
+    LiveNeighbour,
+    LiveState,
+)
 from reconciler.domain.model import (
     Alloc,
     AllocId,
@@ -146,6 +154,19 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     jumbo = _state(_bridge(mtu=9000))
     yield "last ports of a bridge pruned", _plan(_converged(jumbo),
                                                  dataclasses.replace(jumbo, allocs={}))
+    host.links["br0"] = dataclasses.replace(host.links["br0"], mac="aa:00:00:00:00:01",
+                                            mac_pinned=False)
+    yield "bridge MAC not pinned", _plan(host, want)
+    host.links["br0"] = dataclasses.replace(host.links["br0"], mac="00:00:00:00:00:00")
+    yield "bridge MAC zero", _plan(host, want)
+
+    host = _converged(want)
+    index = host.links["br0"].index
+    address = str(host.netns["a"].links["eth0"].addresses[0].address.ip)
+    host.neighbours.append(LiveNeighbour(index, address, "aa:00:00:00:00:02", False))
+    yield "stale neighbour entry", _plan(host, want)
+    del host.links[veth]
+    yield "veth gone, stale neighbour entry", _plan(host, want)
 
     kind = DockerNetwork(name=DockerNetworkName("kind"), mtu=1400, labels=(("team", "x"),))
     web = DockerNetwork(name=DockerNetworkName("web"), ipv6=True,

@@ -15,6 +15,9 @@ from reconciler.domain.plan import Op, Plan
 from .opscenarios import plan_json, scenarios
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "ops", "plans.json")
+#: the plans before stable MACs (issue 13): saved plans of that version must still run
+BEFORE_MACS = os.path.join(os.path.dirname(__file__), "fixtures", "ops",
+                           "plans-before-stable-macs.json")
 
 
 def recorded() -> dict[str, Any]:
@@ -23,7 +26,11 @@ def recorded() -> dict[str, Any]:
 
 
 def recorded_ops() -> list[dict[str, Any]]:
-    return [o for p in recorded().values() for c in p["changes"] for o in c["ops"]]
+    """Every op of the recorded plans, today's and those saved before stable MACs."""
+    with open(BEFORE_MACS) as fh:
+        before = json.load(fh)
+    return [o for plans in (recorded(), before) for p in plans.values()
+            for c in p["changes"] for o in c["ops"]]
 
 
 def test_the_planner_writes_the_bytes_it_wrote_before_typed_ops() -> None:
@@ -36,7 +43,7 @@ def test_the_planner_writes_the_bytes_it_wrote_before_typed_ops() -> None:
 
 def test_the_scenarios_hold_every_op() -> None:
     assert {o["op"] for o in recorded_ops()} == set(OPS)
-    assert len(OPS) == 18
+    assert len(OPS) == 20
 
 
 @pytest.mark.parametrize("raw", recorded_ops(), ids=lambda o: f"{o['op']}({','.join(o['args'])})")

@@ -12,7 +12,7 @@ from reconciler.agent.planview.protocol import Unanswered
 from reconciler.agent.planview.sentinels import EVERYTHING, Sentinel
 from reconciler.agent.planview.view import LiveView
 from reconciler.cli.entry import NotAPlan, PlanCall, answer
-from reconciler.domain.live import LiveLink, LiveNetns, LiveState
+from reconciler.domain.live import LiveLink, LiveNeighbour, LiveNetns, LiveState
 from reconciler.domain.model import Alloc, AllocId, DesiredState, SubnetName
 from reconciler.domain.plan import Plan
 from reconciler.planner import PlanOptions
@@ -161,15 +161,25 @@ class FakeObserver:
         self.routes: tuple[Any, ...] = ()
         self.route_reads = 0
         self.docker_space: Any = None
+        self.neighbours: tuple[Any, ...] = ()
+        self.neighbour_reads = 0
 
     def observe(self, desired: DesiredState) -> LiveState:
         self.observed += 1
         return dataclasses.replace(self.live, sysctls=dict(self.sysctls),
                                    netns=dict(self.namespaces),
-                                   links=self.handles.netlink.dump_links())
+                                   links=self.handles.netlink.dump_links(),
+                                   neighbours=self.neighbours)
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         return {"sysctls": dict(self.sysctls), "listening": frozenset()}
+
+    def observe_links(self, desired: DesiredState) -> dict[str, Any]:
+        return self.handles.netlink.dump_links()
+
+    def observe_neighbours(self, desired: DesiredState, links: Any) -> tuple[Any, ...]:
+        self.neighbour_reads += 1
+        return self.neighbours
 
     def observe_namespaces(self, names: Any) -> dict[str, LiveNetns]:
         self.ns_reads.append(sorted(names))
@@ -239,6 +249,18 @@ def test_unannounced_values_are_compared_on_every_request(parts: Any) -> None:
     plan, how = view.plan(D, "k", OPTS)
     assert how == "refreshed" and obs.observed == 1 and view.plans is not p_before
     assert view.live.sysctls == {"net/ipv4/ip_forward": "0"}
+
+
+def test_neighbour_entries_are_read_on_every_request(parts: Any) -> None:
+    # no neighbour events are heard: a stale entry on a bridge must still reach the plan
+    view, obs, _s, _names = parts
+    view.plan(D, "k", OPTS)
+    assert view.plan(D, "k", OPTS)[1] == "cached" and obs.neighbour_reads == 1
+    obs.neighbours = (LiveNeighbour(5, "10.0.0.2", "aa:00:00:00:00:02", False),)
+    p_before = view.plans
+    _plan, how = view.plan(D, "k", OPTS)
+    assert how == "refreshed" and obs.observed == 1 and view.plans is not p_before
+    assert view.live.neighbours == obs.neighbours and obs.neighbour_reads == 2
 
 
 def test_other_files_or_options(parts: Any) -> None:

@@ -17,8 +17,9 @@ observation and proves, on each request, that nothing it saw has changed since:
   iptables-nft backend); with iptables-legacy the rules are read every time;
 * whatever has no reliable change notification is read again on every
   request: sysctls, listening sockets, ``lo`` of a foreign namespace without an
-  nsid, and Docker (its event log keeps 256 events and forgets them on a
-  restart; one list call when no network is declared).
+  nsid, the neighbour entries of the declared bridges (one dump), and Docker
+  (its event log keeps 256 events and forgets them on a restart; one list call
+  when no network is declared).
 
 Each sentinel names the part of the live state its news is about, and only
 that part is read again: the host's links (an event of this namespace), its
@@ -176,7 +177,10 @@ class LiveView:
             dirty.add("netns")
         fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
         if "links" in dirty:
-            fresh["links"] = nl.dump_links()
+            fresh["links"] = self.observer.observe_links(desired)
+        # no neighbour events are heard: read on every request (one dump)
+        fresh["neighbours"] = self.observer.observe_neighbours(
+            desired, fresh.get("links", self.live.links))
         if "firewall" in dirty or self.firewall_volatile:
             fresh["firewall4"] = self.observer.handles.iptables(4).observe()
             fresh["firewall6"] = self.observer.handles.iptables(6).observe()

@@ -22,6 +22,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,13 +30,18 @@ from reconciler.domain import ownership
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import IPInterface
 from reconciler.drivers import netns
+from reconciler.drivers.netlink.announce import enable_notify
 from reconciler.drivers.netlink.messages import addr_body, ifinfo, no_ipv6_ll, updown
+from reconciler.drivers.netlink.parse import bridge_port_state
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.netlink.transport import Socket
 from reconciler.drivers.netlink.wire import (
+    BR_STATE_FORWARDING,
     I32,
     IFF_UP,
+    IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
+    IFLA_EXT_MASK,
     IFLA_IFALIAS,
     IFLA_IFNAME,
     IFLA_INFO_DATA,
@@ -48,19 +54,26 @@ from reconciler.drivers.netlink.wire import (
     IFLA_MASTER,
     IFLA_MTU,
     IFLA_NET_NS_FD,
+    NDA_DST,
+    NDA_LLADDR,
+    NDMSG,
     NLM_F_CREATE,
     NLM_F_ECHO,
     NLM_F_EXCL,
     NLM_F_REPLACE,
+    NUD_STALE,
     RT_SCOPE_UNIVERSE,
     RT_TABLE_MAIN,
     RTA_GATEWAY,
     RTA_OIF,
+    RTEXT_FILTER_SKIP_STATS,
     RTM_DELADDR,
     RTM_DELLINK,
     RTM_DELROUTE,
+    RTM_GETLINK,
     RTM_NEWADDR,
     RTM_NEWLINK,
+    RTM_NEWNEIGH,
     RTM_NEWROUTE,
     RTMSG,
     RTN_UNICAST,
@@ -75,6 +88,10 @@ from reconciler.drivers.netlink.wire import (
 )
 
 
+def _mac_bytes(mac: str) -> bytes:
+    return bytes.fromhex(mac.replace(":", ""))
+
+
 @dataclass(frozen=True)
 class _FreshPeer:
     """What the kernel's echo of a veth creation told about the peer it put in a namespace."""
@@ -83,6 +100,8 @@ class _FreshPeer:
     ifname: str
     index: int  # its ifindex there (IFLA_LINK of the host end)
     nsid: int | None  # that namespace's nsid here (IFLA_LINK_NETNSID of the host end)
+    host_index: int  # the host end's ifindex (a port of the bridge)
+    mac: str | None  # the MAC it was created with; None: the kernel's (unknown here)
 
 
 class Netlink(NetlinkReader):
@@ -99,15 +118,23 @@ class Netlink(NetlinkReader):
         # bridge veths were put on, and the peer of a veth just created (until configured)
         self._bridge_index: dict[str, int] = {}
         self._fresh: dict[str, _FreshPeer] = {}
+        # namespaces create_netns made (by name: their inode), whose links are born with
+        # arp_notify and ndisc_notify on: configure_inside need not enter them to set it
+        self._notifying: dict[str, int] = {}
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` and forget the peer just put there."""
         self._fresh.pop(name, None)
+        self._notifying.pop(name, None)
         super().forget_netns(name)
 
     def ensure_bridge(self, name: str, mtu: int | None = None,
-                      alias: str | None = ownership.LINK_ALIAS) -> bool:
-        """Create bridge ``name`` (up, with MTU and ownership alias). False if it existed.
+                      alias: str | None = ownership.LINK_ALIAS, mac: str | None = None) -> bool:
+        """Create bridge ``name`` (up, with MTU, ownership alias and MAC). False if it existed.
+
+        A MAC given at creation is set (addr_assign_type NET_ADDR_SET): the
+        bridge keeps it whatever ports come and go, where otherwise it takes
+        its lowest port's and 00:00:00:00:00:00 with none.
 
         An existing bridge is left as is (use :meth:`set_link` to converge it);
         an existing link of another kind raises ConflictError.
@@ -125,6 +152,8 @@ class Netlink(NetlinkReader):
         """
         tmp = name if alias is None else ownership.TEMP_BRIDGE_PREFIX + secrets.token_hex(4)
         body = ifinfo() + str_attr(IFLA_IFNAME, tmp)
+        if mac is not None:
+            body += attr(IFLA_ADDRESS, _mac_bytes(mac))
         body += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "bridge"))
         try:
             self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
@@ -179,6 +208,27 @@ class Netlink(NetlinkReader):
         where = f" in namespace {ns}" if ns else ""
         self._sock(ns).request(RTM_NEWLINK, 0, body, f"link {name}{where}: set")
 
+    def set_mac(self, name: str, mac: str) -> None:
+        """Set a link's MAC. Set to the one it has, it still counts as set (dev_set_mac_address
+        marks NET_ADDR_SET either way): how an existing bridge is pinned without a change."""
+        self._host.request(RTM_NEWLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
+                           + attr(IFLA_ADDRESS, _mac_bytes(mac)), f"link {name}: set MAC {mac}")
+
+    def replace_neighbour(self, link: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                          mac: str) -> None:
+        """Point the neighbour entry of ``ip`` on ``link`` (here) at ``mac``, created or
+        replaced in state STALE: usable at once, and confirmed by the kernel's own probe
+        (delay_first_probe_time) the first time it is used, so a wrong guess lives seconds,
+        not a REACHABLE entry's reachable_time."""
+        index = self._bridge_index.get(link)
+        if index is None:
+            index = self._index(link, None)
+        family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+        body = (NDMSG.pack(family, index, NUD_STALE, 0, 0) + attr(NDA_DST, ip.packed)
+                + attr(NDA_LLADDR, _mac_bytes(mac)))
+        self._host.request(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_REPLACE, body,
+                           f"neighbour {ip} on {link}: replace")
+
     def delete_link(self, name: str, ns: str | None = None) -> bool:
         """Delete a link (a veth takes its peer with it). False if it did not exist.
 
@@ -210,7 +260,8 @@ class Netlink(NetlinkReader):
     def create_veth_into_netns(self, host_name: str, netns_name: str, bridge: str,
                                mtu: int | None = None, hairpin: bool = True,
                                peer_name: str = "eth0",
-                               alias: str | None = ownership.LINK_ALIAS) -> bool:
+                               alias: str | None = ownership.LINK_ALIAS,
+                               mac: str | None = None) -> bool:
         """Create a veth pair, the peer directly inside ``netns_name``, host end on ``bridge``.
 
         Two messages: RTM_NEWLINK creates both ends (peer placed by
@@ -222,7 +273,9 @@ class Netlink(NetlinkReader):
         applies IFLA_AF_SPEC after the flags: the peer is still down, so the host
         end has no carrier and IPv6 makes no address on it yet. An existing veth
         (whose peer may be up) gets address generation off in a message of its own
-        first. The peer stays down until :meth:`configure_inside`.
+        first. The peer stays down until :meth:`configure_inside`. ``mac`` is the
+        peer's MAC, given in the creation itself (IFLA_ADDRESS of the peer's ifinfo);
+        an existing pair keeps the one it has.
 
         The creation asks for the kernel's echo (NLM_F_ECHO): it gives the peer's
         ifindex inside the namespace and the namespace's nsid here, which
@@ -244,7 +297,7 @@ class Netlink(NetlinkReader):
             inode = os.fstat(fd).st_ino
             try:
                 replies = self._create_veth(host_name, netns_name, fd, peer_name,
-                                            bridge_index, mtu)
+                                            bridge_index, mtu, mac)
             except DriverError as e:
                 if cached is None or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
@@ -253,7 +306,7 @@ class Netlink(NetlinkReader):
                 del self._bridge_index[bridge]
                 bridge_index = self._index(bridge, None)
                 replies = self._create_veth(host_name, netns_name, fd, peer_name,
-                                            bridge_index, mtu)
+                                            bridge_index, mtu, mac)
             created = True
         except DriverError as e:
             if e.errno != errno.EEXIST:
@@ -267,13 +320,15 @@ class Netlink(NetlinkReader):
             os.close(fd)
         self._bridge_index[bridge] = bridge_index
         for raw in replies:  # the echo of the host end: IFLA_LINK is the peer's index there
-            a = NlMsg.decode(raw).attrs
+            echo = NlMsg.decode(raw)
+            a = echo.attrs
             if IFLA_LINK in a:
                 nsid = I32.unpack_from(a[IFLA_LINK_NETNSID])[0] \
                     if IFLA_LINK_NETNSID in a else -1
                 self._fresh[netns_name] = _FreshPeer(inode, peer_name,
                                                      U32.unpack_from(a[IFLA_LINK])[0],
-                                                     nsid if nsid >= 0 else None)
+                                                     nsid if nsid >= 0 else None,
+                                                     echo.header[2], mac)
         # The kernel ignores IFLA_IFALIAS at creation, and bridge-port attributes
         # exist only once the port does: one more message for all of it.
         body = ifinfo(flags=IFF_UP, change=IFF_UP) + str_attr(IFLA_IFNAME, host_name)
@@ -295,7 +350,7 @@ class Netlink(NetlinkReader):
         return created
 
     def _create_veth(self, host_name: str, netns_name: str, fd: int, peer_name: str,
-                     bridge_index: int, mtu: int | None) -> list[bytes]:
+                     bridge_index: int, mtu: int | None, mac: str | None) -> list[bytes]:
         # The peer cannot be brought up here: veth_open() fails with ENOTCONN
         # until the pair is complete. configure_inside() brings it up.
         peer = ifinfo() + str_attr(IFLA_IFNAME, peer_name) + u32_attr(IFLA_NET_NS_FD, fd)
@@ -304,6 +359,8 @@ class Netlink(NetlinkReader):
         if mtu is not None:
             peer += u32_attr(IFLA_MTU, mtu)
             host += u32_attr(IFLA_MTU, mtu)
+        if mac is not None:
+            peer += attr(IFLA_ADDRESS, _mac_bytes(mac))
         host += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "veth"),
                        nested(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer)))
         return self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL | NLM_F_ECHO, host,
@@ -405,6 +462,9 @@ class Netlink(NetlinkReader):
         kept: list[Socket] = []
 
         def init() -> None:
+            # eth0 is made here later and takes the namespace's defaults: arp_notify and
+            # ndisc_notify on (see configure_inside), set while this thread is inside anyway
+            enable_notify("default")
             sock = Socket()
             try:
                 sock.request(RTM_NEWLINK, 0,
@@ -422,6 +482,8 @@ class Netlink(NetlinkReader):
             if kept:
                 self._keep_socket(name, kept[0], lo_mark=mark)
                 kept.clear()
+            if created and mark is not None:
+                self._notifying[name] = os.stat(netns.path_of(name)).st_ino
         finally:
             for sock in kept:
                 sock.close()
@@ -457,6 +519,17 @@ class Netlink(NetlinkReader):
         The index of ``ifname`` comes from the echo of :meth:`create_veth_into_netns`
         when that just made it, else from a lookup.
 
+        Last, the addresses are announced from inside (a gratuitous ARP and an
+        unsolicited NA with the override flag for each; see ``announce``), so whoever
+        cached the MAC of a re-created ``eth0`` learns the new one at once: with
+        ``arp_notify`` and ``ndisc_notify`` on for ``ifname`` (a namespace
+        :meth:`create_netns` made has both as its defaults; any other is entered
+        once to set them), setting its MAC to the one it has makes the kernel send
+        them (NETDEV_CHANGEADDR). Not at NETDEV_UP: the bridge enables the new port
+        only when linkwatch has seen its carrier, after the up, and drops what
+        comes earlier; so for a new pair it first waits until the host end forwards
+        (one look-up: it usually does by then).
+
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
         """
@@ -483,6 +556,13 @@ class Netlink(NetlinkReader):
             sock.request(RTM_NEWLINK, 0, ifinfo() + attrs + no_ll,
                          f"link {ifname}{where}: configure")
             attrs = name
+        if self._notifying.pop(netns_name, None) != entry.inode:
+            try:
+                with netns.enter(netns_name):
+                    enable_notify(ifname)
+            except OSError as e:
+                raise DriverError(f"link {ifname}{where}: arp_notify/ndisc_notify: "
+                                  f"{e.strerror}") from None
         sock.request(RTM_NEWLINK, 0, ifinfo(flags=IFF_UP, change=IFF_UP) + attrs,
                      f"link {ifname}{where}: set up")
         if index is None:
@@ -501,4 +581,25 @@ class Netlink(NetlinkReader):
                     raise
         for gw in gateways:
             self.replace_default_route(ifname, gw, ns=netns_name, index=index)
+        mac = fresh.mac if fresh is not None and fresh.index == index else None
+        if mac is None:
+            link = self.get_link(ifname, netns_name)
+            mac = link.mac if link is not None else None
+        if mac is not None:
+            if fresh is not None:
+                self._wait_forwarding(fresh.host_index)
+            sock.request(RTM_NEWLINK, 0, ifinfo(index=index) + attr(IFLA_ADDRESS,
+                                                                    _mac_bytes(mac)),
+                         f"link {ifname}{where}: announce its addresses")
 
+    def _wait_forwarding(self, index: int, limit: float = 0.2) -> None:
+        """Until the bridge port ``index`` forwards (linkwatch has seen its carrier; with
+        STP off at once after that), at most ``limit`` seconds: usually it already does."""
+        deadline = time.monotonic() + limit
+        body = ifinfo(index=index) + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS)
+        while True:
+            replies = self._host.request(RTM_GETLINK, 0, body, f"link {index}: port state")
+            state = bridge_port_state(NlMsg.decode(replies[0])) if replies else None
+            if state in (None, BR_STATE_FORWARDING) or time.monotonic() > deadline:
+                return
+            time.sleep(0.0005)

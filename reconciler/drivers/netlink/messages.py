@@ -19,6 +19,7 @@ from reconciler.drivers.netlink.wire import (
     IFLA_EXT_MASK,
     IFLA_INET6_ADDR_GEN_MODE,
     IN6_ADDR_GEN_MODE_NONE,
+    NDMSG,
     RT_TABLE_MAIN,
     RTEXT_FILTER_SKIP_STATS,
     RTMSG,
@@ -46,6 +47,9 @@ ADDR_DUMP = IFADDR.pack(0, 0, 0, 0, 0)
 
 
 ROUTE_DUMP = RTMSG.pack(0, 0, 0, 0, RT_TABLE_MAIN, 0, 0, 0, 0)
+
+
+NEIGH_DUMP = NDMSG.pack(0, 0, 0, 0, 0)  # both families, every link
 
 
 def no_ipv6_ll() -> bytes:

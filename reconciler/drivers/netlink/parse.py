@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from reconciler.domain import ownership
-from reconciler.domain.live import IPInterface, LiveAddress, LiveLink, LiveRoute
+from reconciler.domain.live import IPInterface, LiveAddress, LiveLink, LiveNeighbour, LiveRoute
 from reconciler.drivers.netlink.wire import (
     HDR,
     I32,
@@ -25,7 +25,9 @@ from reconciler.drivers.netlink.wire import (
     IFADDR,
     IFF_UP,
     IFINFO,
+    IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
+    IFLA_BRPORT_STATE,
     IFLA_IFALIAS,
     IFLA_IFNAME,
     IFLA_INFO_KIND,
@@ -35,6 +37,10 @@ from reconciler.drivers.netlink.wire import (
     IFLA_LINKINFO,
     IFLA_MASTER,
     IFLA_MTU,
+    NDA_DST,
+    NDA_LLADDR,
+    NUD_NOARP,
+    NUD_PERMANENT,
     RT_TABLE_MAIN,
     RTA_DST,
     RTA_GATEWAY,
@@ -54,6 +60,11 @@ from reconciler.drivers.netlink.wire import (
     parse_attrs,
     split_messages,
 )
+
+
+def mac_text(raw: bytes) -> str | None:
+    """``aa:bb:..`` (lower case, as ``ip`` prints it) of a link-layer address; None if empty."""
+    return ":".join(f"{b:02x}" for b in raw) if raw else None
 
 
 def parse_link(msg: NlMsg, names_by_index: dict[int, str],
@@ -95,6 +106,7 @@ def parse_link(msg: NlMsg, names_by_index: dict[int, str],
         addresses=addresses,
         hairpin=hairpin,
         peer_netnsid=peer_nsid if peer_nsid is not None and peer_nsid >= 0 else None,
+        mac=mac_text(a.get(IFLA_ADDRESS, b"")),
     )
 
 
@@ -146,6 +158,29 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO, oif=oif,
                      type=ROUTE_TYPES.get(rtype, f"type {rtype}"))
 
+
+
+def bridge_port_state(msg: NlMsg) -> int | None:
+    """IFLA_BRPORT_STATE of a bridge port's RTM_NEWLINK (BR_STATE_*); None for others."""
+    li = parse_attrs(msg.attrs.get(IFLA_LINKINFO, b""))
+    if IFLA_INFO_SLAVE_KIND not in li or cstr(li[IFLA_INFO_SLAVE_KIND]) != "bridge":
+        return None
+    port = parse_attrs(li.get(IFLA_INFO_SLAVE_DATA, b""))
+    return port[IFLA_BRPORT_STATE][0] if IFLA_BRPORT_STATE in port else None
+
+
+def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:
+    """A LiveNeighbour from an RTM_NEWNEIGH message; None without an IP and a link-layer
+    address (incomplete or failed entries, NOARP ones: nothing to be stale about)."""
+    family, index, state, _flags, _type = msg.header
+    if family not in (socket.AF_INET, socket.AF_INET6) or state & NUD_NOARP:
+        return None
+    dst, lladdr = msg.attrs.get(NDA_DST), msg.attrs.get(NDA_LLADDR)
+    mac = mac_text(lladdr or b"")
+    if dst is None or len(dst) not in (4, 16) or mac is None:
+        return None
+    return LiveNeighbour(index, str(ipaddress.ip_address(dst)), mac,
+                         bool(state & NUD_PERMANENT))
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:

@@ -18,10 +18,16 @@ from dataclasses import dataclass
 from typing import Self
 
 from reconciler.domain.errors import DriverError
-from reconciler.domain.live import LiveLink, LiveNetns, LiveRoute
+from reconciler.domain.live import LiveLink, LiveNeighbour, LiveNetns, LiveRoute
 from reconciler.drivers import netns
-from reconciler.drivers.netlink.messages import ADDR_DUMP, LINK_DUMP, ROUTE_DUMP, ifinfo
-from reconciler.drivers.netlink.parse import assemble_links, parse_link, parse_route
+from reconciler.drivers.netlink.messages import (
+    ADDR_DUMP,
+    LINK_DUMP,
+    NEIGH_DUMP,
+    ROUTE_DUMP,
+    ifinfo,
+)
+from reconciler.drivers.netlink.parse import assemble_links, parse_link, parse_neigh, parse_route
 from reconciler.drivers.netlink.transport import Socket, netlink_error
 from reconciler.drivers.netlink.wire import (
     I32,
@@ -36,6 +42,7 @@ from reconciler.drivers.netlink.wire import (
     RTGEN,
     RTM_GETADDR,
     RTM_GETLINK,
+    RTM_GETNEIGH,
     RTM_GETNSID,
     RTM_GETROUTE,
     NlMsg,
@@ -189,6 +196,19 @@ class NetlinkReader:
         where = f" in {ns}" if ns else ""
         return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETROUTE, ROUTE_DUMP,
                                                             f"dump routes{where}")]
+
+    def dump_neighbours(self, indexes: Iterable[int]) -> tuple[LiveNeighbour, ...]:
+        """Neighbour entries (ARP and NDP, with a link-layer address) of the links with
+        those indexes, here: one dump of every link's, filtered."""
+        wanted = set(indexes)
+        if not wanted:
+            return ()
+        out = []
+        for raw in self._host.dump(RTM_GETNEIGH, NEIGH_DUMP, "dump neighbours"):
+            n = parse_neigh(NlMsg.decode(raw))
+            if n is not None and n.index in wanted:
+                out.append(n)
+        return tuple(sorted(out, key=lambda n: (n.index, n.address)))
 
     def dump_links(self, ns: str | None = None) -> dict[str, LiveLink]:
         """Every link of the namespace (host by default) by name, addresses attached."""

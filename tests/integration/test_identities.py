@@ -1,0 +1,283 @@
+"""Stable identities against the real kernel: derived MACs, pinned bridge MACs, neighbour
+entries and announcements (issue 13, item 1).
+
+Each test runs the CLI in a sandbox host namespace (``host_ns``) and checks with
+``ip -j``, ``/sys`` of the namespace (``ip netns exec`` mounts its own), an
+AF_PACKET capture on the bridge and real TCP from a client namespace routed to
+the sandbox. MACs are derived here independently of the package (sha256 of
+the documented prefix and the name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from reconciler.drivers import netns
+from tests.conftest import Netns, sh, unique, write
+from tests.integration.traffic import HOST_IP, client_of, fetch, listening
+
+pytestmark = pytest.mark.root
+
+BRIDGE = "rclid0"
+
+
+def derived(prefix: str, name: str) -> str:
+    raw = bytearray(hashlib.sha256(prefix.encode() + name.encode()).digest()[:6])
+    raw[0] = (raw[0] & 0xFC) | 0x02
+    return ":".join(f"{b:02x}" for b in raw)
+
+
+def alloc_mac(aid: str) -> str:
+    return derived("reconciler/alloc-mac/", aid)
+
+
+def bridge_mac(name: str) -> str:
+    return derived("reconciler/bridge-mac/", name)
+
+
+def veth_name(aid: str) -> str:
+    return "vr" + hashlib.sha1(aid.encode()).hexdigest()[:12]
+
+
+def config(tmp_path: object, allocs: list[dict[str, object]], name: str = "ids.yaml") -> str:
+    lines = ["version: 1", "bridges:", f"  - {{name: {BRIDGE}}}", "subnets:",
+             "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.78.0.0/24",
+             "    cidr6: fd00:78::/64", "allocs:" if allocs else "allocs: []"]
+    lines += ["  - " + json.dumps({"subnet": "net", **a}) for a in allocs]
+    return write(tmp_path, name, "\n".join(lines) + "\n")
+
+
+def apply_ok(host: Netns, path: str) -> None:
+    r = host.reconcile("apply", path)
+    assert r.rc == 0, r.all
+    r = host.reconcile("plan", path)
+    assert r.rc == 0 and "No changes." in r.out, r.all
+
+
+def link_mac(ns: str, name: str) -> str:
+    (link,) = json.loads(sh("ip", "-n", ns, "-j", "link", "show", "dev", name).stdout)
+    return str(link["address"])
+
+
+def assign_type(ns: str, name: str) -> int:
+    """addr_assign_type from a sysfs of that namespace (``ip netns exec`` mounts one)."""
+    return int(sh("ip", "netns", "exec", ns, "cat",
+                  f"/sys/class/net/{name}/addr_assign_type").stdout)
+
+
+def neighbours(host: Netns, dev: str) -> dict[str, tuple[str | None, list[str]]]:
+    out = json.loads(sh("ip", "-n", host.name, "-j", "neigh", "show", "dev", dev).stdout or "[]")
+    return {n["dst"]: (n.get("lladdr"), n.get("state", [])) for n in out}
+
+
+def v4_of(ns: str) -> str:
+    (link,) = json.loads(sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
+    return next(a["local"] for a in link["addr_info"] if a["family"] == "inet")
+
+
+def v6_of(ns: str) -> str:
+    (link,) = json.loads(sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
+    return next(a["local"] for a in link["addr_info"]
+                if a["family"] == "inet6" and a.get("scope") == "global")
+
+
+def notify_settings(ns: str) -> list[str]:
+    """arp_notify and ndisc_notify of the namespace's eth0 (``/proc/sys/net`` of it)."""
+    return [sh("ip", "netns", "exec", ns, "cat", f"/proc/sys/net/{key}").stdout.strip()
+            for key in ("ipv4/conf/eth0/arp_notify", "ipv6/conf/eth0/ndisc_notify")]
+
+
+def ids(n: int) -> list[str]:
+    base = unique("i")
+    return [f"{base}-{i}" for i in range(n)]
+
+
+def connect_soon(client: Netns, port: int, within: float) -> tuple[str, float]:
+    """The answer of the port map and how long the first successful connection took."""
+    start = time.monotonic()
+    got = ""
+    while time.monotonic() - start < within and not got:
+        got = fetch(client, HOST_IP, port, timeout=0.3)
+    return got, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ (a) heal
+
+
+def test_a_healed_veth_keeps_eth0s_mac_and_the_port_map_answers_at_once(host_ns: Netns,
+                                                                       tmp_path):
+    # a second allocation keeps the bridge's carrier up when the first's veth goes: else
+    # the kernel flushes the bridge's neighbour entries (arp_evict_nocarrier) and the
+    # stale MAC would be forgotten anyway
+    aid, other = ids(2)
+    path = config(tmp_path, [{"id": aid, "ports": [{"host": 18080, "to": 80}]}, {"id": other}])
+    with client_of(host_ns) as client:
+        apply_ok(host_ns, path)
+        # the bridge's MAC set (as this version makes it; the line is a no-op then), so
+        # that a change of it, which flushes its neighbour entries, hides nothing here
+        sh("ip", "-n", host_ns.name, "link", "set", BRIDGE, "address",
+           link_mac(host_ns.name, BRIDGE))
+        first = link_mac(aid, "eth0")
+        with listening(aid, 80):
+            assert fetch(client, HOST_IP, 18080) == "ok 80"
+            ip = v4_of(aid)
+            assert neighbours(host_ns, BRIDGE)[ip][0] == first  # the host has it cached
+            sh("ip", "-n", host_ns.name, "link", "del", veth_name(aid))
+            r = host_ns.reconcile("apply", path)
+            assert r.rc == 0, r.all
+            got, took = connect_soon(client, 18080, within=1.0)
+            assert got == "ok 80", f"port map unreachable for {took:.1f}s after the heal"
+        assert first == link_mac(aid, "eth0") == alloc_mac(aid)  # ip -j link inside
+        assert host_ns.reconcile("plan", path).out.count("No changes.") == 1
+
+
+# ------------------------------------------------------------------ (b) bridge MAC
+
+
+def test_the_bridge_mac_is_set_at_creation_and_kept_as_allocs_come_and_go(host_ns: Netns,
+                                                                          tmp_path):
+    a, b = ids(2)
+    apply_ok(host_ns, config(tmp_path, [{"id": a}, {"id": b}]))
+    mac = link_mac(host_ns.name, BRIDGE)
+    seen = [mac]
+    for allocs in ([{"id": b}], [], [{"id": a}]):
+        apply_ok(host_ns, config(tmp_path, allocs))
+        seen.append(link_mac(host_ns.name, BRIDGE))  # with none: not 00:00:00:00:00:00
+    assert seen == [mac] * 4, seen
+    assert mac == bridge_mac(BRIDGE) and assign_type(host_ns.name, BRIDGE) == 3
+
+
+# ------------------------------------------------------------------ upgrade
+
+
+def test_an_older_bridge_is_pinned_to_its_mac_and_older_allocs_keep_theirs(host_ns: Netns,
+                                                                          tmp_path):
+    # a bridge as versions before stable MACs made it (no MAC set, our alias), with a port
+    # (which also keeps its carrier up through the heal below: without carrier the kernel
+    # flushes the bridge's neighbour entries itself)
+    h = host_ns.name
+    sh("ip", "-n", h, "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "-n", h, "link", "set", BRIDGE, "alias", "managed-by=reconciler", "up")
+    port = unique("p")
+    sh("ip", "-n", h, "link", "add", port, "type", "veth", "peer", "name", port + "x")
+    sh("ip", "-n", h, "link", "set", port, "master", BRIDGE)
+    sh("ip", "-n", h, "link", "set", port + "x", "up")
+    sh("ip", "-n", h, "link", "set", port, "up")  # both ends up: the port has carrier
+    before = link_mac(h, BRIDGE)
+    assert assign_type(h, BRIDGE) != 3 and before == link_mac(h, port)
+
+    (aid,) = ids(1)
+    path = config(tmp_path, [{"id": aid, "ports": [{"host": 18081, "to": 80}]}])
+    r = host_ns.reconcile("plan", path)
+    assert r.rc == 2 and f"mac: {before} -> pin {before}" in r.out.replace('"', ""), r.all
+    apply_ok(host_ns, path)
+    assert link_mac(h, BRIDGE) == before and assign_type(h, BRIDGE) == 3
+
+    # an allocation made before stable MACs: a random eth0 MAC, kept (no churn)
+    old = "06:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
+    sh("ip", "-n", aid, "link", "set", "eth0", "address", old)
+    sh("ip", "netns", "exec", aid, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/conf/default/arp_notify"
+       " && echo 0 > /proc/sys/net/ipv6/conf/default/ndisc_notify")  # as earlier versions made it
+    with client_of(host_ns) as client, listening(aid, 80):
+        assert fetch(client, HOST_IP, 18081) == "ok 80"
+        ip = v4_of(aid)
+        assert neighbours(host_ns, BRIDGE)[ip][0] == old
+        r = host_ns.reconcile("plan", path)
+        assert r.rc == 0 and "No changes." in r.out, r.all
+        assert link_mac(aid, "eth0") == old
+        # re-created by a heal: the derived MAC, and the bridge's entry follows in the run
+        sh("ip", "-n", h, "link", "del", veth_name(aid))
+        r = host_ns.reconcile("plan", path)
+        assert f"neighbour: {ip} at {old} -> {alloc_mac(aid)}" in r.out.replace('"', ""), r.all
+        r = host_ns.reconcile("apply", path)
+        assert r.rc == 0, r.all
+        assert link_mac(aid, "eth0") == alloc_mac(aid)
+        assert neighbours(host_ns, BRIDGE)[ip][0] == alloc_mac(aid)
+        assert notify_settings(aid) == ["1", "1"]  # a namespace of an earlier run: entered
+        got, took = connect_soon(client, 18081, within=1.0)
+        assert got == "ok 80", f"port map unreachable for {took:.1f}s"
+    sh("ip", "-n", h, "link", "del", port)
+    assert link_mac(h, BRIDGE) == before  # the port whose MAC it had went: kept
+
+
+# ------------------------------------------------------------------ neighbour entries
+
+
+def test_a_stale_neighbour_entry_is_replaced_and_a_permanent_one_reported(host_ns: Netns,
+                                                                         tmp_path):
+    (aid,) = ids(1)
+    path = config(tmp_path, [{"id": aid}])
+    apply_ok(host_ns, path)
+    ip, ip6 = v4_of(aid), v6_of(aid)
+    wrong = "02:00:5e:10:00:01"
+    for addr in (ip, ip6):
+        sh("ip", "-n", host_ns.name, "neigh", "replace", addr, "lladdr", wrong, "dev", BRIDGE,
+           "nud", "stale")
+    r = host_ns.reconcile("plan", path)
+    assert r.rc == 2 and f"~ alloc {aid}" in r.out and "neighbour" in r.out, r.all
+    apply_ok(host_ns, path)
+    table = neighbours(host_ns, BRIDGE)
+    assert table[ip][0] == alloc_mac(aid) and table[ip6][0] == alloc_mac(aid), table
+
+    sh("ip", "-n", host_ns.name, "neigh", "replace", ip, "lladdr", wrong, "dev", BRIDGE,
+       "nud", "permanent")
+    r = host_ns.reconcile("apply", path)
+    assert r.rc == 0 and "No changes." in r.out, r.all
+    assert f"permanent neighbour entry {ip} lladdr {wrong}" in r.all, r.all
+    assert neighbours(host_ns, BRIDGE)[ip] == (wrong, ["PERMANENT"])
+
+
+# ------------------------------------------------------------------ announcements
+
+
+@contextlib.contextmanager
+def capture(host: Netns, dev: str) -> Iterator[socket.socket]:
+    """An AF_PACKET socket on ``dev`` of the sandbox host, seeing every frame it gets."""
+    with netns.enter(host.name):
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    try:
+        sock.bind((dev, 0))
+        sock.setblocking(False)
+        yield sock
+    finally:
+        sock.close()
+
+
+def frames(sock: socket.socket, wait: float) -> list[bytes]:
+    out = []
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            out.append(sock.recv(2048))
+        except BlockingIOError:
+            time.sleep(0.01)
+    return out
+
+
+def test_new_addresses_are_announced_on_the_wire(host_ns: Netns, tmp_path):
+    apply_ok(host_ns, config(tmp_path, []))
+    (aid,) = ids(1)
+    with capture(host_ns, BRIDGE) as sock:
+        apply_ok(host_ns, config(tmp_path, [{"id": aid}]))
+        seen = frames(sock, 0.5)
+    mac = bytes.fromhex(alloc_mac(aid).replace(":", ""))
+    ip = socket.inet_aton(v4_of(aid))
+    ip6 = socket.inet_pton(socket.AF_INET6, v6_of(aid))
+    garp = [f for f in seen if f[12:14] == b"\x08\x06" and f[6:12] == mac
+            and f[:6] == b"\xff" * 6 and struct.unpack("!H", f[20:22])[0] == 1
+            and f[22:28] == mac and f[28:32] == ip and f[38:42] == ip]
+    assert garp, "no gratuitous ARP for the new address"
+    na = [f for f in seen if f[12:14] == b"\x86\xdd" and f[6:12] == mac and f[20] == 58
+          and f[21] == 255 and f[54] == 136 and f[58] & 0x20 and f[62:78] == ip6
+          and f[78:80] == b"\x02\x01" and f[80:86] == mac]
+    assert na, "no unsolicited neighbour advertisement (override, target lladdr) for it"
+    assert notify_settings(aid) == ["1", "1"]
