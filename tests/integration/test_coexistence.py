@@ -21,10 +21,11 @@ which tells nobody, within one resync of a short ``--interval``. The heal time i
 the moment the reload command returns to the first probe (every path of the cell's
 traffic at once) that passes: its resolution is one probe round, a few tenths of a
 second. The heal mode is what asked for the healing pass: "event" (an nf_tables commit),
-"resync", or another reason the agent logged (the kernel's own notifications about a
-bridge port now and then wake it too, and may get there first). Then everything the cell promises is checked again and a plan made without the
-agent (``--no-agent``) must be empty. CI runs the six ``CI_CELLS`` (every pair of values
-of two axes meets in one); ``RECONCILER_SOAK=1`` all twelve.
+"resync", or another reason the agent logged (the kernel announces each new bridge port
+once more about 15 s after it joined, the bridge's forward delay: that pass may get
+there first). Then everything the cell promises is checked again and a plan made
+without the agent (``--no-agent``) must be empty. CI runs the six ``CI_CELLS`` (every
+pair of values of two axes meets in one); ``RECONCILER_SOAK=1`` all twelve.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ BACKENDS = ("nft", "legacy")
 DOCKER = ("dockerd", "no-dockerd")
 MANAGERS = ("none", "firewalld", "ufw")
 ALL = [(b, d, m) for b in BACKENDS for d in DOCKER for m in MANAGERS]
-#: CI's six: every pair of values of any two axes meets in one of them (about 70 s here;
-#: all twelve take about 160 s)
+#: CI's six: every pair of values of any two axes meets in one of them (about 75 s on an
+#: idle machine, 80-95 s beside other test runs; all twelve about 210 s beside them)
 CI_CELLS = [("nft", "dockerd", "none"), ("legacy", "no-dockerd", "none"),
             ("legacy", "dockerd", "firewalld"), ("nft", "no-dockerd", "firewalld"),
             ("nft", "dockerd", "ufw"), ("legacy", "no-dockerd", "ufw")]
