@@ -395,13 +395,20 @@ def _heal(c: Cell, cfg: str, what: str, reload: Any, alloc: str, addr: str,
     assert not bad, f"after {what}, healed: {bad}"
     # converged as an independent plan sees it (the agent's v6 transaction may still run)
     deadline = time.monotonic() + HEAL_DEADLINE
+    dirty = False
     while (plan := c.reconcile("plan", "--no-agent", cfg)).returncode != 0:
+        dirty = True
         assert time.monotonic() < deadline, f"after {what}: {plan.stdout}{plan.stderr}"
         time.sleep(0.2)
-    logged = [r for r in c.agent_log() if r["ts"] >= since]
-    healers = [r for r in logged if r.get("result") == "applied"]
+    while True:  # something broke: the pass that healed it logs once its verify is done
+        logged = [r for r in c.agent_log() if r["ts"] >= since]
+        healers = [r for r in logged if r.get("result") == "applied"]
+        if healers or not (first or dirty):
+            break
+        assert time.monotonic() < deadline, (f"{what} broke {first or 'rules'} and no pass "
+                                             f"applied anything\n{c.agent_log_text()}")
+        time.sleep(0.2)
     if not healers:
-        assert not first, f"{what} broke {first} and no pass applied anything"
         return "kept"
     reasons = sorted({x for r in healers for x in r["reasons"]})
     mode = ("event" if "nftables drift" in reasons else
