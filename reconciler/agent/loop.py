@@ -37,7 +37,9 @@ from reconciler.agent.sources import (
     DockerWatcher,
     NetlinkWatcher,
     NetnsDirWatcher,
+    NftWatcher,
     OverlapAlarm,
+    start_nft_watcher,
 )
 from reconciler.agent.status import Metrics, StatusBoard
 from reconciler.config.load import load
@@ -58,7 +60,8 @@ log = logging.getLogger("reconciler.watch")
 
 
 #: reasons whose no-op passes are logged at debug level only
-QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift"})
+QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift",
+                           "nftables drift"})
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class Agent:
         self.files: FileWatcher | None = None
         self.netlink: Any = None
         self.netns_dir: Any = None
+        self.nftables: NftWatcher | None = None
         self.docker: Any = None
         self.alarm: OverlapAlarm | None = None
         self._loaded_sig: tuple[str, str] | None = None
@@ -222,6 +226,8 @@ class Agent:
                 log.warning("netlink drift events unavailable (%s); relying on the interval", exc)
                 sources["netlink"] = f"unavailable: {exc}"
         if self.options.netlink:
+            self.nftables, sources["nftables"] = start_nft_watcher(
+                lambda r: self.on_drift("nftables", r), self.stop)
             self.netns_dir = NetnsDirWatcher(lambda r: self.on_drift("netns", r),
                                              held=self._held_namespaces)
         self.board.update(event_sources=sources)
@@ -255,7 +261,8 @@ class Agent:
         return self.reconciler.observer.handles.open_namespaces()
 
     def close(self) -> None:
-        for src in (self.files, self.netlink, self.netns_dir, self.docker, self.alarm):
+        for src in (self.files, self.netlink, self.nftables, self.netns_dir, self.docker,
+                    self.alarm):
             if src is not None:
                 try:
                     src.close()

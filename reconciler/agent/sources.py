@@ -1,4 +1,5 @@
-"""What asks the watch loop for a pass when the host drifts: netlink, /run/netns, Docker events.
+"""What asks the watch loop for a pass when the host drifts: netlink, nf_tables, /run/netns,
+Docker events.
 
 They never decide anything: a relevant event only asks the watch loop for a
 pass (level-triggered), which observes the real state and plans from it. So
@@ -24,8 +25,19 @@ from typing import Any
 
 from reconciler.domain import ownership
 from reconciler.domain.errors import ReconcilerError
-from reconciler.drivers.netlink.listen import GROUPS, RECV_BUFFER, dump_links, open_socket
-from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
+from reconciler.drivers.netlink.listen import (
+    GROUPS,
+    RECV_BUFFER,
+    dump_links,
+    open_nft_events,
+    open_socket,
+)
+from reconciler.drivers.netlink.parse import (
+    NetlinkEvent,
+    NftNotice,
+    parse_messages,
+    parse_nft_notices,
+)
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.nsfs import NETNS_RUN_DIR
 from reconciler.drivers.nswatch import IN_CREATE, IN_MOVED_TO, IN_NAMES, RunDirWatch
@@ -168,6 +180,102 @@ class NetlinkWatcher:
             self._thread.join(timeout=2.0)
         if self._sock is not None:
             self._sock.close()
+
+
+#: the iptables tables our chains live in (``ip``/``ip6`` families of nf_tables under
+#: iptables-nft): a commit that touches one of them may have removed our rules
+IPTABLES_TABLES = frozenset({"filter", "nat"})
+
+
+class NftCommitFilter:
+    """Which nf_tables commits may have touched our rules: pure, fed datagram by datagram.
+
+    A commit's object notifications come before its NEWGEN; it is relevant when one
+    of them names an iptables table of ours in the ``ip`` or ``ip6`` family (rules
+    flushed, chains deleted, ``nft flush ruleset`` dropping the tables). Other tools'
+    own tables (``inet firewalld``, ``ip6 kube-proxy``...) do not wake the loop.
+    """
+
+    def __init__(self, tables: frozenset[str] = IPTABLES_TABLES) -> None:
+        self.tables = tables
+        self._touched: set[str] = set()
+
+    def feed(self, notices: Iterable[NftNotice]) -> list[str]:
+        """Reasons, one per relevant commit completed in these notices."""
+        out = []
+        for n in notices:
+            if n.commit:
+                if self._touched:
+                    out.append("nftables commit to " + ", ".join(sorted(self._touched)))
+                    self._touched.clear()
+            elif n.family in (socket.AF_INET, socket.AF_INET6) and n.table in self.tables:
+                self._touched.add(f"{'ip' if n.family == socket.AF_INET else 'ip6'} {n.table}")
+        return out
+
+
+class NftWatcher:
+    """Listens to nf_tables notifications in a thread; ``on_drift(reason)`` per relevant commit.
+
+    This is how the watch loop hears a firewall reload on an iptables-nft host
+    (``firewall-cmd --reload``, ``ufw reload``, a dockerd restart, ``iptables -F``,
+    ``nft flush ruleset``) at once instead of at the next resync. Our own
+    ``iptables-restore`` is heard too: its echo is one pass that finds nothing to do.
+    iptables-legacy sends no notifications: there the interval heals. The socket
+    is opened by :meth:`start` in the caller's thread and namespace.
+    """
+
+    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
+                 commit_filter: NftCommitFilter | None = None) -> None:
+        self.on_drift = on_drift
+        self.stop = stop
+        self.filter = commit_filter or NftCommitFilter()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._sock = open_nft_events()
+        self._thread = threading.Thread(target=self._run, name="nftables-drift", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self.stop.is_set():
+            try:
+                ready, _w, _x = select.select([sock], [], [], 0.5)
+                if not ready:
+                    continue
+                data = sock.recv(RECV_BUFFER)
+            except OSError as exc:
+                if self.stop.is_set() or exc.errno == errno.EBADF:
+                    return
+                if exc.errno == errno.ENOBUFS:  # commits were lost: look at everything again
+                    self.on_drift("nftables overrun")
+                    continue
+                log.warning("nf_tables listener: %s", exc)
+                self.stop.wait(1.0)
+                continue
+            for reason in self.filter.feed(parse_nft_notices(data)):
+                self.on_drift(reason)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._sock is not None:
+            self._sock.close()
+
+
+def start_nft_watcher(on_drift: Callable[[str], None],
+                      stop: threading.Event) -> tuple[NftWatcher | None, str]:
+    """The watcher, started, and its line for the status's event sources; (None, why) when
+    nf_tables cannot be heard here (no nf_tables, no permission): the interval heals then."""
+    nft = NftWatcher(on_drift, stop)
+    try:
+        nft.start()
+    except OSError as exc:
+        log.info("nf_tables events unavailable (%s); relying on the interval", exc)
+        return None, f"unavailable: {exc}"
+    return nft, "listening"
 
 
 class OverlapAlarm:

@@ -147,8 +147,8 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     "served on --status-addr.")
     common(sp)
     sp.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
-                    help="full resync period, covers drift no event reports, e.g. iptables "
-                         "(default 60)")
+                    help="full resync period, covers drift no event reports, e.g. "
+                         "iptables-legacy rules (default 60)")
     sp.add_argument("--debounce", type=float, default=0.5, metavar="SECONDS",
                     help="wait for file changes to settle, e.g. during git pull (default 0.5)")
     sp.add_argument("--max-backoff", type=float, default=60.0, metavar="SECONDS",

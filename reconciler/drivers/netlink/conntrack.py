@@ -28,16 +28,23 @@ from reconciler.domain.ops import StaleMap
 from reconciler.drivers.netlink.messages import ADDR_DUMP
 from reconciler.drivers.netlink.parse import parse_addr
 from reconciler.drivers.netlink.transport import Socket
-from reconciler.drivers.netlink.wire import HDR, RTM_GETADDR, NlMsg, attr, nested, parse_attrs
+from reconciler.drivers.netlink.wire import (
+    HDR,
+    NETLINK_NETFILTER,
+    NFGENMSG,
+    RTM_GETADDR,
+    NlMsg,
+    attr,
+    nested,
+    parse_attrs,
+)
 
-NETLINK_NETFILTER = 12
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_GET = 1
 IPCTNL_MSG_CT_DELETE = 2
 CT_GET = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
 CT_DELETE = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE
 
-NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big endian)
 BE16 = struct.Struct("!H")
 BE32 = struct.Struct("!I")
 

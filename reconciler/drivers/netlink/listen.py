@@ -1,7 +1,9 @@
-"""Subscriptions: rtnetlink multicast groups and the nf_tables ruleset generation.
+"""Subscriptions: rtnetlink multicast groups and nf_tables (its notifications, its generation).
 
 rtnetlink groups of this namespace, optionally of every namespace with an
-nsid here (``NETLINK_LISTEN_ALL_NSID``).
+nsid here (``NETLINK_LISTEN_ALL_NSID``); the nf_tables notification group of
+this namespace (every commit: iptables-nft, nft, firewalld), and the ruleset
+generation id asked on demand.
 
 The one module that opens and reads notification sockets; the watch loop's
 drift sources and the plan view's sentinels both use it.
@@ -17,7 +19,13 @@ from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
 from reconciler.drivers.netlink.wire import (
     HDR,
     IFINFO,
+    NETLINK_NETFILTER,
     NETLINK_ROUTE,
+    NFGENMSG,
+    NFNL_SUBSYS_NFTABLES,
+    NFT_MSG_GETGEN,
+    NFT_MSG_NEWGEN,
+    NFTA_GEN_ID,
     NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG_DONE,
@@ -88,8 +96,6 @@ def dump_links() -> list[NetlinkEvent]:
 NETLINK_LISTEN_ALL_NSID = 8
 
 
-NETLINK_NETFILTER = 12
-
 
 RTNLGRP_NSID = 28
 
@@ -98,7 +104,8 @@ RTNLGRP_NSID = 28
 ALL_GROUPS = GROUPS | (1 << (RTNLGRP_NSID - 1))
 
 
-_NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWGEN, _NFT_MSG_GETGEN, _NFTA_GEN_ID = 10, 15, 16, 1
+#: nfnetlink's multicast group of nf_tables notifications (bit NFNLGRP_NFTABLES - 1 of bind)
+NFNLGRP_NFTABLES = 7
 
 
 def open_nft_socket(timeout: float = 5.0) -> socket.socket:
@@ -114,10 +121,30 @@ def open_nft_socket(timeout: float = 5.0) -> socket.socket:
     return sock
 
 
+def open_nft_events(rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
+    """A netfilter netlink socket subscribed to this namespace's nf_tables notifications.
+
+    Parse what it reads with ``parse.parse_nft_notices``. An ``ENOBUFS`` from it
+    means notifications were dropped: anything may have been committed.
+    """
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                         NETLINK_NETFILTER)
+    try:
+        try:  # a firewall reload is thousands of notifications: they must fit
+            sock.setsockopt(socket.SOL_SOCKET, 33, rcvbuf)  # SO_RCVBUFFORCE
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind((0, 1 << (NFNLGRP_NFTABLES - 1)))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def nft_generation(sock: socket.socket, seq: int) -> int:
     """The nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
-    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
-    sock.send(HDR.pack(16 + len(body), (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN,
+    body = NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
+    sock.send(HDR.pack(16 + len(body), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
                           NLM_F_REQUEST, seq, 0) + body)
     while True:
         for raw in split_messages(sock.recv(1 << 16)):
@@ -126,8 +153,8 @@ def nft_generation(sock: socket.socket, seq: int) -> int:
                 continue
             if kind == NLMSG_ERROR:
                 raise OSError(-struct.unpack_from("=i", raw, 16)[0], "nf_tables generation")
-            if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWGEN:
-                gen = parse_attrs(raw, 20).get(_NFTA_GEN_ID)  # after nlmsghdr + nfgenmsg
+            if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN:
+                gen = parse_attrs(raw, 20).get(NFTA_GEN_ID)  # after nlmsghdr + nfgenmsg
                 if gen is None or len(gen) < 4:
                     raise OSError(errno.EPROTO, "nf_tables generation: no id")
                 return int(struct.unpack_from("!I", gen)[0])

@@ -1,7 +1,8 @@
 """Pure parsers of rtnetlink messages.
 
-Live links, addresses and routes (``parse_link``…), and the few fields of a
-notification that the drift filter needs (``parse_messages``).
+Live links, addresses and routes (``parse_link``…), the few fields of a
+notification that the drift filter needs (``parse_messages``), and of an
+nf_tables notification (``parse_nft_notices``).
 
 Unit-tested on captured kernel messages and hand-built bytes.
 """
@@ -39,6 +40,10 @@ from reconciler.drivers.netlink.wire import (
     IFLA_MTU,
     NDA_DST,
     NDA_LLADDR,
+    NFGENMSG,
+    NFNL_SUBSYS_NFTABLES,
+    NFT_MSG_NEWGEN,
+    NFTA_TABLE,
     NUD_NOARP,
     NUD_PERMANENT,
     RT_TABLE_MAIN,
@@ -262,3 +267,37 @@ def parse_messages(data: bytes) -> list[NetlinkEvent]:
         if ev is not None:
             events.append(ev)
     return events
+
+
+@dataclass(frozen=True)
+class NftNotice:
+    """One nf_tables notification: an object of ``table`` changed, or a commit ended.
+
+    The kernel sends a commit's object notifications first and one NFT_MSG_NEWGEN
+    (``commit``, no table) after them, so a listener can tell which tables a
+    transaction touched once it is complete.
+    """
+
+    family: int  # nfgen_family: socket.AF_INET, AF_INET6, 1 (inet), 7 (bridge)...; 0 on NEWGEN
+    table: str | None
+    commit: bool = False
+
+
+def parse_nft_notices(data: bytes) -> list[NftNotice]:
+    """Parse one datagram of nf_tables notifications; other subsystems and malformed
+    messages are skipped."""
+    out: list[NftNotice] = []
+    body = HDR.size
+    for raw in split_messages(data):
+        length, kind = HDR.unpack_from(raw)[:2]
+        if length > len(raw) or len(raw) < body + NFGENMSG.size:
+            break  # truncated: the kernel never sends one
+        if kind >> 8 != NFNL_SUBSYS_NFTABLES:
+            continue
+        family = NFGENMSG.unpack_from(raw, body)[0]
+        if kind & 0xFF == NFT_MSG_NEWGEN:
+            out.append(NftNotice(family, None, commit=True))
+            continue
+        table = parse_attrs(raw, body + NFGENMSG.size).get(NFTA_TABLE)
+        out.append(NftNotice(family, None if table is None else cstr(table)))
+    return out

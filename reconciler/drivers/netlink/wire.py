@@ -224,6 +224,21 @@ NETNSA_FD = 3
 AF_BRIDGE = 7
 
 
+#: nf_tables over NETLINK_NETFILTER: message type = (subsystem << 8) | message
+NFNL_SUBSYS_NFTABLES = 10
+
+
+NFT_MSG_NEWGEN, NFT_MSG_GETGEN = 15, 16  # NEWGEN also ends each commit's notifications
+
+
+#: in every nf_tables object message (table, chain, rule, set, element, object, flowtable)
+#: attribute 1 names the table
+NFTA_TABLE = 1
+
+
+NFTA_GEN_ID = 1
+
+
 HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 
 
@@ -240,6 +255,9 @@ RTGEN = struct.Struct("=Bxxx")
 
 
 NDMSG = struct.Struct("=BxxxiHBB")  # ndmsg: family, ifindex, state, flags, type
+NFGENMSG = struct.Struct("=BBH")  # nfgenmsg: family, version, res_id (big endian)
+#: the netlink protocol of nfnetlink (nf_tables notices, ctnetlink)
+NETLINK_NETFILTER = 12
 
 
 NLA = struct.Struct("=HH")
