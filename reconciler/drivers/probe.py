@@ -1,0 +1,622 @@
+"""Probe sockets: send every probe at once and watch for each one's arrival (SPEC §7).
+
+One selector loop, no thread per probe. Every socket is opened first: for each
+allocation the calling thread enters its namespace once (``netns.enter``) and
+makes there a raw ICMP/ICMPv6 socket for the gateway echo, an ``AF_PACKET``
+capture on ``eth0`` behind a classic BPF filter that passes only TCP/UDP from
+the reserved source ports (``domain.probes.PROBE_PORTS``), and the hairpin
+clients; then the host's clients. Then all are sent (TCP connects, UDP
+datagrams, echoes), and the loop polls until each probe has its answer or the
+timeout.
+
+"Reached" is what the capture saw, never what the sender was told: a reset or
+an ICMP error from a REJECT rule on the way looks to the sender just like the
+allocation's own reset, and a UDP datagram gets no answer either way. A probe
+reached when its packet — protocol, source port, the map's container port —
+came in on the allocation's ``eth0``.
+
+Nothing is left behind: TCP sockets close with ``SO_LINGER`` 0 (a reset, no
+TIME_WAIT), and the conntrack entries the probes made in the namespace we act
+on are deleted by their exact tuples (``delete_conntrack``) — the transitions
+work's conntrack driver can take that over once it lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import ipaddress
+import os
+import selectors
+import socket
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from reconciler.domain.errors import DriverError
+from reconciler.domain.ownership import ALLOC_IFNAME
+from reconciler.domain.probes import PROBE_PORTS, ProbeSpec
+from reconciler.drivers import netns
+
+ETH_P_ALL = 0x0003
+SO_ATTACH_FILTER = 26
+PACKET_OUTGOING = 4
+ICMP_ECHO, ICMP_ECHOREPLY = 8, 0
+ICMP6_ECHO, ICMP6_ECHOREPLY = 128, 129
+IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2
+IPV6_MTU_DISCOVER, IPV6_DONTFRAG = 23, 62
+#: after a UDP probe arrived, how long its socket stays open for the allocation's answer:
+#: an answer that finds its conntrack entry deleted would make a new one
+UDP_GRACE = 0.1
+
+
+@dataclass
+class Outcome:
+    """What one probe saw. ``reached``: the packet arrived where it had to (the capture in
+    the allocation's namespace, or the gateway's echo reply); ``answer``: what the sender
+    was told (``connected``, ``refused``, ``timeout``, an errno's words), for the cause."""
+
+    reached: bool = False
+    answer: str | None = None
+    ms: float = 0.0
+    error: str | None = None  # the probe could not be sent (namespace gone, bind failed)
+
+
+@dataclass
+class _Probe:
+    spec: ProbeSpec
+    index: int
+    outcome: Outcome = field(default_factory=Outcome)
+    sock: socket.socket | None = None
+    sport: int = 0
+    ident: int = 0  # ICMP echo id
+    sent: float = 0.0
+    captured: bool = False
+    answered: bool = False  # the sender's side is finished (connect done, echo or error)
+    done: bool = False
+    #: the conntrack entry it makes in the namespace we act on, deleted afterwards
+    flow: Flow | None = None
+
+
+# ------------------------------------------------------------------ classic BPF
+
+# opcodes (linux/filter.h)
+_LDB_ABS, _LDH_ABS, _LDH_IND, _LDXB_MSH = 0x30, 0x28, 0x48, 0xB1
+_RSH_K, _JA, _JEQ_K, _JGE_K, _JGT_K, _JSET_K, _RET_K = 0x74, 0x05, 0x15, 0x35, 0x25, 0x45, 0x06
+
+#: (label, opcode, k, jump if true, jump if false); jumps name labels, None: the next one
+_Insn = tuple[str | None, int, int, str | None, str | None]
+
+
+def _assemble(prog: Sequence[_Insn]) -> bytes:
+    """Classic BPF from labelled instructions (jump offsets count from the next one)."""
+    at = {label: i for i, (label, *_rest) in enumerate(prog) if label}
+    out = b""
+    for i, (_label, code, k, jt, jf) in enumerate(prog):
+        t = at[jt] - i - 1 if jt else 0
+        f = at[jf] - i - 1 if jf else 0
+        if code == _JA:
+            k, t = t, 0
+        out += struct.pack("HBBI", code, t, f, k)
+    return out
+
+
+def capture_filter(lo: int = PROBE_PORTS[0], hi: int = PROBE_PORTS[1]) -> bytes:
+    """A filter that passes IPv4/IPv6 TCP and UDP from source ports lo..hi, nothing else.
+
+    The socket is ``SOCK_DGRAM``: offset 0 is the IP header. IPv4 fragments after
+    the first carry no ports and are dropped; IPv6 is matched without extension
+    headers (the probes send none). It keeps the capture's queue to the probes'
+    packets whatever else the allocation's ``eth0`` sees.
+    """
+    return _assemble((
+        (None, _LDB_ABS, 0, None, None), (None, _RSH_K, 4, None, None),   # A = IP version
+        (None, _JEQ_K, 4, "v4", None), (None, _JEQ_K, 6, "v6", "drop"),
+        ("v4", _LDB_ABS, 9, None, None),                                   # protocol
+        (None, _JEQ_K, 6, "v4port", None), (None, _JEQ_K, 17, "v4port", "drop"),
+        ("v4port", _LDH_ABS, 6, None, None), (None, _JSET_K, 0x1FFF, "drop", None),
+        (None, _LDXB_MSH, 0, None, None), (None, _LDH_IND, 0, None, None),  # A = source port
+        (None, _JA, 0, "check", None),
+        ("v6", _LDB_ABS, 6, None, None),                                   # next header
+        (None, _JEQ_K, 6, "v6port", None), (None, _JEQ_K, 17, "v6port", "drop"),
+        ("v6port", _LDH_ABS, 40, None, None),
+        ("check", _JGE_K, lo, None, "drop"), (None, _JGT_K, hi, "drop", None),
+        (None, _RET_K, 0xFFFF, None, None),
+        ("drop", _RET_K, 0, None, None),
+    ))
+
+
+_FILTER = capture_filter()
+_FILTER_BUF = ctypes.create_string_buffer(_FILTER)
+_FPROG = struct.pack("HL", len(_FILTER) // 8, ctypes.addressof(_FILTER_BUF))
+
+
+def open_capture() -> socket.socket:
+    """The capture on ``eth0`` of the namespace the calling thread is in (filter first)."""
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, 0)  # protocol 0: nothing yet
+    try:
+        s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, _FPROG)
+        s.bind((ALLOC_IFNAME, ETH_P_ALL))
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def parse_l4(data: bytes) -> tuple[int, str, int, str, int, int] | None:
+    """(family, src, sport, dst, dport, ip proto) of an IP packet with TCP/UDP, or None."""
+    if len(data) < 1:
+        return None
+    version = data[0] >> 4
+    if version == 4 and len(data) >= 20:
+        ihl = (data[0] & 0xF) * 4
+        if len(data) < ihl + 4:
+            return None
+        sport, dport = struct.unpack_from("!HH", data, ihl)
+        return (4, socket.inet_ntop(socket.AF_INET, data[12:16]), sport,
+                socket.inet_ntop(socket.AF_INET, data[16:20]), dport, data[9])
+    if version == 6 and len(data) >= 44:
+        sport, dport = struct.unpack_from("!HH", data, 40)
+        return (6, socket.inet_ntop(socket.AF_INET6, data[8:24]), sport,
+                socket.inet_ntop(socket.AF_INET6, data[24:40]), dport, data[6])
+    return None
+
+
+# ------------------------------------------------------------------ ICMP echo
+
+
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return int(~total & 0xFFFF)
+
+
+def echo_request(family: int, ident: int, seq: int, size: int = 0) -> bytes:
+    """An ICMP (or ICMPv6) echo request with ``size`` bytes of payload."""
+    payload = b"reconciler-probe"[:size].ljust(size, b"\0") if size else b""
+    if family == 4:
+        head = struct.pack("!BBHHH", ICMP_ECHO, 0, 0, ident, seq)
+        return struct.pack("!BBHHH", ICMP_ECHO, 0, _checksum(head + payload), ident,
+                           seq) + payload
+    # the kernel fills in the ICMPv6 checksum (it covers the pseudo-header)
+    return struct.pack("!BBHHH", ICMP6_ECHO, 0, 0, ident, seq) + payload
+
+
+def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
+    """(id, seq) of an echo reply (IPv4 raw sockets deliver the IP header too), or None."""
+    if family == 4:
+        if len(data) < 20:
+            return None
+        data = data[(data[0] & 0xF) * 4:]
+        want = ICMP_ECHOREPLY
+    else:
+        want = ICMP6_ECHOREPLY
+    if len(data) < 8 or data[0] != want:
+        return None
+    ident, seq = struct.unpack_from("!HH", data, 4)
+    return ident, seq
+
+
+def open_icmp(family: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_RAW,
+                      socket.IPPROTO_ICMP if family == 4 else socket.IPPROTO_ICMPV6)
+    s.setblocking(False)
+    return s
+
+
+# ------------------------------------------------------------------ conntrack (ctnetlink)
+
+NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_CTNETLINK, _IPCTNL_MSG_CT_DELETE = 1, 2
+_NLM_F_REQUEST, _NLM_F_ACK = 0x1, 0x4
+_NLA_F_NESTED = 0x8000
+_CTA_TUPLE_ORIG, _CTA_TUPLE_IP, _CTA_TUPLE_PROTO = 1, 1, 2
+_CTA_IP_V4_SRC, _CTA_IP_V4_DST, _CTA_IP_V6_SRC, _CTA_IP_V6_DST = 1, 2, 3, 4
+_CTA_PROTO_NUM, _CTA_PROTO_SRC_PORT, _CTA_PROTO_DST_PORT = 1, 2, 3
+
+
+def _nla(kind: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return struct.pack("HH", n, kind) + payload + b"\0" * ((4 - n % 4) % 4)
+
+
+_CTA_PROTO_ICMP_ID, _CTA_PROTO_ICMP_TYPE, _CTA_PROTO_ICMP_CODE = 4, 5, 6
+_CTA_PROTO_ICMPV6_ID, _CTA_PROTO_ICMPV6_TYPE, _CTA_PROTO_ICMPV6_CODE = 7, 8, 9
+_TCP, _UDP, _ICMP, _ICMPV6 = 6, 17, 1, 58
+
+
+@dataclass(frozen=True)
+class Flow:
+    """The original tuple of a conntrack entry a probe made: for TCP/UDP ``a``/``b`` are the
+    source and destination ports, for an echo the ICMP id and type."""
+
+    proto: int
+    src: str
+    dst: str
+    a: int
+    b: int
+
+
+def conntrack_delete_message(seq: int, flow: Flow) -> bytes:
+    """``IPCTNL_MSG_CT_DELETE`` of the entry whose original tuple is exactly ``flow``."""
+    ip = ipaddress.ip_address(flow.src)
+    fam = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+    s_attr, d_attr = ((_CTA_IP_V4_SRC, _CTA_IP_V4_DST) if ip.version == 4
+                      else (_CTA_IP_V6_SRC, _CTA_IP_V6_DST))
+    tuple_ip = _nla(_CTA_TUPLE_IP | _NLA_F_NESTED,
+                    _nla(s_attr, ip.packed) + _nla(d_attr, ipaddress.ip_address(flow.dst).packed))
+    if flow.proto in (_ICMP, _ICMPV6):
+        ident, kind_, code = ((_CTA_PROTO_ICMP_ID, _CTA_PROTO_ICMP_TYPE, _CTA_PROTO_ICMP_CODE)
+                              if flow.proto == _ICMP else
+                              (_CTA_PROTO_ICMPV6_ID, _CTA_PROTO_ICMPV6_TYPE,
+                               _CTA_PROTO_ICMPV6_CODE))
+        l4 = (_nla(ident, struct.pack("!H", flow.a)) + _nla(kind_, bytes([flow.b]))
+              + _nla(code, b"\0"))
+    else:
+        l4 = (_nla(_CTA_PROTO_SRC_PORT, struct.pack("!H", flow.a))
+              + _nla(_CTA_PROTO_DST_PORT, struct.pack("!H", flow.b)))
+    tuple_proto = _nla(_CTA_TUPLE_PROTO | _NLA_F_NESTED,
+                       _nla(_CTA_PROTO_NUM, bytes([flow.proto])) + l4)
+    body = struct.pack("BBH", fam, 0, 0) + _nla(_CTA_TUPLE_ORIG | _NLA_F_NESTED,
+                                                tuple_ip + tuple_proto)
+    kind = (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_DELETE
+    return struct.pack("IHHII", 16 + len(body), kind, _NLM_F_REQUEST | _NLM_F_ACK, seq,
+                       0) + body
+
+
+def delete_conntrack(flows: Iterable[Flow]) -> int:
+    """Delete the conntrack entries with these original tuples in the calling thread's
+    namespace. Entries already gone are fine; returns how many went.
+
+    Without conntrack in this namespace (no module, nothing tracks here) there is nothing
+    to delete and nothing is done.
+    """
+    flows = list(flows)
+    if not flows:
+        return 0
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    except OSError:
+        return 0
+    deleted = 0
+    with s:
+        s.bind((0, 0))
+        s.settimeout(2.0)
+        pending: set[int] = set()
+        for seq, flow in enumerate(flows, 1):
+            s.send(conntrack_delete_message(seq, flow))
+            pending.add(seq)
+            # read the acks as they come so the socket's buffer never fills
+            while len(pending) > 64 or (seq == len(flows) and pending):
+                deleted += _read_acks(s, pending)
+    return deleted
+
+
+def _read_acks(s: socket.socket, pending: set[int]) -> int:
+    deleted = 0
+    try:
+        data = s.recv(65536)
+    except (TimeoutError, OSError):
+        pending.clear()
+        return 0
+    off = 0
+    while off + 16 <= len(data):
+        length, kind, _flags, seq, _pid = struct.unpack_from("IHHII", data, off)
+        if kind == 2 and length >= 20:  # NLMSG_ERROR: 0 is the ack, -ENOENT already gone
+            (err,) = struct.unpack_from("i", data, off + 16)
+            deleted += err == 0
+            pending.discard(seq)
+        off += max((length + 3) & ~3, 16)
+    return deleted
+
+
+# ------------------------------------------------------------------ the run
+
+
+def _errno_words(code: int) -> str:
+    return {errno.ECONNREFUSED: "refused", errno.EHOSTUNREACH: "host unreachable",
+            errno.ENETUNREACH: "network unreachable", errno.ETIMEDOUT: "timeout",
+            errno.EACCES: "refused by a local rule (EACCES)",
+            errno.EPERM: "refused by a local rule (EPERM)"}.get(code, os.strerror(code))
+
+
+class _Ports:
+    """Source ports of the reserved range in turn; one bound by somebody else is skipped."""
+
+    def __init__(self) -> None:
+        self.next = PROBE_PORTS[0]
+
+    def take(self) -> int:
+        port = self.next
+        self.next = port + 1 if port < PROBE_PORTS[1] else PROBE_PORTS[0]
+        return port
+
+
+def _client(spec: ProbeSpec, ports: _Ports) -> tuple[socket.socket, int]:
+    """A client socket bound to a reserved source port (in the calling thread's namespace)."""
+    fam = socket.AF_INET if spec.family == 4 else socket.AF_INET6
+    kind = socket.SOCK_STREAM if spec.proto == "tcp" else socket.SOCK_DGRAM
+    last: OSError | None = None
+    for _ in range(16):
+        s = socket.socket(fam, kind)
+        try:
+            s.setblocking(False)
+            # same source port to other destinations at once: a 4-tuple is still unique
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if kind == socket.SOCK_STREAM:
+                # close = reset: no TIME_WAIT left by a probe
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            port = ports.take()
+            s.bind(("0.0.0.0" if fam == socket.AF_INET else "::", port))
+            return s, port
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            last = e
+    raise OSError(last.errno if last else errno.EADDRINUSE, "no free probe source port")
+
+
+class ProbeRun:
+    """One concurrent run of probes; use :func:`run` (it always closes what it opened)."""
+
+    def __init__(self, specs: Sequence[ProbeSpec], *, external_ns: str | None = None) -> None:
+        self.probes = [_Probe(s, i) for i, s in enumerate(specs)]
+        self.external_ns = external_ns
+        self.sel = selectors.DefaultSelector()
+        self.sockets: list[socket.socket] = []
+        self.ports = _Ports()
+        self.ident = (os.getpid() ^ int(time.monotonic() * 1000)) & 0xFFFF
+        #: per alloc: the probes its capture decides, by (family, ip proto, sport, dport)
+        self.watch: dict[tuple[str, int, int, int, int], _Probe] = {}
+        self.echo: dict[tuple[str, int, int], _Probe] = {}  # (alloc, family, seq)
+        self.captures: dict[str, socket.socket] = {}
+
+    # -- opening
+
+    def _keep(self, s: socket.socket, data: object) -> None:
+        self.sockets.append(s)
+        self.sel.register(s, selectors.EVENT_READ, data)
+
+    def open(self) -> None:
+        by_alloc: dict[str, list[_Probe]] = {}
+        for p in self.probes:
+            by_alloc.setdefault(p.spec.alloc, []).append(p)
+        for alloc, probes in by_alloc.items():
+            try:
+                with netns.enter(alloc):
+                    self._open_alloc(alloc, probes)
+            except (DriverError, OSError) as e:
+                for p in probes:
+                    if not p.done:
+                        self._fail(p, f"cannot probe from inside: {e}")
+        outside = [p for p in self.probes if not p.done and p.spec.vantage == "external"]
+        if outside:
+            if self.external_ns is None:
+                for p in outside:
+                    self._fail(p, "no external vantage namespace")
+            else:
+                try:
+                    with netns.enter(self.external_ns):
+                        for p in outside:
+                            self._open_client(p)
+                except (DriverError, OSError) as e:
+                    for p in outside:
+                        if not p.done:
+                            self._fail(p, f"external vantage namespace: {e}")
+        for p in self.probes:
+            if not p.done and p.spec.vantage == "host":
+                self._open_client(p)
+
+    def _open_alloc(self, alloc: str, probes: list[_Probe]) -> None:
+        icmp: dict[int, socket.socket] = {}
+        for p in probes:
+            if p.spec.proto == "icmp":
+                if p.spec.family not in icmp:
+                    icmp[p.spec.family] = s = open_icmp(p.spec.family)
+                    self._keep(s, ("icmp", alloc, p.spec.family))
+                p.sock = icmp[p.spec.family]
+                self.echo[(alloc, p.spec.family, p.index & 0xFFFF)] = p
+        if any(p.spec.proto != "icmp" for p in probes):
+            cap = open_capture()
+            self._keep(cap, ("capture", alloc))
+            self.captures[alloc] = cap
+        for p in probes:
+            if p.spec.vantage == "alloc" and p.spec.proto != "icmp":
+                self._open_client(p)
+
+    def _open_client(self, p: _Probe) -> None:
+        try:
+            s, p.sport = _client(p.spec, self.ports)
+        except OSError as e:
+            self._fail(p, f"cannot open the probe's socket: {e.strerror or e}")
+            return
+        p.sock = s
+        self.sockets.append(s)
+        key = (p.spec.alloc, p.spec.family, _TCP if p.spec.proto == "tcp" else _UDP, p.sport,
+               p.spec.to or 0)
+        self.watch[key] = p
+
+    def _fail(self, p: _Probe, error: str) -> None:
+        p.outcome.error = error
+        p.done = True
+
+    # -- sending
+
+    def send(self) -> None:
+        for p in self.probes:
+            if p.done or p.sock is None:
+                continue
+            p.sent = time.monotonic()
+            spec = p.spec
+            try:
+                if spec.proto == "icmp":
+                    p.sock.sendto(echo_request(spec.family, self.ident, p.index & 0xFFFF),
+                                  (spec.dst, 0))
+                    p.answered = True  # the echo socket is shared: its reply decides
+                elif spec.proto == "tcp":
+                    code = p.sock.connect_ex((spec.dst, spec.dport or 0))
+                    if code not in (0, errno.EINPROGRESS):
+                        self._answer(p, _errno_words(code))
+                    else:
+                        self.sel.register(p.sock, selectors.EVENT_WRITE, ("tcp", p))
+                else:
+                    p.sock.connect((spec.dst, spec.dport or 0))
+                    p.sock.send(b"reconciler-probe\n")
+                    self.sel.register(p.sock, selectors.EVENT_READ, ("udp", p))
+                p.flow = self._flow(p)
+            except OSError as e:
+                self._answer(p, _errno_words(e.errno) if e.errno else str(e))
+
+    def _flow(self, p: _Probe) -> Flow | None:
+        spec = p.spec
+        if spec.proto == "icmp":
+            if spec.src is None:
+                return None
+            return Flow(_ICMP if spec.family == 4 else _ICMPV6, spec.src, spec.dst, self.ident,
+                        ICMP_ECHO if spec.family == 4 else ICMP6_ECHO)
+        assert p.sock is not None
+        src, sport = p.sock.getsockname()[:2]
+        return Flow(_TCP if spec.proto == "tcp" else _UDP, src, spec.dst, sport,
+                    spec.dport or 0)
+
+    # -- the loop
+
+    def _answer(self, p: _Probe, answer: str) -> None:
+        if not p.answered:
+            p.answered = True
+            p.outcome.answer = answer
+        self._settle(p)
+
+    def _settle(self, p: _Probe, now: float | None = None) -> None:
+        if p.done:
+            return
+        if p.spec.proto == "udp" and p.captured and not p.answered:
+            return  # held open for UDP_GRACE (see the loop)
+        if p.captured and (p.answered or p.spec.proto == "icmp"):
+            p.done = True
+        elif p.answered and p.spec.proto != "icmp":
+            # the sender is finished: its packet, if it reached, is already in the capture
+            cap = self.captures.get(p.spec.alloc)
+            if cap is not None:
+                self._drain(cap, p.spec.alloc)
+            p.done = True
+
+    def _drain(self, cap: socket.socket, alloc: str) -> None:
+        while True:
+            try:
+                data, addr = cap.recvfrom(128)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if addr[2] == PACKET_OUTGOING:
+                continue
+            parsed = parse_l4(data)
+            if parsed is None:
+                continue
+            family, _src, sport, _dst, dport, proto = parsed
+            p = self.watch.get((alloc, family, proto, sport, dport))
+            if p is not None and not p.captured:
+                p.captured = True
+                p.outcome.reached = True
+                p.outcome.ms = (time.monotonic() - p.sent) * 1000
+                self._settle(p)
+
+    def _on_read(self, data: tuple[object, ...]) -> None:
+        kind = data[0]
+        if kind == "capture":
+            alloc = str(data[1])
+            self._drain(self.captures[alloc], alloc)
+        elif kind == "icmp":
+            alloc, family = str(data[1]), int(str(data[2]))
+            s = next(k.fileobj for k in self.sel.get_map().values() if k.data is data)
+            assert isinstance(s, socket.socket)
+            while True:
+                try:
+                    raw = s.recv(2048)
+                except (BlockingIOError, InterruptedError):
+                    break
+                reply = parse_echo_reply(family, raw)
+                if reply is None or reply[0] != self.ident:
+                    continue
+                p = self.echo.get((alloc, family, reply[1]))
+                if p is not None and not p.captured:
+                    p.captured = p.outcome.reached = True
+                    p.outcome.answer = "echo reply"
+                    p.outcome.ms = (time.monotonic() - p.sent) * 1000
+                    self._settle(p)
+
+    def loop(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            for p in self.probes:
+                if (not p.done and p.spec.proto == "udp" and p.captured
+                        and now - p.sent > p.outcome.ms / 1000 + UDP_GRACE):
+                    p.done = True
+            if all(p.done for p in self.probes) or now >= deadline:
+                break
+            for key, _ in self.sel.select(timeout=min(deadline - now, UDP_GRACE)):
+                data = key.data
+                if data[0] in ("capture", "icmp"):
+                    self._on_read(data)
+                    continue
+                p = data[1]
+                if data[0] == "tcp":
+                    code = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    self.sel.unregister(p.sock)
+                    self._answer(p, "connected" if code == 0 else _errno_words(code))
+                else:  # udp: an answer or an ICMP error
+                    try:
+                        p.sock.recv(512)
+                        answer = "answered"
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as e:
+                        answer = _errno_words(e.errno) if e.errno else str(e)
+                    self.sel.unregister(p.sock)
+                    self._answer(p, answer)
+        for cap_alloc, cap in self.captures.items():  # the last packets before the verdict
+            self._drain(cap, cap_alloc)
+        now = time.monotonic()
+        for p in self.probes:
+            if p.outcome.error is None and p.outcome.answer is None:
+                p.outcome.answer = "no answer" if p.captured else "timeout"
+            if not p.outcome.reached and p.outcome.error is None and p.sent:
+                p.outcome.ms = (now - p.sent) * 1000
+
+    # -- closing
+
+    def close(self) -> None:
+        self.sel.close()
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+        self.sockets.clear()
+        delete_conntrack(p.flow for p in self.probes if p.flow is not None)
+
+
+def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,
+        external_ns: str | None = None) -> list[Outcome]:
+    """Send every probe at once and wait (at most ``timeout``) for each; outcomes in order.
+
+    Runs in the namespace of the calling thread ("the host"); allocation namespaces are
+    ``/run/netns/<alloc id>``. Leaves no socket, TIME_WAIT or conntrack entry behind.
+    """
+    r = ProbeRun(specs, external_ns=external_ns)
+    try:
+        r.open()
+        r.send()
+        r.loop(timeout)
+    finally:
+        r.close()
+    return [p.outcome for p in r.probes]
