@@ -205,6 +205,7 @@ class Agent:
         #: heal it must not run again and again)
         self._heal_asked: set[ProbeKey] = set()
         self._probe_labels: set[tuple[str, str]] = set()
+        self._probe_took = 0.0
         self.board.update(probes=None)
 
     # -- event sources -------------------------------------------------------
@@ -318,6 +319,11 @@ class Agent:
             reasons = self.trigger.wait()
             if reasons is None:
                 break
+            if reasons == [PROBE]:  # the probe timer alone: probes, no pass
+                self.probe_run()
+                with self.trigger.locked():
+                    self._arm_probes()
+                continue
             report = self.run_pass(reasons)
             self._recheck_overlaps()
             self.after_probes(reasons, report)
@@ -331,13 +337,17 @@ class Agent:
                 elif report.result != "interrupted":
                     self.scheduler.record(report.result != "failed", now)
                 self.scheduler.set_resync(now, self.options.interval)
-                if self.options.probe is not None and self.options.probe_interval is not None \
-                        and (PROBE in reasons or "startup" in reasons):
-                    self.scheduler.set_timer(PROBE, now, self.options.probe_interval)
+                if PROBE in reasons or "startup" in reasons:
+                    self._arm_probes()
             self.board.update(consecutive_failures=self.scheduler.failures)
             if self.stop.is_set():
                 break
         self.board.update(state="stopped")
+
+    def _arm_probes(self) -> None:
+        """(Re)arm the probe timer, when there is one; the caller holds the trigger's lock."""
+        if self.options.probe is not None and self.options.probe_interval is not None:
+            self.scheduler.set_timer(PROBE, self.clock(), self.options.probe_interval)
 
     def _recheck_overlaps(self) -> None:
         """After a pass: what we own may have changed; the alarm looks again."""
@@ -351,27 +361,51 @@ class Agent:
     # -- probes --------------------------------------------------------------
 
     def after_probes(self, reasons: list[str], report: PassReport) -> None:
-        """After a pass: what its apply probed; on the probe timer (and at startup) a probe
-        of every allocation; after a heal pass, of the allocations that were failing."""
+        """After a pass: what its apply probed; at startup (and when the probe timer came with
+        other reasons) a probe of every allocation; after a heal pass, of those that failed."""
         if self.options.probe is None or self.good is None:
             return
+        if report.result not in ("ok", "applied", "drift"):
+            return  # what failed is reported as such; probes wait for the next timer
+        heal = PROBE_HEAL in reasons
+        if PROBE in reasons or "startup" in reasons:
+            results = self._probe(self.reconciler.last_live, None)
+            if results is not None:
+                self.take_probes(results, everything=True, after_heal=heal)
+            return
+        targets = {k[0] for k in self._failing_since} if heal else set()
         results = report.probes
-        everything = PROBE in reasons or "startup" in reasons
-        targets = None if everything else (
-            {k[0] for k in self._failing_since} if PROBE_HEAL in reasons else set())
-        if report.result in ("ok", "applied", "drift") and (targets is None or targets):
-            try:
-                results = self.reconciler.probe(self.good, self.reconciler.last_live,
-                                                allocs=targets, request=self.options.probe)
-            except (ReconcilerError, OSError) as exc:
-                log.warning("probes not run: %s", exc)
-                return
-            except Exception:  # a bug in probing must not stop the loop that heals
-                log.exception("probes: internal error")
-                return
-        if results or targets is None:
-            self.take_probes(results, everything=targets is None,
-                             after_heal=PROBE_HEAL in reasons)
+        if targets:
+            probed = self._probe(self.reconciler.last_live, targets)
+            results = probed if probed is not None else results
+        if results or heal:
+            self.take_probes(results, after_heal=heal)
+
+    def probe_run(self) -> None:
+        """The probe timer: every allocation against a fresh observation, without a pass (a
+        failure the reconciler owns asks for one)."""
+        if self.options.probe is None or self.good is None:
+            return
+        results = self._probe(None, None)
+        if results is not None:
+            self.take_probes(results, everything=True)
+
+    def _probe(self, live: Any, allocs: set[str] | None) -> list[ProbeResult] | None:
+        assert self.good is not None
+        t0 = self.clock()
+        try:
+            results = self.reconciler.probe(self.good, live, allocs=allocs,
+                                            request=self.options.probe)
+        except (ReconcilerError, OSError) as exc:
+            log.warning("probes not run: %s", exc)
+            return None
+        except Exception:  # a bug in probing must not stop the loop that heals
+            log.exception("probes: internal error")
+            return None
+        self._probe_took = self.clock() - t0
+        log.debug("probed %s in %.3fs: %d probe(s)", "every allocation" if allocs is None
+                  else ", ".join(sorted(allocs)), self._probe_took, len(results))
+        return results
 
     def take_probes(self, results: list[ProbeResult], *, everything: bool = False,
                     after_heal: bool = False) -> None:
@@ -417,7 +451,7 @@ class Agent:
         self._probe_labels = set(counts)
         current = list(self.probe_results.values())
         self.board.update(probes={
-            "at": now, "probed": len(results),
+            "at": now, "probed": len(results), "duration_seconds": round(self._probe_took, 4),
             "held": sum(1 for r in current if r.ok and not r.skipped),
             "failed": len(failing), "skipped": sum(1 for r in current if r.skipped),
             "failures": [{**self.probe_results[k].to_json(), "ours": self.probe_results[k].ours,

@@ -238,7 +238,11 @@ def probing_agent(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     return build, broken, prober
 
 
-def _pass(agent: Agent, *reasons: str) -> PassReport:
+def _pass(agent: Agent, *reasons: str) -> PassReport | None:
+    """What ``Agent.run`` does with these reasons: the probe timer alone probes, no pass."""
+    if list(reasons) == [PROBE]:
+        agent.probe_run()
+        return None
     report = agent.run_pass(list(reasons))
     agent.after_probes(list(reasons), report)
     return report
@@ -257,7 +261,8 @@ def test_probe_timer_probes_everything_and_reports_a_foreign_cause(
         probing_agent: Any, caplog: pytest.LogCaptureFixture) -> None:
     build, broken, prober = probing_agent
     agent = build()
-    assert _pass(agent, "startup").result == "ok"
+    report = _pass(agent, "startup")
+    assert report is not None and report.result == "ok"
     assert prober.calls[-1][0] is None  # every allocation
     assert agent.board.get("probes")["held"] == 2 and not _gauge(agent)
     broken["a1"] = ProbeResult("a1", "host", "tcp", 8080, False,
@@ -332,3 +337,13 @@ def test_results_of_undeclared_allocations_are_dropped(probing_agent: Any) -> No
     _pass(agent, "startup")
     agent.take_probes([broken["gone"]])
     assert _gauge(agent) == {} and agent.board.get("probes")["failed"] == 0
+
+
+def test_the_probe_timer_alone_runs_no_pass(probing_agent: Any) -> None:
+    build, _broken, prober = probing_agent
+    agent = build()
+    _pass(agent, "startup")
+    passes = agent.pass_count
+    agent.probe_run()
+    assert agent.pass_count == passes and prober.calls[-1][0] is None
+    assert agent.board.get("probes")["probed"] == 2
