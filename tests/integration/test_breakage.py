@@ -253,7 +253,11 @@ def test_every_injected_breakage_is_named(applied: Sandbox, request: pytest.Fixt
     assert {"gateway", "host", "localhost", "hairpin", "external"} <= paths, doc["probes"]
     rows, problems, named = [], [], 0
     for b in BREAKAGES:
-        restore = b.inject(applied)
+        try:
+            restore = b.inject(applied)
+        except Exception as exc:  # counted as not named: the figure says so, the test fails
+            rows.append(f"{b.name}: could not be injected: {type(exc).__name__}: {exc}")
+            continue
         try:
             rc, doc, err = _verify(applied)
             plan_rc, changes = _plan(applied)
