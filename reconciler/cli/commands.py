@@ -131,6 +131,7 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                                  "error": o.error} for o in result.outcomes],
                    "residual": result.residual.to_json() if result.residual else None,
                    "probes": probe_view.to_json(result.probes),
+                   "probe_seconds": round(result.probe_seconds, 4),
                    "ok": result.ok}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -144,7 +145,7 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
             for o in result.failed:
                 print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
         if result.probes:
-            print(probe_view.summary(result.probes))
+            print(probe_view.summary(result.probes, result.probe_seconds))
     if result.residual is not None and result.residual.has_changes:
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:

@@ -66,6 +66,8 @@ class ApplyResult:
     residual: Plan | None = None
     #: what the probes after a converged apply found (only the allocations it changed)
     probes: list[ProbeResult] = field(default_factory=list)
+    #: the wall time those probes took
+    probe_seconds: float = 0.0
 
     @property
     def failed(self) -> list[Outcome]:
@@ -149,8 +151,10 @@ class Reconciler:
         if probe is not None and not result.residual.has_changes and not self.stop.is_set():
             targets = probe_targets(plan, desired)
             if targets and self.last_live is not None:
+                t0 = time.perf_counter()
                 result.probes = self.probe(desired, self.last_live, allocs=targets,
                                            request=probe)
+                result.probe_seconds = time.perf_counter() - t0
         return result
 
     def probe(self, desired: DesiredState, live: LiveState | None = None, *,
