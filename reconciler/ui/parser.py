@@ -81,10 +81,12 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                "  reconcile validate examples/quickstart.yaml     check a file, touch nothing\n"
                "  reconcile --netns sandbox plan examples/fleet/  what would change in a sandbox\n"
                "  reconcile apply /etc/reconciler                 change this host, then verify\n"
+               "  reconcile verify /etc/reconciler                config matches, packets flow?\n"
                "  reconcile watch /etc/reconciler                 keep this host converged\n"
                "\n"
                "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
-               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
+               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error\n"
+               "(verify: 1 when the config differs or a probe fails).")
     p.add_argument("--version", action="version", version=f"reconcile {__version__}",
                    help="print the version and exit")
     netns = p.add_argument("--netns", metavar="NAME",
