@@ -13,12 +13,13 @@ from collections.abc import Collection
 
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import probe_vantage_names
 from reconciler.domain.plan import Plan
-from reconciler.domain.probes import ProbeResult, ProbeSpec, sort_key
+from reconciler.domain.probes import VANTAGE_HOST, ProbeResult, ProbeSpec, sort_key
 from reconciler.drivers import probe as driver
 from reconciler.engine.handles import HostHandles
 from reconciler.planner import probes as plan_probes
-from reconciler.planner.probes import Sighting, classify
+from reconciler.planner.probes import Sighting, Vantage, classify
 
 __all__ = ["Prober", "probe_targets"]
 
@@ -33,6 +34,7 @@ class Prober:
 
     def __init__(self, handles: HostHandles) -> None:
         self.handles = handles
+        self._vantage: tuple[str, str] | None = None  # (namespace, link) made by us
 
     def run(self, desired: DesiredState, live: LiveState, *,
             allocs: Collection[str] | None = None, external: bool = False,
@@ -40,11 +42,16 @@ class Prober:
         """Probe the allocations named (every declared one for None); results in report order.
 
         ``live`` is the state after apply: targets are read from it. Changes nothing
-        on the host (the external vantage namespace aside, with ``external``).
+        on the host but the external vantage namespace (made on the first run with
+        ``external``, kept until :meth:`close`).
         """
-        specs = plan_probes.probe_specs(desired, live, allocs=allocs)
+        vantage = self._ensure_vantage(live.host_id) if external else None
+        exclude = () if self._vantage is None else (self._vantage[1],)
+        specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
+                                        host_exclude=exclude)
         sendable = [s for s in specs if s.skipped is None]
-        outcomes = iter(driver.run(sendable, timeout=timeout))
+        outcomes = iter(driver.run(sendable, timeout=timeout,
+                                   external_ns=vantage.netns if vantage else None))
         results = []
         for s in specs:
             if s.skipped is not None:
@@ -54,6 +61,13 @@ class Prober:
                 results.append(self._result(s, next(outcomes)))
         return sorted(results, key=sort_key)
 
+    def _ensure_vantage(self, host_id: str) -> Vantage:
+        if self._vantage is None:
+            ns, link = probe_vantage_names(host_id)
+            driver.create_vantage(ns, link)
+            self._vantage = (ns, link)
+        return Vantage(self._vantage[0], VANTAGE_HOST)
+
     def _result(self, s: ProbeSpec, o: driver.Outcome) -> ProbeResult:
         ok = o.reached == s.expect and o.error is None
         cause = None if ok else classify(s, Sighting(o.reached, o.answer, o.error))
@@ -62,4 +76,7 @@ class Prober:
                            family=s.family, ours=cause is not None and cause.ours)
 
     def close(self) -> None:
-        """Nothing is kept between runs yet (the external vantage namespace will be)."""
+        """Remove the external vantage namespace if this prober made one."""
+        if self._vantage is not None:
+            driver.remove_vantage(*self._vantage)
+            self._vantage = None
