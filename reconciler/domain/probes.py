@@ -63,6 +63,9 @@ class ProbeSpec:
     #: the address the packet leaves from, when it is known before sending (the echo: the
     #: alloc's own), so the conntrack entry it makes can be found afterwards
     src: str | None = None
+    #: the echo: also send one this many bytes long (the IP packet: eth0's MTU) with DF, so
+    #: a smaller MTU on the way (a black hole) fails the probe where a small echo passes
+    size: int = 0
 
     @property
     def key(self) -> tuple[str, str, str, int, int | None]:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import ipaddress
+import json
 import os
 import selectors
 import socket
@@ -54,7 +56,7 @@ PACKET_OUTGOING = 4
 ICMP_ECHO, ICMP_ECHOREPLY = 8, 0
 ICMP6_ECHO, ICMP6_ECHOREPLY = 128, 129
 IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2
-IPV6_MTU_DISCOVER, IPV6_DONTFRAG = 23, 62
+IPV6_DONTFRAG = 62
 #: after a UDP probe arrived, how long its socket stays open for the allocation's answer:
 #: an answer that finds its conntrack entry deleted would make a new one
 UDP_GRACE = 0.1
@@ -70,6 +72,8 @@ class Outcome:
     answer: str | None = None
     ms: float = 0.0
     error: str | None = None  # the probe could not be sent (namespace gone, bind failed)
+    #: the full-size echo with DF (``ProbeSpec.size``) came back; None: none was sent
+    big: bool | None = None
 
 
 @dataclass
@@ -239,10 +243,24 @@ def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
 
 
 def open_icmp(family: int) -> socket.socket:
+    """A raw echo socket that never fragments (DF): a full-size echo finds a smaller MTU."""
     s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_RAW,
                       socket.IPPROTO_ICMP if family == 4 else socket.IPPROTO_ICMPV6)
-    s.setblocking(False)
+    try:
+        s.setblocking(False)
+        if family == 4:
+            s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        else:
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_DONTFRAG, 1)
+    except OSError:
+        s.close()
+        raise
     return s
+
+
+def echo_payload(family: int, size: int) -> int:
+    """Payload bytes of an echo whose IP packet is ``size`` bytes long."""
+    return max(0, size - (20 if family == 4 else 40) - 8)
 
 
 # ------------------------------------------------------------------ conntrack (ctnetlink)
@@ -467,7 +485,9 @@ class ProbeRun:
                 icmp[p.spec.family] = s = open_icmp(p.spec.family)
                 self._keep(s, ("icmp", alloc, p.spec.family, s))
             p.sock = icmp[p.spec.family]
-            self.echo[(alloc, p.spec.family, p.index & 0xFFFF)] = p
+            self.echo[(alloc, p.spec.family, (2 * p.index) & 0xFFFF)] = p
+            if p.spec.size:
+                self.echo[(alloc, p.spec.family, (2 * p.index + 1) & 0xFFFF)] = p
 
     def _open_client(self, p: _Probe) -> None:
         if p.done:
@@ -503,8 +523,17 @@ class ProbeRun:
             p.sent = time.monotonic()
             try:
                 if spec.proto == "icmp":
-                    p.sock.sendto(echo_request(spec.family, self.ident, p.index & 0xFFFF),
+                    p.sock.sendto(echo_request(spec.family, self.ident, (2 * p.index) & 0xFFFF),
                                   (spec.dst, 0))
+                    if spec.size:
+                        p.outcome.big = False
+                        # a send error of the full-size echo is its loss (a black hole the
+                        # kernel already knows of), not the probe's answer
+                        with contextlib.suppress(OSError):
+                            p.sock.sendto(echo_request(spec.family, self.ident,
+                                                       (2 * p.index + 1) & 0xFFFF,
+                                                       echo_payload(spec.family, spec.size)),
+                                          (spec.dst, 0))
                 elif spec.proto == "tcp":
                     code = p.sock.connect_ex((spec.dst, spec.dport or 0))
                     if code not in (0, errno.EINPROGRESS):
@@ -515,9 +544,11 @@ class ProbeRun:
                     p.sock.connect((spec.dst, spec.dport or 0))
                     p.sock.send(b"reconciler-probe\n")
                     self.sel.register(p.sock, selectors.EVENT_READ, ("udp", p))
-                p.flow = self._flow(p)
             except OSError as e:
                 self._answer(p, _errno_words(e.errno) if e.errno else str(e))
+            finally:
+                with contextlib.suppress(OSError):  # also when sending failed half-way
+                    p.flow = self._flow(p)
 
     def _flow(self, p: _Probe) -> Flow | None:
         spec = p.spec
@@ -550,7 +581,7 @@ class ProbeRun:
             return
         p.captured = p.outcome.reached = True
         p.outcome.ms = (time.monotonic() - p.sent) * 1000
-        if p.spec.proto == "icmp" or p.answered:
+        if (p.spec.proto == "icmp" and p.outcome.big is not False) or p.answered:
             self._finish(p)
         elif p.spec.proto == "udp":
             self.grace.append(p)
@@ -582,7 +613,13 @@ class ProbeRun:
             if reply is None or reply[0] != self.ident:
                 continue
             p = self.echo.get((alloc, family, reply[1]))
-            if p is not None and not p.done:
+            if p is None or p.done:
+                continue
+            if reply[1] & 1:
+                p.outcome.big = True
+                if p.captured:
+                    self._finish(p)
+            else:
                 p.outcome.answer = "echo reply"
                 self._arrived(p)
 
@@ -645,6 +682,88 @@ class ProbeRun:
                 s.close()
         self.sockets.clear()
         delete_conntrack(p.flow for p in self.probes if p.flow is not None)
+
+
+# ------------------------------------------------------------------ diagnosis (failures only)
+
+#: SIOCGIFHWADDR (linux/sockios.h): eth0's MAC from a socket inside the allocation
+_SIOCGIFHWADDR = 0x8927
+
+
+def save_counters(family: int) -> str | None:
+    """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
+
+    Only around a failed probe's re-run: which foreign rule's counter rose says which
+    rule dropped it. The same tools as the iptables driver, read-only.
+    """
+    cmd = "iptables-save" if family == 4 else "ip6tables-save"
+    try:
+        p = subprocess.run([cmd, "-c"], capture_output=True, text=True, timeout=30,
+                           check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def netstat_counter(name: str, text: str | None = None) -> int:
+    """A ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
+    if text is None:
+        try:
+            with open("/proc/thread-self/net/netstat", encoding="ascii") as fh:
+                text = fh.read()
+        except OSError:
+            return 0
+    lines = text.splitlines()
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        names, nums = head.split()[1:], values.split()[1:]
+        if name in names and len(nums) == len(names):
+            return int(nums[names.index(name)])
+    return 0
+
+
+def route_get(address: str) -> tuple[str | None, str | None]:
+    """(output link, route type) the host's routing (rules included) picks for an address:
+    ``ip route get`` (RTM_GETROUTE); (None, words) when there is no route."""
+    try:
+        p = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True,
+                           text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    if p.returncode != 0:
+        words = (p.stderr.strip().splitlines() or ["no route"])[-1]
+        return None, words.removeprefix("RTNETLINK answers: ").lower()
+    try:
+        routes = json.loads(p.stdout)
+    except ValueError:
+        return None, "unreadable answer"
+    if not routes:
+        return None, "no route"
+    r = routes[0]
+    return r.get("dev"), r.get("type", "unicast")
+
+
+def neighbours(link: str) -> dict[str, tuple[str | None, str]]:
+    """The host's neighbour entries on ``link``: address -> (MAC, state)."""
+    try:
+        p = subprocess.run(["ip", "-j", "neigh", "show", "dev", link], capture_output=True,
+                           text=True, timeout=10, check=False)
+        entries = json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else []
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return {}
+    return {e["dst"]: (e.get("lladdr"), ",".join(e.get("state", ()))) for e in entries
+            if "dst" in e}
+
+
+def mac_of(alloc: str) -> str | None:
+    """The MAC of ``eth0`` inside the allocation's namespace, or None."""
+    try:
+        with netns.enter(alloc):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with s:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFHWADDR, struct.pack("256s", b"eth0"))
+    except (DriverError, OSError):
+        return None
+    return ":".join(f"{b:02x}" for b in raw[18:24])
 
 
 # ------------------------------------------------------------------ the external vantage
