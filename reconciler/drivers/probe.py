@@ -445,8 +445,14 @@ class ProbeRun:
 
     def open(self) -> None:
         if any(p.spec.proto != "icmp" for p in self.probes):
-            self.capture = open_capture()
-            self._keep(self.capture, ("capture",))
+            try:
+                self.capture = open_capture()
+            except OSError as e:  # without it nothing can be seen arriving: say so
+                for p in self.probes:
+                    if p.spec.proto != "icmp":
+                        self._fail(p, f"cannot watch for the probes' packets: {e}")
+            else:
+                self._keep(self.capture, ("capture",))
         inside: dict[str, list[_Probe]] = {}
         for p in self.probes:
             if p.spec.vantage == "alloc":

@@ -49,12 +49,18 @@ class Prober:
         on the host but the external vantage namespace (made on the first run with
         ``external``, kept until :meth:`close`).
         """
-        vantage = self._ensure_vantage(live.host_id) if external else None
+        vantage, unusable = None, None
+        if external:
+            try:
+                vantage = self._ensure_vantage(live.host_id)
+            except DriverError as e:  # its probes fail with the reason; the others run
+                vantage, unusable = Vantage("", VANTAGE_HOST), str(e)
         exclude = () if self._vantage is None else (self._vantage[1],)
         specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
                                         host_exclude=exclude)
-        sendable = [s for s in specs if s.skipped is None]
-        external_ns = vantage.netns if vantage else None
+        lost = [s for s in specs if s.skipped is None and unusable and s.vantage == "external"]
+        sendable = [s for s in specs if s.skipped is None and s not in lost]
+        external_ns = vantage.netns if vantage and not unusable else None
         outcomes = driver.run(sendable, timeout=timeout, external_ns=external_ns)
         failed = [i for i, (s, o) in enumerate(zip(sendable, outcomes, strict=True))
                   if not _sighting(o).holds(s)]
@@ -71,6 +77,8 @@ class Prober:
         results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=True, skipped=True,
                                 cause=s.skipped, family=s.family)
                     for s in specs if s.skipped is not None]
+        results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=False, cause=(
+            f"no external vantage namespace: {unusable}"), family=s.family) for s in lost]
         return sorted(results, key=sort_key)
 
     def _ensure_vantage(self, host_id: str) -> Vantage:
