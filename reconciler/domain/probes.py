@@ -10,6 +10,7 @@ planner decides which probes exist and what is expected (``planner.probes``),
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,12 @@ Vantage = Literal["host", "alloc", "external"]
 #: range (``ip_local_port_range`` 32768-60999) and the ``host: auto`` range, so no connection
 #: the host makes by itself takes one and flow counts and logs can tell probes apart
 PROBE_PORTS = (61000, 61999)
+
+#: the external vantage link: the host end is .1, the vantage namespace .2 (link-local, and
+#: reserved in the address space: no declared prefix may overlap it)
+VANTAGE_NET = ipaddress.IPv4Network("169.254.250.0/30")
+VANTAGE_HOST = str(VANTAGE_NET.network_address + 1)
+VANTAGE_PEER = str(VANTAGE_NET.network_address + 2)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class ProbeSpec:
     #: the address the packet leaves from, when it is known before sending (the echo: the
     #: alloc's own), so the conntrack entry it makes can be found afterwards
     src: str | None = None
+    #: the echo: also send one this many bytes long (the IP packet: eth0's MTU) with DF, so
+    #: a smaller MTU on the way (a black hole) fails the probe where a small echo passes
+    size: int = 0
 
     @property
     def key(self) -> tuple[str, str, str, int, int | None]:

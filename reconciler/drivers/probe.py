@@ -26,18 +26,28 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import ipaddress
+import json
 import os
 import selectors
 import socket
 import struct
+import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from reconciler.domain.errors import DriverError
-from reconciler.domain.ownership import ALLOC_IFNAME
-from reconciler.domain.probes import PROBE_PORTS, ProbeSpec
+from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS, alloc_veth_name
+from reconciler.domain.probes import (
+    PROBE_PORTS,
+    VANTAGE_HOST,
+    VANTAGE_NET,
+    VANTAGE_PEER,
+    ProbeSpec,
+)
 from reconciler.drivers import netns
 
 ETH_P_ALL = 0x0003
@@ -46,7 +56,7 @@ PACKET_OUTGOING = 4
 ICMP_ECHO, ICMP_ECHOREPLY = 8, 0
 ICMP6_ECHO, ICMP6_ECHOREPLY = 128, 129
 IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2
-IPV6_MTU_DISCOVER, IPV6_DONTFRAG = 23, 62
+IPV6_DONTFRAG = 62
 #: after a UDP probe arrived, how long its socket stays open for the allocation's answer:
 #: an answer that finds its conntrack entry deleted would make a new one
 UDP_GRACE = 0.1
@@ -62,6 +72,8 @@ class Outcome:
     answer: str | None = None
     ms: float = 0.0
     error: str | None = None  # the probe could not be sent (namespace gone, bind failed)
+    #: the full-size echo with DF (``ProbeSpec.size``) came back; None: none was sent
+    big: bool | None = None
 
 
 @dataclass
@@ -83,7 +95,8 @@ class _Probe:
 # ------------------------------------------------------------------ classic BPF
 
 # opcodes (linux/filter.h)
-_LDB_ABS, _LDH_ABS, _LDH_IND, _LDXB_MSH = 0x30, 0x28, 0x48, 0xB1
+_LD_ABS, _LDB_ABS, _LDH_ABS, _LDH_IND, _LDXB_MSH = 0x20, 0x30, 0x28, 0x48, 0xB1
+_SKF_AD_PKTTYPE = (-0x1000 + 4) & 0xFFFFFFFF  # SKF_AD_OFF + SKF_AD_PKTTYPE
 _RSH_K, _JA, _JEQ_K, _JGE_K, _JGT_K, _JSET_K, _RET_K = 0x74, 0x05, 0x15, 0x35, 0x25, 0x45, 0x06
 
 #: (label, opcode, k, jump if true, jump if false); jumps name labels, None: the next one
@@ -104,14 +117,16 @@ def _assemble(prog: Sequence[_Insn]) -> bytes:
 
 
 def capture_filter(lo: int = PROBE_PORTS[0], hi: int = PROBE_PORTS[1]) -> bytes:
-    """A filter that passes IPv4/IPv6 TCP and UDP from source ports lo..hi, nothing else.
+    """A filter that passes IPv4/IPv6 TCP and UDP leaving a link from source ports lo..hi.
 
     The socket is ``SOCK_DGRAM``: offset 0 is the IP header. IPv4 fragments after
     the first carry no ports and are dropped; IPv6 is matched without extension
     headers (the probes send none). It keeps the capture's queue to the probes'
-    packets whatever else the allocation's ``eth0`` sees.
+    packets whatever else the host's links carry.
     """
     return _assemble((
+        (None, _LD_ABS, _SKF_AD_PKTTYPE, None, None),                      # leaving a link
+        (None, _JEQ_K, PACKET_OUTGOING, None, "drop"),
         (None, _LDB_ABS, 0, None, None), (None, _RSH_K, 4, None, None),   # A = IP version
         (None, _JEQ_K, 4, "v4", None), (None, _JEQ_K, 6, "v6", "drop"),
         ("v4", _LDB_ABS, 9, None, None),                                   # protocol
@@ -133,17 +148,41 @@ _FILTER_BUF = ctypes.create_string_buffer(_FILTER)
 _FPROG = struct.pack("HL", len(_FILTER) // 8, ctypes.addressof(_FILTER_BUF))
 
 
+#: the capture's receive buffer: every probe's packet is queued twice (it leaves the bridge
+#: and the allocation's veth) and a run sends thousands at once
+CAPTURE_BUFFER = 32 << 20
+SO_RCVBUFFORCE = 33
+SOL_PACKET, PACKET_STATISTICS = 263, 6
+
+
 def open_capture() -> socket.socket:
-    """The capture on ``eth0`` of the namespace the calling thread is in (filter first)."""
-    s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, 0)  # protocol 0: nothing yet
+    """The capture of every link of the namespace the calling thread is in (filter first).
+
+    Created bound to all links (``ETH_P_ALL``), so what arrived before the filter was
+    attached is drained here.
+    """
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_ALL))
     try:
         s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, _FPROG)
-        s.bind((ALLOC_IFNAME, ETH_P_ALL))
         s.setblocking(False)
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, CAPTURE_BUFFER)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                s.recv(1)
     except OSError:
         s.close()
         raise
     return s
+
+
+def capture_drops(s: socket.socket) -> int:
+    """Packets the capture lost for want of buffer since the last call (PACKET_STATISTICS)."""
+    try:
+        _packets, drops = struct.unpack("II", s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
+    except OSError:
+        return 0
+    return int(drops)
 
 
 def parse_l4(data: bytes) -> tuple[int, str, int, str, int, int] | None:
@@ -204,10 +243,24 @@ def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
 
 
 def open_icmp(family: int) -> socket.socket:
+    """A raw echo socket that never fragments (DF): a full-size echo finds a smaller MTU."""
     s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_RAW,
                       socket.IPPROTO_ICMP if family == 4 else socket.IPPROTO_ICMPV6)
-    s.setblocking(False)
+    try:
+        s.setblocking(False)
+        if family == 4:
+            s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        else:
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_DONTFRAG, 1)
+    except OSError:
+        s.close()
+        raise
     return s
+
+
+def echo_payload(family: int, size: int) -> int:
+    """Payload bytes of an echo whose IP packet is ``size`` bytes long."""
+    return max(0, size - (20 if family == 4 else 40) - 8)
 
 
 # ------------------------------------------------------------------ conntrack (ctnetlink)
@@ -375,79 +428,96 @@ class ProbeRun:
         self.sockets: list[socket.socket] = []
         self.ports = _Ports()
         self.ident = (os.getpid() ^ int(time.monotonic() * 1000)) & 0xFFFF
-        #: per alloc: the probes its capture decides, by (family, ip proto, sport, dport)
+        #: the probes the capture decides, by (veth, family, ip proto, sport, dport)
         self.watch: dict[tuple[str, int, int, int, int], _Probe] = {}
         self.echo: dict[tuple[str, int, int], _Probe] = {}  # (alloc, family, seq)
-        self.captures: dict[str, socket.socket] = {}
+        self.capture: socket.socket | None = None
+        self.pending = len(self.probes)
+        self.grace: list[_Probe] = []  # UDP probes that arrived, held open for an answer
+        self.drops = 0
 
     # -- opening
 
-    def _keep(self, s: socket.socket, data: object) -> None:
+    def _keep(self, s: socket.socket, data: tuple[object, ...] | None = None) -> None:
         self.sockets.append(s)
-        self.sel.register(s, selectors.EVENT_READ, data)
+        if data is not None:
+            self.sel.register(s, selectors.EVENT_READ, data)
 
     def open(self) -> None:
-        by_alloc: dict[str, list[_Probe]] = {}
+        if any(p.spec.proto != "icmp" for p in self.probes):
+            try:
+                self.capture = open_capture()
+            except OSError as e:  # without it nothing can be seen arriving: say so
+                for p in self.probes:
+                    if p.spec.proto != "icmp":
+                        self._fail(p, f"cannot watch for the probes' packets: {e}")
+            else:
+                self._keep(self.capture, ("capture",))
+        inside: dict[str, list[_Probe]] = {}
         for p in self.probes:
-            by_alloc.setdefault(p.spec.alloc, []).append(p)
-        for alloc, probes in by_alloc.items():
+            if p.spec.vantage == "alloc":
+                inside.setdefault(p.spec.alloc, []).append(p)
+        for alloc, probes in inside.items():
             try:
                 with netns.enter(alloc):
                     self._open_alloc(alloc, probes)
             except (DriverError, OSError) as e:
                 for p in probes:
-                    if not p.done:
-                        self._fail(p, f"cannot probe from inside: {e}")
-        outside = [p for p in self.probes if not p.done and p.spec.vantage == "external"]
-        if outside:
-            if self.external_ns is None:
-                for p in outside:
-                    self._fail(p, "no external vantage namespace")
-            else:
-                try:
-                    with netns.enter(self.external_ns):
-                        for p in outside:
-                            self._open_client(p)
-                except (DriverError, OSError) as e:
+                    self._fail(p, f"cannot probe from inside the allocation: {e}")
+        outside = [p for p in self.probes if p.spec.vantage == "external"]
+        if outside and self.external_ns is None:
+            for p in outside:
+                self._fail(p, "no external vantage namespace")
+        elif outside:
+            assert self.external_ns is not None
+            try:
+                with netns.enter(self.external_ns):
                     for p in outside:
-                        if not p.done:
-                            self._fail(p, f"external vantage namespace: {e}")
+                        self._open_client(p)
+            except (DriverError, OSError) as e:
+                for p in outside:
+                    self._fail(p, f"external vantage namespace: {e}")
         for p in self.probes:
-            if not p.done and p.spec.vantage == "host":
+            if p.spec.vantage == "host":
                 self._open_client(p)
 
     def _open_alloc(self, alloc: str, probes: list[_Probe]) -> None:
         icmp: dict[int, socket.socket] = {}
         for p in probes:
-            if p.spec.proto == "icmp":
-                if p.spec.family not in icmp:
-                    icmp[p.spec.family] = s = open_icmp(p.spec.family)
-                    self._keep(s, ("icmp", alloc, p.spec.family))
-                p.sock = icmp[p.spec.family]
-                self.echo[(alloc, p.spec.family, p.index & 0xFFFF)] = p
-        if any(p.spec.proto != "icmp" for p in probes):
-            cap = open_capture()
-            self._keep(cap, ("capture", alloc))
-            self.captures[alloc] = cap
-        for p in probes:
-            if p.spec.vantage == "alloc" and p.spec.proto != "icmp":
+            if p.spec.proto != "icmp":
                 self._open_client(p)
+                continue
+            if p.spec.family not in icmp:
+                icmp[p.spec.family] = s = open_icmp(p.spec.family)
+                self._keep(s, ("icmp", alloc, p.spec.family, s))
+            p.sock = icmp[p.spec.family]
+            self.echo[(alloc, p.spec.family, (2 * p.index) & 0xFFFF)] = p
+            if p.spec.size:
+                self.echo[(alloc, p.spec.family, (2 * p.index + 1) & 0xFFFF)] = p
 
     def _open_client(self, p: _Probe) -> None:
+        if p.done:
+            return
         try:
             s, p.sport = _client(p.spec, self.ports)
         except OSError as e:
             self._fail(p, f"cannot open the probe's socket: {e.strerror or e}")
             return
         p.sock = s
-        self.sockets.append(s)
-        key = (p.spec.alloc, p.spec.family, _TCP if p.spec.proto == "tcp" else _UDP, p.sport,
-               p.spec.to or 0)
+        self._keep(s)
+        key = (alloc_veth_name(p.spec.alloc), p.spec.family,
+               _TCP if p.spec.proto == "tcp" else _UDP, p.sport, p.spec.to or 0)
         self.watch[key] = p
 
     def _fail(self, p: _Probe, error: str) -> None:
-        p.outcome.error = error
-        p.done = True
+        if not p.done:
+            p.outcome.error = error
+            self._finish(p)
+
+    def _finish(self, p: _Probe) -> None:
+        if not p.done:
+            p.done = True
+            self.pending -= 1
 
     # -- sending
 
@@ -455,26 +525,36 @@ class ProbeRun:
         for p in self.probes:
             if p.done or p.sock is None:
                 continue
-            p.sent = time.monotonic()
             spec = p.spec
+            p.sent = time.monotonic()
             try:
                 if spec.proto == "icmp":
-                    p.sock.sendto(echo_request(spec.family, self.ident, p.index & 0xFFFF),
+                    p.sock.sendto(echo_request(spec.family, self.ident, (2 * p.index) & 0xFFFF),
                                   (spec.dst, 0))
-                    p.answered = True  # the echo socket is shared: its reply decides
+                    if spec.size:
+                        p.outcome.big = False
+                        # a send error of the full-size echo is its loss (a black hole the
+                        # kernel already knows of), not the probe's answer
+                        with contextlib.suppress(OSError):
+                            p.sock.sendto(echo_request(spec.family, self.ident,
+                                                       (2 * p.index + 1) & 0xFFFF,
+                                                       echo_payload(spec.family, spec.size)),
+                                          (spec.dst, 0))
                 elif spec.proto == "tcp":
                     code = p.sock.connect_ex((spec.dst, spec.dport or 0))
                     if code not in (0, errno.EINPROGRESS):
                         self._answer(p, _errno_words(code))
-                    else:
-                        self.sel.register(p.sock, selectors.EVENT_WRITE, ("tcp", p))
+                        continue
+                    self.sel.register(p.sock, selectors.EVENT_WRITE, ("tcp", p))
                 else:
                     p.sock.connect((spec.dst, spec.dport or 0))
                     p.sock.send(b"reconciler-probe\n")
                     self.sel.register(p.sock, selectors.EVENT_READ, ("udp", p))
-                p.flow = self._flow(p)
             except OSError as e:
                 self._answer(p, _errno_words(e.errno) if e.errno else str(e))
+            finally:
+                with contextlib.suppress(OSError):  # also when sending failed half-way
+                    p.flow = self._flow(p)
 
     def _flow(self, p: _Probe) -> Flow | None:
         spec = p.spec
@@ -491,102 +571,107 @@ class ProbeRun:
     # -- the loop
 
     def _answer(self, p: _Probe, answer: str) -> None:
-        if not p.answered:
-            p.answered = True
-            p.outcome.answer = answer
-        self._settle(p)
-
-    def _settle(self, p: _Probe, now: float | None = None) -> None:
-        if p.done:
+        """The sender is finished (connected, refused, an answer or an ICMP error)."""
+        if p.answered or p.done:
             return
-        if p.spec.proto == "udp" and p.captured and not p.answered:
-            return  # held open for UDP_GRACE (see the loop)
-        if p.captured and (p.answered or p.spec.proto == "icmp"):
-            p.done = True
-        elif p.answered and p.spec.proto != "icmp":
-            # the sender is finished: its packet, if it reached, is already in the capture
-            cap = self.captures.get(p.spec.alloc)
-            if cap is not None:
-                self._drain(cap, p.spec.alloc)
-            p.done = True
+        p.answered = True
+        p.outcome.answer = answer
+        if not p.captured:
+            # if the packet arrived, the capture has it queued by now: read it first
+            self._drain()
+        if not p.captured or p.spec.proto != "icmp":
+            self._finish(p)
 
-    def _drain(self, cap: socket.socket, alloc: str) -> None:
+    def _arrived(self, p: _Probe) -> None:
+        if p.captured:
+            return
+        p.captured = p.outcome.reached = True
+        p.outcome.ms = (time.monotonic() - p.sent) * 1000
+        if (p.spec.proto == "icmp" and p.outcome.big is not False) or p.answered:
+            self._finish(p)
+        elif p.spec.proto == "udp":
+            self.grace.append(p)
+        # TCP: done once the connect finishes (a clean close), or at the timeout
+
+    def _drain(self) -> None:
+        if self.capture is None:
+            return
         while True:
             try:
-                data, addr = cap.recvfrom(128)
-            except (BlockingIOError, InterruptedError):
+                data, addr = self.capture.recvfrom(128)
+            except OSError:  # BlockingIOError: nothing more queued
                 return
-            except OSError:
-                return
-            if addr[2] == PACKET_OUTGOING:
-                continue
             parsed = parse_l4(data)
             if parsed is None:
                 continue
             family, _src, sport, _dst, dport, proto = parsed
-            p = self.watch.get((alloc, family, proto, sport, dport))
-            if p is not None and not p.captured:
-                p.captured = True
-                p.outcome.reached = True
-                p.outcome.ms = (time.monotonic() - p.sent) * 1000
-                self._settle(p)
+            p = self.watch.get((addr[0], family, proto, sport, dport))
+            if p is not None and not p.done:
+                self._arrived(p)
 
-    def _on_read(self, data: tuple[object, ...]) -> None:
+    def _echo(self, alloc: str, family: int, s: socket.socket) -> None:
+        while True:
+            try:
+                raw = s.recv(2048)
+            except OSError:
+                return
+            reply = parse_echo_reply(family, raw)
+            if reply is None or reply[0] != self.ident:
+                continue
+            p = self.echo.get((alloc, family, reply[1]))
+            if p is None or p.done:
+                continue
+            if reply[1] & 1:
+                p.outcome.big = True
+                if p.captured:
+                    self._finish(p)
+            else:
+                p.outcome.answer = "echo reply"
+                self._arrived(p)
+
+    def _event(self, data: tuple[Any, ...]) -> None:
         kind = data[0]
         if kind == "capture":
-            alloc = str(data[1])
-            self._drain(self.captures[alloc], alloc)
+            self._drain()
         elif kind == "icmp":
-            alloc, family = str(data[1]), int(str(data[2]))
-            s = next(k.fileobj for k in self.sel.get_map().values() if k.data is data)
-            assert isinstance(s, socket.socket)
-            while True:
-                try:
-                    raw = s.recv(2048)
-                except (BlockingIOError, InterruptedError):
-                    break
-                reply = parse_echo_reply(family, raw)
-                if reply is None or reply[0] != self.ident:
-                    continue
-                p = self.echo.get((alloc, family, reply[1]))
-                if p is not None and not p.captured:
-                    p.captured = p.outcome.reached = True
-                    p.outcome.answer = "echo reply"
-                    p.outcome.ms = (time.monotonic() - p.sent) * 1000
-                    self._settle(p)
+            self._echo(data[1], data[2], data[3])
+        elif kind == "tcp":
+            p = data[1]
+            self.sel.unregister(p.sock)
+            code = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            self._answer(p, "connected" if code == 0 else _errno_words(code))
+        else:  # udp: an answer, or an ICMP error the kernel turned into one
+            p = data[1]
+            try:
+                p.sock.recv(512)
+                answer = "answered"
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                answer = _errno_words(e.errno) if e.errno else str(e)
+            self.sel.unregister(p.sock)
+            self._answer(p, answer)
 
     def loop(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while True:
+        while self.pending > 0:
             now = time.monotonic()
-            for p in self.probes:
-                if (not p.done and p.spec.proto == "udp" and p.captured
-                        and now - p.sent > p.outcome.ms / 1000 + UDP_GRACE):
-                    p.done = True
-            if all(p.done for p in self.probes) or now >= deadline:
+            if self.grace:
+                held = [p for p in self.grace if not p.done]
+                for p in held:
+                    if now >= p.sent + p.outcome.ms / 1000 + UDP_GRACE:
+                        self._finish(p)
+                self.grace = [p for p in held if not p.done]
+            if self.pending <= 0 or now >= deadline:
                 break
-            for key, _ in self.sel.select(timeout=min(deadline - now, UDP_GRACE)):
-                data = key.data
-                if data[0] in ("capture", "icmp"):
-                    self._on_read(data)
-                    continue
-                p = data[1]
-                if data[0] == "tcp":
-                    code = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    self.sel.unregister(p.sock)
-                    self._answer(p, "connected" if code == 0 else _errno_words(code))
-                else:  # udp: an answer or an ICMP error
-                    try:
-                        p.sock.recv(512)
-                        answer = "answered"
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as e:
-                        answer = _errno_words(e.errno) if e.errno else str(e)
-                    self.sel.unregister(p.sock)
-                    self._answer(p, answer)
-        for cap_alloc, cap in self.captures.items():  # the last packets before the verdict
-            self._drain(cap, cap_alloc)
+            wait = deadline - now
+            if self.grace:
+                wait = min(wait, UDP_GRACE / 4)
+            for key, _ in self.sel.select(timeout=wait):
+                self._event(key.data)
+        self._drain()  # what arrived in the last moment still counts
+        if self.capture is not None:
+            self.drops = capture_drops(self.capture)
         now = time.monotonic()
         for p in self.probes:
             if p.outcome.error is None and p.outcome.answer is None:
@@ -603,6 +688,139 @@ class ProbeRun:
                 s.close()
         self.sockets.clear()
         delete_conntrack(p.flow for p in self.probes if p.flow is not None)
+
+
+# ------------------------------------------------------------------ diagnosis (failures only)
+
+#: SIOCGIFHWADDR (linux/sockios.h): eth0's MAC from a socket inside the allocation
+_SIOCGIFHWADDR = 0x8927
+
+
+def save_counters(family: int) -> str | None:
+    """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
+
+    Only around a failed probe's re-run: which foreign rule's counter rose says which
+    rule dropped it. The same tools as the iptables driver, read-only.
+    """
+    cmd = "iptables-save" if family == 4 else "ip6tables-save"
+    try:
+        p = subprocess.run([cmd, "-c"], capture_output=True, text=True, timeout=30,
+                           check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def netstat_counter(name: str, text: str | None = None) -> int:
+    """A ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
+    if text is None:
+        try:
+            with open("/proc/thread-self/net/netstat", encoding="ascii") as fh:
+                text = fh.read()
+        except OSError:
+            return 0
+    lines = text.splitlines()
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        names, nums = head.split()[1:], values.split()[1:]
+        if name in names and len(nums) == len(names):
+            return int(nums[names.index(name)])
+    return 0
+
+
+def route_get(address: str) -> tuple[str | None, str | None]:
+    """(output link, route type) the host's routing (rules included) picks for an address:
+    ``ip route get`` (RTM_GETROUTE); (None, words) when there is no route."""
+    try:
+        p = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True,
+                           text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    if p.returncode != 0:
+        words = (p.stderr.strip().splitlines() or ["no route"])[-1]
+        return None, words.removeprefix("RTNETLINK answers: ").lower()
+    try:
+        routes = json.loads(p.stdout)
+    except ValueError:
+        return None, "unreadable answer"
+    if not routes:
+        return None, "no route"
+    r = routes[0]
+    return r.get("dev"), r.get("type", "unicast")
+
+
+def neighbours(link: str) -> dict[str, tuple[str | None, str]]:
+    """The host's neighbour entries on ``link``: address -> (MAC, state)."""
+    try:
+        p = subprocess.run(["ip", "-j", "neigh", "show", "dev", link], capture_output=True,
+                           text=True, timeout=10, check=False)
+        entries = json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else []
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return {}
+    return {e["dst"]: (e.get("lladdr"), ",".join(e.get("state", ()))) for e in entries
+            if "dst" in e}
+
+
+def mac_of(alloc: str) -> str | None:
+    """The MAC of ``eth0`` inside the allocation's namespace, or None."""
+    try:
+        with netns.enter(alloc):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with s:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFHWADDR, struct.pack("256s", b"eth0"))
+    except (DriverError, OSError):
+        return None
+    return ":".join(f"{b:02x}" for b in raw[18:24])
+
+
+# ------------------------------------------------------------------ the external vantage
+
+
+def _ip(*args: str, batch: str) -> None:
+    try:
+        p = subprocess.run(["ip", *args, "-batch", "-"], input=batch, capture_output=True,
+                           text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DriverError(f"probe vantage: ip: {e}") from None
+    if p.returncode != 0:
+        line = (p.stderr.strip().splitlines() or ["failed"])[-1]
+        raise DriverError(f"probe vantage: ip {' '.join(args)}: {line}")
+
+
+def create_vantage(ns: str, link: str) -> None:
+    """The external vantage: namespace ``ns`` joined to this one by the veth ``link``.
+
+    The host end has ``VANTAGE_HOST``/30, the namespace's ``eth0`` ``VANTAGE_PEER``/30
+    and a default route through the host, so its connections arrive the way another
+    host's do (PREROUTING, FORWARD). Neither end makes IPv6 addresses (nothing on the
+    wire the files do not declare). Made with two ``ip -batch`` runs: it is opt-in and
+    made once per prober, where the netlink driver has no veth without a bridge. A
+    leftover of a crash (same names: they are per host) is removed first.
+    """
+    remove_vantage(ns, link)
+    netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS)
+    try:
+        _ip(batch="\n".join((
+            f"link add {link} type veth peer name eth0 netns {ns}",
+            f"link set {link} addrgenmode none",
+            f'link set {link} alias "{PROBE_VANTAGE_ALIAS}"',
+            f"addr add {VANTAGE_HOST}/{VANTAGE_NET.prefixlen} dev {link}",
+            f"link set {link} up", "")))
+        _ip("-n", ns, batch="\n".join((
+            "link set lo up", "link set eth0 addrgenmode none",
+            f"addr add {VANTAGE_PEER}/{VANTAGE_NET.prefixlen} dev eth0",
+            "link set eth0 up", f"route add default via {VANTAGE_HOST}", "")))
+    except DriverError:
+        remove_vantage(ns, link)
+        raise
+
+
+def remove_vantage(ns: str, link: str) -> None:
+    """Remove the vantage: the veth first (at once; the namespace's own teardown is
+    asynchronous), then the namespace. Absent parts are fine."""
+    with contextlib.suppress(DriverError):  # "Cannot find device": nothing to remove
+        _ip(batch=f"link del {link}\n")
+    with contextlib.suppress(DriverError, OSError):
+        netns.delete(ns)
 
 
 def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,

@@ -30,12 +30,12 @@ port, expected reached only with ``isolation: open``.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
-from reconciler.domain.ownership import ALLOC_IFNAME
+from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
@@ -68,6 +68,13 @@ def alloc_addresses(ns: LiveNetns | None) -> dict[int, str]:
             if a.owned and a.address.version not in out:
                 out[a.address.version] = str(a.address.ip)
     return out
+
+
+def eth0_mtu(ns: LiveNetns | None) -> int | None:
+    """The MTU of the allocation's ``eth0`` (live), the size of the full echo."""
+    if ns is None or not ns.usable:
+        return None
+    return next((lk.mtu for lk in ns.links if lk.name == ALLOC_IFNAME), None)
 
 
 def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
@@ -155,7 +162,7 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
     out: list[ProbeSpec] = []
     for aid, a in chosen:
         addrs = alloc_addresses(live.netns.get(aid))
-        out += _gateway_specs(desired, a, addrs)
+        out += _gateway_specs(desired, a, addrs, eth0_mtu(live.netns.get(aid)))
         for family, m in sorted(maps.get(aid, ()), key=lambda fm: (fm[0], fm[1].proto,
                                                                      fm[1].host)):
             declared = _declared(a, m.proto, m)
@@ -165,7 +172,8 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
     return out
 
 
-def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str]) -> list[ProbeSpec]:
+def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str],
+                   mtu: int | None) -> list[ProbeSpec]:
     out = []
     for family in (4, 6):
         gw = _gateway(desired, a, family)
@@ -173,7 +181,7 @@ def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str]) -> li
             continue
         skipped = None if family in addrs or family == 4 else "no IPv6 address on eth0"
         out.append(ProbeSpec(a.id, "gateway", "icmp", family, "alloc", gw, skipped=skipped,
-                             src=addrs.get(family)))
+                             src=addrs.get(family), size=mtu or 0))
     return out
 
 
@@ -223,11 +231,50 @@ def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
 @dataclass(frozen=True)
 class Sighting:
     """What a probe saw: its packet arrived (the capture, the echo reply); what the sender
-    was told; an error that kept it from being sent."""
+    was told; an error that kept it from being sent; whether the full-size echo came back
+    (None: none was sent)."""
 
     reached: bool
     answer: str | None = None
     error: str | None = None
+    big: bool | None = None
+
+    def holds(self, spec: ProbeSpec) -> bool:
+        """The outcome is the expected one."""
+        return self.error is None and self.reached == spec.expect and self.big is not False
+
+
+@dataclass(frozen=True)
+class RuleHit:
+    """A foreign DROP/REJECT rule (or a chain's DROP policy) whose counter rose."""
+
+    family: int
+    table: str
+    chain: str
+    rule: str  # "-A CHAIN ..." as iptables-save prints it, or "policy DROP"
+
+    def __str__(self) -> str:
+        v6 = "ip6tables " if self.family == 6 else ""
+        return f"{v6}{self.table}/{self.chain}: {self.rule}"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the host showed around a failed probe's re-run (``engine.probes`` gathers it).
+
+    ``sysctls`` keys are paths under /proc/sys (``net/ipv4/ip_forward``); ``route`` is
+    (output link, type) of the host's route to the allocation's address.
+    """
+
+    sysctls: Mapping[str, str] = field(default_factory=dict)
+    rp_filter_drops: int = 0
+    hits: tuple[RuleHit, ...] = ()
+    bridge: str | None = None
+    bridge_hairpin: bool = True  # the bridge's declared hairpin
+    port_hairpin: bool | None = None  # the hairpin flag of the alloc's bridge port (live)
+    route: tuple[str | None, str | None] | None = None
+    neighbour: tuple[str | None, str] | None = None  # the host's entry for the alloc: MAC, state
+    mac: str | None = None  # eth0's MAC
 
 
 @dataclass(frozen=True)
@@ -236,24 +283,147 @@ class Cause:
     ours: bool = False  # a reconcile pass owns this and heals it
 
 
-def classify(spec: ProbeSpec, seen: Sighting) -> Cause:
-    """The cause line of a probe whose outcome was not the expected one."""
+_Counted = dict[tuple[str, str, str, int], tuple[int, str]]
+
+
+def parse_counters(text: str) -> _Counted:
+    """``iptables-save -c`` as {(table, chain, rule or "policy X", n): (packets, target)} (pure).
+
+    Rules are keyed by their text (and its occurrence), not position, so a rule
+    inserted between two snapshots shifts nothing.
+    """
+    out: _Counted = {}
+    table = ""
+    seen: dict[tuple[str, str, str], int] = {}
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) >= 3 and parts[1] != "-":
+                out[(table, parts[0], f"policy {parts[1]}", 0)] = (_packets(parts[2]), parts[1])
+        elif line.startswith("[") and "] -A " in line:
+            counter, rule = line.split("] ", 1)
+            tokens = rule.split()
+            chain = tokens[1] if len(tokens) > 1 else ""
+            target = tokens[tokens.index("-j") + 1] if "-j" in tokens[:-1] else ""
+            n = seen.get((table, chain, rule), 0)
+            seen[(table, chain, rule)] = n + 1
+            out[(table, chain, rule, n)] = (_packets(counter + "]"), target)
+    return out
+
+
+def _packets(counter: str) -> int:
+    try:
+        return int(counter.strip("[]").split(":")[0])
+    except ValueError:
+        return 0
+
+
+def foreign_hits(family: int, before: str, after: str) -> list[RuleHit]:
+    """Foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose counters
+    rose between two ``iptables-save -c`` snapshots, in any table (raw included)."""
+    old = parse_counters(before)
+    hits = []
+    for key, (packets, target) in parse_counters(after).items():
+        table, chain, rule, _n = key
+        if chain.startswith(CHAIN_PREFIX) or target not in ("DROP", "REJECT"):
+            continue
+        if packets > old.get(key, (0, ""))[0]:
+            hits.append(RuleHit(family, table, chain, rule))
+    return hits
+
+
+_FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through FORWARD
+
+
+def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cause:
+    """The cause line of a probe whose outcome was not the expected one, and whether a
+    reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
     if seen.error is not None:
         return Cause(seen.error)
     if spec.path == "direct" and seen.reached:
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
-                     "is ports (something accepts it before RECONCILER-FORWARD)")
+                     "is ports: something accepts it before RECONCILER-FORWARD drops it")
+    if spec.path == "gateway" and seen.reached and seen.big is False:
+        return Cause(f"MTU black hole: a {spec.size}-byte echo with DF to the gateway "
+                     f"{spec.dst} is lost where a small one passes (an MTU smaller than "
+                     "eth0's on the way: the veth's host end or the bridge)")
+    f = facts or Facts()
+    found = _named_cause(spec, seen, f)
+    if found is not None:
+        return found
     if spec.path == "gateway":
         return Cause(f"no echo reply from the gateway {spec.dst}")
     if spec.path == "direct":
         return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
                      "isolation is open")
     told = seen.answer or "timeout"
-    if told in ("refused", "connected", "answered"):
-        return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} was answered ({told}) but "
-                     "never arrived in the allocation (a REJECT rule or another listener)")
+    if told in ("refused", "connected", "answered") or told.startswith("refused by"):
+        return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} never arrived in the "
+                     f"allocation, yet the sender was answered ({told}): a REJECT rule or "
+                     "another listener on the way")
     return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} never arrived in the "
                  f"allocation ({told})")
+
+
+def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
+    """The first cause the facts show, most specific first."""
+    v = spec.family
+    forwarding = "net/ipv4/ip_forward" if v == 4 else "net/ipv6/conf/all/forwarding"
+    if spec.path in _FORWARDED and f.sysctls.get(forwarding) == "0":
+        return Cause(f"forwarding is off ({forwarding.replace('/', '.')}=0)", ours=True)
+    if f.route is not None and spec.path != "localhost":
+        dev, kind = f.route
+        if dev is None or kind not in (None, "unicast", "local"):
+            return Cause(f"no route to the allocation's address ({kind})", ours=True)
+        if f.bridge is not None and dev != f.bridge:
+            return Cause(f"the host routes the allocation's address via {dev}, not its "
+                         f"bridge {f.bridge} (a foreign route)")
+    bridged = f.sysctls.get(f"net/bridge/bridge-nf-call-{'ip' if v == 4 else 'ip6'}tables")
+    hit = _pick(spec, f.hits)
+    if hit is not None:
+        exposed = ""
+        if bridged == "1" and spec.path in ("hairpin", "gateway") and \
+                hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"):
+            exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
+                       "bridge to it)")
+        return Cause(f"a foreign rule drops it: {hit}{exposed}")
+    if f.rp_filter_drops > 0:
+        strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
+                        if k.endswith("/rp_filter") and val == "1")
+        where = f" (rp_filter=1 on {', '.join(strict)})" if strict else ""
+        return Cause(f"strict reverse-path filtering dropped it{where}: "
+                     f"IPReversePathFilter rose by {f.rp_filter_drops}")
+    if spec.path == "localhost" and f.bridge is not None and \
+            f.sysctls.get(f"net/ipv4/conf/{f.bridge}/route_localnet") == "0":
+        return Cause(f"route_localnet is off on {f.bridge} (127.0.0.1 cannot be routed to "
+                     "the allocation)", ours=True)
+    if spec.path == "hairpin" and f.port_hairpin is False:
+        if not f.bridge_hairpin:
+            return Cause("hairpin is off on the allocation's bridge port (the bridge "
+                         "declares hairpin: false)")
+        return Cause("hairpin is off on the allocation's bridge port", ours=True)
+    if f.neighbour is not None and f.mac is not None:
+        lladdr, state = f.neighbour
+        if lladdr is not None and lladdr.lower() != f.mac.lower() and "FAILED" not in state:
+            return Cause(f"stale neighbour entry: the host has {lladdr} ({state}) for the "
+                         f"allocation, whose eth0 is {f.mac}")
+    return None
+
+
+def _pick(spec: ProbeSpec, hits: Sequence[RuleHit]) -> RuleHit | None:
+    """The hit that names this probe's packet (its ports or addresses), else the first."""
+    mine = [h for h in hits if h.family == spec.family]
+    if not mine:
+        return None
+    words = {str(spec.dport), str(spec.to), spec.dst}
+    for h in mine:
+        tokens = set(h.rule.replace("/", " ").split())
+        if tokens & words:
+            return h
+    rules = [h for h in mine if not h.rule.startswith("policy")]
+    return (rules or mine)[0]
 
 
 # ------------------------------------------------------------------ what changed
