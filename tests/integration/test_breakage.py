@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from reconciler.domain.ownership import alloc_veth_name
+from reconciler.domain.probes import VANTAGE_PEER
 from tests.conftest import Netns, unique, write
 from tests.figures import report
 from tests.integration.traffic import client_of
@@ -103,47 +104,49 @@ def _forwarding_off(box: Sandbox) -> Restore:
     return _sysctl("net.ipv4.ip_forward", "0")(box)
 
 
+def _asymmetric_route(box: Sandbox) -> Restore:
+    """The external vantage's address routed away from its link (to another link of the
+    sandbox): what arrives from it on its own link now has its reverse path elsewhere."""
+    # no dummy driver in this kernel: a veth pair, both ends in the sandbox, is the other link
+    away, peer = f"rbrk{unique()[-6:]}a", f"rbrk{unique()[-6:]}b"
+    box.sh("ip", "link", "add", away, "type", "veth", "peer", "name", peer)
+    box.sh("ip", "link", "set", away, "up")
+    box.sh("ip", "link", "set", peer, "up")
+    box.sh("ip", "route", "add", f"{VANTAGE_PEER}/32", "dev", away)
+    return _run(box, "ip", "link", "del", away)  # its peer and the route go with it
+
+
 def _rp_filter(box: Sandbox) -> Restore:
-    """Strict rp_filter, and the asymmetric route that makes it bite: the external vantage's
-    address routed away from its link (a dummy link), so what arrives from it on its link
-    fails the reverse-path check. With rp_filter 0 or 2 the same route drops nothing."""
-    vantage = _vantage_peer()
-    dummy = unique("d")[-12:]
-    box.sh("ip", "link", "add", dummy, "type", "dummy")
-    box.sh("ip", "link", "set", dummy, "up")
-    box.sh("ip", "route", "add", f"{vantage}/32", "dev", dummy)
+    """Strict rp_filter (all and default: a link's effective value is the larger of its own
+    and all's) on the asymmetric route, which alone drops nothing (the control)."""
+    undo_route = _asymmetric_route(box)
     old_all = box.sysctl("net.ipv4.conf.all.rp_filter", "1")
     old_default = box.sysctl("net.ipv4.conf.default.rp_filter", "1")
 
     def restore() -> None:
         box.sysctl("net.ipv4.conf.all.rp_filter", old_all)
         box.sysctl("net.ipv4.conf.default.rp_filter", old_default)
-        box.sh("ip", "link", "del", dummy)
+        undo_route()
     return restore
 
 
-def _vantage_peer() -> str:
-    """The address the external vantage namespace sends from (the probe engine's constant)."""
-    from reconciler.drivers import probe  # noqa: PLC0415 (only this case needs it)
+def _physdev_rule(value: str) -> Callable[[Sandbox], Restore]:
+    """bridge-nf-call-iptables at ``value`` and a foreign rule only bridge-port traffic
+    matches: at 0 the rule never sees a packet of a bridge port (physdev knows none; the
+    control), at 1 it drops what enters FORWARD from a bridge port (the hairpin path)."""
+    def inject(box: Sandbox) -> Restore:
+        key = "net.bridge.bridge-nf-call-iptables"
+        machine = _machine_brnf()
+        old = box.sysctl(key, value)
+        undo_rule = _rule("FORWARD", "-m", "physdev", "--physdev-is-in", "-j", "DROP")(box)
 
-    return str(probe.VANTAGE_PEER)
-
-
-def _br_netfilter(box: Sandbox) -> Restore:
-    """bridge-nf-call-iptables=1 and a foreign rule only bridge-port traffic matches: with the
-    sysctl at 0 the rule never sees a packet (physdev knows no bridge port), at 1 it drops what
-    enters FORWARD from a bridge port (the hairpin path)."""
-    key = "net.bridge.bridge-nf-call-iptables"
-    machine = _machine_brnf()
-    old = box.sysctl(key, "1")
-    undo_rule = _rule("FORWARD", "-m", "physdev", "--physdev-is-in", "-j", "DROP")(box)
-
-    def restore() -> None:
-        undo_rule()
-        box.sysctl(key, old)
-        # per network namespace on this kernel: the machine's own value never moved
-        assert _machine_brnf() == machine
-    return restore
+        def restore() -> None:
+            undo_rule()
+            box.sysctl(key, old)
+            # per network namespace on this kernel: the machine's own value never moved
+            assert _machine_brnf() == machine
+        return restore
+    return inject
 
 
 def _machine_brnf() -> str:
@@ -188,6 +191,9 @@ class Breakage:
     #: the config comparison sees it too (plan shows a change) — recorded; when False, plan
     #: must show nothing: only the probes can tell
     config_covers: bool
+    #: the harmless half of a two-part breakage: verify must still hold under it alone, so
+    #: the named cause is the one that bites
+    control: Callable[[Sandbox], Restore] | None = None
 
 
 BREAKAGES = [
@@ -197,9 +203,9 @@ BREAKAGES = [
     Breakage("foreign DROP in raw PREROUTING",
              _rule("-t", "raw", "PREROUTING", "-p", "tcp", "--dport", "{port}", "-j", "DROP"),
              r"raw", False),
-    Breakage("strict rp_filter", _rp_filter, r"rp_filter", False),
-    Breakage("bridge-nf-call-iptables with a physdev rule", _br_netfilter,
-             r"bridge-nf-call-iptables", False),
+    Breakage("strict rp_filter", _rp_filter, r"rp_filter", False, _asymmetric_route),
+    Breakage("bridge-nf-call-iptables with a physdev rule", _physdev_rule("1"),
+             r"bridge-nf-call-iptables", False, _physdev_rule("0")),
     Breakage("missing route", _route_gone, r"route", False),
     Breakage("route_localnet off", _sysctl("net.ipv4.conf.{bridge}.route_localnet", "0"),
              r"route_localnet", True),
@@ -253,6 +259,15 @@ def test_every_injected_breakage_is_named(applied: Sandbox, request: pytest.Fixt
     assert {"gateway", "host", "localhost", "hairpin", "external"} <= paths, doc["probes"]
     rows, problems, named = [], [], 0
     for b in BREAKAGES:
+        if b.control is not None:
+            undo = b.control(applied)
+            try:
+                control_rc, control_doc, _ = _verify(applied)
+            finally:
+                undo()
+            if control_rc != 0:
+                problems.append(f"{b.name}: its harmless half alone fails verify: "
+                                f"{[p for p in control_doc['probes'] if not p['ok']]}")
         try:
             restore = b.inject(applied)
         except Exception as exc:  # counted as not named: the figure says so, the test fails
