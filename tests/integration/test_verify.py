@@ -220,9 +220,13 @@ def test_watch_heals_a_cause_it_owns_with_a_pass(host_ns: Netns, tmp_path: Any) 
         t0 = time.monotonic()
         wait_for(localnet, 15, what="route_localnet back on")
         took = time.monotonic() - t0
-        heal = [r for r in agent.logs() if "probe failure" in r.get("reasons", [])]
-        assert heal, f"no pass for the probe failure (healed after {took:.1f}s):\n" \
-            + agent.log_text()
+        # the heal pass logs once it verified (after the sysctl is back): wait for its line
+        heal = wait_for(lambda: [r for r in agent.logs() if "probe failure" in r.get("reasons",
+                                                                                       [])],
+                        10, what=f"the probe failure's pass (healed after {took:.1f}s)")
+        assert heal[0]["result"] == "applied", heal
+        assert any("the reconciler owns this: running a pass" in (r.get("msg") or "")
+                   for r in agent.logs()), agent.log_text()
         assert agent.stop() == 0
     finally:
         agent.kill()
