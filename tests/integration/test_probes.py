@@ -38,16 +38,20 @@ HOST_ADDR = "198.51.100.1"  # on a link of the sandbox: the sandbox's "host addr
 #: logs "PROTO PORT PEERPORT" for every TCP connection and UDP datagram, on every address
 RECORDER = r"""
 import socket, sys, threading
+lock = threading.Lock()
+def log(*words):
+    with lock:  # one line per event, whole, whichever thread writes it
+        sys.stdout.write(" ".join(map(str, words)) + "\n"); sys.stdout.flush()
 def tcp(port):
     s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); s.bind(("::", port)); s.listen(64)
     while True:
-        c, peer = s.accept(); print("tcp", port, peer[1], flush=True); c.close()
+        c, peer = s.accept(); log("tcp", port, peer[1]); c.close()
 def udp(port):
     s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); s.bind(("::", port))
     while True:
-        _d, peer = s.recvfrom(512); print("udp", port, peer[1], flush=True)
+        _d, peer = s.recvfrom(512); log("udp", port, peer[1])
 for spec in sys.argv[1:]:
     proto, port = spec.split(":")
     threading.Thread(target=tcp if proto == "tcp" else udp, args=(int(port),), daemon=True).start()
