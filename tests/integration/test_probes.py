@@ -28,7 +28,7 @@ from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
 from tests.conftest import Netns, sh, write
 
-from .test_allocs import BRIDGE, alloc_ids
+from .test_allocs import BRIDGE, alloc_ids, veth_name
 
 pytestmark = pytest.mark.root
 
@@ -257,3 +257,35 @@ def test_a_probe_run_leaves_nothing_behind(host_ns: Netns, tmp_path: object) -> 
     vantage, link = probe_vantage_names(str(os.stat(f"/run/netns/{host_ns.name}").st_ino))
     assert vantage not in sh("ip", "netns", "list").stdout
     assert host_ns.link(link) is None
+
+
+@pytest.mark.parametrize("breakage", ["mtu", "route_localnet", "hairpin", "forwarding"])
+def test_a_broken_path_names_its_cause(host_ns: Netns, tmp_path: object, breakage: str) -> None:
+    """Each breakage fails the paths it must, with the cause a person can act on, and says
+    whether a reconcile pass owns it (the agent heals only those)."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    veth = veth_name(a0)
+    on, off, failing, words, ours = {
+        "mtu": (("ip", "link", "set", veth, "mtu", "1280"),
+                ("ip", "link", "set", veth, "mtu", "1400"),
+                {("gateway", 4), ("gateway", 6)}, "MTU black hole: a 1400-byte echo", False),
+        "route_localnet": (("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=0"),
+                           ("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=1"),
+                           {("localhost", 4)}, "route_localnet is off", True),
+        "hairpin": (("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "off"),
+                    ("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "on"),
+                    {("hairpin", 4), ("hairpin", 6)}, "hairpin is off", True),
+        "forwarding": (("sysctl", "-qw", "net.ipv4.ip_forward=0"),
+                       ("sysctl", "-qw", "net.ipv4.ip_forward=1"),
+                       {("hairpin", 4)}, "forwarding is off", True),
+    }[breakage]
+    host_ns.run(*on)
+    try:
+        results = probe(host_ns, path, allocs={a0})
+    finally:
+        host_ns.run(*off)
+    failed = [r for r in results if not r.ok and not r.skipped]
+    assert {(r.path, r.family) for r in failed} == failing, [r.describe() for r in failed]
+    assert all(words in str(r.cause) and r.ours is ours for r in failed), \
+        [(r.describe(), r.ours) for r in failed]
+    assert failures(probe(host_ns, path, allocs={a0})) == []  # and holds again once undone
