@@ -786,6 +786,12 @@ def _ip(*args: str, batch: str) -> None:
         raise DriverError(f"probe vantage: ip {' '.join(args)}: {line}")
 
 
+#: the vantage link's MACs (locally administered, fixed): both ends know each other without
+#: ARP, which strict rp_filter on the host would also refuse to answer (arp_process checks the
+#: sender's route) — the probe then shows the rp_filter drop, not a neighbour that never came
+VANTAGE_HOST_MAC, VANTAGE_PEER_MAC = "02:72:63:70:00:01", "02:72:63:70:00:02"
+
+
 def create_vantage(ns: str, link: str) -> None:
     """The external vantage: namespace ``ns`` joined to this one by the veth ``link``.
 
@@ -800,14 +806,17 @@ def create_vantage(ns: str, link: str) -> None:
     netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS)
     try:
         _ip(batch="\n".join((
-            f"link add {link} type veth peer name eth0 netns {ns}",
+            f"link add {link} address {VANTAGE_HOST_MAC} type veth peer name eth0 "
+            f"address {VANTAGE_PEER_MAC} netns {ns}",
             f"link set {link} addrgenmode none",
             f'link set {link} alias "{PROBE_VANTAGE_ALIAS}"',
             f"addr add {VANTAGE_HOST}/{VANTAGE_NET.prefixlen} dev {link}",
+            f"neigh replace {VANTAGE_PEER} lladdr {VANTAGE_PEER_MAC} dev {link} nud permanent",
             f"link set {link} up", "")))
         _ip("-n", ns, batch="\n".join((
             "link set lo up", "link set eth0 addrgenmode none",
             f"addr add {VANTAGE_PEER}/{VANTAGE_NET.prefixlen} dev eth0",
+            f"neigh replace {VANTAGE_HOST} lladdr {VANTAGE_HOST_MAC} dev eth0 nud permanent",
             "link set eth0 up", f"route add default via {VANTAGE_HOST}", "")))
     except DriverError:
         remove_vantage(ns, link)

@@ -169,7 +169,11 @@ class Diagnosis:
         neighbour = None
         if bridge is not None and address is not None:
             neighbour = self._neighbours(bridge).get(address)
-        return Facts(sysctls=self._sysctls(bridge), bridge=bridge,
+        ns = self.live.netns.get(s.alloc)
+        alloc_default = None if ns is None or not ns.usable else any(
+            r.dst == "default" and r.gateway is not None and (":" in r.gateway) == (s.family == 6)
+            for r in ns.routes)
+        return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
                      bridge_hairpin=declared.hairpin if declared is not None else True,
                      port_hairpin=port.hairpin if port is not None else None, route=route,
                      neighbour=neighbour, mac=self._mac(s.alloc), **shared)

@@ -239,9 +239,18 @@ class Sighting:
     error: str | None = None
     big: bool | None = None
 
+    @property
+    def answered_from_inside(self) -> bool:
+        """TCP: the allocation's answer came back (its SYN-ACK, or its reset)."""
+        return self.answer in ("connected", "refused")
+
     def holds(self, spec: ProbeSpec) -> bool:
-        """The outcome is the expected one."""
-        return self.error is None and self.reached == spec.expect and self.big is not False
+        """The outcome is the expected one. A TCP probe that must arrive must also be
+        answered: its SYN arriving while nothing comes back is a broken return path (a
+        timeout does not count as reached)."""
+        if self.error is not None or self.big is False or self.reached != spec.expect:
+            return False
+        return not (spec.expect and spec.proto == "tcp" and not self.answered_from_inside)
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,7 @@ class Facts:
     route: tuple[str | None, str | None] | None = None
     neighbour: tuple[str | None, str] | None = None  # the host's entry for the alloc: MAC, state
     mac: str | None = None  # eth0's MAC
+    alloc_default: bool | None = None  # the allocation has a default route of the family
 
 
 @dataclass(frozen=True)
@@ -359,6 +369,10 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
         return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
                      "isolation is open")
     told = seen.answer or "timeout"
+    if seen.reached:
+        return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} arrived in the allocation but "
+                     f"nothing came back ({told}): its answer is lost on the way back, or the "
+                     "allocation drops the packet")
     if told in ("refused", "connected", "answered") or told.startswith("refused by"):
         return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} never arrived in the "
                      f"allocation, yet the sender was answered ({told}): a REJECT rule or "
@@ -373,10 +387,11 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
     forwarding = "net/ipv4/ip_forward" if v == 4 else "net/ipv6/conf/all/forwarding"
     if spec.path in _FORWARDED and f.sysctls.get(forwarding) == "0":
         return Cause(f"forwarding is off ({forwarding.replace('/', '.')}=0)", ours=True)
-    if f.route is not None and spec.path != "localhost":
+    if f.route is not None:
         dev, kind = f.route
         if dev is None or kind not in (None, "unicast", "local"):
-            return Cause(f"no route to the allocation's address ({kind})", ours=True)
+            # the plan does not compare host routes: a pass would not put it back
+            return Cause(f"no route to the allocation's address ({kind})")
         if f.bridge is not None and dev != f.bridge:
             return Cause(f"the host routes the allocation's address via {dev}, not its "
                          f"bridge {f.bridge} (a foreign route)")
@@ -384,8 +399,9 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
     hit = _pick(spec, f.hits)
     if hit is not None:
         exposed = ""
-        if bridged == "1" and spec.path in ("hairpin", "gateway") and \
-                hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"):
+        if bridged == "1" and ("physdev" in hit.rule or (
+                spec.path in ("hairpin", "gateway")
+                and hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"))):
             exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
                        "bridge to it)")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
@@ -404,6 +420,8 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
             return Cause("hairpin is off on the allocation's bridge port (the bridge "
                          "declares hairpin: false)")
         return Cause("hairpin is off on the allocation's bridge port", ours=True)
+    if f.alloc_default is False and spec.path not in ("gateway", "localhost"):
+        return Cause(f"no IPv{v} default route inside the allocation", ours=True)
     if f.neighbour is not None and f.mac is not None:
         lladdr, state = f.neighbour
         if lladdr is not None and lladdr.lower() != f.mac.lower() and "FAILED" not in state:

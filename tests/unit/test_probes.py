@@ -204,7 +204,8 @@ LOST = Sighting(False, "timeout")
 def test_causes_named_from_facts():
     cases = [
         (Facts(sysctls={"net/ipv4/ip_forward": "0"}), "forwarding is off", True),
-        (Facts(route=(None, "network is unreachable")), "no route", True),
+        (Facts(route=(None, "network is unreachable")), "no route", False),
+        (Facts(alloc_default=False), "no IPv4 default route inside the allocation", True),
         (Facts(route=("tun0", "unicast"), bridge="br0"), "via tun0, not its bridge br0", False),
         (Facts(hits=(RuleHit(4, "raw", "PREROUTING", "-A PREROUTING -p tcp -j DROP"),)),
          "a foreign rule drops it: raw/PREROUTING: -A PREROUTING -p tcp -j DROP", False),
@@ -234,6 +235,23 @@ def test_the_hit_naming_the_probe_wins():
     assert "--dport 80" in classify(SPEC, LOST, Facts(hits=(other, mine))).line
     v6 = RuleHit(6, "filter", "FORWARD", "-A FORWARD -j DROP")
     assert "foreign" not in classify(SPEC, LOST, Facts(hits=(v6,))).line
+
+
+def test_a_tcp_probe_that_arrives_must_be_answered():
+    assert Sighting(True, "refused").holds(SPEC) and Sighting(True, "connected").holds(SPEC)
+    lost_reply = Sighting(True, "timeout")
+    assert not lost_reply.holds(SPEC)  # the SYN arrived, nothing came back: a timeout
+    assert "arrived in the allocation but nothing came back" in classify(SPEC, lost_reply).line
+    udp = dataclasses.replace(SPEC, proto="udp")
+    assert Sighting(True, "no answer").holds(udp)  # a datagram needs no answer
+
+
+def test_physdev_rules_name_br_netfilter_on_any_path():
+    hit = RuleHit(4, "filter", "FORWARD", "-A FORWARD -m physdev --physdev-is-in -j DROP")
+    ext = dataclasses.replace(SPEC, path="external", vantage="external")
+    line = classify(ext, Sighting(True, "timeout"), Facts(hits=(hit,), sysctls={
+        "net/bridge/bridge-nf-call-iptables": "1"})).line
+    assert "bridge-nf-call-iptables=1" in line and "physdev" in line
 
 
 def test_causes_without_facts():
