@@ -104,16 +104,32 @@ def _forwarding_off(box: Sandbox) -> Restore:
     return _sysctl("net.ipv4.ip_forward", "0")(box)
 
 
+RP_TABLE = RP_MARK = 7714
+
+
 def _asymmetric_route(box: Sandbox) -> Restore:
-    """The external vantage's address routed away from its link (to another link of the
-    sandbox): what arrives from it on its own link now has its reverse path elsewhere."""
+    """Policy routing that sends the way back to the external vantage's address out another
+    link of the sandbox — except for what the allocations send (marked as it enters from the
+    bridge), so their answers still take the vantage's link. The reverse-path check looks the
+    way back up unmarked (``src_valid_mark`` is 0), so under strict rp_filter what arrives from
+    the vantage fails it; without rp_filter this alone changes nothing a probe sees."""
     # no dummy driver in this kernel: a veth pair, both ends in the sandbox, is the other link
     away, peer = f"rbrk{unique()[-6:]}a", f"rbrk{unique()[-6:]}b"
     box.sh("ip", "link", "add", away, "type", "veth", "peer", "name", peer)
     box.sh("ip", "link", "set", away, "up")
     box.sh("ip", "link", "set", peer, "up")
-    box.sh("ip", "route", "add", f"{VANTAGE_PEER}/32", "dev", away)
-    return _run(box, "ip", "link", "del", away)  # its peer and the route go with it
+    box.sh("ip", "route", "add", f"{VANTAGE_PEER}/32", "dev", away, "table", str(RP_TABLE))
+    rule = ("not", "fwmark", hex(RP_MARK), "to", f"{VANTAGE_PEER}/32", "lookup", str(RP_TABLE),
+            "priority", "100")
+    box.sh("ip", "rule", "add", *rule)
+    undo_mark = _rule("-t", "mangle", "PREROUTING", "-i", BRIDGE, "-j", "MARK", "--set-mark",
+                      hex(RP_MARK))(box)
+
+    def restore() -> None:
+        undo_mark()
+        box.sh("ip", "rule", "del", *rule)
+        box.sh("ip", "link", "del", away)  # its peer and the table's route go with it
+    return restore
 
 
 def _rp_filter(box: Sandbox) -> Restore:
