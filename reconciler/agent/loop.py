@@ -377,7 +377,8 @@ class Agent:
         results = report.probes
         if targets:
             probed = self._probe(self.reconciler.last_live, targets)
-            results = probed if probed is not None else results
+            if probed is not None:  # with what the pass's apply probed of the others
+                results = [r for r in results if r.alloc not in targets] + probed
         if results or heal:
             self.take_probes(results, after_heal=heal)
 

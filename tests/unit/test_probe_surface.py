@@ -347,3 +347,21 @@ def test_the_probe_timer_alone_runs_no_pass(probing_agent: Any) -> None:
     agent.probe_run()
     assert agent.pass_count == passes and prober.calls[-1][0] is None
     assert agent.board.get("probes")["probed"] == 2
+
+
+def test_what_a_pass_applied_and_probed_is_taken_in(probing_agent: Any) -> None:
+    build, _broken, prober = probing_agent
+    agent = build()
+    _pass(agent, "startup")
+    calls = len(prober.calls)
+    report = agent.run_pass(["files changed"])
+    report.probes = [ProbeResult("a1", "hairpin", "tcp", 8080, False, cause="hairpin is off",
+                                 ours=True)]
+    agent.after_probes(["files changed"], report)
+    assert len(prober.calls) == calls  # the pass's own probes: nothing probed again
+    assert _gauge(agent) == {("a1", "hairpin"): 1.0}
+    assert PROBE_HEAL in agent.scheduler.pending()
+    # a failed pass: its probes (none) are not taken as "everything holds"
+    failed = PassReport(99, ["files changed"], "failed", 0.0, 0.0, 0.0)
+    agent.after_probes(["files changed"], failed)
+    assert _gauge(agent) == {("a1", "hairpin"): 1.0}
