@@ -367,7 +367,8 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if found is not None:
         return found
     if spec.path == "gateway":
-        return Cause(f"no echo reply from the gateway {spec.dst}")
+        told = "" if seen.answer in (None, "timeout") else f" ({seen.answer})"
+        return Cause(f"no echo reply from the gateway {spec.dst}{told}")
     if spec.path == "direct":
         return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
                      "isolation is open")
