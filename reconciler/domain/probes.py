@@ -84,6 +84,8 @@ class ProbeResult:
     ok: bool
     skipped: bool = False  # the path cannot exist here (e.g. no host address in a bare sandbox)
     cause: str | None = None  # one line for people: why it failed (or why it was skipped)
+    #: from sending to the prober seeing it arrive (or giving up): an upper bound of the
+    #: path's latency, which includes the run's own work on the other probes
     ms: float = 0.0
     family: int = 4
     ours: bool = False  # the cause is something a reconcile pass owns and heals

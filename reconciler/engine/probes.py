@@ -18,7 +18,13 @@ from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import AllocId, DesiredState
 from reconciler.domain.ownership import alloc_veth_name, probe_vantage_names
 from reconciler.domain.plan import Plan
-from reconciler.domain.probes import VANTAGE_HOST, ProbeResult, ProbeSpec, sort_key
+from reconciler.domain.probes import (
+    VANTAGE_HOST,
+    VANTAGE_PEER,
+    ProbeResult,
+    ProbeSpec,
+    sort_key,
+)
 from reconciler.drivers import probe as driver
 from reconciler.drivers import sysctl
 from reconciler.engine.handles import HostHandles
@@ -173,7 +179,11 @@ class Diagnosis:
         alloc_default = None if ns is None or not ns.usable else any(
             r.dst == "default" and r.gateway is not None and (":" in r.gateway) == (s.family == 6)
             for r in ns.routes)
+        route_back = None
+        if s.vantage == "external" and (back := self._route(VANTAGE_PEER)) is not None:
+            route_back = (VANTAGE_PEER, back[0])
         return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
+                     route_back=route_back,
                      bridge_hairpin=declared.hairpin if declared is not None else True,
                      port_hairpin=port.hairpin if port is not None else None, route=route,
                      neighbour=neighbour, mac=self._mac(s.alloc), **shared)

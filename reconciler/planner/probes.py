@@ -285,6 +285,9 @@ class Facts:
     neighbour: tuple[str | None, str] | None = None  # the host's entry for the alloc: MAC, state
     mac: str | None = None  # eth0's MAC
     alloc_default: bool | None = None  # the allocation has a default route of the family
+    #: (address, output link) of the host's route back to where the probe came from, when
+    #: that is not the allocation (the external vantage)
+    route_back: tuple[str, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,8 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if found is not None:
         return found
     if spec.path == "gateway":
-        return Cause(f"no echo reply from the gateway {spec.dst}")
+        told = "" if seen.answer in (None, "timeout") else f" ({seen.answer})"
+        return Cause(f"no echo reply from the gateway {spec.dst}{told}")
     if spec.path == "direct":
         return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
                      "isolation is open")
@@ -409,8 +413,11 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")
         where = f" (rp_filter=1 on {', '.join(strict)})" if strict else ""
+        back = ""
+        if f.route_back is not None and f.route_back[1] is not None:
+            back = f"; the route back to {f.route_back[0]} is via {f.route_back[1]}"
         return Cause(f"strict reverse-path filtering dropped it{where}: "
-                     f"IPReversePathFilter rose by {f.rp_filter_drops}")
+                     f"IPReversePathFilter rose by {f.rp_filter_drops}{back}")
     if spec.path == "localhost" and f.bridge is not None and \
             f.sysctls.get(f"net/ipv4/conf/{f.bridge}/route_localnet") == "0":
         return Cause(f"route_localnet is off on {f.bridge} (127.0.0.1 cannot be routed to "

@@ -21,7 +21,7 @@ import pytest
 
 from reconciler.config.load import load
 from reconciler.domain.ownership import probe_vantage_names
-from reconciler.domain.probes import PROBE_PORTS, ProbeResult, ProbeSpec
+from reconciler.domain.probes import PROBE_PORTS, VANTAGE_PEER, ProbeResult, ProbeSpec
 from reconciler.drivers import netns
 from reconciler.drivers import probe as driver
 from reconciler.engine.observe import Observer
@@ -259,33 +259,43 @@ def test_a_probe_run_leaves_nothing_behind(host_ns: Netns, tmp_path: object) -> 
     assert host_ns.link(link) is None
 
 
-@pytest.mark.parametrize("breakage", ["mtu", "route_localnet", "hairpin", "forwarding"])
+@pytest.mark.parametrize("breakage", ["mtu", "route_localnet", "hairpin", "forwarding",
+                                      "rp_filter"])
 def test_a_broken_path_names_its_cause(host_ns: Netns, tmp_path: object, breakage: str) -> None:
     """Each breakage fails the paths it must, with the cause a person can act on, and says
     whether a reconcile pass owns it (the agent heals only those)."""
     path, (a0, _a1) = setup(host_ns, tmp_path)
     veth = veth_name(a0)
+    peer = f"{VANTAGE_PEER}/32"
     on, off, failing, words, ours = {
-        "mtu": (("ip", "link", "set", veth, "mtu", "1280"),
-                ("ip", "link", "set", veth, "mtu", "1400"),
+        "mtu": ([("ip", "link", "set", veth, "mtu", "1280")],
+                [("ip", "link", "set", veth, "mtu", "1400")],
                 {("gateway", 4), ("gateway", 6)}, "MTU black hole: a 1400-byte echo", False),
-        "route_localnet": (("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=0"),
-                           ("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=1"),
+        "route_localnet": ([("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=0")],
+                           [("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=1")],
                            {("localhost", 4)}, "route_localnet is off", True),
-        "hairpin": (("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "off"),
-                    ("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "on"),
+        "hairpin": ([("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "off")],
+                    [("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "on")],
                     {("hairpin", 4), ("hairpin", 6)}, "hairpin is off", True),
-        "forwarding": (("sysctl", "-qw", "net.ipv4.ip_forward=0"),
-                       ("sysctl", "-qw", "net.ipv4.ip_forward=1"),
-                       {("hairpin", 4)}, "forwarding is off", True),
+        "forwarding": ([("sysctl", "-qw", "net.ipv4.ip_forward=0")],
+                       [("sysctl", "-qw", "net.ipv4.ip_forward=1")],
+                       {("hairpin", 4), ("external", 4)}, "forwarding is off", True),
+        # strict rp_filter, and the vantage's address routed to another link of the sandbox
+        "rp_filter": ([("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"),
+                       ("ip", "route", "add", peer, "dev", "hostaddr0")],
+                      [("ip", "route", "del", peer, "dev", "hostaddr0"),
+                       ("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0")],
+                      {("external", 4)}, "strict reverse-path filtering dropped it", False),
     }[breakage]
-    host_ns.run(*on)
+    for cmd in on:
+        host_ns.run(*cmd)
     try:
-        results = probe(host_ns, path, allocs={a0})
+        results = probe(host_ns, path, allocs={a0}, external=True)
     finally:
-        host_ns.run(*off)
+        for cmd in off:
+            host_ns.run(*cmd)
     failed = [r for r in results if not r.ok and not r.skipped]
     assert {(r.path, r.family) for r in failed} == failing, [r.describe() for r in failed]
     assert all(words in str(r.cause) and r.ours is ours for r in failed), \
         [(r.describe(), r.ours) for r in failed]
-    assert failures(probe(host_ns, path, allocs={a0})) == []  # and holds again once undone
+    assert failures(probe(host_ns, path, allocs={a0}, external=True)) == []  # holds again

@@ -211,6 +211,8 @@ def test_causes_named_from_facts():
          "a foreign rule drops it: raw/PREROUTING: -A PREROUTING -p tcp -j DROP", False),
         (Facts(rp_filter_drops=3, sysctls={"net/ipv4/conf/br0/rp_filter": "1"}),
          "strict reverse-path filtering dropped it (rp_filter=1 on br0)", False),
+        (Facts(rp_filter_drops=1, route_back=("169.254.250.2", "eth9")),
+         "IPReversePathFilter rose by 1; the route back to 169.254.250.2 is via eth9", False),
         (Facts(port_hairpin=False), "hairpin is off on the allocation's bridge port", True),
         (Facts(port_hairpin=False, bridge_hairpin=False), "declares hairpin: false", False),
         (Facts(neighbour=("aa:aa:aa:aa:aa:aa", "STALE"), mac="02:00:00:00:00:01"),
