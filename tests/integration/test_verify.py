@@ -116,7 +116,12 @@ def test_verify_exit_codes_output_and_json_shape(host_ns: Netns, tmp_path: Any) 
     assert doc["probes"], "no probe ran"
     for p in doc["probes"]:
         assert {"alloc", "path", "proto", "port", "ok", "skipped", "cause", "ms"} <= set(p)
-    assert {p["path"] for p in doc["probes"]} >= {"gateway", "localhost", "hairpin"}
+    # the external vantage is on by default in a sandbox (--netns), and can be turned off
+    assert {p["path"] for p in doc["probes"]} >= {"gateway", "localhost", "hairpin", "external",
+                                                   "direct"}
+    inside = json.loads(host_ns.reconcile("verify", cfg, "--no-probe-external",
+                                          "--output", "json").out)
+    assert inside["ok"] and not {"external", "direct"} & {p["path"] for p in inside["probes"]}
     assert _state(host_ns) == before, "verify changed the host"
 
     # a probe failure only: config matches, exit 1, the output says it is the probes
