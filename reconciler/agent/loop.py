@@ -128,6 +128,11 @@ def probe_key(r: ProbeResult) -> ProbeKey:
     return (r.alloc, r.path, r.proto, r.port, r.family)
 
 
+def _order(k: ProbeKey) -> tuple[str, str, str, int, int]:
+    """Keys in a stable order (a gateway's port is None)."""
+    return (k[0], k[1], k[2], -1 if k[3] is None else k[3], k[4])
+
+
 def _probe_failed(r: ProbeResult) -> bool:
     return not r.ok and not r.skipped
 
@@ -427,17 +432,17 @@ class Agent:
         failing = {k for k, r in self.probe_results.items() if _probe_failed(r)}
         heal = {k for k in failing if self.probe_results[k].ours and k not in self._heal_asked}
         healing = bool(heal) and not self.options.dry_run
-        for k in sorted(failing - set(self._failing_since)):
+        for k in sorted(failing - set(self._failing_since), key=_order):
             r = self.probe_results[k]
             log.warning("probe failed: %s: %s%s", where(r), r.cause or "no cause found",
                         "; the reconciler owns this: running a pass" if k in heal and healing
                         else "")
         if after_heal:
-            for k in sorted(failing & self._heal_asked):
+            for k in sorted(failing & self._heal_asked, key=_order):
                 r = self.probe_results[k]
                 log.warning("probe still fails after a pass: %s: %s; reported, no further "
                             "pass until it clears", where(r), r.cause or "no cause found")
-        for k in sorted(set(self._failing_since) - failing):
+        for k in sorted(set(self._failing_since) - failing, key=_order):
             log.info("probe holds again: %s", where(before[k]))
         self._failing_since = {k: self._failing_since.get(k, now) for k in failing}
         self._heal_asked &= failing
@@ -456,7 +461,7 @@ class Agent:
             "held": sum(1 for r in current if r.ok and not r.skipped),
             "failed": len(failing), "skipped": sum(1 for r in current if r.skipped),
             "failures": [{**self.probe_results[k].to_json(), "ours": self.probe_results[k].ours,
-                          "since": self._failing_since[k]} for k in sorted(failing)]})
+                          "since": self._failing_since[k]} for k in sorted(failing, key=_order)]})
 
     def healthy(self) -> tuple[bool, str]:
         if self.stop.is_set():
