@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -365,3 +366,22 @@ def test_what_a_pass_applied_and_probed_is_taken_in(probing_agent: Any) -> None:
     failed = PassReport(99, ["files changed"], "failed", 0.0, 0.0, 0.0)
     agent.after_probes(["files changed"], failed)
     assert _gauge(agent) == {("a1", "hairpin"): 1.0}
+
+
+def test_the_loop_runs_the_probe_timer_apart_from_passes(probing_agent: Any) -> None:
+    """``Agent.run``: the startup pass probes everything and arms the timer; then the timer
+    alone probes again and again, with no pass (the resync is an hour away)."""
+    build, _broken, prober = probing_agent
+    agent = build(probe_interval=0.05, interval=3600.0)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(prober.calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        agent.stop.set()
+        agent.trigger.wake()
+        thread.join(5)
+    assert len(prober.calls) >= 4 and all(c[0] is None for c in prober.calls)
+    assert agent.pass_count == 1
