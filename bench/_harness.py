@@ -118,6 +118,17 @@ def run_cli(args: Sequence[str], *, ok: Sequence[int] = (0,), env: dict[str, str
     return res
 
 
+_HELP: dict[str, str] = {}
+
+
+def cli_supports(command: str, option: str) -> bool:
+    """Whether the CLI under test (``RECONCILER_BENCH_SRC`` or this checkout) has ``option``:
+    an A/B against an older tree must not hand it options it does not know."""
+    if command not in _HELP:
+        _HELP[command] = run_cli([command, "--help"]).stdout
+    return option in _HELP[command]
+
+
 def host_dump(host: str) -> float:
     """The host-level dump (``ip -j link``, ``ip -j addr``, ``iptables-save``) inside ``host``."""
     with netns.enter(host):

@@ -4,7 +4,10 @@ As root: ``python3 bench/compare.py [--n 100 500 1000] [--runs 3] [--cni-runs R]
 
 For each N (allocations, 2 tcp port maps each, one bridge and subnet):
 
-(a) set-up: ``reconcile apply`` vs Nomad's CNI chain ADD (bench/cni_chain.py);
+(a) set-up: ``reconcile apply --no-probe`` vs Nomad's CNI chain ADD
+    (bench/cni_chain.py), like for like: the chain proves nothing after it; and
+    ``reconcile apply`` with its probes (SPEC §7, the default) in a second
+    sandbox, beside it, with the probes' own wall time;
 (b) teardown: ``reconcile apply`` of the file without the allocs (prune; the
     bridge and subnet stay, as the chain leaves its bridge) vs CNI DEL;
 (c) no-op ``reconcile plan`` vs the host-level dump in the same namespace
@@ -44,6 +47,7 @@ import cni_chain  # noqa: E402
 from _harness import (  # noqa: E402
     Sandbox,
     alloc_yaml,
+    cli_supports,
     docker_yaml,
     fmt_s,
     host_dump,
@@ -63,11 +67,21 @@ TARGETS = {
 }
 
 
+def ours_probed_apply(n: int) -> dict[str, float]:
+    """``reconcile apply`` with its probes, in a sandbox of its own (a fresh host, as (a))."""
+    with Sandbox("rcp") as sb:
+        run = sb.cli("apply", sb.write("allocs.yaml", alloc_yaml(n, sb.prefix)),
+                     "--output", "json")
+        return {"apply_probed": run.seconds,
+                "probe_wall": float(json.loads(run.stdout).get("probe_seconds", 0.0))}
+
+
 def ours_allocs(n: int) -> dict[str, float]:
+    probes = cli_supports("apply", "--no-probe")
     with Sandbox("rcb") as sb:
         full = sb.write("allocs.yaml", alloc_yaml(n, sb.prefix))
         base = sb.write("base.yaml", alloc_yaml(0, sb.prefix, allocs=False))
-        apply = sb.cli("apply", full)
+        apply = sb.cli("apply", full, *(("--no-probe",) if probes else ()))
         # exit 0: no changes (2 would be a diff: an error here)
         plan = sb.cli("plan", full, env={"RECONCILER_AGENT": "off"})
         dump = host_dump(sb.host)
@@ -85,7 +99,8 @@ def ours_allocs(n: int) -> dict[str, float]:
         left = [x for x in sb.leftovers() if x != sb.host]
         if left:
             raise RuntimeError(f"prune left {len(left)} allocation namespaces")
-    return {"apply": apply.seconds, "apply_rss": apply.maxrss_mb, "plan": plan.seconds,
+    probed = ours_probed_apply(n) if probes else {}
+    return {**probed, "apply": apply.seconds, "apply_rss": apply.maxrss_mb, "plan": plan.seconds,
             "plan_rss": plan.maxrss_mb, "dump": dump, "teardown": teardown.seconds,
             "agent_first": first.seconds, "agent_foreign": foreign.seconds,
             "agent_plan": statistics.median(r.seconds for r in answered),
@@ -171,6 +186,11 @@ def report(results: dict[int, dict[str, Any]], docker_res: Any, opts: argparse.N
             _ratio(c and c["setup"], o["apply"]), t_apply)
         row("    per alloc", f"{o['apply'] / n * 1000:.2f} ms",
             f"{c['setup'] / n * 1000:.0f} ms" if c else "—", "", "")
+        if "apply_probed" in o:
+            row("    with probes (the default)", fmt_s(o["apply_probed"]),
+                fmt_s(c and c["setup"]), _ratio(c and c["setup"], o["apply_probed"]), "")
+            row("    of which probes, per alloc", f"{o['probe_wall'] / n * 1000:.2f} ms", "", "",
+                f"≤3 ms: {_verdict(o['probe_wall'] / n * 1000 <= 3.0)}" if n == 500 else "")
         if c:
             row("    CNI ADD first/last 50 (median)", "",
                 f"{c['add_first'] * 1000:.0f}/{c['add_last'] * 1000:.0f} ms", "", "")
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     docker_res = None if opts.no_docker else docker_side(opts.docker_n, opts.runs)
     report(results, docker_res, opts)
     left = sorted(set(netns.list_names()) - before)
-    left = [x for x in left if x.startswith(("rcb", "rcc", "rcd"))]
+    left = [x for x in left if x.startswith(("rcb", "rcc", "rcd", "rcp"))]
     print(f"\nleft behind: {len(left)} namespace(s) of ours under /run/netns"
           + (f": {left[:5]}" if left else ""))
     if opts.json:

@@ -14,12 +14,13 @@ import pytest
 SOAK = os.environ.get("RECONCILER_SOAK", "") not in ("", "0")
 
 
-def report(request: pytest.FixtureRequest, line: str) -> None:
-    """Write one ``[figures]`` line to the terminal, past pytest's output capture."""
+def report(request: pytest.FixtureRequest, line: str, *, named: bool = True) -> None:
+    """Write one ``[figures]`` line to the terminal, past pytest's output capture; prefixed
+    with the test's name unless ``named`` is False (a summary line CI greps as it is)."""
     config = request.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capman = config.pluginmanager.get_plugin("capturemanager")
-    text = f"[figures] {request.node.name}: {line}"
+    text = f"[figures] {request.node.name}: {line}" if named else f"[figures] {line}"
     if reporter is None or capman is None:
         print(text)
         return

@@ -10,6 +10,14 @@ operator actions (file edits, SIGHUP) do not.
 An invalid edit never changes what we converge to: the last good desired state
 is kept and the error is shown in logs and status. The host lock is held only
 while applying, never between passes.
+
+Probes (SPEC §7) prove that packets flow: an apply probes what it changed, and
+every ``probe_interval`` (its own timer, apart from the resync) a pass is followed
+by probes of every allocation. A probe failure is drift: when its cause is one a
+pass owns (``ProbeResult.ours``) one pass is asked for to heal it, and the
+allocation is probed again after it; otherwise — or when that pass did not heal
+it — it is reported: a log line, ``probes`` in the status, the gauge
+``reconciler_probe_failures{alloc,path}``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -47,21 +56,25 @@ from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Change
+from reconciler.domain.probes import ProbeResult
 from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
-from reconciler.engine.reconcile import Reconciler
+from reconciler.engine.reconcile import ProbeRequest, Reconciler
 from reconciler.planner.context import PlanOptions
 from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
+from reconciler.ui.probes import where
 from reconciler.ui.render import residual_error
 
 log = logging.getLogger("reconciler.watch")
 
 
+#: the pass reasons of the probe timer, and of a pass asked for by a probe failure we own
+PROBE, PROBE_HEAL = "probe", "probe failure"
 #: reasons whose no-op passes are logged at debug level only
 QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift",
-                           "nftables drift"})
+                           "nftables drift", PROBE})
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,10 @@ class WatchOptions:
     plan_server: bool = True
     #: observe and report drift, never change the host
     dry_run: bool = False
+    #: how to probe (after applying, and every probe_interval); None: never
+    probe: ProbeRequest | None = ProbeRequest()
+    #: seconds between probes of every allocation; None: only after applying
+    probe_interval: float | None = 30.0
 
 
 @dataclass
@@ -98,10 +115,30 @@ class PassReport:
     skipped: int = 0
     error: str | None = None
     errors: list[dict[str, str]] = field(default_factory=list)
+    #: what the apply of this pass probed (the allocations it changed)
+    probes: list[ProbeResult] = field(default_factory=list)
 
     @property
     def converged(self) -> bool:
         return self.result in ("ok", "applied")
+
+
+ProbeKey = tuple[str, str, str, int | None, int]
+
+
+def probe_key(r: ProbeResult) -> ProbeKey:
+    return (r.alloc, r.path, r.proto, r.port, r.family)
+
+
+def _order(k: ProbeKey) -> tuple[str, str, str, int, int]:
+    """Keys in a stable order (a gateway's port is None)."""
+    return (k[0], k[1], k[2], -1 if k[3] is None else k[3], k[4])
+
+
+def _probe_failed(r: ProbeResult) -> bool:
+    return not r.ok and not r.skipped
+
+
 
 
 def _resource_errors(result: Any) -> list[dict[str, str]]:
@@ -169,6 +206,15 @@ class Agent:
         self._loaded_sig: tuple[str, str] | None = None
         #: called with each pass's report (the plan server warms its view)
         self.after_pass: Callable[[PassReport], None] | None = None
+        #: every probe's latest result, and since when each failing one fails (wall time)
+        self.probe_results: dict[ProbeKey, ProbeResult] = {}
+        self._failing_since: dict[ProbeKey, float] = {}
+        #: failures a heal pass was asked for already (one per episode: a pass that cannot
+        #: heal it must not run again and again)
+        self._heal_asked: set[ProbeKey] = set()
+        self._probe_labels: set[tuple[str, str]] = set()
+        self._probe_took = 0.0
+        self.board.update(probes=None)
 
     # -- event sources -------------------------------------------------------
 
@@ -269,6 +315,7 @@ class Agent:
                 except Exception as exc:  # shutting down: report, go on
                     log.debug("closing %s: %s", type(src).__name__, exc)
         try:
+            self.reconciler.close_probes()
             self.reconciler.observer.handles.close()
         except Exception as exc:
             log.debug("closing drivers: %s", exc)
@@ -283,8 +330,14 @@ class Agent:
             reasons = self.trigger.wait()
             if reasons is None:
                 break
+            if reasons == [PROBE]:  # the probe timer alone: probes, no pass
+                self.probe_run()
+                with self.trigger.locked():
+                    self._arm_probes()
+                continue
             report = self.run_pass(reasons)
             self._recheck_overlaps()
+            self.after_probes(reasons, report)
             if self.after_pass is not None:
                 self.after_pass(report)
             with self.trigger.locked():
@@ -295,10 +348,17 @@ class Agent:
                 elif report.result != "interrupted":
                     self.scheduler.record(report.result != "failed", now)
                 self.scheduler.set_resync(now, self.options.interval)
+                if PROBE in reasons or "startup" in reasons:
+                    self._arm_probes()
             self.board.update(consecutive_failures=self.scheduler.failures)
             if self.stop.is_set():
                 break
         self.board.update(state="stopped")
+
+    def _arm_probes(self) -> None:
+        """(Re)arm the probe timer, when there is one; the caller holds the trigger's lock."""
+        if self.options.probe is not None and self.options.probe_interval is not None:
+            self.scheduler.set_timer(PROBE, self.clock(), self.options.probe_interval)
 
     def _recheck_overlaps(self) -> None:
         """After a pass: what we own may have changed; the alarm looks again."""
@@ -308,6 +368,106 @@ class Agent:
         if live is not None:
             self.alarm.set_docker(*owned_docker_prefixes(live))
         self.alarm.poke()
+
+    # -- probes --------------------------------------------------------------
+
+    def after_probes(self, reasons: list[str], report: PassReport) -> None:
+        """After a pass: what its apply probed; at startup (and when the probe timer came with
+        other reasons) a probe of every allocation; after a heal pass, of those that failed."""
+        if self.options.probe is None or self.good is None:
+            return
+        if report.result not in ("ok", "applied", "drift"):
+            return  # what failed is reported as such; probes wait for the next timer
+        heal = PROBE_HEAL in reasons
+        if PROBE in reasons or "startup" in reasons:
+            results = self._probe(self.reconciler.last_live, None)
+            if results is not None:
+                self.take_probes(results, everything=True, after_heal=heal)
+            return
+        targets = {k[0] for k in self._failing_since} if heal else set()
+        results = report.probes
+        if targets:
+            probed = self._probe(self.reconciler.last_live, targets)
+            if probed is not None:  # with what the pass's apply probed of the others
+                results = [r for r in results if r.alloc not in targets] + probed
+        if results or heal:
+            self.take_probes(results, after_heal=heal)
+
+    def probe_run(self) -> None:
+        """The probe timer: every allocation against a fresh observation, without a pass (a
+        failure the reconciler owns asks for one)."""
+        if self.options.probe is None or self.good is None:
+            return
+        results = self._probe(None, None)
+        if results is not None:
+            self.take_probes(results, everything=True)
+
+    def _probe(self, live: Any, allocs: set[str] | None) -> list[ProbeResult] | None:
+        assert self.good is not None
+        t0 = self.clock()
+        try:
+            results = self.reconciler.probe(self.good, live, allocs=allocs,
+                                            request=self.options.probe)
+        except (ReconcilerError, OSError) as exc:
+            log.warning("probes not run: %s", exc)
+            return None
+        except Exception:  # a bug in probing must not stop the loop that heals
+            log.exception("probes: internal error")
+            return None
+        self._probe_took = self.clock() - t0
+        log.debug("probed %s in %.3fs: %d probe(s)", "every allocation" if allocs is None
+                  else ", ".join(sorted(allocs)), self._probe_took, len(results))
+        return results
+
+    def take_probes(self, results: list[ProbeResult], *, everything: bool = False,
+                    after_heal: bool = False) -> None:
+        """Fold probe results into the current state: logs for what starts or stops failing,
+        the status, the gauge; a heal pass for new failures a pass owns."""
+        assert self.good is not None
+        now = self.wall()
+        before = self.probe_results
+        if everything:
+            self.probe_results = {}
+        else:
+            probed = {r.alloc for r in results}
+            self.probe_results = {k: r for k, r in self.probe_results.items()
+                                  if k[0] not in probed}
+        self.probe_results.update((probe_key(r), r) for r in results)
+        declared = set(self.good.allocs)
+        self.probe_results = {k: r for k, r in self.probe_results.items() if k[0] in declared}
+        failing = {k for k, r in self.probe_results.items() if _probe_failed(r)}
+        heal = {k for k in failing if self.probe_results[k].ours and k not in self._heal_asked}
+        healing = bool(heal) and not self.options.dry_run
+        for k in sorted(failing - set(self._failing_since), key=_order):
+            r = self.probe_results[k]
+            log.warning("probe failed: %s: %s%s", where(r), r.cause or "no cause found",
+                        "; the reconciler owns this: running a pass" if k in heal and healing
+                        else "")
+        if after_heal:
+            for k in sorted(failing & self._heal_asked, key=_order):
+                r = self.probe_results[k]
+                log.warning("probe still fails after a pass: %s: %s; reported, no further "
+                            "pass until it clears", where(r), r.cause or "no cause found")
+        for k in sorted(set(self._failing_since) - failing, key=_order):
+            log.info("probe holds again: %s", where(before[k]))
+        self._failing_since = {k: self._failing_since.get(k, now) for k in failing}
+        self._heal_asked &= failing
+        if healing:
+            self._heal_asked |= heal
+            self.trigger.request(PROBE_HEAL)
+        counts = Counter((k[0], k[1]) for k in failing)
+        for alloc, path in self._probe_labels - set(counts):
+            self.metrics.probe_failures.remove(alloc, path)
+        for (alloc, path), n in counts.items():
+            self.metrics.probe_failures.labels(alloc=alloc, path=path).set(n)
+        self._probe_labels = set(counts)
+        current = list(self.probe_results.values())
+        self.board.update(probes={
+            "at": now, "probed": len(results), "duration_seconds": round(self._probe_took, 4),
+            "held": sum(1 for r in current if r.ok and not r.skipped),
+            "failed": len(failing), "skipped": sum(1 for r in current if r.skipped),
+            "failures": [{**self.probe_results[k].to_json(), "ours": self.probe_results[k].ours,
+                          "since": self._failing_since[k]} for k in sorted(failing, key=_order)]})
 
     def healthy(self) -> tuple[bool, str]:
         if self.stop.is_set():
@@ -417,6 +577,7 @@ class Agent:
                 report.error = f"internal error: {type(exc).__name__}: {exc}"
             report.errors = [{"resource": "pass", "error": report.error}]
             try:
+                self.reconciler.close_probes()
                 self.reconciler.observer.handles.close()
             except Exception as close_exc:
                 log.debug("closing drivers: %s", close_exc)
@@ -453,7 +614,9 @@ class Agent:
                 self.metrics.changes.inc()
 
         with self._host_lock():
-            result = rec.apply(desired, self.options.plan, on_outcome=on_outcome)
+            result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
+                               probe=self.options.probe)
+        report.probes = list(result.probes)
         report.applied = sum(1 for o in result.outcomes if o.status == "applied")
         report.failed = len(result.failed)
         report.skipped = sum(1 for o in result.outcomes if o.status == "skipped")

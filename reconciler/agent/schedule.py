@@ -49,7 +49,11 @@ class Scheduler:
 
     def set_resync(self, now: float, interval: float) -> None:
         """(Re)arm the periodic full resync ``interval`` seconds from now."""
-        self._pending["resync"] = _Request(now + interval, now, False)
+        self.set_timer("resync", now, interval)
+
+    def set_timer(self, reason: str, now: float, interval: float) -> None:
+        """(Re)arm a periodic request (the resync, the probes) ``interval`` seconds from now."""
+        self._pending[reason] = _Request(now + interval, now, False)
 
     def _effective(self, r: _Request) -> float:
         return r.due if r.bypass_backoff else max(r.due, self.backoff_until)

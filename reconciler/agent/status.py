@@ -71,6 +71,10 @@ class Metrics:
                                       "Foreign addresses and routes on the host that overlap "
                                       "a prefix the reconciler owns, now (each pair once)",
                                       registry=r)
+        self.probe_failures = Gauge("reconciler_probe_failures",
+                                    "Probes failing now, by allocation and path (gateway, "
+                                    "host, localhost, hairpin, external, direct)",
+                                    ["alloc", "path"], registry=r)
         self.status_refused = Counter("reconciler_status_connections_refused",
                                       "Status server connections closed unanswered (idle "
                                       "too long, too many open, malformed)", registry=r)
@@ -422,6 +426,15 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
                  f"{doc.get('consecutive_failures', 0)}")
     for e in doc.get("errors") or []:
         lines.append(f"  {e.get('resource')}: {e.get('error')}")
+    probes = doc.get("probes") or {}
+    if probes:
+        lines.append(f"probes: {probes.get('held', 0)} held, {probes.get('failed', 0)} failed, "
+                     f"{probes.get('skipped', 0)} skipped (last {_ago(probes.get('at'), now)})")
+        for f in probes.get("failures") or []:
+            port = "" if f.get("port") is None else f" {f.get('port')}"
+            lines.append(f"  alloc {f.get('alloc')} path {f.get('path')} "
+                         f"({f.get('proto')}{port}): {f.get('cause') or 'no cause found'} "
+                         f"(since {_ago(f.get('since'), now)})")
     overlaps = doc.get("address_overlaps") or []
     if overlaps:
         lines.append(f"address overlaps: {len(overlaps)} (foreign, left alone):")
@@ -436,7 +449,7 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
 
 
 def healthy_doc(doc: dict[str, Any]) -> bool:
-    """True when the last pass converged and the files load cleanly."""
+    """True when the last pass converged, the files load cleanly and no probe fails."""
     last = doc.get("last_pass") or {}
     return (not doc.get("config_error") and last.get("result") in ("ok", "applied")
-            and not doc.get("errors"))
+            and not doc.get("errors") and not (doc.get("probes") or {}).get("failed"))

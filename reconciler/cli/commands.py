@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,21 +109,29 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
            saved: Plan | None = None) -> int:
     from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-
+    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.options import probe_request  # noqa: PLC0415 (lazy: see the module docstring)
 
     rec = Reconciler()
     if args.dry_run:
         plan = rec.plan(desired, options)
         _print_plan(plan, args)
         return plan_exit(plan)
-    with host_lock(args.lock_timeout):
-        result = rec.apply(desired, options, saved=saved)
+    # destroy has no probe options: it leaves nothing to probe
+    request = probe_request(args) if hasattr(args, "no_probe") else None
+    try:
+        with host_lock(args.lock_timeout):
+            result = rec.apply(desired, options, saved=saved, probe=request)
+    finally:
+        rec.close_probes()
     if args.output == "json":
         json.dump({"plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,
                                  "action": o.change.action.value, "status": o.status,
                                  "error": o.error} for o in result.outcomes],
                    "residual": result.residual.to_json() if result.residual else None,
+                   "probes": probe_view.to_json(result.probes),
+                   "probe_seconds": round(result.probe_seconds, 4),
                    "ok": result.ok}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -135,10 +144,14 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                   f"{counts['skipped']} skipped.")
             for o in result.failed:
                 print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
+        if result.probes:
+            print(probe_view.summary(result.probes, result.probe_seconds))
     if result.residual is not None and result.residual.has_changes:
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:
         print(f"error: {e}", file=sys.stderr)
+    for r in result.probe_failures:
+        print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     return EXIT_OK if result.ok else EXIT_ERROR
 
 
@@ -157,6 +170,54 @@ def cmd_apply(args: argparse.Namespace) -> int:
         options = saved_plan_options(saved.options, file=args.paths[0])
         return _apply(args, _load(files, args), options, saved)
     return _apply(args, _load(args.paths, args), plan_options(args))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Config comparison and probes; changes nothing (no host lock: it writes no state)."""
+    from reconciler.engine.reconcile import (  # noqa: PLC0415 (lazy: see the module docstring)
+        Reconciler,
+        probe_failures,
+    )
+    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
+
+    desired = _load(args.paths, args)
+    request = probe_request(args)
+    rec = Reconciler()
+    try:
+        plan = rec.plan(desired, plan_options(args))
+        t0 = time.monotonic()
+        # probe whatever the comparison found: a diff explains a failure, it does not hide one
+        results = [] if request is None else rec.probe(desired, rec.last_live, request=request)
+        took = time.monotonic() - t0
+    finally:
+        rec.close_probes()
+    config_ok = not (plan.has_changes or plan.conflicts or plan.errors)
+    failures = probe_failures(results)
+    ok = config_ok and not failures
+    if args.output == "json":
+        json.dump({"ok": ok,
+                   "config": {"ok": config_ok,
+                              "changes": [c.to_json() for c in (*plan.actionable,
+                                                                *plan.conflicts)]},
+                   "probes": probe_view.to_json(results)}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        for e in plan.errors:  # not a change: said where people look, the JSON stays as it is
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_OK if ok else EXIT_ERROR
+    if config_ok:
+        print(f"Config: matches ({plan.summary()['unchanged']} resources).")
+    else:
+        print("Config: differs from the files:")
+        sys.stdout.write(render_text(plan, colour=colour(args), verbose=args.verbose > 0))
+    if request is None:
+        print("Probes: not run (--no-probe).")
+    else:
+        sys.stdout.write(probe_view.text(results, verbose=args.verbose > 0, took=took))
+    why = [w for w, bad in (("the config differs", not config_ok),
+                            (f"{len(failures)} probe(s) failed", bool(failures))) if bad]
+    print("Verify: ok." if ok else f"Verify: failed: {' and '.join(why)}.")
+    return EXIT_OK if ok else EXIT_ERROR
 
 
 def cmd_destroy(args: argparse.Namespace) -> int:
@@ -216,7 +277,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from reconciler.agent import loop, process  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.agent.logs import configure_logging  # noqa: PLC0415 (lazy: as above)
     from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
         value = getattr(args, name)
@@ -231,7 +292,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
-        dry_run=args.dry_run)
+        dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval)
     return process.run(options, getattr(args, "status_socket", None))
 
 
@@ -256,8 +317,9 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 #: what runs each command of ``ui.parser`` (by its name)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "destroy": cmd_destroy,
-    "show": cmd_show, "watch": cmd_watch, "status": cmd_status, "completion": cmd_completion,
+    "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "verify": cmd_verify,
+    "destroy": cmd_destroy, "show": cmd_show, "watch": cmd_watch, "status": cmd_status,
+    "completion": cmd_completion,
 }
 #: what runs before --netns moves the process (the status socket binds on the host)
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}

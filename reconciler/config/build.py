@@ -281,7 +281,7 @@ def _alloc(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None
         pp = (*path, "ports", i)
         host_ip = _host_ip(doc, (*pp, "host_ip"), p["host_ip"]) if "host_ip" in p else None
         ports.append(PortMap(None if p["host"] == "auto" else int(p["host"]), int(p["to"]),
-                             p.get("protocol", "tcp"), host_ip))
+                             p.get("protocol", "tcp"), host_ip, bool(p.get("probe", True))))
     if c.claim("alloc", aid, doc, path):
         c.allocs[AllocId(aid)] = Alloc(AllocId(aid), SubnetName(raw["subnet"]), address,
                                        address6, tuple(ports), doc.source(path))

@@ -147,6 +147,9 @@ class PortMap:
     to: int
     protocol: Protocol = "tcp"
     host_ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    #: ``probe: false``: no probe connects through this map (a service that must not see
+    #: connections it did not ask for); the gateway probe of its alloc still runs
+    probe: bool = True
 
     @property
     def protocols(self) -> tuple[str, ...]:

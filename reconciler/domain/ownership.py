@@ -50,7 +50,24 @@ RESERVED_LINK_NAMES = (
     (re.compile(r"vr[0-9a-f]{12}"), "the host-side veth name of an allocation (vr + 12 hex)"),
     (re.compile(TEMP_BRIDGE_PREFIX + r"[0-9a-f]{8}"),
      "the temporary name of a bridge being created (rcltmp + 8 hex)"),
+    (re.compile(r"rcprobe[0-9a-f]{8}"),
+     "the host end of the probes' external vantage link (rcprobe + 8 hex)"),
 )
+
+#: alias of the host end of the probes' external vantage link, and the mark on its
+#: namespace's file: ours, but not an allocation's (``LINK_ALIAS`` would have the planner
+#: prune it as an orphan veth)
+PROBE_VANTAGE_ALIAS = "managed-by=reconciler probe-vantage"
+
+
+def probe_vantage_names(host_id: str) -> tuple[str, str]:
+    """(namespace, host link) of the external probe vantage of the host ``host_id``.
+
+    Per host (the network namespace we act on), so the host and its sandboxes each have
+    their own and a crash's leftover is found again by the next run of the same host.
+    """
+    return (f"rcprobe-{host_id}",
+            "rcprobe" + hashlib.sha1(host_id.encode()).hexdigest()[:8])
 
 
 def reserved_link_name(name: str) -> str | None:

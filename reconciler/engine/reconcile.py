@@ -7,18 +7,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.plan import Plan
+from reconciler.domain.probes import ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
 from reconciler.engine.executor import Executor, OpRunner, Outcome
+from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.observe import Observer
+from reconciler.engine.probes import Prober, probe_targets
 from reconciler.planner import make_plan
 from reconciler.planner.context import PlanOptions
 
@@ -28,20 +32,55 @@ VERIFY_ATTEMPTS = 5
 VERIFY_DELAYS = (0.1, 0.3, 0.6, 1.0)
 
 
+@dataclass(frozen=True)
+class ProbeRequest:
+    """How apply proves the dataplane of what it changed (SPEC §7).
+
+    ``external``: also from the vantage namespace that stands in for another host
+    (PREROUTING and FORWARD); ``timeout``: how long each probe waits for its packet.
+    """
+
+    external: bool = False
+    timeout: float = 1.0
+
+
+class ProbeRunner(Protocol):
+    """What runs probes: ``engine.probes.Prober``, or a fake in unit tests."""
+
+    def run(self, desired: DesiredState, live: LiveState, *,
+            allocs: Collection[str] | None = None, external: bool = False,
+            timeout: float = 1.0) -> list[ProbeResult]: ...
+
+    def close(self) -> None: ...
+
+
+def probe_failures(results: Sequence[ProbeResult]) -> list[ProbeResult]:
+    """The probes that did not hold: a skipped path (it cannot exist here) is no failure."""
+    return [r for r in results if not r.ok and not r.skipped]
+
+
 @dataclass
 class ApplyResult:
     plan: Plan
     outcomes: list[Outcome] = field(default_factory=list)
     residual: Plan | None = None
+    #: what the probes after a converged apply found (only the allocations it changed)
+    probes: list[ProbeResult] = field(default_factory=list)
+    #: the wall time those probes took
+    probe_seconds: float = 0.0
 
     @property
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status == "failed"]
 
     @property
+    def probe_failures(self) -> list[ProbeResult]:
+        return probe_failures(self.probes)
+
+    @property
     def ok(self) -> bool:
         return not self.failed and (self.residual is None or not self.residual.has_changes) \
-            and not self.plan.errors
+            and not self.plan.errors and not self.probe_failures
 
 
 class Reconciler:
@@ -49,12 +88,16 @@ class Reconciler:
 
     def __init__(self, observer: Observer | None = None, *, runner: OpRunner | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 stop: threading.Event | None = None) -> None:
-        """``runner`` performs the ops (default: ``HostOps`` over the observer's drivers)."""
+                 stop: threading.Event | None = None,
+                 prober: Callable[[HostHandles], ProbeRunner] = Prober) -> None:
+        """``runner`` performs the ops (default: ``HostOps`` over the observer's drivers);
+        ``prober`` makes what runs probes, on first use, over the same drivers."""
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
         self.sleep = sleep
         self.stop = stop or threading.Event()
+        self._make_prober = prober
+        self._prober: ProbeRunner | None = None
         #: the last observation (the agent's address-space alarm reads owned Docker networks)
         self.last_live: LiveState | None = None
 
@@ -74,8 +117,14 @@ class Reconciler:
 
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
-              on_outcome: Callable[[Outcome], None] | None = None) -> ApplyResult:
-        """Plan and execute; the caller holds the host lock."""
+              on_outcome: Callable[[Outcome], None] | None = None,
+              probe: ProbeRequest | None = None) -> ApplyResult:
+        """Plan and execute; the caller holds the host lock.
+
+        With ``probe``, a run that converged then probes the allocations its changes
+        touched (``probe_targets``) against the verified observation: configuration
+        that matches is not yet traffic that flows.
+        """
         plan = self.plan(desired, options)
         if saved is not None:
             if dict(saved.files) != dict(plan.files):
@@ -101,7 +150,33 @@ class Reconciler:
         if result.failed or self.stop.is_set():
             return result
         result.residual = self.verify(desired, options)
+        if probe is not None and not result.residual.has_changes and not self.stop.is_set():
+            targets = probe_targets(plan, desired)
+            if targets and self.last_live is not None:
+                t0 = time.perf_counter()
+                result.probes = self.probe(desired, self.last_live, allocs=targets,
+                                           request=probe)
+                result.probe_seconds = time.perf_counter() - t0
         return result
+
+    def probe(self, desired: DesiredState, live: LiveState | None = None, *,
+              allocs: Collection[str] | None = None,
+              request: ProbeRequest | None = None) -> list[ProbeResult]:
+        """Probe ``allocs`` (None: every declared one) from inside the host; changes nothing
+        the plan sees. ``live`` defaults to a fresh observation."""
+        request = request or ProbeRequest()
+        if live is None:
+            live = self.observe(desired)
+        if self._prober is None:
+            self._prober = self._make_prober(self.observer.handles)
+        return self._prober.run(desired, live, allocs=allocs, external=request.external,
+                                timeout=request.timeout)
+
+    def close_probes(self) -> None:
+        """Remove what probing keeps between runs (the external vantage namespace)."""
+        if self._prober is not None:
+            prober, self._prober = self._prober, None
+            prober.close()
 
     def verify(self, desired: DesiredState, options: PlanOptions) -> Plan:
         """Observe again until nothing is left to do, with a short bounded wait for the kernel."""

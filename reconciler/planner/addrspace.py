@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from reconciler.domain.docker import sort_duplicates
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
+from reconciler.domain.probes import VANTAGE_NET
 from reconciler.planner import firewall
 from reconciler.planner.hostspace import (
     IPAddr,
@@ -223,6 +224,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         taken.add(span_of(occ.net))
     for pr in unassigned_pools(live):
         taken.add((pr.version, pr.first, pr.last))
+    taken.add(span_of(VANTAGE_NET))  # the probes' external vantage link
     for lk in live.links.values():  # owned prefixes, also of subnets being pruned (--no-prune)
         for a in lk.addresses:
             if a.owned and lk.owned:
@@ -350,6 +352,8 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     for address, name, field, net, is_docker in _declared(desired):
         span = span_of(net)
         hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
+        if net.version == 4 and net.overlaps(VANTAGE_NET):
+            hits.append(f"{VANTAGE_NET}, reserved for the probes' external vantage link")
         auto = " (auto)" if field in picked.get(address, {}) else ""
         if hits:
             reasons.setdefault(address, []).append(

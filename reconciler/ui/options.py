@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Mapping
 
 from reconciler.domain.errors import ConfigError
+from reconciler.engine.reconcile import ProbeRequest
 from reconciler.planner.context import PlanOptions
 
 
@@ -21,6 +22,21 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(prune=not args.no_prune, adopt=adopt,
                        force_replace=getattr(args, "force_replace", False))
 
+
+def probe_request(args: argparse.Namespace) -> ProbeRequest | None:
+    """The probes `apply`, `verify` and `watch` were asked for; None with ``--no-probe``.
+
+    The external vantage point is on by default in a sandbox (``--netns``) and off on the
+    host itself: it adds a namespace and a veth to the host, which a sandbox (and so every
+    test, which runs in one) can afford and a production host should opt into. That is the
+    whole rule for "tests": they run with ``--netns``.
+    """
+    if getattr(args, "no_probe", False):
+        return None
+    external = args.probe_external
+    if external is None:
+        external = bool(getattr(args, "netns", None))
+    return ProbeRequest(external=bool(external), timeout=args.probe_timeout)
 
 
 def saved_plan_options(options: Mapping[str, object], *, file: str | None = None) -> PlanOptions:

@@ -26,6 +26,40 @@ Marker = Callable[[argparse.Action, Completes], None]
 def _unmarked(_action: argparse.Action, _what: Completes) -> None:
     """Plain runs need no completion hints (and so do not import shtab)."""
 
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(text: str) -> float:
+    """``DURATION`` values: seconds (``90``, ``1.5``) or with a unit (``250ms``, ``30s``,
+    ``5m``, ``1h``); positive and finite. An argparse ``type``: a bad one is a usage error."""
+    value = text.strip().lower()
+    unit = next((u for u in ("ms", "s", "m", "h") if value.endswith(u)), "")
+    try:
+        seconds = float(value[: len(value) - len(unit)]) * _UNITS.get(unit, 1.0)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: give seconds or a number with ms, s, m or h "
+            "(e.g. 30s, 5m)")
+    return seconds
+
+
+def _interval_or_off(text: str) -> float | None:
+    return None if text.strip().lower() in ("off", "0") else duration(text)
+
+
+def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
+    """The probe options `apply`, `verify` and `watch` share (SPEC §7)."""
+    sp.add_argument("--no-probe", action="store_true", help=no_probe)
+    sp.add_argument("--probe-external", action=argparse.BooleanOptionalAction, default=None,
+                    help="also probe from a vantage namespace of ours that stands in for "
+                         "another host, so PREROUTING and FORWARD are crossed (default: on "
+                         "with --netns, a sandbox, off on the host itself)")
+    sp.add_argument("--probe-timeout", type=duration, default=1.0, metavar="DURATION",
+                    help="how long each probe waits for its packet (default 1s)")
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
 
@@ -47,10 +81,12 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                "  reconcile validate examples/quickstart.yaml     check a file, touch nothing\n"
                "  reconcile --netns sandbox plan examples/fleet/  what would change in a sandbox\n"
                "  reconcile apply /etc/reconciler                 change this host, then verify\n"
+               "  reconcile verify /etc/reconciler                config matches, packets flow?\n"
                "  reconcile watch /etc/reconciler                 keep this host converged\n"
                "\n"
                "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
-               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error.")
+               "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error\n"
+               "(verify: 1 when the config differs or a probe fails).")
     p.add_argument("--version", action="version", version=f"reconcile {__version__}",
                    help="print the version and exit")
     netns = p.add_argument("--netns", metavar="NAME",
@@ -119,6 +155,18 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--force-replace", action="store_true",
                     help="allow replacing Docker networks that have containers attached "
                          "(they are disconnected and reconnected with the same addresses)")
+    _probe_options(sp, "do not probe after applying (the configuration is still verified)")
+
+    sp = sub.add_parser(
+        "verify", help="check the host holds: config matches and packets flow (exit 0/1)",
+        description="Compare the host with the files (as plan does) and probe every "
+                    "allocation from inside the host: its gateway answers, and each port map "
+                    "reaches it from the host address, 127.0.0.1 where allowed, itself "
+                    "(hairpin) and, with --probe-external, another host. Changes nothing. "
+                    "Exit 0 when the config matches and every probe holds, 1 otherwise; the "
+                    "output says which failed.")
+    common(sp)
+    _probe_options(sp, "compare the configuration only")
 
     sp = sub.add_parser(
         "destroy", help="remove everything the reconciler manages on this host",
@@ -170,6 +218,12 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--no-plan-server", action="store_true",
                     help="do not answer `reconcile plan` for this namespace (by default the "
                          "agent does, from its event-driven view: same output, much faster)")
+    sp.add_argument("--probe-interval", type=_interval_or_off, default=30.0,
+                    metavar="DURATION",
+                    help="probe every allocation this often, apart from the resync; a "
+                         "failure the reconciler owns starts a pass, others are reported "
+                         "(default 30s; 'off': only after applying)")
+    _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
     sp.set_defaults(prepare=True)
 
     sp = sub.add_parser(

@@ -69,8 +69,10 @@ def test_completion_scripts_mention_every_command_and_option():
 
 
 BASH_CASES = [
-    (["reconcile", ""], {"validate", "plan", "apply", "destroy", "show", "watch", "status",
-                         "completion"}),
+    (["reconcile", ""], {"validate", "plan", "apply", "verify", "destroy", "show", "watch",
+                         "status", "completion"}),
+    (["reconcile", "verify", "--probe-e"], {"--probe-external"}),
+    (["reconcile", "verify", "examples/quick"], {"examples/quickstart.yaml"}),
     (["reconcile", "pl"], {"plan"}),
     (["reconcile", "--netns", "x", "ap"], {"apply"}),
     (["reconcile", "plan", "--ou"], {"--output", "--out"}),

@@ -390,6 +390,7 @@ class FakeReconciler:
     live_mtu: dict[str, int | None] = field(default_factory=dict)
     fail_apply: bool = False
     applied: list[str] = field(default_factory=list)
+    last_live: Any = None
 
     def _plan(self, desired: Any) -> Plan:
         changes = []
@@ -404,7 +405,14 @@ class FakeReconciler:
     def plan(self, desired: Any, options: Any) -> Plan:
         return self._plan(desired)
 
-    def apply(self, desired: Any, options: Any, on_outcome: Any = None) -> ApplyResult:
+    def probe(self, desired: Any, live: Any = None, **_kw: Any) -> list[Any]:
+        return []  # the probes' handling: tests/unit/test_probe_surface.py
+
+    def close_probes(self) -> None:
+        pass
+
+    def apply(self, desired: Any, options: Any, on_outcome: Any = None,
+              probe: Any = None) -> ApplyResult:
         from reconciler.engine.executor import Outcome
 
         plan = self._plan(desired)

@@ -1,0 +1,225 @@
+"""Probes: prove from inside the host that packets flow (SPEC §7).
+
+``Prober.run`` asks the pure planner which probes exist and what each must find
+(``planner.probes``), sends them all at once (``drivers.probe``), and for each
+one that failed gathers the facts around it and lets the planner name the
+cause. ``probe_targets`` says which allocations a plan touched ("what changed",
+after apply); watch probes everything on its own interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from typing import Any
+
+from reconciler.domain.errors import DriverError
+from reconciler.domain.live import LiveLink, LiveState
+from reconciler.domain.model import AllocId, DesiredState
+from reconciler.domain.ownership import alloc_veth_name, probe_vantage_names
+from reconciler.domain.plan import Plan
+from reconciler.domain.probes import (
+    VANTAGE_HOST,
+    VANTAGE_PEER,
+    ProbeResult,
+    ProbeSpec,
+    sort_key,
+)
+from reconciler.drivers import probe as driver
+from reconciler.drivers import sysctl
+from reconciler.engine.handles import HostHandles
+from reconciler.planner import probes as plan_probes
+from reconciler.planner.probes import Cause, Facts, Sighting, Vantage, classify
+
+__all__ = ["Prober", "probe_targets"]
+
+
+def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
+    """Alloc ids a plan's changes touch (see ``planner.probes.probe_targets``)."""
+    return plan_probes.probe_targets(plan, desired)
+
+
+class Prober:
+    """Runs probes through the host's drivers; ``close`` removes what it set up."""
+
+    def __init__(self, handles: HostHandles) -> None:
+        self.handles = handles
+        self._vantage: tuple[str, str] | None = None  # (namespace, link) made by us
+
+    def run(self, desired: DesiredState, live: LiveState, *,
+            allocs: Collection[str] | None = None, external: bool = False,
+            timeout: float = 1.0) -> list[ProbeResult]:
+        """Probe the allocations named (every declared one for None); results in report order.
+
+        ``live`` is the state after apply: targets are read from it. Changes nothing
+        on the host but the external vantage namespace (made on the first run with
+        ``external``, kept until :meth:`close`).
+        """
+        vantage, unusable = None, None
+        if external:
+            try:
+                vantage = self._ensure_vantage(live.host_id)
+            except DriverError as e:  # its probes fail with the reason; the others run
+                vantage, unusable = Vantage("", VANTAGE_HOST), str(e)
+        exclude = () if self._vantage is None else (self._vantage[1],)
+        specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
+                                        host_exclude=exclude)
+        lost = [s for s in specs if s.skipped is None and unusable and s.vantage == "external"]
+        sendable = [s for s in specs if s.skipped is None and s not in lost]
+        external_ns = vantage.netns if vantage and not unusable else None
+        outcomes = driver.run(sendable, timeout=timeout, external_ns=external_ns)
+        failed = [i for i, (s, o) in enumerate(zip(sendable, outcomes, strict=True))
+                  if not _sighting(o).holds(s)]
+        causes: dict[int, Cause] = {}
+        if failed:
+            again = Diagnosis(self.handles, desired, live, self._vantage).run(
+                [sendable[i] for i in failed], timeout=timeout, external_ns=external_ns)
+            for i, (outcome, cause) in zip(failed, again, strict=True):
+                outcomes[i] = outcome
+                if cause is not None:
+                    causes[i] = cause
+        results = [self._result(s, o, causes.get(i)) for i, (s, o) in
+                   enumerate(zip(sendable, outcomes, strict=True))]
+        results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=True, skipped=True,
+                                cause=s.skipped, family=s.family)
+                    for s in specs if s.skipped is not None]
+        results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=False, cause=(
+            f"no external vantage namespace: {unusable}"), family=s.family) for s in lost]
+        return sorted(results, key=sort_key)
+
+    def _ensure_vantage(self, host_id: str) -> Vantage:
+        if self._vantage is None:
+            ns, link = probe_vantage_names(host_id)
+            driver.create_vantage(ns, link)
+            self._vantage = (ns, link)
+        return Vantage(self._vantage[0], VANTAGE_HOST)
+
+    def _result(self, s: ProbeSpec, o: driver.Outcome, cause: Cause | None) -> ProbeResult:
+        seen = _sighting(o)
+        ok = seen.holds(s)
+        if not ok and cause is None:
+            cause = classify(s, seen)
+        return ProbeResult(s.alloc, s.path, s.proto, s.port, ok=ok,
+                           cause=None if ok or cause is None else cause.line, ms=o.ms,
+                           family=s.family, ours=not ok and cause is not None and cause.ours)
+
+    def close(self) -> None:
+        """Remove the external vantage namespace if this prober made one."""
+        if self._vantage is not None:
+            driver.remove_vantage(*self._vantage)
+            self._vantage = None
+
+
+def _sighting(o: driver.Outcome) -> Sighting:
+    return Sighting(o.reached, o.answer, o.error, o.big)
+
+
+#: distinct addresses whose route a diagnosis asks for (one ``ip route get`` each)
+ROUTE_LOOKUPS = 32
+
+
+class Diagnosis:
+    """Failed probes sent again, alone, with the host watched around them.
+
+    Before and after the re-run: ``iptables-save -c`` of the families involved (which
+    foreign rule's counter rose) and the IPReversePathFilter counter; after it, the
+    sysctls that decide the paths, the hairpin flag of each allocation's bridge port,
+    the host's route and neighbour entry for its address and its eth0's MAC. The
+    planner names the cause from these (``planner.probes.classify``).
+    """
+
+    def __init__(self, handles: HostHandles, desired: DesiredState, live: LiveState,
+                 vantage: tuple[str, str] | None) -> None:
+        self.handles, self.desired, self.live, self.vantage = handles, desired, live, vantage
+        # what the facts of several failed probes share is asked for once
+        self._sysctl_cache: dict[str | None, dict[str, str]] = {}
+        self._routes: dict[str, tuple[str | None, str | None]] = {}
+        self._neigh: dict[str, dict[str, tuple[str | None, str]]] = {}
+        self._macs: dict[str, str | None] = {}
+
+    def run(self, specs: list[ProbeSpec], *, timeout: float,
+            external_ns: str | None) -> list[tuple[driver.Outcome, Cause | None]]:
+        families = sorted({s.family for s in specs if s.proto != "icmp"} | {4})
+        before = {f: driver.save_counters(f) for f in families}
+        rp_before = driver.netstat_counter("IPReversePathFilter")
+        outcomes = driver.run(specs, timeout=timeout, external_ns=external_ns)
+        rp_drops = driver.netstat_counter("IPReversePathFilter") - rp_before
+        hits: list[plan_probes.RuleHit] = []
+        for f in families:
+            old, new = before[f], driver.save_counters(f)
+            if old is not None and new is not None:
+                hits += plan_probes.foreign_hits(f, old, new)
+        try:
+            links = self.handles.netlink.dump_links()
+        except DriverError:
+            links = dict(self.live.links)
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits)}
+        out: list[tuple[driver.Outcome, Cause | None]] = []
+        for s, o in zip(specs, outcomes, strict=True):
+            seen = _sighting(o)
+            if seen.holds(s):
+                out.append((o, None))  # it holds now: passing on the second try
+                continue
+            out.append((o, classify(s, seen, self._facts(s, links, shared))))
+        return out
+
+    def _facts(self, s: ProbeSpec, links: dict[str, LiveLink],
+               shared: dict[str, Any]) -> Facts:
+        a = self.desired.allocs.get(AllocId(s.alloc))
+        subnet = self.desired.subnets.get(a.subnet) if a is not None else None
+        bridge = subnet.bridge if subnet is not None else None
+        declared = self.desired.bridges.get(bridge) if bridge is not None else None
+        port = links.get(alloc_veth_name(s.alloc))
+        address = plan_probes.alloc_addresses(self.live.netns.get(s.alloc)).get(s.family)
+        route = self._route(address) if address is not None else None
+        neighbour = None
+        if bridge is not None and address is not None:
+            neighbour = self._neighbours(bridge).get(address)
+        ns = self.live.netns.get(s.alloc)
+        alloc_default = None if ns is None or not ns.usable else any(
+            r.dst == "default" and r.gateway is not None and (":" in r.gateway) == (s.family == 6)
+            for r in ns.routes)
+        route_back = None
+        if s.vantage == "external" and (back := self._route(VANTAGE_PEER)) is not None:
+            route_back = (VANTAGE_PEER, back[0])
+        return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
+                     route_back=route_back,
+                     bridge_hairpin=declared.hairpin if declared is not None else True,
+                     port_hairpin=port.hairpin if port is not None else None, route=route,
+                     neighbour=neighbour, mac=self._mac(s.alloc), **shared)
+
+    def _sysctls(self, bridge: str | None) -> dict[str, str]:
+        if bridge in self._sysctl_cache:
+            return self._sysctl_cache[bridge]
+        keys = ["net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding",
+                "net/bridge/bridge-nf-call-iptables", "net/bridge/bridge-nf-call-ip6tables",
+                "net/ipv4/conf/all/rp_filter"]
+        if bridge is not None:
+            keys += [f"net/ipv4/conf/{bridge}/route_localnet",
+                     f"net/ipv4/conf/{bridge}/rp_filter"]
+        if self.vantage is not None:
+            keys.append(f"net/ipv4/conf/{self.vantage[1]}/rp_filter")
+        out = {}
+        for k in keys:
+            with contextlib.suppress(DriverError):
+                if (v := sysctl.read(k)) is not None:
+                    out[k] = v
+        self._sysctl_cache[bridge] = out
+        return out
+
+    def _route(self, address: str) -> tuple[str | None, str | None] | None:
+        if address not in self._routes:
+            if len(self._routes) >= ROUTE_LOOKUPS:
+                return None
+            self._routes[address] = driver.route_get(address)
+        return self._routes[address]
+
+    def _neighbours(self, bridge: str) -> dict[str, tuple[str | None, str]]:
+        if bridge not in self._neigh:
+            self._neigh[bridge] = driver.neighbours(bridge)
+        return self._neigh[bridge]
+
+    def _mac(self, alloc: str) -> str | None:
+        if alloc not in self._macs:
+            self._macs[alloc] = driver.mac_of(alloc)
+        return self._macs[alloc]

@@ -1,0 +1,489 @@
+"""Which probes to send, what each must find, and why one failed (pure, SPEC §7).
+
+* :func:`probe_specs` turns the desired state and the live state after apply
+  into ``ProbeSpec``s: per allocation the gateway echo (per family); per port
+  map (per protocol and family, unless ``probe: false``) the paths a client can
+  take. Targets come from live state — the owned addresses of the
+  allocation's ``eth0``, the host ports of its DNAT rules (their
+  ``reconciler:alloc=ID`` comments) — so the probes test what the host has,
+  not what the files hope for; the map's flag and the subnet's isolation come
+  from the desired state.
+* :func:`probe_targets` is "what changed": the allocations a plan's changes touch.
+* :func:`classify` turns the facts gathered around a failed probe into its cause line
+  and whether a reconcile pass owns (and heals) that cause.
+
+Paths and their expectations:
+
+``host``: the host to a host address of its own (a local address that is not
+on a link we own, not loopback or link-local; the map's ``host_ip`` when it has
+one) through the map: expected reached. Without such an address (a bare
+sandbox) it is skipped. ``localhost``: the host to 127.0.0.1 when the map
+allows it (no ``host_ip``, or 127.0.0.1): IPv4 only, IPv6 has no loopback DNAT.
+``hairpin``: the allocation to that same host address (its gateway when there
+is none: the gateway is local too, and the DNAT rules match any local
+destination); skipped for a 127.0.0.1-only map. ``external`` (opt-in): a
+namespace of ours through the host address on its link (or ``host_ip``);
+``direct``: that namespace straight to the allocation's address and container
+port, expected reached only with ``isolation: open``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from reconciler.domain.live import LiveNetns, LiveState
+from reconciler.domain.model import Alloc, DesiredState, PortMap
+from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
+from reconciler.domain.plan import Plan
+from reconciler.domain.probes import Path, ProbeProto, ProbeSpec
+from reconciler.domain.probes import Vantage as VantageKind
+from reconciler.planner import addrspace, firewall
+from reconciler.planner.allocs import Mapped
+
+IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Vantage:
+    """The external vantage namespace: its name and the host's address on its link."""
+
+    netns: str
+    host4: str
+
+
+# ------------------------------------------------------------------ targets from live state
+
+
+def alloc_addresses(ns: LiveNetns | None) -> dict[int, str]:
+    """The owned address of each family on the allocation's ``eth0`` (live)."""
+    out: dict[int, str] = {}
+    if ns is None or not ns.usable:
+        return out
+    for lk in ns.links:
+        if lk.name != ALLOC_IFNAME:
+            continue
+        for a in lk.addresses:
+            if a.owned and a.address.version not in out:
+                out[a.address.version] = str(a.address.ip)
+    return out
+
+
+def eth0_mtu(ns: LiveNetns | None) -> int | None:
+    """The MTU of the allocation's ``eth0`` (live), the size of the full echo."""
+    if ns is None or not ns.usable:
+        return None
+    return next((lk.mtu for lk in ns.links if lk.name == ALLOC_IFNAME), None)
+
+
+def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
+    """(family, map) of every live DNAT rule of ours, by alloc id."""
+    out: dict[str, list[tuple[int, Mapped]]] = {}
+    for family, chains in ((4, live.firewall4), (6, live.firewall6)):
+        for rule in chains.chains.get(("nat", firewall.DNAT), ()):
+            owner = firewall.owner_of(rule)
+            if not owner or not owner.startswith("alloc="):
+                continue
+            t = rule.split()
+            try:
+                proto = t[t.index("-p") + 1]
+                dport = int(t[t.index("--dport") + 1])
+                to = int(t[t.index("--to-destination") + 1].rsplit(":", 1)[1])
+                host_ip = (ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0])
+                           if "-d" in t else None)
+            except (ValueError, IndexError):
+                continue
+            out.setdefault(owner.split("=", 1)[1], []).append(
+                (family, Mapped(proto, dport, to, host_ip)))
+    return out
+
+
+def _usable_host_address(ip: IPAddr) -> bool:
+    return not (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified)
+
+
+def host_addresses(live: LiveState, desired: DesiredState,
+                   exclude: Collection[str] = ()) -> dict[int, str]:
+    """Per family, a local address of the host not on a link we own (lowest first).
+
+    Our bridges' gateways are left out (a probe to them proves less: they are on
+    the allocations' own link), and so are loopback, link-local addresses and the
+    links named in ``exclude`` (the external vantage link).
+    """
+    subnets = [s.cidr for s in desired.subnets.values() if s.resolved]
+    subnets6 = [s.cidr6 for s in desired.subnets.values() if s.resolved and s.cidr6]
+    found: dict[int, list[IPAddr]] = {4: [], 6: []}
+    for lk in live.links.values():
+        if lk.owned or lk.name == "lo" or lk.name in exclude or not lk.up:
+            continue
+        for a in lk.addresses:
+            ip = a.address.ip
+            if not _usable_host_address(ip):
+                continue
+            if any(ip in n for n in (subnets if ip.version == 4 else subnets6)):
+                continue
+            found[ip.version].append(ip)
+    return {v: str(min(ips, key=int)) for v, ips in found.items() if ips}
+
+
+def _declared(a: Alloc, proto: str, m: Mapped) -> PortMap | None:
+    """The declared port map a live rule serves (host port fixed or auto, same target)."""
+    for p in a.ports:
+        if (proto in p.protocols and p.to == m.to and p.host_ip == m.host_ip
+                and p.host in (None, m.host)):
+            return p
+    return None
+
+
+def _gateway(desired: DesiredState, a: Alloc, family: int) -> str | None:
+    s = desired.subnets.get(a.subnet)
+    if s is None or not s.resolved:
+        return None
+    gw = s.gateway if family == 4 else s.gateway6
+    return None if gw is None else str(gw)
+
+
+def probe_specs(desired: DesiredState, live: LiveState, *,
+                allocs: Collection[str] | None = None,
+                vantage: Vantage | None = None,
+                host_exclude: Collection[str] = ()) -> list[ProbeSpec]:
+    """Every probe of the allocations named (all declared ones for None), in report order.
+
+    ``auto`` prefixes are picked the way the plan picks them (kept from live state).
+    """
+    if not all(s.resolved for s in desired.subnets.values()):
+        desired = addrspace.resolve(desired, live).desired
+    wanted = None if allocs is None else set(allocs)
+    chosen = sorted(((aid, a) for aid, a in desired.allocs.items()
+                     if wanted is None or aid in wanted), key=lambda item: item[0])
+    hosts = host_addresses(live, desired, host_exclude)
+    maps = live_maps(live)
+    out: list[ProbeSpec] = []
+    for aid, a in chosen:
+        addrs = alloc_addresses(live.netns.get(aid))
+        out += _gateway_specs(desired, a, addrs, eth0_mtu(live.netns.get(aid)))
+        for family, m in sorted(maps.get(aid, ()), key=lambda fm: (fm[0], fm[1].proto,
+                                                                     fm[1].host)):
+            declared = _declared(a, m.proto, m)
+            if declared is not None and not declared.probe:
+                continue
+            out += _map_specs(desired, a, family, m, addrs, hosts, vantage)
+    return out
+
+
+def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str],
+                   mtu: int | None) -> list[ProbeSpec]:
+    out = []
+    for family in (4, 6):
+        gw = _gateway(desired, a, family)
+        if gw is None:
+            continue
+        skipped = None if family in addrs or family == 4 else "no IPv6 address on eth0"
+        out.append(ProbeSpec(a.id, "gateway", "icmp", family, "alloc", gw, skipped=skipped,
+                             src=addrs.get(family), size=mtu or 0))
+    return out
+
+
+def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
+               addrs: dict[int, str], hosts: dict[int, str],
+               vantage: Vantage | None) -> list[ProbeSpec]:
+    proto: ProbeProto = "tcp" if m.proto == "tcp" else "udp"
+
+    def spec(path: Path, where: VantageKind, dst: str | None, *, skipped: str | None = None,
+             dport: int = m.host, expect: bool = True) -> ProbeSpec:
+        if dst is None and skipped is None:
+            skipped = "no address to send to"
+        return ProbeSpec(a.id, path, proto, family, where, dst or "", m.host, dport, m.to,
+                         expect, skipped)
+
+    only = f"published on {m.host_ip} only"
+    loopback_only = m.host_ip is not None and m.host_ip.is_loopback
+    host_dst = str(m.host_ip) if m.host_ip is not None else hosts.get(family)
+    out: list[ProbeSpec] = []
+    if loopback_only:
+        out.append(spec("host", "host", None, skipped=only))
+    else:
+        out.append(spec("host", "host", host_dst, skipped=None if host_dst else
+                        "no host address"))
+    if family == 4 and (m.host_ip is None or loopback_only):
+        out.append(spec("localhost", "host", "127.0.0.1"))
+    if loopback_only:
+        out.append(spec("hairpin", "alloc", None, skipped=only))
+    else:
+        out.append(spec("hairpin", "alloc", host_dst or _gateway(desired, a, family)))
+    if vantage is not None and family == 4:
+        if loopback_only:
+            out.append(spec("external", "external", None, skipped=only))
+        else:
+            out.append(spec("external", "external",
+                            str(m.host_ip) if m.host_ip is not None else vantage.host4))
+        s = desired.subnets.get(a.subnet)
+        if s is not None:
+            out.append(spec("direct", "external", addrs.get(4), dport=m.to,
+                            expect=s.isolation == "open"))
+    return out
+
+
+# ------------------------------------------------------------------ causes
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What a probe saw: its packet arrived (the capture, the echo reply); what the sender
+    was told; an error that kept it from being sent; whether the full-size echo came back
+    (None: none was sent)."""
+
+    reached: bool
+    answer: str | None = None
+    error: str | None = None
+    big: bool | None = None
+
+    @property
+    def answered_from_inside(self) -> bool:
+        """TCP: the allocation's answer came back (its SYN-ACK, or its reset)."""
+        return self.answer in ("connected", "refused")
+
+    def holds(self, spec: ProbeSpec) -> bool:
+        """The outcome is the expected one. A TCP probe that must arrive must also be
+        answered: its SYN arriving while nothing comes back is a broken return path (a
+        timeout does not count as reached)."""
+        if self.error is not None or self.big is False or self.reached != spec.expect:
+            return False
+        return not (spec.expect and spec.proto == "tcp" and not self.answered_from_inside)
+
+
+@dataclass(frozen=True)
+class RuleHit:
+    """A foreign DROP/REJECT rule (or a chain's DROP policy) whose counter rose."""
+
+    family: int
+    table: str
+    chain: str
+    rule: str  # "-A CHAIN ..." as iptables-save prints it, or "policy DROP"
+
+    def __str__(self) -> str:
+        v6 = "ip6tables " if self.family == 6 else ""
+        return f"{v6}{self.table}/{self.chain}: {self.rule}"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the host showed around a failed probe's re-run (``engine.probes`` gathers it).
+
+    ``sysctls`` keys are paths under /proc/sys (``net/ipv4/ip_forward``); ``route`` is
+    (output link, type) of the host's route to the allocation's address.
+    """
+
+    sysctls: Mapping[str, str] = field(default_factory=dict)
+    rp_filter_drops: int = 0
+    hits: tuple[RuleHit, ...] = ()
+    bridge: str | None = None
+    bridge_hairpin: bool = True  # the bridge's declared hairpin
+    port_hairpin: bool | None = None  # the hairpin flag of the alloc's bridge port (live)
+    route: tuple[str | None, str | None] | None = None
+    neighbour: tuple[str | None, str] | None = None  # the host's entry for the alloc: MAC, state
+    mac: str | None = None  # eth0's MAC
+    alloc_default: bool | None = None  # the allocation has a default route of the family
+    #: (address, output link) of the host's route back to where the probe came from, when
+    #: that is not the allocation (the external vantage)
+    route_back: tuple[str, str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Cause:
+    line: str
+    ours: bool = False  # a reconcile pass owns this and heals it
+
+
+_Counted = dict[tuple[str, str, str, int], tuple[int, str]]
+
+
+def parse_counters(text: str) -> _Counted:
+    """``iptables-save -c`` as {(table, chain, rule or "policy X", n): (packets, target)} (pure).
+
+    Rules are keyed by their text (and its occurrence), not position, so a rule
+    inserted between two snapshots shifts nothing.
+    """
+    out: _Counted = {}
+    table = ""
+    seen: dict[tuple[str, str, str], int] = {}
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) >= 3 and parts[1] != "-":
+                out[(table, parts[0], f"policy {parts[1]}", 0)] = (_packets(parts[2]), parts[1])
+        elif line.startswith("[") and "] -A " in line:
+            counter, rule = line.split("] ", 1)
+            tokens = rule.split()
+            chain = tokens[1] if len(tokens) > 1 else ""
+            target = tokens[tokens.index("-j") + 1] if "-j" in tokens[:-1] else ""
+            n = seen.get((table, chain, rule), 0)
+            seen[(table, chain, rule)] = n + 1
+            out[(table, chain, rule, n)] = (_packets(counter + "]"), target)
+    return out
+
+
+def _packets(counter: str) -> int:
+    try:
+        return int(counter.strip("[]").split(":")[0])
+    except ValueError:
+        return 0
+
+
+def foreign_hits(family: int, before: str, after: str) -> list[RuleHit]:
+    """Foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose counters
+    rose between two ``iptables-save -c`` snapshots, in any table (raw included)."""
+    old = parse_counters(before)
+    hits = []
+    for key, (packets, target) in parse_counters(after).items():
+        table, chain, rule, _n = key
+        if chain.startswith(CHAIN_PREFIX) or target not in ("DROP", "REJECT"):
+            continue
+        if packets > old.get(key, (0, ""))[0]:
+            hits.append(RuleHit(family, table, chain, rule))
+    return hits
+
+
+_FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through FORWARD
+
+
+def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cause:
+    """The cause line of a probe whose outcome was not the expected one, and whether a
+    reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
+    if seen.error is not None:
+        return Cause(seen.error)
+    if spec.path == "direct" and seen.reached:
+        return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
+                     "is ports: something accepts it before RECONCILER-FORWARD drops it")
+    if spec.path == "gateway" and seen.reached and seen.big is False:
+        return Cause(f"MTU black hole: a {spec.size}-byte echo with DF to the gateway "
+                     f"{spec.dst} is lost where a small one passes (an MTU smaller than "
+                     "eth0's on the way: the veth's host end or the bridge)")
+    f = facts or Facts()
+    found = _named_cause(spec, seen, f)
+    if found is not None:
+        return found
+    if spec.path == "gateway":
+        told = "" if seen.answer in (None, "timeout") else f" ({seen.answer})"
+        return Cause(f"no echo reply from the gateway {spec.dst}{told}")
+    if spec.path == "direct":
+        return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
+                     "isolation is open")
+    told = seen.answer or "timeout"
+    if seen.reached:
+        return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} arrived in the allocation but "
+                     f"nothing came back ({told}): its answer is lost on the way back, or the "
+                     "allocation drops the packet")
+    if told in ("refused", "connected", "answered") or told.startswith("refused by"):
+        return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} never arrived in the "
+                     f"allocation, yet the sender was answered ({told}): a REJECT rule or "
+                     "another listener on the way")
+    return Cause(f"{spec.proto} to {spec.dst}:{spec.dport} never arrived in the "
+                 f"allocation ({told})")
+
+
+def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
+    """The first cause the facts show, most specific first."""
+    v = spec.family
+    forwarding = "net/ipv4/ip_forward" if v == 4 else "net/ipv6/conf/all/forwarding"
+    if spec.path in _FORWARDED and f.sysctls.get(forwarding) == "0":
+        return Cause(f"forwarding is off ({forwarding.replace('/', '.')}=0)", ours=True)
+    if f.route is not None:
+        dev, kind = f.route
+        if dev is None or kind not in (None, "unicast", "local"):
+            # the plan does not compare host routes: a pass would not put it back
+            return Cause(f"no route to the allocation's address ({kind})")
+        if f.bridge is not None and dev != f.bridge:
+            return Cause(f"the host routes the allocation's address via {dev}, not its "
+                         f"bridge {f.bridge} (a foreign route)")
+    bridged = f.sysctls.get(f"net/bridge/bridge-nf-call-{'ip' if v == 4 else 'ip6'}tables")
+    hit = _pick(spec, f.hits)
+    if hit is not None:
+        exposed = ""
+        if bridged == "1" and ("physdev" in hit.rule or (
+                spec.path in ("hairpin", "gateway")
+                and hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"))):
+            exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
+                       "bridge to it)")
+        return Cause(f"a foreign rule drops it: {hit}{exposed}")
+    if f.rp_filter_drops > 0:
+        strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
+                        if k.endswith("/rp_filter") and val == "1")
+        where = f" (rp_filter=1 on {', '.join(strict)})" if strict else ""
+        back = ""
+        if f.route_back is not None and f.route_back[1] is not None:
+            back = f"; the route back to {f.route_back[0]} is via {f.route_back[1]}"
+        return Cause(f"strict reverse-path filtering dropped it{where}: "
+                     f"IPReversePathFilter rose by {f.rp_filter_drops}{back}")
+    if spec.path == "localhost" and f.bridge is not None and \
+            f.sysctls.get(f"net/ipv4/conf/{f.bridge}/route_localnet") == "0":
+        return Cause(f"route_localnet is off on {f.bridge} (127.0.0.1 cannot be routed to "
+                     "the allocation)", ours=True)
+    if spec.path == "hairpin" and f.port_hairpin is False:
+        if not f.bridge_hairpin:
+            return Cause("hairpin is off on the allocation's bridge port (the bridge "
+                         "declares hairpin: false)")
+        return Cause("hairpin is off on the allocation's bridge port", ours=True)
+    if f.alloc_default is False and spec.path not in ("gateway", "localhost"):
+        return Cause(f"no IPv{v} default route inside the allocation", ours=True)
+    if f.neighbour is not None and f.mac is not None:
+        lladdr, state = f.neighbour
+        if lladdr is not None and lladdr.lower() != f.mac.lower() and "FAILED" not in state:
+            return Cause(f"stale neighbour entry: the host has {lladdr} ({state}) for the "
+                         f"allocation, whose eth0 is {f.mac}")
+    return None
+
+
+def _pick(spec: ProbeSpec, hits: Sequence[RuleHit]) -> RuleHit | None:
+    """The hit that names this probe's packet (its ports or addresses), else the first."""
+    mine = [h for h in hits if h.family == spec.family]
+    if not mine:
+        return None
+    words = {str(spec.dport), str(spec.to), spec.dst}
+    for h in mine:
+        tokens = set(h.rule.replace("/", " ").split())
+        if tokens & words:
+            return h
+    rules = [h for h in mine if not h.rule.startswith("policy")]
+    return (rules or mine)[0]
+
+
+# ------------------------------------------------------------------ what changed
+
+
+def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
+    """Alloc ids a plan's changes touch: allocations changed with ops, the allocations of a
+    changed subnet or bridge (or of a bridge whose sysctl changed), every allocation when a
+    host-wide sysctl changed, and allocations with port maps when a firewall change ran."""
+    out: set[str] = set()
+    subnets: set[str] = set()
+    bridges: set[str] = set()
+    everything = False
+    firewall_ran = False
+    for c in plan.actionable:
+        if not c.ops:
+            continue
+        if c.kind == "alloc":
+            out.add(c.name)
+        elif c.kind == "subnet":
+            subnets.add(c.name)
+        elif c.kind == "bridge":
+            bridges.add(c.name)
+        elif c.kind == "firewall":
+            firewall_ran = True
+        elif c.kind == "sysctl":
+            parts = c.name.split("/")
+            if len(parts) >= 4 and parts[2] == "conf" and parts[3] not in ("all", "default"):
+                bridges.add(parts[3])
+            else:
+                everything = True
+    for aid, a in desired.allocs.items():
+        s = desired.subnets.get(a.subnet)
+        if (everything or a.subnet in subnets or (s is not None and s.bridge in bridges)
+                or (firewall_ran and a.ports)):
+            out.add(aid)
+    return out & set(desired.allocs)
+

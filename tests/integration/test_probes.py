@@ -1,0 +1,301 @@
+"""Probes against the real kernel: what "reached" means, checked by independent listeners.
+
+Each test applies a config in its own sandbox (``host_ns``) with the real CLI, then runs
+``Prober`` in-process with the calling thread inside the sandbox. What the probes claim
+is checked against listeners inside the allocation (which log every connection and
+datagram with its source port), ``iptables``, ``conntrack -L`` and ``ss`` — never
+against the prober itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from reconciler.config.load import load
+from reconciler.domain.ownership import probe_vantage_names
+from reconciler.domain.probes import PROBE_PORTS, VANTAGE_PEER, ProbeResult, ProbeSpec
+from reconciler.drivers import netns
+from reconciler.drivers import probe as driver
+from reconciler.engine.observe import Observer
+from reconciler.engine.probes import Prober
+from tests.conftest import Netns, sh, write
+
+from .test_allocs import BRIDGE, alloc_ids, veth_name
+
+pytestmark = pytest.mark.root
+
+HOST_ADDR6 = "2001:db8:51::1"
+HOST_ADDR = "198.51.100.1"  # on a link of the sandbox: the sandbox's "host address"
+
+#: logs "PROTO PORT PEERPORT" for every TCP connection and UDP datagram, on every address
+RECORDER = r"""
+import socket, sys, threading
+lock = threading.Lock()
+def log(*words):
+    with lock:  # one line per event, whole, whichever thread writes it
+        sys.stdout.write(" ".join(map(str, words)) + "\n"); sys.stdout.flush()
+def tcp(port):
+    s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); s.bind(("::", port)); s.listen(64)
+    while True:
+        c, peer = s.accept(); log("tcp", port, peer[1]); c.close()
+def udp(port):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); s.bind(("::", port))
+    while True:
+        _d, peer = s.recvfrom(512); log("udp", port, peer[1])
+for spec in sys.argv[1:]:
+    proto, port = spec.split(":")
+    threading.Thread(target=tcp if proto == "tcp" else udp, args=(int(port),), daemon=True).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def recording(ns: str, *specs: str) -> Iterator[list[tuple[str, int, int]]]:
+    """Listeners in ``ns``; the list fills with (proto, port, peer port) when the block ends."""
+    seen: list[tuple[str, int, int]] = []
+    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", RECORDER,
+                          *specs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], 10)
+        assert ready and p.stdout.readline().strip() == "ready"
+        yield seen
+    finally:
+        p.kill()
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            proto, port, peer = line.split()
+            seen.append((proto, int(port), int(peer)))
+
+
+def setup(host: Netns, tmp_path: object, *, host_address: bool = True,
+          isolation: str = "ports") -> tuple[str, list[str]]:
+    a0, a1 = alloc_ids(2)
+    if host_address:
+        # no dummy driver in this kernel: a veth pair inside the sandbox carries the address
+        sh("ip", "-n", host.name, "link", "add", "hostaddr0", "type", "veth", "peer", "name",
+           "hostaddr1")
+        sh("ip", "-n", host.name, "addr", "add", f"{HOST_ADDR}/24", "dev", "hostaddr0")
+        sh("ip", "-n", host.name, "addr", "add", f"{HOST_ADDR6}/64", "dev", "hostaddr0",
+           "nodad")
+        sh("ip", "-n", host.name, "link", "set", "hostaddr1", "up")
+        sh("ip", "-n", host.name, "link", "set", "hostaddr0", "up")
+    ports = [{"host": 18080, "to": 80}, {"host": 15353, "to": 53, "protocol": "udp"},
+             {"host": 18443, "to": 443, "host_ip": "127.0.0.1"},
+             {"host": 18081, "to": 81, "probe": False}]
+    text = "\n".join([
+        "version: 1", "bridges:", f"  - {{name: {BRIDGE}, mtu: 1400}}", "subnets:",
+        "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.77.0.0/24",
+        "    cidr6: fd00:77::/64", f"    isolation: {isolation}", "allocs:",
+        "  - " + json.dumps({"id": a0, "subnet": "net", "ports": ports}),
+        "  - " + json.dumps({"id": a1, "subnet": "net"}), ""])
+    path = write(tmp_path, "probes.yaml", text)
+    r = host.reconcile("apply", path)
+    assert r.rc == 0, r.all
+    return path, [a0, a1]
+
+
+def probe(host: Netns, path: str, **kw: object) -> list[ProbeResult]:
+    desired = load([path])
+    with netns.enter(host.name):
+        obs = Observer()
+        try:
+            live = obs.observe(desired)
+            prober = Prober(obs.handles)
+            try:
+                return prober.run(desired, live, **kw)  # type: ignore[arg-type]
+            finally:
+                prober.close()
+        finally:
+            obs.handles.close()
+
+
+def table(results: list[ProbeResult]) -> set[tuple[str, str, str, int, int | None, bool, bool]]:
+    return {(r.alloc, r.path, r.proto, r.family, r.port, r.ok, r.skipped) for r in results}
+
+
+def failures(results: list[ProbeResult]) -> list[str]:
+    return [r.describe() for r in results if not r.ok and not r.skipped]
+
+
+def test_every_path_is_reached_after_a_good_apply(host_ns: Netns, tmp_path: object) -> None:
+    path, (a0, a1) = setup(host_ns, tmp_path)
+    with recording(a0, "tcp:80", "udp:53", "tcp:443", "tcp:81") as seen:
+        results = probe(host_ns, path, external=True)
+    assert failures(results) == []
+    reached = {(r.path, r.proto, r.family, r.port) for r in results if not r.skipped}
+    assert reached == {
+        *((alloc_gw, "icmp", f, None) for alloc_gw in ("gateway",) for f in (4, 6)),
+        ("host", "tcp", 4, 18080), ("localhost", "tcp", 4, 18080), ("hairpin", "tcp", 4, 18080),
+        ("external", "tcp", 4, 18080), ("direct", "tcp", 4, 18080),
+        ("host", "udp", 4, 15353), ("localhost", "udp", 4, 15353), ("hairpin", "udp", 4, 15353),
+        ("external", "udp", 4, 15353), ("direct", "udp", 4, 15353),
+        ("host", "tcp", 6, 18080), ("hairpin", "tcp", 6, 18080),
+        ("host", "udp", 6, 15353), ("hairpin", "udp", 6, 15353),
+        ("localhost", "tcp", 4, 18443), ("direct", "tcp", 4, 18443)}
+    assert {(r.alloc, r.path) for r in results if r.alloc == a1} == {(a1, "gateway")}
+    # the listeners saw each probe that claims to have arrived, from a reserved source port;
+    # the direct probes (isolation: ports) did not arrive, and the probe: false map saw nothing
+    counts = {(proto, port): sum(1 for p, q, _ in seen if (p, q) == (proto, port))
+              for proto, port in (("tcp", 80), ("udp", 53), ("tcp", 443), ("tcp", 81))}
+    assert counts == {("tcp", 80): 6, ("udp", 53): 6, ("tcp", 443): 1, ("tcp", 81): 0}, seen
+    assert all(PROBE_PORTS[0] <= peer <= PROBE_PORTS[1] for _p, _q, peer in seen), seen
+
+
+def test_open_isolation_expects_the_direct_path(host_ns: Netns, tmp_path: object) -> None:
+    path, (a0, _a1) = setup(host_ns, tmp_path, isolation="open")
+    with recording(a0, "tcp:80") as seen:
+        results = probe(host_ns, path, external=True, allocs={a0})
+    assert failures(results) == []
+    direct = [r for r in results if r.path == "direct"]
+    assert {r.proto for r in direct} == {"tcp", "udp"} and all(r.ok for r in direct)
+    assert ("tcp", 80) in {(p, q) for p, q, _ in seen}
+
+
+def test_a_bare_sandbox_skips_what_cannot_exist(host_ns: Netns, tmp_path: object) -> None:
+    path, (a0, _a1) = setup(host_ns, tmp_path, host_address=False)
+    results = probe(host_ns, path)
+    assert failures(results) == []
+    skipped = {(r.path, r.proto, r.family, r.port, r.cause) for r in results if r.skipped}
+    assert ("host", "tcp", 4, 18080, "no host address") in skipped
+    assert ("host", "udp", 6, 15353, "no host address") in skipped
+    assert ("hairpin", "tcp", 4, 18443, "published on 127.0.0.1 only") in skipped
+    hairpin = [r for r in results if r.path == "hairpin" and not r.skipped]
+    assert hairpin and all(r.ok for r in hairpin)  # to the gateway: local too
+
+
+def spec_of(a0: str, dst: str, proto: str, port: int, to: int) -> ProbeSpec:
+    return ProbeSpec(a0, "host", proto, 4, "host", dst, port, port, to)  # type: ignore[arg-type]
+
+
+def test_a_reset_from_the_alloc_is_reached_one_from_a_reject_rule_is_not(
+        host_ns: Netns, tmp_path: object) -> None:
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    tcp = spec_of(a0, HOST_ADDR, "tcp", 18080, 80)
+    udp = spec_of(a0, HOST_ADDR, "udp", 15353, 53)
+    with netns.enter(host_ns.name):
+        # nobody listens on 80/53 in the alloc: its reset (and port unreachable) counts
+        plain = driver.run([tcp, udp])
+    assert [(o.reached, o.answer) for o in plain] == [(True, "refused"), (True, "refused")]
+    # the same answers from a REJECT rule in front of the alloc (after the DNAT: OUTPUT
+    # filter sees port 80/53) must not count
+    rules = [("OUTPUT", "-p", "tcp", "--dport", "80", "-j", "REJECT", "--reject-with",
+              "tcp-reset"), ("OUTPUT", "-p", "udp", "--dport", "53", "-j", "REJECT")]
+    for r in rules:
+        host_ns.run("iptables", "-I", *r)
+    try:
+        with netns.enter(host_ns.name):
+            rejected = driver.run([tcp, udp])
+        results = probe(host_ns, path, allocs={a0})
+    finally:
+        for r in rules:
+            host_ns.run("iptables", "-D", *r)
+    assert [o.reached for o in rejected] == [False, False]
+    assert rejected[0].answer == "refused"  # what the sender saw is the same as above
+    failed = {(r.path, r.proto): r.cause for r in results if not r.ok and not r.skipped}
+    assert set(failed) == {("host", "tcp"), ("localhost", "tcp"), ("host", "udp"),
+                           ("localhost", "udp")}, failed
+    assert "filter/OUTPUT: -A OUTPUT -p tcp -m tcp --dport 80 -j REJECT" in \
+        str(failed[("host", "tcp")])
+    assert "filter/OUTPUT: -A OUTPUT -p udp -m udp --dport 53 -j REJECT" in \
+        str(failed[("host", "udp")])
+
+
+def test_a_reject_in_forward_fails_the_hairpin_with_its_rule(host_ns: Netns,
+                                                            tmp_path: object) -> None:
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    rule = ("FORWARD", "-p", "udp", "--dport", "53", "-j", "REJECT")
+    host_ns.run("iptables", "-I", *rule)
+    try:
+        results = probe(host_ns, path, allocs={a0}, external=True)
+    finally:
+        host_ns.run("iptables", "-D", *rule)
+    failed = {(r.path, r.proto, r.family): r.cause for r in results if not r.ok}
+    assert set(failed) == {("hairpin", "udp", 4), ("external", "udp", 4)}, failed
+    assert all("filter/FORWARD: -A FORWARD -p udp -m udp --dport 53 -j REJECT" in str(c)
+               for c in failed.values())
+
+
+def _conntrack(host: Netns) -> list[str]:
+    """Entries of the protocols probes use (the bridge's own IGMP reports are not theirs)."""
+    out = host.run("conntrack", "-L", check=False)
+    return [ln for ln in out.stdout.splitlines()
+            if ln.split()[:1] in (["tcp"], ["udp"], ["icmp"], ["icmpv6"])]
+
+
+def _probe_sockets(ns: str) -> list[str]:
+    out = sh("ip", "netns", "exec", ns, "ss", "-Htuan").stdout.splitlines()
+    return [ln for ln in out
+            if any(f":{p} " in ln + " " for p in range(PROBE_PORTS[0], PROBE_PORTS[0] + 200))]
+
+
+def test_a_probe_run_leaves_nothing_behind(host_ns: Netns, tmp_path: object) -> None:
+    if subprocess.run(["which", "conntrack"], capture_output=True).returncode:
+        pytest.skip("conntrack(8) not installed")
+    path, (a0, a1) = setup(host_ns, tmp_path)
+    host_ns.run("conntrack", "-F", check=False)
+    fds = len(os.listdir("/proc/self/fd"))
+    with recording(a0, "tcp:80", "udp:53"):
+        results = probe(host_ns, path, external=True)
+    assert failures(results) == []
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert _conntrack(host_ns) == []
+    for ns in (host_ns.name, a0, a1):
+        assert _probe_sockets(ns) == [], ns
+        assert sh("ip", "netns", "exec", ns, "ss", "-Htan", "state", "time-wait").stdout == ""
+    vantage, link = probe_vantage_names(str(os.stat(f"/run/netns/{host_ns.name}").st_ino))
+    assert vantage not in sh("ip", "netns", "list").stdout
+    assert host_ns.link(link) is None
+
+
+@pytest.mark.parametrize("breakage", ["mtu", "route_localnet", "hairpin", "forwarding",
+                                      "rp_filter"])
+def test_a_broken_path_names_its_cause(host_ns: Netns, tmp_path: object, breakage: str) -> None:
+    """Each breakage fails the paths it must, with the cause a person can act on, and says
+    whether a reconcile pass owns it (the agent heals only those)."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    veth = veth_name(a0)
+    peer = f"{VANTAGE_PEER}/32"
+    on, off, failing, words, ours = {
+        "mtu": ([("ip", "link", "set", veth, "mtu", "1280")],
+                [("ip", "link", "set", veth, "mtu", "1400")],
+                {("gateway", 4), ("gateway", 6)}, "MTU black hole: a 1400-byte echo", False),
+        "route_localnet": ([("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=0")],
+                           [("sysctl", "-qw", f"net.ipv4.conf.{BRIDGE}.route_localnet=1")],
+                           {("localhost", 4)}, "route_localnet is off", True),
+        "hairpin": ([("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "off")],
+                    [("ip", "link", "set", veth, "type", "bridge_slave", "hairpin", "on")],
+                    {("hairpin", 4), ("hairpin", 6)}, "hairpin is off", True),
+        "forwarding": ([("sysctl", "-qw", "net.ipv4.ip_forward=0")],
+                       [("sysctl", "-qw", "net.ipv4.ip_forward=1")],
+                       {("hairpin", 4), ("external", 4)}, "forwarding is off", True),
+        # strict rp_filter, and the vantage's address routed to another link of the sandbox
+        "rp_filter": ([("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"),
+                       ("ip", "route", "add", peer, "dev", "hostaddr0")],
+                      [("ip", "route", "del", peer, "dev", "hostaddr0"),
+                       ("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0")],
+                      {("external", 4)}, "strict reverse-path filtering dropped it", False),
+    }[breakage]
+    for cmd in on:
+        host_ns.run(*cmd)
+    try:
+        results = probe(host_ns, path, allocs={a0}, external=True)
+    finally:
+        for cmd in off:
+            host_ns.run(*cmd)
+    failed = [r for r in results if not r.ok and not r.skipped]
+    assert {(r.path, r.family) for r in failed} == failing, [r.describe() for r in failed]
+    assert all(words in str(r.cause) and r.ours is ours for r in failed), \
+        [(r.describe(), r.ours) for r in failed]
+    assert failures(probe(host_ns, path, allocs={a0}, external=True)) == []  # holds again
