@@ -319,6 +319,8 @@ def test_a_heal_is_announced_on_the_wire(host_ns: Netns, tmp_path):
     path = config(tmp_path, [{"id": aid}, {"id": other}])
     apply_ok(host_ns, path)
     sh("ip", "-n", host_ns.name, "link", "del", veth_name(aid))
+    r = host_ns.reconcile("-v", "plan", path)
+    assert r.out.count("announce=True") == 1 and f"netns={aid}, " in r.out, r.all
     with capture(host_ns, BRIDGE) as sock:
         apply_ok(host_ns, path)
         seen = frames(sock, 0.5)
