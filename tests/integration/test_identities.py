@@ -299,6 +299,10 @@ def test_a_fresh_bulk_create_announces_nothing(host_ns: Netns, tmp_path):
     assert not garps(seen), f"{len(garps(seen))} gratuitous ARP(s) for new addresses"
     assert not unsolicited_nas(seen), f"{len(unsolicited_nas(seen))} unsolicited NA(s)"
     assert notify_settings(allocs[0]) == ["1", "1"]  # still on, for a later MAC change
+    # on eth0 itself, not as the namespace's defaults
+    assert [sh("ip", "netns", "exec", allocs[0], "cat", f"/proc/sys/net/{key}").stdout.strip()
+            for key in ("ipv4/conf/default/arp_notify", "ipv6/conf/default/ndisc_notify")] == \
+        ["0", "0"]
 
 
 def test_an_address_handed_over_in_one_run_is_announced_on_the_wire(host_ns: Netns,
