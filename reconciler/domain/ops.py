@@ -258,6 +258,10 @@ class AllocConfigure(_TypedOp):
     ipv6: bool  # the alloc has IPv6; not read since eth0 never gets a link-local address
     # (issue 18), kept: plans saved by earlier versions and the planner's JSON carry it
     mark: str | None  # the alias of lo
+    # announce the addresses once eth0 has them (a gratuitous ARP and an unsolicited NA
+    # each): only where some cache may hold another MAC for one of them (a heal, an address
+    # re-added, an address the segment has seen); a plan of an earlier version: no
+    announce: bool = _omit(False)
 
     def interfaces(self) -> list[IPInterface]:
         return [ipaddress.ip_interface(a) for a in self.addresses]

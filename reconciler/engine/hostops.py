@@ -110,7 +110,7 @@ class HostOps:
                 # op.ipv6 is not read: eth0 never has a link-local address (see
                 # Netlink.configure_inside); the field stays for the plans that carry it
                 self.netlink.configure_inside(op.netns, op.interfaces(), op.gateway_ips(),
-                                              mtu=op.mtu, mark=op.mark)
+                                              mtu=op.mtu, mark=op.mark, announce=op.announce)
             case SysctlSet():
                 sysctl.write(op.key, op.value)
             case FirewallRestore():

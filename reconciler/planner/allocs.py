@@ -8,6 +8,7 @@ ports are kept the same way, from the live DNAT rules of the allocation.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -317,6 +318,33 @@ def _neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr 
     return attrs, ops
 
 
+def seen_addresses(ctx: PlanContext) -> frozenset[tuple[int | None, str]]:
+    """Addresses some cache on a segment may hold a MAC for: (bridge index, address) of
+    each neighbour entry of the declared bridges (any state observation keeps), and
+    (None, address) of each address an allocation namespace of ours has now (one being
+    pruned may hand its address to a new one in the same plan; its peers cached it).
+
+    A new allocation announces its addresses only when one of them is here: a gratuitous
+    ARP or an unsolicited NA updates entries that exist, and no cache can hold an address
+    that was never on the segment. Not announcing keeps a bulk create linear: each
+    announcement is flooded to every port of the bridge (O(N^2) frames in all).
+    """
+    seen: set[tuple[int | None, str]] = {(n.index, n.address) for n in ctx.live.neighbours}
+    for ns in ctx.live.netns.values():
+        if _owned_ns(ctx, ns):
+            eth0 = _inner(ns, ALLOC_IFNAME)
+            seen.update((None, str(x.address.ip)) for x in (eth0.addresses if eth0 else ()))
+    return frozenset(seen)
+
+
+def _seen(ctx: PlanContext, seen: frozenset[tuple[int | None, str]], bridge: str,
+          addrs: tuple[IPAddr | None, ...]) -> bool:
+    link = ctx.live.links.get(bridge)
+    index = link.index if link is not None else None
+    return any(x is not None and ((index, str(x)) in seen or (None, str(x)) in seen)
+               for x in addrs)
+
+
 # ------------------------------------------------------------------ per alloc
 
 
@@ -337,7 +365,9 @@ def _view(ctx: PlanContext, aid: str) -> object:
 
 
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
-               maps: list[Mapped], clash: str | None = None) -> Change:
+               maps: list[Mapped], clash: str | None = None,
+               seen: frozenset[tuple[int | None, str]] = frozenset()) -> Change:
+    """The change of one declared allocation. ``seen``: :func:`seen_addresses`."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
@@ -370,6 +400,9 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     stale_veth = [encode(LinkDelete(veth_name))] if veth is not None else []
 
     if ns is None or not ns.usable:
+        # a veth left behind: its namespace (and eth0, with these addresses) may live on
+        announce = bool(stale_veth) or _seen(ctx, seen, b.name, addrs)
+        configure = dataclasses.replace(configure, announce=announce)
         attrs = (AttrChange("subnet", None, s.name), AttrChange("address", None, want[0]),
                  *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
                  *((AttrChange("ports", None, ports),) if ports else ()),
@@ -402,7 +435,8 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         if eth0 is not None:
             ops.append(encode(LinkDelete(ALLOC_IFNAME, netns=a.id)))
         ops += stale_veth
-        ops += [encode(attach), encode(configure)]
+        # a heal: whoever talked to eth0 caches the MAC of the one that went
+        ops += [encode(attach), encode(dataclasses.replace(configure, announce=True))]
         eth0_mac: str | None = derived_mac  # what the new eth0 will have
     else:
         assert veth is not None and eth0 is not None
@@ -432,6 +466,8 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             if w not in have:
                 attrs_l.append(AttrChange("address6" if ":" in w else "address", None, w))
                 inside_ok = False
+                # (re)added to a live allocation: announced (its peers may know it elsewhere)
+                configure = dataclasses.replace(configure, announce=True)
                 if w in unowned:
                     # there, but without our tag (an adopted namespace): re-add it as ours,
                     # or configure would take "exists" for done and never converge
@@ -511,9 +547,10 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     changes = []
     with_ports: set[SubnetName] = set()
     clashes = mac_clashes(ctx)
+    seen = seen_addresses(ctx)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid))
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen)
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall

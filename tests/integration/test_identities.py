@@ -263,21 +263,71 @@ def frames(sock: socket.socket, wait: float) -> list[bytes]:
     return out
 
 
-def test_new_addresses_are_announced_on_the_wire(host_ns: Netns, tmp_path):
-    apply_ok(host_ns, config(tmp_path, []))
-    (aid,) = ids(1)
-    with capture(host_ns, BRIDGE) as sock:
-        apply_ok(host_ns, config(tmp_path, [{"id": aid}]))
-        seen = frames(sock, 0.5)
+def garps(seen: list[bytes], mac: bytes | None = None, ip: bytes | None = None) -> list[bytes]:
+    """Gratuitous ARP requests (broadcast, sender = target address), of ``mac`` for ``ip``."""
+    return [f for f in seen if f[12:14] == b"\x08\x06" and f[:6] == b"\xff" * 6
+            and struct.unpack("!H", f[20:22])[0] == 1 and f[28:32] == f[38:42]
+            and (mac is None or (f[6:12] == mac and f[22:28] == mac))
+            and (ip is None or f[28:32] == ip)]
+
+
+def unsolicited_nas(seen: list[bytes], mac: bytes | None = None,
+                    ip6: bytes | None = None) -> list[bytes]:
+    """Neighbour advertisements to ff02::1 (override flag, target link-layer address)."""
+    return [f for f in seen if f[12:14] == b"\x86\xdd" and f[20] == 58 and f[21] == 255
+            and f[38:54] == socket.inet_pton(socket.AF_INET6, "ff02::1") and f[54] == 136
+            and f[58] & 0x20 and f[78:80] == b"\x02\x01"
+            and (mac is None or (f[6:12] == mac and f[80:86] == mac))
+            and (ip6 is None or f[62:78] == ip6)]
+
+
+def assert_announced(seen: list[bytes], aid: str) -> None:
     mac = bytes.fromhex(alloc_mac(aid).replace(":", ""))
-    ip = socket.inet_aton(v4_of(aid))
-    ip6 = socket.inet_pton(socket.AF_INET6, v6_of(aid))
-    garp = [f for f in seen if f[12:14] == b"\x08\x06" and f[6:12] == mac
-            and f[:6] == b"\xff" * 6 and struct.unpack("!H", f[20:22])[0] == 1
-            and f[22:28] == mac and f[28:32] == ip and f[38:42] == ip]
-    assert garp, "no gratuitous ARP for the new address"
-    na = [f for f in seen if f[12:14] == b"\x86\xdd" and f[6:12] == mac and f[20] == 58
-          and f[21] == 255 and f[54] == 136 and f[58] & 0x20 and f[62:78] == ip6
-          and f[78:80] == b"\x02\x01" and f[80:86] == mac]
-    assert na, "no unsolicited neighbour advertisement (override, target lladdr) for it"
-    assert notify_settings(aid) == ["1", "1"]
+    assert garps(seen, mac, socket.inet_aton(v4_of(aid))), "no gratuitous ARP for the address"
+    assert unsolicited_nas(seen, mac, socket.inet_pton(socket.AF_INET6, v6_of(aid))), \
+        "no unsolicited neighbour advertisement (override, target lladdr) for it"
+
+
+def test_a_fresh_bulk_create_announces_nothing(host_ns: Netns, tmp_path):
+    # addresses nothing on the segment has seen: no cache to update, and each announcement
+    # would be flooded to every port (O(N^2) frames for a bulk create)
+    apply_ok(host_ns, config(tmp_path, []))
+    allocs = ids(20)
+    with capture(host_ns, BRIDGE) as sock:
+        apply_ok(host_ns, config(tmp_path, [{"id": a} for a in allocs]))
+        seen = frames(sock, 0.5)
+    assert not garps(seen), f"{len(garps(seen))} gratuitous ARP(s) for new addresses"
+    assert not unsolicited_nas(seen), f"{len(unsolicited_nas(seen))} unsolicited NA(s)"
+    assert notify_settings(allocs[0]) == ["1", "1"]  # still on, for a later MAC change
+    # on eth0 itself, not as the namespace's defaults
+    assert [sh("ip", "netns", "exec", allocs[0], "cat", f"/proc/sys/net/{key}").stdout.strip()
+            for key in ("ipv4/conf/default/arp_notify", "ipv6/conf/default/ndisc_notify")] == \
+        ["0", "0"]
+
+
+def test_an_address_handed_over_in_one_run_is_announced_on_the_wire(host_ns: Netns,
+                                                                     tmp_path):
+    old, new = ids(2)
+    apply_ok(host_ns, config(tmp_path, [{"id": old}]))
+    ip, ip6 = v4_of(old), v6_of(old)
+    with capture(host_ns, BRIDGE) as sock:
+        apply_ok(host_ns, config(tmp_path, [{"id": new}]))  # old pruned, new takes its address
+        seen = frames(sock, 0.5)
+    assert (v4_of(new), v6_of(new)) == (ip, ip6)
+    assert_announced(seen, new)
+    assert notify_settings(new) == ["1", "1"]
+
+
+def test_a_heal_is_announced_on_the_wire(host_ns: Netns, tmp_path):
+    aid, other = ids(2)  # the other keeps the bridge's carrier up through the heal
+    path = config(tmp_path, [{"id": aid}, {"id": other}])
+    apply_ok(host_ns, path)
+    sh("ip", "-n", host_ns.name, "link", "del", veth_name(aid))
+    r = host_ns.reconcile("-v", "plan", path)
+    assert r.out.count("announce=True") == 1 and f"netns={aid}, " in r.out, r.all
+    with capture(host_ns, BRIDGE) as sock:
+        apply_ok(host_ns, path)
+        seen = frames(sock, 0.5)
+    assert_announced(seen, aid)
+    other_mac = bytes.fromhex(alloc_mac(other).replace(":", ""))
+    assert not garps(seen, other_mac) and not unsolicited_nas(seen, other_mac)

@@ -94,7 +94,13 @@ def test_every_op_the_planner_writes_reaches_one_driver_call(calls: Calls) -> No
      ("netlink", "configure_inside",
       ("a", [ipaddress.ip_interface("10.0.0.2/24"), ipaddress.ip_interface("fd00::2/64")],
        [ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("fd00::1")]),
-      {"mtu": None, "mark": "m"})),  # "ipv6" is not read: eth0 never has a link-local address
+      {"mtu": None, "mark": "m", "announce": False})),  # "ipv6" is not read: eth0 never
+    # has a link-local address
+    (Op("alloc.configure", {"netns": "a", "addresses": ["10.0.0.2/24"], "gateways": ["10.0.0.1"],
+                            "mtu": 1400, "ipv6": False, "mark": "m", "announce": True}),
+     ("netlink", "configure_inside",
+      ("a", [ipaddress.ip_interface("10.0.0.2/24")], [ipaddress.ip_address("10.0.0.1")]),
+      {"mtu": 1400, "mark": "m", "announce": True})),
     (Op("addr.add", {"link": "br0", "address": "10.0.0.1/24"}),
      ("netlink", "add_address", ("br0", ipaddress.ip_interface("10.0.0.1/24")), {"ns": None})),
     (Op("addr.add", {"link": "eth0", "address": "fd00::2/64", "netns": "a"}),

@@ -12,9 +12,16 @@ import pytest
 
 from reconciler.domain import ownership
 from reconciler.domain.live import LiveNeighbour
-from reconciler.domain.ops import AllocAttach, LinkAddBridge, LinkSetMac, NeighReplace, decode
+from reconciler.domain.ops import (
+    AllocAttach,
+    AllocConfigure,
+    LinkAddBridge,
+    LinkSetMac,
+    NeighReplace,
+    decode,
+)
 from reconciler.domain.ownership import alloc_mac, alloc_veth_name, bridge_mac, derived_mac
-from reconciler.domain.plan import Action, Change, Plan
+from reconciler.domain.plan import Action, Change, Op, Plan
 from reconciler.drivers import sysfsnet
 from reconciler.drivers.netlink.parse import parse_neigh
 from reconciler.drivers.netlink.wire import (
@@ -31,7 +38,7 @@ from reconciler.drivers.netlink.wire import (
 )
 
 from .fakehost import FakeHost
-from .test_allocs_planner import alloc, converge, plan, port, state
+from .test_allocs_planner import alloc, converge, plan, port, state, subnet
 
 
 def ops_of(change: Change, cls: type) -> list:  # type: ignore[type-arg]
@@ -152,6 +159,91 @@ def test_two_allocs_deriving_one_mac_on_one_bridge_are_both_conflicts(monkeypatc
     assert change_of(p, "alloc", "c").action is Action.CREATE
     scripts = json.dumps([op.args for c in p.changes for op in c.ops])
     assert "alloc=c" in scripts and "alloc=a" not in scripts  # a conflict reaches no rule
+
+
+# ------------------------------------------------------------------ announcements
+
+
+def announces(p: Plan, aid: str) -> bool:
+    (configure,) = ops_of(change_of(p, "alloc", aid), AllocConfigure)
+    return bool(configure.announce)
+
+
+def test_a_bulk_create_of_addresses_nobody_has_seen_announces_nothing():
+    host = FakeHost()
+    desired = state(*(alloc(f"a{i}", port(None, 80)) for i in range(20)),
+                    sub=subnet(cidr6="fd00:1::/64"))
+    p = plan(host, desired)
+    assert not any(announces(p, f"a{i}") for i in range(20))
+    # the field is omitted at its default: the plan's JSON is what it was before it
+    assert '"announce"' not in json.dumps(p.to_json())
+    converge(host, desired)
+
+
+def test_a_new_alloc_announces_an_address_the_bridges_neighbour_table_has():
+    host = FakeHost()
+    converge(host, state(alloc("a")))
+    index = host.links["br0"].index
+    # any state observation keeps: a stale one of a gone allocation, a permanent one
+    host.neighbours += [LiveNeighbour(index, "10.0.0.3", "0a:00:00:00:00:99", False),
+                        LiveNeighbour(index, "10.0.0.5", "0a:00:00:00:00:98", True),
+                        LiveNeighbour(index + 100, "10.0.0.4", "0a:00:00:00:00:97", False)]
+    desired = state(alloc("a"), alloc("b"), alloc("c"), alloc("d"), alloc("e"))
+    p = plan(host, desired)
+    assert [aid for aid in "bcde" if announces(p, aid)] == ["b", "d"]  # .3 and .5; .4 elsewhere
+    assert change_of(p, "alloc", "a").action is Action.NOOP
+
+
+def test_an_ipv6_entry_alone_makes_a_dual_stack_alloc_announce():
+    host = FakeHost()
+    sub = subnet(cidr6="fd00:1::/64")
+    converge(host, state(sub=sub))
+    host.neighbours.append(LiveNeighbour(host.links["br0"].index, "fd00:1::2",
+                                         "0a:00:00:00:00:99", False))
+    assert announces(plan(host, state(alloc("a"), sub=sub)), "a")
+
+
+def test_an_address_a_pruned_alloc_hands_over_in_the_same_plan_is_announced():
+    host = FakeHost()
+    converge(host, state(alloc("a"), alloc("b")))
+    held = {aid: str(host.netns[aid].links["eth0"].addresses[0].address.ip) for aid in "ab"}
+    # a goes, c comes and takes its address (the lowest free one)
+    p = plan(host, state(alloc("b"), alloc("c")))
+    assert change_of(p, "alloc", "a").action is Action.DELETE
+    (configure,) = ops_of(change_of(p, "alloc", "c"), AllocConfigure)
+    assert configure.addresses == (f"{held['a']}/24",) and configure.announce
+    converge(host, state(alloc("b"), alloc("c")))
+
+
+def test_a_heal_and_a_re_added_address_announce_and_a_missing_route_does_not():
+    host = FakeHost()
+    desired = state(alloc("a"), alloc("b"), alloc("c"))
+    converge(host, desired)
+    del host.links[alloc_veth_name("a")]  # a heal re-creates the pair
+    host.netns["a"].links.pop("eth0")
+    eth0 = host.netns["b"].links["eth0"]  # b lost its address
+    host.netns["b"].links["eth0"] = dataclasses.replace(eth0, addresses=())
+    host.netns["c"].routes.clear()  # c lost its default route: its addresses stayed
+    p = plan(host, desired)
+    assert [announces(p, aid) for aid in "abc"] == [True, True, False]
+    converge(host, desired)
+
+
+def test_a_veth_left_behind_by_a_gone_namespace_makes_the_new_one_announce():
+    host = FakeHost()
+    desired = state(alloc("a"))
+    converge(host, desired)
+    del host.netns["a"]  # the namespace file went; the veth (and maybe its peer) stayed
+    p = plan(host, desired)
+    assert change_of(p, "alloc", "a").reason == "namespace missing (veth left behind)"
+    assert announces(p, "a")
+
+
+def test_a_configure_op_of_an_earlier_plan_does_not_announce():
+    op = decode(Op("alloc.configure", {"netns": "a", "addresses": ["10.0.0.2/24"],
+                                       "gateways": ["10.0.0.1"], "mtu": None, "ipv6": False,
+                                       "mark": "m"}))
+    assert isinstance(op, AllocConfigure) and op.announce is False
 
 
 # ------------------------------------------------------------------ bridges

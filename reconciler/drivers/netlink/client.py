@@ -30,8 +30,14 @@ from reconciler.domain import ownership
 from reconciler.domain.errors import ConflictError, DriverError
 from reconciler.domain.live import IPInterface
 from reconciler.drivers import netns
-from reconciler.drivers.netlink.announce import enable_notify
-from reconciler.drivers.netlink.messages import addr_body, ifinfo, no_ipv6_ll, updown
+from reconciler.drivers.netlink.announce import enable_ndisc_notify
+from reconciler.drivers.netlink.messages import (
+    addr_body,
+    arp_notify_on,
+    ifinfo,
+    no_ipv6_ll,
+    updown,
+)
 from reconciler.drivers.netlink.parse import bridge_port_state
 from reconciler.drivers.netlink.read import NetlinkReader
 from reconciler.drivers.netlink.transport import Socket
@@ -118,14 +124,10 @@ class Netlink(NetlinkReader):
         # bridge veths were put on, and the peer of a veth just created (until configured)
         self._bridge_index: dict[str, int] = {}
         self._fresh: dict[str, _FreshPeer] = {}
-        # namespaces create_netns made (by name: their inode), whose links are born with
-        # arp_notify and ndisc_notify on: configure_inside need not enter them to set it
-        self._notifying: dict[str, int] = {}
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` and forget the peer just put there."""
         self._fresh.pop(name, None)
-        self._notifying.pop(name, None)
         super().forget_netns(name)
 
     def ensure_bridge(self, name: str, mtu: int | None = None,
@@ -462,9 +464,6 @@ class Netlink(NetlinkReader):
         kept: list[Socket] = []
 
         def init() -> None:
-            # eth0 is made here later and takes the namespace's defaults: arp_notify and
-            # ndisc_notify on (see configure_inside), set while this thread is inside anyway
-            enable_notify("default")
             sock = Socket()
             try:
                 sock.request(RTM_NEWLINK, 0,
@@ -482,8 +481,6 @@ class Netlink(NetlinkReader):
             if kept:
                 self._keep_socket(name, kept[0], lo_mark=mark)
                 kept.clear()
-            if created and mark is not None:
-                self._notifying[name] = os.stat(netns.path_of(name)).st_ino
         finally:
             for sock in kept:
                 sock.close()
@@ -501,7 +498,8 @@ class Netlink(NetlinkReader):
     def configure_inside(self, netns_name: str, addrs: Sequence[IPInterface],
                          gateways: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address],
                          *, ifname: str = "eth0", mtu: int | None = None,
-                         ipv6_link_local: bool = False, mark: str | None = None) -> None:
+                         ipv6_link_local: bool = False, mark: str | None = None,
+                         announce: bool = False) -> None:
         """Inside an allocation namespace: ``lo`` up, ``ifname`` up (MTU, ownership alias),
         owned addresses, default route(s) via the gateway(s) with our route proto.
         Idempotent.
@@ -519,16 +517,20 @@ class Netlink(NetlinkReader):
         The index of ``ifname`` comes from the echo of :meth:`create_veth_into_netns`
         when that just made it, else from a lookup.
 
-        Last, the addresses are announced from inside (a gratuitous ARP and an
-        unsolicited NA with the override flag for each; see ``announce``), so whoever
-        cached the MAC of a re-created ``eth0`` learns the new one at once: with
-        ``arp_notify`` and ``ndisc_notify`` on for ``ifname`` (a namespace
-        :meth:`create_netns` made has both as its defaults; any other is entered
-        once to set them), setting its MAC to the one it has makes the kernel send
-        them (NETDEV_CHANGEADDR). Not at NETDEV_UP: the bridge enables the new port
-        only when linkwatch has seen its carrier, after the up, and drops what
-        comes earlier; so for a new pair it first waits until the host end forwards
-        (one look-up: it usually does by then).
+        ``arp_notify`` goes on in the message that brings ``ifname`` up (applied after
+        its flags: off at NETDEV_UP, when there is no address to announce anyway);
+        ``ndisc_notify``, which has no netlink setter, is written from inside the
+        namespace when there is an IPv6 address. Neither sends anything by itself
+        (the addresses come after the up, IPv6 ones without DAD). With ``announce``
+        (the planner's call: a heal, an address re-added, an address the segment has
+        seen) the addresses are announced last (a gratuitous ARP and an unsolicited
+        NA with the override flag for each; see ``announce``), so whoever cached
+        another MAC for them learns this one at once: setting the MAC to the one it
+        has makes the kernel send them (NETDEV_CHANGEADDR). Not at NETDEV_UP: the
+        bridge enables the new port only when linkwatch has seen its carrier, after
+        the up, and drops what comes earlier; so for a new pair it first waits until
+        the host end forwards (one look-up: it usually does by then). Without it
+        nothing is sent: each announcement is flooded to every port of the bridge.
 
         It only adds: removing addresses/routes that should not be there is
         the planner's call (:meth:`del_address`, :meth:`del_default_route`).
@@ -556,15 +558,14 @@ class Netlink(NetlinkReader):
             sock.request(RTM_NEWLINK, 0, ifinfo() + attrs + no_ll,
                          f"link {ifname}{where}: configure")
             attrs = name
-        if self._notifying.pop(netns_name, None) != entry.inode:
+        sock.request(RTM_NEWLINK, 0, ifinfo(flags=IFF_UP, change=IFF_UP) + attrs
+                     + arp_notify_on(), f"link {ifname}{where}: set up")
+        if any(iface.version == 6 for iface in addrs):
             try:
                 with netns.enter(netns_name):
-                    enable_notify(ifname)
+                    enable_ndisc_notify(ifname)
             except OSError as e:
-                raise DriverError(f"link {ifname}{where}: arp_notify/ndisc_notify: "
-                                  f"{e.strerror}") from None
-        sock.request(RTM_NEWLINK, 0, ifinfo(flags=IFF_UP, change=IFF_UP) + attrs,
-                     f"link {ifname}{where}: set up")
+                raise DriverError(f"link {ifname}{where}: ndisc_notify: {e.strerror}") from None
         if index is None:
             index = self._index(ifname, netns_name)
         for iface in addrs:
@@ -581,6 +582,8 @@ class Netlink(NetlinkReader):
                     raise
         for gw in gateways:
             self.replace_default_route(ifname, gw, ns=netns_name, index=index)
+        if not announce:
+            return
         mac = fresh.mac if fresh is not None and fresh.index == index else None
         if mac is None:
             link = self.get_link(ifname, netns_name)

@@ -18,7 +18,9 @@ from reconciler.drivers.netlink.wire import (
     IFLA_AF_SPEC,
     IFLA_EXT_MASK,
     IFLA_INET6_ADDR_GEN_MODE,
+    IFLA_INET_CONF,
     IN6_ADDR_GEN_MODE_NONE,
+    IPV4_DEVCONF_ARP_NOTIFY,
     NDMSG,
     RT_TABLE_MAIN,
     RTEXT_FILTER_SKIP_STATS,
@@ -63,6 +65,16 @@ def no_ipv6_ll() -> bytes:
         return b""
     return nested(IFLA_AF_SPEC, nested(socket.AF_INET6, u8_attr(IFLA_INET6_ADDR_GEN_MODE,
                                                               IN6_ADDR_GEN_MODE_NONE)))
+
+
+def arp_notify_on() -> bytes:
+    """IFLA_AF_SPEC: ``arp_notify`` on for this link (its IPv4 devconf, no /proc write).
+
+    The kernel applies IFLA_AF_SPEC after the flags of the message, so sent with
+    the one that brings the link up it is off at NETDEV_UP and on from then on.
+    """
+    return nested(IFLA_AF_SPEC, nested(socket.AF_INET, nested(
+        IFLA_INET_CONF, u32_attr(IPV4_DEVCONF_ARP_NOTIFY, 1))))
 
 
 def addr_body(iface: IPInterface, index: int, proto: int | None, nodad: bool) -> bytes:

@@ -109,6 +109,12 @@ IFLA_LINKINFO = 18
 IFLA_AF_SPEC = 26
 
 
+IFLA_INET_CONF = 1  # in IFLA_AF_SPEC / AF_INET: IPV4_DEVCONF_* values, one u32 each
+
+
+IPV4_DEVCONF_ARP_NOTIFY = 22  # net.ipv4.conf.<link>.arp_notify
+
+
 IFLA_INET6_ADDR_GEN_MODE = 8
 
 
