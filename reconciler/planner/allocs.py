@@ -327,9 +327,16 @@ def seen_addresses(ctx: PlanContext) -> frozenset[tuple[int | None, str]]:
     A new allocation announces its addresses only when one of them is here: a gratuitous
     ARP or an unsolicited NA updates entries that exist, and no cache can hold an address
     that was never on the segment. Not announcing keeps a bulk create linear: each
-    announcement is flooded to every port of the bridge (O(N^2) frames in all).
+    announcement is flooded to every port of the bridge (O(N^2) frames in all). A bridge
+    with a foreign port (a NIC, another tool's veth) leads to caches we cannot see: there
+    every new address is announced.
     """
     seen: set[tuple[int | None, str]] = {(n.index, n.address) for n in ctx.live.neighbours}
+    # A bridge with a port that is not one of our allocations' veths (a NIC, someone's
+    # veth) reaches caches we cannot read: everything on it is announced ("*").
+    index = {lk.name: lk.index for lk in ctx.live.links.values() if lk.kind == "bridge"}
+    seen.update((index[lk.master], "*") for lk in ctx.live.links.values()
+                if lk.master in index and not (lk.kind == "veth" and lk.owned))
     for ns in ctx.live.netns.values():
         if _owned_ns(ctx, ns):
             eth0 = _inner(ns, ALLOC_IFNAME)
@@ -341,6 +348,8 @@ def _seen(ctx: PlanContext, seen: frozenset[tuple[int | None, str]], bridge: str
           addrs: tuple[IPAddr | None, ...]) -> bool:
     link = ctx.live.links.get(bridge)
     index = link.index if link is not None else None
+    if index is not None and (index, "*") in seen:
+        return True
     return any(x is not None and ((index, str(x)) in seen or (None, str(x)) in seen)
                for x in addrs)
 

@@ -194,6 +194,18 @@ def test_a_new_alloc_announces_an_address_the_bridges_neighbour_table_has():
     assert change_of(p, "alloc", "a").action is Action.NOOP
 
 
+def test_a_bridge_with_a_foreign_port_announces_every_new_address():
+    # a NIC (or another tool's veth) on the bridge leads to caches we cannot read
+    host = FakeHost()
+    converge(host, state(alloc("a")))
+    host.links["eno1"] = dataclasses.replace(host.links["br0"], name="eno1", index=900,
+                                             kind="", owned=False, master="br0", alias=None)
+    p = plan(host, state(alloc("a"), alloc("b")))
+    assert announces(p, "b")
+    del host.links["eno1"]
+    assert not announces(plan(host, state(alloc("a"), alloc("b"))), "b")
+
+
 def test_an_ipv6_entry_alone_makes_a_dual_stack_alloc_announce():
     host = FakeHost()
     sub = subnet(cidr6="fd00:1::/64")
