@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything, then plan, apply, show and tear down the built-in example
+# Install everything, then plan, apply, verify, show and tear down the built-in example
 # inside a throwaway network namespace: the host's own network is never touched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ echo "== reconcile plan $example   (in network namespace $ns)"
 reconcile --netns "$ns" plan "$example" || [ $? -eq 2 ]
 echo "== reconcile apply $example"
 reconcile --netns "$ns" apply "$example"
+echo "== reconcile verify: the config matches and packets flow (probes)"
+reconcile --netns "$ns" verify "$example"
 echo "== reconcile show"
 reconcile --netns "$ns" show
 echo "== reconcile plan again: nothing to do"
