@@ -131,6 +131,12 @@ class Reconciler:
                 raise StalePlanError("the saved plan is stale: the desired-state files changed "
                                      "since it was made; run plan again")
             if not saved.same_work(plan):
+                if saved.live_fingerprint == plan.live_fingerprint:
+                    # the same files and the same live state: the planner that made it
+                    # decides otherwise (another version, e.g. before MACs were derived)
+                    raise StalePlanError("the saved plan is stale: it was made by another "
+                                         "version of the reconciler, which plans other work "
+                                         "for the same files and live state; run plan again")
                 raise StalePlanError("the saved plan is stale: the live state changed since it "
                                      "was made; run plan again")
         if plan.conflicts:
