@@ -149,6 +149,15 @@ def test_stale_entries_of_a_moved_map(entry: Entry, gone: bool) -> None:
     assert stale_for(StaleMap.parse("udp/5353>10.78.0.20:53"), entry, LOCAL) is gone
 
 
+@pytest.mark.parametrize(("entry", "gone"), [
+    (_entry("10.98.0.1", 8080, "10.78.0.10", 80, 6), True),     # NATed to the old alloc
+    (_entry("10.98.0.1", 8080, "10.98.0.1", 8080, 6), False),   # a host service's own flow
+])
+def test_a_removed_tcp_map_takes_only_the_flows_its_dnat_rewrote(entry: Entry,
+                                                                 gone: bool) -> None:
+    assert stale_for(StaleMap.parse("tcp/8080"), entry, LOCAL) is gone
+
+
 def test_a_map_on_one_host_address_takes_only_its_entries() -> None:
     m = StaleMap.parse("udp/5353@192.0.2.1")
     assert stale_for(m, _entry("192.0.2.1", 5353, "10.78.0.10", 53), LOCAL)

@@ -264,6 +264,11 @@ def stale_for(m: StaleMap, e: Entry, local: frozenset[IPAddress]) -> bool:
     to_map = dst == m.host_ip if m.host_ip is not None else (dst in local or dst.is_loopback)
     if not to_map:
         return False
+    nated = (e.reply.src, e.reply.sport) != (dst, e.orig.dport)
+    if e.orig.proto == socket.IPPROTO_TCP and not nated:
+        # a TCP flow no DNAT of ours rewrote (a host service's, from before any map):
+        # deleted, its next packet would be picked up as new and meet the map's DNAT
+        return False
     return m.keep is None or (e.reply.src, e.reply.sport) != m.keep
 
 
