@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
-import json
 import os
 import resource
 import secrets
@@ -612,10 +610,6 @@ class ProbeRun:
 
 # ------------------------------------------------------------------ diagnosis (failures only)
 
-#: SIOCGIFHWADDR (linux/sockios.h): eth0's MAC from a socket inside the allocation
-_SIOCGIFHWADDR = 0x8927
-
-
 def save_counters(family: int) -> str | None:
     """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
 
@@ -647,51 +641,6 @@ def netstat_counter(name: str, text: str | None = None) -> int:
     return 0
 
 
-def route_get(address: str) -> tuple[str | None, str | None]:
-    """(output link, route type) the host's routing (rules included) picks for an address:
-    ``ip route get`` (RTM_GETROUTE); (None, words) when there is no route."""
-    try:
-        p = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True,
-                           text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, str(e)
-    if p.returncode != 0:
-        words = (p.stderr.strip().splitlines() or ["no route"])[-1]
-        return None, words.removeprefix("RTNETLINK answers: ").lower()
-    try:
-        routes = json.loads(p.stdout)
-    except ValueError:
-        return None, "unreadable answer"
-    if not routes:
-        return None, "no route"
-    r = routes[0]
-    return r.get("dev"), r.get("type", "unicast")
-
-
-def neighbours(link: str) -> dict[str, tuple[str | None, str]]:
-    """The host's neighbour entries on ``link``: address -> (MAC, state)."""
-    try:
-        p = subprocess.run(["ip", "-j", "neigh", "show", "dev", link], capture_output=True,
-                           text=True, timeout=10, check=False)
-        entries = json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else []
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return {}
-    return {e["dst"]: (e.get("lladdr"), ",".join(e.get("state", ()))) for e in entries
-            if "dst" in e}
-
-
-def mac_of(alloc: str) -> str | None:
-    """The MAC of ``eth0`` inside the allocation's namespace, or None."""
-    try:
-        with netns.enter(alloc):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with s:
-            raw = fcntl.ioctl(s.fileno(), _SIOCGIFHWADDR, struct.pack("256s", b"eth0"))
-    except (DriverError, OSError):
-        return None
-    return ":".join(f"{b:02x}" for b in raw[18:24])
-
-
 # ------------------------------------------------------------------ the external vantage
 
 
@@ -719,8 +668,10 @@ def create_vantage(ns: str, link: str) -> None:
     and a default route through the host, so its connections arrive the way another
     host's do (PREROUTING, FORWARD). Neither end makes IPv6 addresses (nothing on the
     wire the files do not declare). Made with two ``ip -batch`` runs: it is opt-in and
-    made once per prober, where the netlink driver has no veth without a bridge. A
-    leftover of a crash (same names: they are per host) is removed first.
+    made once per prober, where the netlink driver has no veth without a bridge (its veths
+    are made attached, as an allocation's, and this driver may not call it): kept as
+    ``ip -batch`` for that reason. A leftover of a crash (same names: they are per host) is
+    removed first.
     """
     remove_vantage(ns, link)
     netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS)

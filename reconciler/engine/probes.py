@@ -17,7 +17,7 @@ from typing import Any
 from reconciler.domain.errors import DriverError
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import AllocId, DesiredState
-from reconciler.domain.ownership import alloc_veth_name, probe_vantage_names
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_veth_name, probe_vantage_names
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import (
     VANTAGE_HOST,
@@ -144,7 +144,7 @@ def _sighting(o: driver.Outcome) -> Sighting:
     return Sighting(o.reached, o.answer, o.error, o.big)
 
 
-#: distinct addresses whose route a diagnosis asks for (one ``ip route get`` each)
+#: distinct addresses whose route a diagnosis asks for (one RTM_GETROUTE each)
 ROUTE_LOOKUPS = 32
 
 
@@ -241,15 +241,24 @@ class Diagnosis:
         if address not in self._routes:
             if len(self._routes) >= ROUTE_LOOKUPS:
                 return None
-            self._routes[address] = driver.route_get(address)
+            self._routes[address] = self.handles.netlink.route_get(address)
         return self._routes[address]
 
     def _neighbours(self, bridge: str) -> dict[str, tuple[str | None, str]]:
         if bridge not in self._neigh:
-            self._neigh[bridge] = driver.neighbours(bridge)
+            try:
+                index = self.handles.netlink.link_index(bridge)
+                self._neigh[bridge] = ({} if index is None
+                                       else self.handles.netlink.neighbour_states(index))
+            except DriverError:
+                self._neigh[bridge] = {}
         return self._neigh[bridge]
 
     def _mac(self, alloc: str) -> str | None:
         if alloc not in self._macs:
-            self._macs[alloc] = driver.mac_of(alloc)
+            try:
+                eth0 = self.handles.netlink.get_link(ALLOC_IFNAME, ns=alloc)
+            except DriverError:
+                eth0 = None
+            self._macs[alloc] = eth0.mac if eth0 is not None else None
         return self._macs[alloc]
