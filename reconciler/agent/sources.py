@@ -120,34 +120,28 @@ def _index_to_name(index: int) -> str | None:
         return None
 
 
-class NetlinkWatcher:
-    """Listens to rtnetlink notifications in a thread; calls ``on_drift(reason)`` for relevant ones.
+class _SocketWatcher:
+    """A subscription socket read in a thread of its own until ``stop``: the loop both
+    watchers share (a lost event, ``ENOBUFS``, is one ``on_drift(overrun)``: look at
+    everything again). Subclasses open the socket in :meth:`start` (the caller's thread
+    and namespace, so a failure is reported there) and turn each datagram into drift."""
 
-    ``on_event``, when given, hears every event (relevant or not): the address-space
-    alarm watches other tools' addresses and routes.
-    The socket is opened by :meth:`start` in the caller's thread, so that a
-    failure is reported there and the namespace is the caller's.
-    """
+    thread_name = "drift"
+    overrun = "overrun"
+    label = "listener"
 
-    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
-                 drift_filter: DriftFilter | None = None, *,
-                 on_event: Callable[[NetlinkEvent], object] | None = None) -> None:
+    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event) -> None:
         self.on_drift = on_drift
-        self.on_event = on_event
         self.stop = stop
-        self.filter = drift_filter or DriftFilter()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._sock = open_socket(GROUPS)  # subscribe first, then dump: no gap for missed links
-        for ev in dump_links():
-            self.filter.learn(ev)
-        self._thread = threading.Thread(target=self._run, name="netlink-drift", daemon=True)
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def set_names(self, names: Iterable[str]) -> None:
-        self.filter.set_names(names)
+    def _handle(self, data: bytes) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         sock = self._sock
@@ -162,24 +156,55 @@ class NetlinkWatcher:
                 if self.stop.is_set() or exc.errno == errno.EBADF:
                     return
                 if exc.errno == errno.ENOBUFS:  # we lost events: look at everything again
-                    self.on_drift("netlink overrun")
+                    self.on_drift(self.overrun)
                     continue
-                log.warning("netlink listener: %s", exc)
+                log.warning("%s: %s", self.label, exc)
                 self.stop.wait(1.0)
                 continue
-            for ev in parse_messages(data):
-                if self.on_event is not None:
-                    self.on_event(ev)
-                if self.filter.relevant(ev):
-                    verb = "del" if ev.deleted else "new"
-                    what = ev.name if ev.what == "link" and ev.name else f"ifindex {ev.index}"
-                    self.on_drift(f"netlink {verb}{ev.what} {what}")
+            self._handle(data)
 
     def close(self) -> None:
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         if self._sock is not None:
             self._sock.close()
+
+
+class NetlinkWatcher(_SocketWatcher):
+    """Listens to rtnetlink notifications in a thread; calls ``on_drift(reason)`` for relevant ones.
+
+    ``on_event``, when given, hears every event (relevant or not): the address-space
+    alarm watches other tools' addresses and routes.
+    The socket is opened by :meth:`start` in the caller's thread, so that a
+    failure is reported there and the namespace is the caller's.
+    """
+
+    thread_name, overrun, label = "netlink-drift", "netlink overrun", "netlink listener"
+
+    def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
+                 drift_filter: DriftFilter | None = None, *,
+                 on_event: Callable[[NetlinkEvent], object] | None = None) -> None:
+        super().__init__(on_drift, stop)
+        self.on_event = on_event
+        self.filter = drift_filter or DriftFilter()
+
+    def start(self) -> None:
+        self._sock = open_socket(GROUPS)  # subscribe first, then dump: no gap for missed links
+        for ev in dump_links():
+            self.filter.learn(ev)
+        self._start_thread()
+
+    def set_names(self, names: Iterable[str]) -> None:
+        self.filter.set_names(names)
+
+    def _handle(self, data: bytes) -> None:
+        for ev in parse_messages(data):
+            if self.on_event is not None:
+                self.on_event(ev)
+            if self.filter.relevant(ev):
+                verb = "del" if ev.deleted else "new"
+                what = ev.name if ev.what == "link" and ev.name else f"ifindex {ev.index}"
+                self.on_drift(f"netlink {verb}{ev.what} {what}")
 
 
 #: the iptables tables our chains live in (``ip``/``ip6`` families of nf_tables under
@@ -213,7 +238,7 @@ class NftCommitFilter:
         return out
 
 
-class NftWatcher:
+class NftWatcher(_SocketWatcher):
     """Listens to nf_tables notifications in a thread; ``on_drift(reason)`` per relevant commit.
 
     This is how the watch loop hears a firewall reload on an iptables-nft host
@@ -224,45 +249,20 @@ class NftWatcher:
     is opened by :meth:`start` in the caller's thread and namespace.
     """
 
+    thread_name, overrun, label = "nftables-drift", "nftables overrun", "nf_tables listener"
+
     def __init__(self, on_drift: Callable[[str], None], stop: threading.Event,
                  commit_filter: NftCommitFilter | None = None) -> None:
-        self.on_drift = on_drift
-        self.stop = stop
+        super().__init__(on_drift, stop)
         self.filter = commit_filter or NftCommitFilter()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._sock = open_nft_events()
-        self._thread = threading.Thread(target=self._run, name="nftables-drift", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
-    def _run(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        while not self.stop.is_set():
-            try:
-                ready, _w, _x = select.select([sock], [], [], 0.5)
-                if not ready:
-                    continue
-                data = sock.recv(RECV_BUFFER)
-            except OSError as exc:
-                if self.stop.is_set() or exc.errno == errno.EBADF:
-                    return
-                if exc.errno == errno.ENOBUFS:  # commits were lost: look at everything again
-                    self.on_drift("nftables overrun")
-                    continue
-                log.warning("nf_tables listener: %s", exc)
-                self.stop.wait(1.0)
-                continue
-            for reason in self.filter.feed(parse_nft_notices(data)):
-                self.on_drift(reason)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-        if self._sock is not None:
-            self._sock.close()
+    def _handle(self, data: bytes) -> None:
+        for reason in self.filter.feed(parse_nft_notices(data)):
+            self.on_drift(reason)
 
 
 def start_nft_watcher(on_drift: Callable[[str], None],

@@ -20,9 +20,10 @@ one per ``eth0``: closing an ``AF_PACKET`` socket waits for an RCU grace period
 2.5 s at 200 allocations.
 
 Nothing is left behind: TCP sockets close with ``SO_LINGER`` 0 (a reset, no
-TIME_WAIT), and the conntrack entries the probes made in the namespace we act
-on are deleted by their exact tuples (``delete_conntrack``) — the transitions
-work's conntrack driver can take that over once it lands. Runs larger than the
+TIME_WAIT), and each outcome names the conntrack entry its probe made in the
+namespace we act on (``Outcome.flow``, its exact original tuple), which
+``engine.probes`` deletes through the conntrack driver
+(``drivers/netlink/conntrack.Conntrack.delete_flows``). Runs larger than the
 file descriptors left under ``RLIMIT_NOFILE`` go in batches.
 """
 
@@ -31,9 +32,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
-import ipaddress
-import json
 import os
 import resource
 import secrets
@@ -42,7 +40,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +79,8 @@ class Outcome:
     error: str | None = None  # the probe could not be sent (namespace gone, bind failed)
     #: the full-size echo with DF (``ProbeSpec.size``) came back; None: none was sent
     big: bool | None = None
+    #: the conntrack entry it made in the namespace we act on, for the caller to delete
+    flow: Flow | None = None
 
 
 @dataclass
@@ -95,8 +95,6 @@ class _Probe:
     captured: bool = False
     answered: bool = False  # the sender's side is finished (connect done, echo or error)
     done: bool = False
-    #: the conntrack entry it makes in the namespace we act on, deleted afterwards
-    flow: Flow | None = None
 
 
 # ------------------------------------------------------------------ classic BPF
@@ -270,110 +268,23 @@ def echo_payload(family: int, size: int) -> int:
     return max(0, size - (20 if family == 4 else 40) - 8)
 
 
-# ------------------------------------------------------------------ conntrack (ctnetlink)
+# ------------------------------------------------------------------ the flows the probes make
 
-NETLINK_NETFILTER = 12
-_NFNL_SUBSYS_CTNETLINK, _IPCTNL_MSG_CT_DELETE = 1, 2
-_NLM_F_REQUEST, _NLM_F_ACK = 0x1, 0x4
-_NLA_F_NESTED = 0x8000
-_CTA_TUPLE_ORIG, _CTA_TUPLE_IP, _CTA_TUPLE_PROTO = 1, 1, 2
-_CTA_IP_V4_SRC, _CTA_IP_V4_DST, _CTA_IP_V6_SRC, _CTA_IP_V6_DST = 1, 2, 3, 4
-_CTA_PROTO_NUM, _CTA_PROTO_SRC_PORT, _CTA_PROTO_DST_PORT = 1, 2, 3
-
-
-def _nla(kind: int, payload: bytes) -> bytes:
-    n = 4 + len(payload)
-    return struct.pack("HH", n, kind) + payload + b"\0" * ((4 - n % 4) % 4)
-
-
-_CTA_PROTO_ICMP_ID, _CTA_PROTO_ICMP_TYPE, _CTA_PROTO_ICMP_CODE = 4, 5, 6
-_CTA_PROTO_ICMPV6_ID, _CTA_PROTO_ICMPV6_TYPE, _CTA_PROTO_ICMPV6_CODE = 7, 8, 9
 _TCP, _UDP, _ICMP, _ICMPV6 = 6, 17, 1, 58
 
 
 @dataclass(frozen=True)
 class Flow:
-    """The original tuple of a conntrack entry a probe made: for TCP/UDP ``a``/``b`` are the
-    source and destination ports, for an echo the ICMP id and type."""
+    """The original tuple of the conntrack entry a probe made in the namespace we act on:
+    for TCP/UDP ``a``/``b`` are the source and destination ports, for an echo the ICMP id
+    and type (code 0). Reported, not deleted here: the engine deletes them through the
+    conntrack driver (drivers do not use each other)."""
 
     proto: int
     src: str
     dst: str
     a: int
     b: int
-
-
-def conntrack_delete_message(seq: int, flow: Flow) -> bytes:
-    """``IPCTNL_MSG_CT_DELETE`` of the entry whose original tuple is exactly ``flow``."""
-    ip = ipaddress.ip_address(flow.src)
-    fam = socket.AF_INET if ip.version == 4 else socket.AF_INET6
-    s_attr, d_attr = ((_CTA_IP_V4_SRC, _CTA_IP_V4_DST) if ip.version == 4
-                      else (_CTA_IP_V6_SRC, _CTA_IP_V6_DST))
-    tuple_ip = _nla(_CTA_TUPLE_IP | _NLA_F_NESTED,
-                    _nla(s_attr, ip.packed) + _nla(d_attr, ipaddress.ip_address(flow.dst).packed))
-    if flow.proto in (_ICMP, _ICMPV6):
-        ident, kind_, code = ((_CTA_PROTO_ICMP_ID, _CTA_PROTO_ICMP_TYPE, _CTA_PROTO_ICMP_CODE)
-                              if flow.proto == _ICMP else
-                              (_CTA_PROTO_ICMPV6_ID, _CTA_PROTO_ICMPV6_TYPE,
-                               _CTA_PROTO_ICMPV6_CODE))
-        l4 = (_nla(ident, struct.pack("!H", flow.a)) + _nla(kind_, bytes([flow.b]))
-              + _nla(code, b"\0"))
-    else:
-        l4 = (_nla(_CTA_PROTO_SRC_PORT, struct.pack("!H", flow.a))
-              + _nla(_CTA_PROTO_DST_PORT, struct.pack("!H", flow.b)))
-    tuple_proto = _nla(_CTA_TUPLE_PROTO | _NLA_F_NESTED,
-                       _nla(_CTA_PROTO_NUM, bytes([flow.proto])) + l4)
-    body = struct.pack("BBH", fam, 0, 0) + _nla(_CTA_TUPLE_ORIG | _NLA_F_NESTED,
-                                                tuple_ip + tuple_proto)
-    kind = (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_DELETE
-    return struct.pack("IHHII", 16 + len(body), kind, _NLM_F_REQUEST | _NLM_F_ACK, seq,
-                       0) + body
-
-
-def delete_conntrack(flows: Iterable[Flow]) -> int:
-    """Delete the conntrack entries with these original tuples in the calling thread's
-    namespace. Entries already gone are fine; returns how many went.
-
-    Without conntrack in this namespace (no module, nothing tracks here) there is nothing
-    to delete and nothing is done.
-    """
-    flows = list(flows)
-    if not flows:
-        return 0
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    except OSError:
-        return 0
-    deleted = 0
-    with s:
-        s.bind((0, 0))
-        s.settimeout(2.0)
-        pending: set[int] = set()
-        for seq, flow in enumerate(flows, 1):
-            s.send(conntrack_delete_message(seq, flow))
-            pending.add(seq)
-            # read the acks as they come so the socket's buffer never fills
-            while len(pending) > 64 or (seq == len(flows) and pending):
-                deleted += _read_acks(s, pending)
-    return deleted
-
-
-def _read_acks(s: socket.socket, pending: set[int]) -> int:
-    deleted = 0
-    try:
-        data = s.recv(65536)
-    except (TimeoutError, OSError):
-        pending.clear()
-        return 0
-    off = 0
-    while off + 16 <= len(data):
-        length, kind, _flags, seq, _pid = struct.unpack_from("IHHII", data, off)
-        if kind == 2 and length >= 20:  # NLMSG_ERROR: 0 is the ack, -ENOENT already gone
-            (err,) = struct.unpack_from("i", data, off + 16)
-            deleted += err == 0
-            pending.discard(seq)
-        off += max((length + 3) & ~3, 16)
-    return deleted
 
 
 # ------------------------------------------------------------------ the run
@@ -562,7 +473,7 @@ class ProbeRun:
                 self._answer(p, _errno_words(e.errno) if e.errno else str(e))
             finally:
                 with contextlib.suppress(OSError):  # also when sending failed half-way
-                    p.flow = self._flow(p)
+                    p.outcome.flow = self._flow(p)
 
     def _flow(self, p: _Probe) -> Flow | None:
         spec = p.spec
@@ -695,14 +606,9 @@ class ProbeRun:
             with contextlib.suppress(OSError):
                 s.close()
         self.sockets.clear()
-        delete_conntrack(p.flow for p in self.probes if p.flow is not None)
 
 
 # ------------------------------------------------------------------ diagnosis (failures only)
-
-#: SIOCGIFHWADDR (linux/sockios.h): eth0's MAC from a socket inside the allocation
-_SIOCGIFHWADDR = 0x8927
-
 
 def save_counters(family: int) -> str | None:
     """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
@@ -735,51 +641,6 @@ def netstat_counter(name: str, text: str | None = None) -> int:
     return 0
 
 
-def route_get(address: str) -> tuple[str | None, str | None]:
-    """(output link, route type) the host's routing (rules included) picks for an address:
-    ``ip route get`` (RTM_GETROUTE); (None, words) when there is no route."""
-    try:
-        p = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True,
-                           text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, str(e)
-    if p.returncode != 0:
-        words = (p.stderr.strip().splitlines() or ["no route"])[-1]
-        return None, words.removeprefix("RTNETLINK answers: ").lower()
-    try:
-        routes = json.loads(p.stdout)
-    except ValueError:
-        return None, "unreadable answer"
-    if not routes:
-        return None, "no route"
-    r = routes[0]
-    return r.get("dev"), r.get("type", "unicast")
-
-
-def neighbours(link: str) -> dict[str, tuple[str | None, str]]:
-    """The host's neighbour entries on ``link``: address -> (MAC, state)."""
-    try:
-        p = subprocess.run(["ip", "-j", "neigh", "show", "dev", link], capture_output=True,
-                           text=True, timeout=10, check=False)
-        entries = json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else []
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return {}
-    return {e["dst"]: (e.get("lladdr"), ",".join(e.get("state", ()))) for e in entries
-            if "dst" in e}
-
-
-def mac_of(alloc: str) -> str | None:
-    """The MAC of ``eth0`` inside the allocation's namespace, or None."""
-    try:
-        with netns.enter(alloc):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with s:
-            raw = fcntl.ioctl(s.fileno(), _SIOCGIFHWADDR, struct.pack("256s", b"eth0"))
-    except (DriverError, OSError):
-        return None
-    return ":".join(f"{b:02x}" for b in raw[18:24])
-
-
 # ------------------------------------------------------------------ the external vantage
 
 
@@ -807,8 +668,10 @@ def create_vantage(ns: str, link: str) -> None:
     and a default route through the host, so its connections arrive the way another
     host's do (PREROUTING, FORWARD). Neither end makes IPv6 addresses (nothing on the
     wire the files do not declare). Made with two ``ip -batch`` runs: it is opt-in and
-    made once per prober, where the netlink driver has no veth without a bridge. A
-    leftover of a crash (same names: they are per host) is removed first.
+    made once per prober, where the netlink driver has no veth without a bridge (its veths
+    are made attached, as an allocation's, and this driver may not call it): kept as
+    ``ip -batch`` for that reason. A leftover of a crash (same names: they are per host) is
+    removed first.
     """
     remove_vantage(ns, link)
     netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS)
@@ -841,11 +704,14 @@ def remove_vantage(ns: str, link: str) -> None:
 
 
 def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,
-        external_ns: str | None = None) -> list[Outcome]:
+        external_ns: str | None = None,
+        forget: Callable[[list[Flow]], object] | None = None) -> list[Outcome]:
     """Send every probe at once and wait (at most ``timeout``) for each; outcomes in order.
 
     Runs in the namespace of the calling thread ("the host"); allocation namespaces are
-    ``/run/netns/<alloc id>``. Leaves no socket, TIME_WAIT or conntrack entry behind.
+    ``/run/netns/<alloc id>``. Leaves no socket or TIME_WAIT behind; the conntrack entries
+    the probes made (``Outcome.flow``) go to ``forget`` after each batch's sockets are
+    closed, also when the batch failed half-way: the caller deletes them.
     """
     out: list[Outcome] = []
     batch = fd_budget()
@@ -857,6 +723,8 @@ def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,
             r.loop(timeout)
         finally:
             r.close()
+            if forget is not None:
+                forget([p.outcome.flow for p in r.probes if p.outcome.flow is not None])
         out += [p.outcome for p in r.probes]
     return out
 

@@ -10,13 +10,14 @@ after apply); watch probes everything on its own interval.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Collection
 from typing import Any
 
 from reconciler.domain.errors import DriverError
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import AllocId, DesiredState
-from reconciler.domain.ownership import alloc_veth_name, probe_vantage_names
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_veth_name, probe_vantage_names
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import (
     VANTAGE_HOST,
@@ -27,6 +28,7 @@ from reconciler.domain.probes import (
 )
 from reconciler.drivers import probe as driver
 from reconciler.drivers import sysctl
+from reconciler.drivers.netlink.conntrack import Tuple
 from reconciler.engine.handles import HostHandles
 from reconciler.planner import probes as plan_probes
 from reconciler.planner.probes import Cause, Facts, Sighting, Vantage, classify
@@ -67,7 +69,7 @@ class Prober:
         lost = [s for s in specs if s.skipped is None and unusable and s.vantage == "external"]
         sendable = [s for s in specs if s.skipped is None and s not in lost]
         external_ns = vantage.netns if vantage and not unusable else None
-        outcomes = driver.run(sendable, timeout=timeout, external_ns=external_ns)
+        outcomes = send(self.handles, sendable, timeout=timeout, external_ns=external_ns)
         failed = [i for i, (s, o) in enumerate(zip(sendable, outcomes, strict=True))
                   if not _sighting(o).holds(s)]
         causes: dict[int, Cause] = {}
@@ -110,11 +112,39 @@ class Prober:
             self._vantage = None
 
 
+def send(handles: HostHandles, specs: list[ProbeSpec], *, timeout: float,
+         external_ns: str | None) -> list[driver.Outcome]:
+    """``drivers.probe.run``, and after each batch the conntrack entries its probes made
+    deleted through the host's conntrack driver (``HostHandles.conntrack``)."""
+    return driver.run(specs, timeout=timeout, external_ns=external_ns,
+                      forget=lambda flows: forget_flows(handles, flows))
+
+
+def forget_flows(handles: HostHandles, flows: list[driver.Flow]) -> int:
+    """Delete the probes' own conntrack entries by their exact original tuples; returns how
+    many went. Without conntrack here (no module, no permission) there is nothing to
+    delete: the probes' results stand either way."""
+    if not flows:
+        return 0
+    try:
+        return handles.conntrack.delete_flows(flow_tuple(f) for f in flows)
+    except DriverError:
+        return 0
+
+
+def flow_tuple(f: driver.Flow) -> Tuple:
+    """The conntrack driver's original tuple of a flow a probe made."""
+    src, dst = ipaddress.ip_address(f.src), ipaddress.ip_address(f.dst)
+    if f.proto in (1, 58):  # ICMP, ICMPv6: echo id and type, code 0
+        return Tuple(src, dst, f.proto, None, None, icmp=(f.a, f.b, 0))
+    return Tuple(src, dst, f.proto, f.a, f.b)
+
+
 def _sighting(o: driver.Outcome) -> Sighting:
     return Sighting(o.reached, o.answer, o.error, o.big)
 
 
-#: distinct addresses whose route a diagnosis asks for (one ``ip route get`` each)
+#: distinct addresses whose route a diagnosis asks for (one RTM_GETROUTE each)
 ROUTE_LOOKUPS = 32
 
 
@@ -142,7 +172,7 @@ class Diagnosis:
         families = sorted({s.family for s in specs if s.proto != "icmp"} | {4})
         before = {f: driver.save_counters(f) for f in families}
         rp_before = driver.netstat_counter("IPReversePathFilter")
-        outcomes = driver.run(specs, timeout=timeout, external_ns=external_ns)
+        outcomes = send(self.handles, specs, timeout=timeout, external_ns=external_ns)
         rp_drops = driver.netstat_counter("IPReversePathFilter") - rp_before
         hits: list[plan_probes.RuleHit] = []
         for f in families:
@@ -211,15 +241,24 @@ class Diagnosis:
         if address not in self._routes:
             if len(self._routes) >= ROUTE_LOOKUPS:
                 return None
-            self._routes[address] = driver.route_get(address)
+            self._routes[address] = self.handles.netlink.route_get(address)
         return self._routes[address]
 
     def _neighbours(self, bridge: str) -> dict[str, tuple[str | None, str]]:
         if bridge not in self._neigh:
-            self._neigh[bridge] = driver.neighbours(bridge)
+            try:
+                index = self.handles.netlink.link_index(bridge)
+                self._neigh[bridge] = ({} if index is None
+                                       else self.handles.netlink.neighbour_states(index))
+            except DriverError:
+                self._neigh[bridge] = {}
         return self._neigh[bridge]
 
     def _mac(self, alloc: str) -> str | None:
         if alloc not in self._macs:
-            self._macs[alloc] = driver.mac_of(alloc)
+            try:
+                eth0 = self.handles.netlink.get_link(ALLOC_IFNAME, ns=alloc)
+            except DriverError:
+                eth0 = None
+            self._macs[alloc] = eth0.mac if eth0 is not None else None
         return self._macs[alloc]

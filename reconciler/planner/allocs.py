@@ -46,6 +46,11 @@ class Mapped:
     to: int
     host_ip: IPAddr | None
 
+    @classmethod
+    def of(cls, rule: firewall.DnatRule) -> Mapped:
+        """The map a live DNAT rule serves."""
+        return cls(rule.proto, rule.port, rule.to, rule.host_ip)
+
 
 # ------------------------------------------------------------------ live helpers
 
@@ -150,20 +155,8 @@ def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
     out: dict[str, list[Mapped]] = {}
     rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
              *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
-    for r in rules:
-        owner = firewall.owner_of(r)
-        if not owner or not owner.startswith("alloc="):
-            continue
-        t = r.split()
-        try:
-            proto = t[t.index("-p") + 1]
-            dport = int(t[t.index("--dport") + 1])
-            to = int(t[t.index("--to-destination") + 1].rsplit(":", 1)[1])
-            host_ip = ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0]) \
-                if "-d" in t else None
-        except (ValueError, IndexError):
-            continue
-        out.setdefault(owner.split("=", 1)[1], []).append(Mapped(proto, dport, to, host_ip))
+    for d in firewall.dnat_rules(rules):
+        out.setdefault(d.alloc, []).append(Mapped.of(d))
     return out
 
 

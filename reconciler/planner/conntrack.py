@@ -17,8 +17,6 @@ after its restore (``ConntrackDelete``):
 
 from __future__ import annotations
 
-import ipaddress
-
 from reconciler.domain.live import LiveChainSet
 from reconciler.domain.ops import IPAddress, StaleMap
 from reconciler.planner import firewall
@@ -30,21 +28,8 @@ _Dest = tuple[IPAddress, int]
 def dnat_targets(rules: tuple[str, ...] | list[str]) -> dict[_Key, _Dest]:
     """Our allocations' DNAT rules (``RECONCILER-DNAT``) by what they match -> where they send."""
     out: dict[_Key, _Dest] = {}
-    for r in rules:
-        owner = firewall.owner_of(r)
-        if not owner or not owner.startswith("alloc="):
-            continue
-        t = r.split()
-        try:
-            proto = t[t.index("-p") + 1]
-            port = int(t[t.index("--dport") + 1])
-            host_ip = ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0]) \
-                if "-d" in t else None
-            addr, _, to = t[t.index("--to-destination") + 1].rpartition(":")
-            dest = (ipaddress.ip_address(addr.strip("[]")), int(to))
-        except (ValueError, IndexError):
-            continue
-        out.setdefault((proto, port, host_ip), dest)
+    for d in firewall.dnat_rules(rules):
+        out.setdefault((d.proto, d.port, d.host_ip), (d.dest, d.to))
     return out
 
 

@@ -8,6 +8,7 @@ attributed, and an unknown owner is recognisably stale.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,6 +61,46 @@ def owner_of(rule: str) -> str | None:
     """``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
     m = _OWNER.search(rule)
     return m.group(1) if m else None
+
+
+IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class DnatRule:
+    """One allocation's DNAT rule (``RECONCILER-DNAT``) read back: what it matches, where
+    it sends. The one reader of these rules: host ports kept (``allocs``), stale conntrack
+    entries (``conntrack``) and the probes' targets (``probes``) all start here."""
+
+    alloc: str
+    proto: str
+    port: int  # the host port (``--dport``)
+    host_ip: IPAddr | None  # ``-d``; None: any local address
+    dest: IPAddr  # ``--to-destination`` address (``[v6]`` unbracketed)
+    to: int  # ``--to-destination`` port
+
+
+def parse_dnat(rule: str) -> DnatRule | None:
+    """The DNAT rule of an allocation (``reconciler:alloc=ID``), or None for any other rule
+    or one whose tokens do not read."""
+    owner = owner_of(rule)
+    if not owner or not owner.startswith("alloc="):
+        return None
+    t = rule.split()
+    try:
+        proto = t[t.index("-p") + 1]
+        port = int(t[t.index("--dport") + 1])
+        host_ip = ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0]) if "-d" in t else None
+        addr, _, to = t[t.index("--to-destination") + 1].rpartition(":")
+        dest = ipaddress.ip_address(addr.strip("[]"))
+        return DnatRule(owner.split("=", 1)[1], proto, port, host_ip, dest, int(to))
+    except (ValueError, IndexError):
+        return None
+
+
+def dnat_rules(rules: Iterable[str]) -> list[DnatRule]:
+    """The allocations' DNAT rules among ``rules``, in order (others skipped)."""
+    return [d for r in rules if (d := parse_dnat(r)) is not None]
 
 
 def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tuple[str, str]]]:

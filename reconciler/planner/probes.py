@@ -81,21 +81,8 @@ def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
     """(family, map) of every live DNAT rule of ours, by alloc id."""
     out: dict[str, list[tuple[int, Mapped]]] = {}
     for family, chains in ((4, live.firewall4), (6, live.firewall6)):
-        for rule in chains.chains.get(("nat", firewall.DNAT), ()):
-            owner = firewall.owner_of(rule)
-            if not owner or not owner.startswith("alloc="):
-                continue
-            t = rule.split()
-            try:
-                proto = t[t.index("-p") + 1]
-                dport = int(t[t.index("--dport") + 1])
-                to = int(t[t.index("--to-destination") + 1].rsplit(":", 1)[1])
-                host_ip = (ipaddress.ip_address(t[t.index("-d") + 1].split("/")[0])
-                           if "-d" in t else None)
-            except (ValueError, IndexError):
-                continue
-            out.setdefault(owner.split("=", 1)[1], []).append(
-                (family, Mapped(proto, dport, to, host_ip)))
+        for d in firewall.dnat_rules(chains.chains.get(("nat", firewall.DNAT), ())):
+            out.setdefault(d.alloc, []).append((family, Mapped.of(d)))
     return out
 
 

@@ -299,3 +299,43 @@ def test_a_broken_path_names_its_cause(host_ns: Netns, tmp_path: object, breakag
     assert all(words in str(r.cause) and r.ours is ours for r in failed), \
         [(r.describe(), r.ours) for r in failed]
     assert failures(probe(host_ns, path, allocs={a0}, external=True)) == []  # holds again
+
+
+def test_the_diagnosis_reads_from_netlink_what_ip_says(host_ns: Netns, tmp_path: object) -> None:
+    """Route, neighbour and eth0 MAC facts come from the netlink driver now (RTM_GETROUTE,
+    a neighbour dump, RTM_GETLINK inside the allocation): they must say what ``ip`` says."""
+    _path, (a0, _a1) = setup(host_ns, tmp_path)
+    n = host_ns.name
+    # a reachable entry, a stale one and one without a MAC (incomplete or failed)
+    host_ns.run("ping", "-c1", "-W1", "10.77.0.2", check=False)
+    sh("ip", "-n", n, "neigh", "replace", "10.77.0.77", "lladdr", "02:00:00:00:77:77", "dev",
+       BRIDGE, "nud", "stale")
+    host_ns.run("ping", "-c1", "-W1", "10.77.0.99", check=False)
+    want_neigh = {e["dst"]: (e.get("lladdr"), ",".join(e.get("state", ())))
+                  for e in json.loads(sh("ip", "-n", n, "-j", "neigh", "show", "dev",
+                                         BRIDGE).stdout or "[]")}
+    want_mac = json.loads(sh("ip", "-n", a0, "-j", "link", "show", "eth0").stdout)[0]["address"]
+    routes = {}
+    for addr in ("10.77.0.2", "fd00:77::2", HOST_ADDR, "203.0.113.9"):
+        r = subprocess.run(["ip", "-n", n, "-j", "route", "get", addr], capture_output=True,
+                           text=True, check=False)
+        if r.returncode:
+            routes[addr] = (None, r.stderr.strip().splitlines()[-1]
+                            .removeprefix("RTNETLINK answers: ").lower())
+        else:
+            got = json.loads(r.stdout)[0]
+            routes[addr] = (got.get("dev"), got.get("type", "unicast"))
+    assert routes["203.0.113.9"][0] is None  # the sandbox has no default route
+    with netns.enter(n):
+        obs = Observer()
+        try:
+            nl = obs.handles.netlink
+            index = nl.link_index(BRIDGE)
+            assert index is not None
+            assert nl.neighbour_states(index) == want_neigh
+            assert {a: nl.route_get(a) for a in routes} == routes
+            eth0 = nl.get_link("eth0", ns=a0)
+            assert eth0 is not None and eth0.mac == want_mac
+        finally:
+            obs.handles.close()
+    assert "10.77.0.77" in want_neigh and want_neigh["10.77.0.77"][1] == "STALE"

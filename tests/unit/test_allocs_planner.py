@@ -30,7 +30,7 @@ from reconciler.domain.model import (
 from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Plan
 from reconciler.engine.reconcile import Reconciler
-from reconciler.planner import PlanOptions, make_plan
+from reconciler.planner import PlanOptions, firewall, make_plan
 from reconciler.ui.render import render_text
 
 from .fakehost import FakeHost, FakeNetns
@@ -214,6 +214,23 @@ def test_ipv6_rules_use_brackets_and_skip_ipv4_only_host_ips():
                          sub=subnet(cidr6="fd00::/64")))
     rules6 = dnat(host, 6)
     assert len(rules6) == 1 and rules6[0].endswith("--to-destination [fd00::2]:80")
+
+
+def test_the_written_dnat_rules_read_back_as_they_were_made():
+    """The one reader of RECONCILER-DNAT (firewall.parse_dnat) on what the planner wrote."""
+    host = FakeHost()
+    converge(host, state(alloc("a", port(8080, 80), port(8443, 443, host_ip="127.0.0.1")),
+                         sub=subnet(cidr6="fd00::/64")))
+    read4 = sorted((d.alloc, d.proto, d.port, str(d.host_ip), str(d.dest), d.to)
+                   for d in firewall.dnat_rules(dnat(host)))
+    assert read4 == [("a", "tcp", 8080, "None", "10.0.0.2", 80),
+                     ("a", "tcp", 8443, "127.0.0.1", "10.0.0.2", 443)]
+    (d6,) = firewall.dnat_rules(dnat(host, 6))
+    assert (d6.dest, d6.to, d6.host_ip) == (ipaddress.ip_address("fd00::2"), 80, None)
+    assert firewall.parse_dnat("-p tcp -m tcp --dport 80 -j DNAT --to-destination "
+                               "10.0.0.2:80") is None  # no comment: not ours
+    assert firewall.parse_dnat("-p tcp -m comment --comment reconciler:alloc=a -j DNAT "
+                               "--to-destination 10.0.0.2:80") is None  # no --dport
 
 
 def test_auto_ports_are_kept_when_others_come_and_go():

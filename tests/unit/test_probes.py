@@ -37,6 +37,9 @@ from reconciler.domain.probes import (
     sort_key,
 )
 from reconciler.drivers import probe as driver
+from reconciler.drivers.netlink import conntrack
+from reconciler.drivers.netlink.wire import parse_attrs
+from reconciler.engine import probes as probes_engine
 from reconciler.planner import addrspace
 from reconciler.planner.probes import (
     Facts,
@@ -407,14 +410,23 @@ def test_echo_request_and_reply():
     assert driver.parse_echo_reply(6, bytes([129, 0, 0, 0]) + struct.pack("!HH", 1, 2)) == (1, 2)
 
 
-def test_conntrack_delete_message():
-    msg = driver.conntrack_delete_message(5, driver.Flow(6, "10.0.0.1", "10.0.0.2", 61000, 80))
-    length, kind, flags, seq, _pid = struct.unpack_from("IHHII", msg)
-    assert (length, kind, flags, seq) == (len(msg), (1 << 8) | 2, 0x5, 5)
-    assert msg[16] == socket.AF_INET
-    assert struct.pack("!H", 61000) in msg and ipaddress.ip_address("10.0.0.2").packed in msg
-    icmp6 = driver.conntrack_delete_message(1, driver.Flow(58, "fd00::2", "fd00::1", 9, 128))
-    assert icmp6[16] == socket.AF_INET6 and bytes([128]) in icmp6
+def test_a_probe_flow_becomes_the_exact_delete_of_its_conntrack_entry():
+    """The probe driver reports its flows; the conntrack driver deletes them by tuple."""
+    tcp = conntrack.delete_orig_request(
+        probes_engine.flow_tuple(driver.Flow(6, "10.0.0.1", "10.0.0.2", 61000, 80)))
+    assert tcp[0] == socket.AF_INET
+    orig = parse_attrs(parse_attrs(tcp, 4)[1])
+    ip, l4 = parse_attrs(orig[1]), parse_attrs(orig[2])
+    assert (ip[1], ip[2]) == (ipaddress.ip_address("10.0.0.1").packed,
+                              ipaddress.ip_address("10.0.0.2").packed)
+    assert (l4[1], l4[2], l4[3]) == (b"\x06", struct.pack("!H", 61000), struct.pack("!H", 80))
+    echo6 = conntrack.delete_orig_request(
+        probes_engine.flow_tuple(driver.Flow(58, "fd00::2", "fd00::1", 9, 128)))
+    assert echo6[0] == socket.AF_INET6
+    l4 = parse_attrs(parse_attrs(parse_attrs(echo6, 4)[1])[2])
+    # CTA_PROTO_ICMPV6_ID, _TYPE, _CODE; no ports
+    assert (l4[1], l4[7], l4[8], l4[9]) == (b"\x3a", struct.pack("!H", 9), b"\x80", b"\0")
+    assert 2 not in l4 and 3 not in l4
 
 
 def test_netstat_counter():

@@ -59,6 +59,9 @@ PORT_DUMPS = 8
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_IP_V4_SRC, CTA_IP_V4_DST, CTA_IP_V6_SRC, CTA_IP_V6_DST = 1, 2, 3, 4
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
+#: the ICMP and ICMPv6 "ports": echo id, type, code
+CTA_PROTO_ICMP = (4, 5, 6)
+CTA_PROTO_ICMPV6 = (7, 8, 9)
 
 #: IP protocol numbers by the names port maps use
 PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
@@ -69,13 +72,16 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 @dataclass(frozen=True)
 class Tuple:
-    """One direction of a flow: addresses, protocol number, ports (None for port-less ones)."""
+    """One direction of a flow: addresses, protocol number, ports (None for port-less ones);
+    ``icmp`` (echo id, type, code) names an ICMP/ICMPv6 flow exactly in a delete (dumps
+    leave it None)."""
 
     src: IPAddress
     dst: IPAddress
     proto: int
     sport: int | None
     dport: int | None
+    icmp: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,10 @@ def _tuple_attr(kind: int, t: Tuple) -> bytes:
         proto += attr(CTA_PROTO_SRC_PORT, BE16.pack(t.sport))
     if t.dport is not None:
         proto += attr(CTA_PROTO_DST_PORT, BE16.pack(t.dport))
+    if t.icmp is not None:
+        ident, kind_, code = CTA_PROTO_ICMP if t.proto == socket.IPPROTO_ICMP else CTA_PROTO_ICMPV6
+        proto += (attr(ident, BE16.pack(t.icmp[0])) + attr(kind_, bytes((t.icmp[1],)))
+                  + attr(code, bytes((t.icmp[2],))))
     return nested(kind, ip, nested(CTA_TUPLE_PROTO, proto))
 
 
@@ -154,6 +164,13 @@ def delete_request(entry: Entry) -> bytes:
     if entry.id is not None:
         body += attr(CTA_ID, BE32.pack(entry.id))
     return body
+
+
+def delete_orig_request(orig: Tuple) -> bytes:
+    """The body of the IPCTNL_MSG_CT_DELETE of the entry whose original tuple is ``orig``
+    (zone 0, any id): for flows we made ourselves and know exactly."""
+    family = _FAMILIES[orig.src.version]
+    return NFGENMSG.pack(family, 0, 0) + _tuple_attr(CTA_TUPLE_ORIG, orig)
 
 
 class Conntrack:
@@ -212,6 +229,21 @@ class Conntrack:
                 return False
             raise
         return True
+
+    def delete_flows(self, origs: Iterable[Tuple]) -> int:
+        """Delete the entries with exactly these original tuples (the probes' own flows);
+        entries already gone are fine. Returns how many went."""
+        deleted = 0
+        for orig in origs:
+            try:
+                self._sock.request(CT_DELETE, 0, delete_orig_request(orig),
+                                   "conntrack: delete a flow")
+            except DriverError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            else:
+                deleted += 1
+        return deleted
 
     def delete_matching(self, family: int, predicate: Callable[[Entry], bool], *,
                         protos: Iterable[str] | None = None,

@@ -174,18 +174,37 @@ def bridge_port_state(msg: NlMsg) -> int | None:
     return port[IFLA_BRPORT_STATE][0] if IFLA_BRPORT_STATE in port else None
 
 
+#: NUD_* state bits in the words ``ip neigh`` prints (linux/neighbour.h)
+NUD_WORDS = ((0x01, "INCOMPLETE"), (0x02, "REACHABLE"), (0x04, "STALE"), (0x08, "DELAY"),
+             (0x10, "PROBE"), (0x20, "FAILED"), (NUD_NOARP, "NOARP"),
+             (NUD_PERMANENT, "PERMANENT"))
+
+
+def neigh_state(state: int) -> str:
+    """``STALE``, ``REACHABLE,...``: a neighbour entry's state as ``ip neigh`` words it."""
+    return ",".join(w for bit, w in NUD_WORDS if state & bit) or "NONE"
+
+
+def parse_neigh_entry(msg: NlMsg) -> tuple[int, str, str | None, int] | None:
+    """(ifindex, IP address, MAC or None, NUD state) of any IPv4/IPv6 RTM_NEWNEIGH message
+    (incomplete and failed entries included: the probes' diagnosis words them)."""
+    family, index, state, _flags, _type = msg.header
+    dst = msg.attrs.get(NDA_DST)
+    if family not in (socket.AF_INET, socket.AF_INET6) or dst is None or len(dst) not in (4, 16):
+        return None
+    return index, str(ipaddress.ip_address(dst)), mac_text(msg.attrs.get(NDA_LLADDR) or b""), state
+
+
 def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:
     """A LiveNeighbour from an RTM_NEWNEIGH message; None without an IP and a link-layer
     address (incomplete or failed entries, NOARP ones: nothing to be stale about)."""
-    family, index, state, _flags, _type = msg.header
-    if family not in (socket.AF_INET, socket.AF_INET6) or state & NUD_NOARP:
+    entry = parse_neigh_entry(msg)
+    if entry is None:
         return None
-    dst, lladdr = msg.attrs.get(NDA_DST), msg.attrs.get(NDA_LLADDR)
-    mac = mac_text(lladdr or b"")
-    if dst is None or len(dst) not in (4, 16) or mac is None:
+    index, address, mac, state = entry
+    if state & NUD_NOARP or mac is None:
         return None
-    return LiveNeighbour(index, str(ipaddress.ip_address(dst)), mac,
-                         bool(state & NUD_PERMANENT))
+    return LiveNeighbour(index, address, mac, bool(state & NUD_PERMANENT))
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:

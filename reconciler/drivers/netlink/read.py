@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import resource
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Self
@@ -27,7 +29,15 @@ from reconciler.drivers.netlink.messages import (
     ROUTE_DUMP,
     ifinfo,
 )
-from reconciler.drivers.netlink.parse import assemble_links, parse_link, parse_neigh, parse_route
+from reconciler.drivers.netlink.parse import (
+    ROUTE_TYPES,
+    assemble_links,
+    neigh_state,
+    parse_link,
+    parse_neigh,
+    parse_neigh_entry,
+    parse_route,
+)
 from reconciler.drivers.netlink.transport import Socket, netlink_error
 from reconciler.drivers.netlink.wire import (
     I32,
@@ -38,6 +48,9 @@ from reconciler.drivers.netlink.wire import (
     IFLA_TARGET_NETNSID,
     NETNSA_FD,
     NETNSA_NSID,
+    NUD_NOARP,
+    RTA_DST,
+    RTA_OIF,
     RTEXT_FILTER_SKIP_STATS,
     RTGEN,
     RTM_GETADDR,
@@ -45,6 +58,8 @@ from reconciler.drivers.netlink.wire import (
     RTM_GETNEIGH,
     RTM_GETNSID,
     RTM_GETROUTE,
+    RTMSG,
+    U32,
     NlMsg,
     attr,
     str_attr,
@@ -209,6 +224,46 @@ class NetlinkReader:
             if n is not None and n.index in wanted:
                 out.append(n)
         return tuple(sorted(out, key=lambda n: (n.index, n.address)))
+
+    def neighbour_states(self, index: int) -> dict[str, tuple[str | None, str]]:
+        """The neighbour entries on link ``index`` here that ``ip neigh show`` lists (failed
+        ones included, NOARP ones not): address -> (MAC or None, state as ``ip neigh``
+        words it). For the probes' diagnosis."""
+        out: dict[str, tuple[str | None, str]] = {}
+        for raw in self._host.dump(RTM_GETNEIGH, NEIGH_DUMP, "dump neighbours"):
+            e = parse_neigh_entry(NlMsg.decode(raw))
+            if e is not None and e[0] == index and not e[3] & NUD_NOARP:
+                out[e[1]] = (e[2], neigh_state(e[3]))
+        return out
+
+    def route_get(self, address: str) -> tuple[str | None, str]:
+        """(output link, route type) the routing here (rules included) picks for ``address``
+        (``RTM_GETROUTE``, what ``ip route get`` asks); (None, the error's words, lower
+        case) when there is no route."""
+        ip = ipaddress.ip_address(address)
+        family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+        body = RTMSG.pack(family, ip.max_prefixlen, 0, 0, 0, 0, 0, 0, 0) + attr(RTA_DST, ip.packed)
+        try:
+            replies = self._host.request(RTM_GETROUTE, 0, body, f"route get {address}")
+        except DriverError as e:
+            return None, (os.strerror(e.errno) if e.errno else str(e)).lower()
+        if not replies:
+            return None, "no route"
+        msg = NlMsg.decode(replies[0])
+        rtype = ROUTE_TYPES.get(msg.header[7], f"type {msg.header[7]}")
+        oif = msg.attrs.get(RTA_OIF, b"")
+        if len(oif) < 4:
+            return None, rtype
+        return self._name_of(U32.unpack_from(oif)[0]), rtype
+
+    def _name_of(self, index: int) -> str | None:
+        try:
+            replies = self._host.request(RTM_GETLINK, 0, ifinfo(index=index)
+                                         + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS),
+                                         f"link {index}: look up")
+        except DriverError:
+            return None
+        return parse_link(NlMsg.decode(replies[0]), {}).name if replies else None
 
     def dump_links(self, ns: str | None = None) -> dict[str, LiveLink]:
         """Every link of the namespace (host by default) by name, addresses attached."""
