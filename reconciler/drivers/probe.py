@@ -65,6 +65,13 @@ IPV6_DONTFRAG = 62
 #: after a UDP probe arrived, how long its socket stays open for the allocation's answer:
 #: an answer that finds its conntrack entry deleted would make a new one
 UDP_GRACE = 0.1
+#: how long a probe that must NOT arrive ("direct" under isolation: ports) is watched for
+#: after every probe that must arrive has: at least this, and at least NOT_REACHED_FACTOR
+#: times the slowest arrival of the run (a packet the rules let through would take the
+#: same path as the external probes to the same allocations). Waiting out the whole
+#: timeout instead cost a second per run whatever the number of allocations.
+NOT_REACHED_MARGIN = 0.25
+NOT_REACHED_FACTOR = 3.0
 
 
 @dataclass
@@ -352,6 +359,9 @@ class ProbeRun:
         self.echo: dict[tuple[str, int, int], _Probe] = {}  # (alloc, family, seq)
         self.capture: socket.socket | None = None
         self.pending = len(self.probes)
+        #: probes that must arrive and have not concluded yet; the slowest arrival (s)
+        self.expected = sum(1 for p in self.probes if p.spec.expect)
+        self.slowest = 0.0
         self.grace: list[_Probe] = []  # UDP probes that arrived, held open for an answer
         self.drops = 0
 
@@ -437,6 +447,8 @@ class ProbeRun:
         if not p.done:
             p.done = True
             self.pending -= 1
+            if p.spec.expect:
+                self.expected -= 1
 
     # -- sending
 
@@ -506,6 +518,7 @@ class ProbeRun:
             return
         p.captured = p.outcome.reached = True
         p.outcome.ms = (time.monotonic() - p.sent) * 1000
+        self.slowest = max(self.slowest, p.outcome.ms / 1000)
         if (p.spec.proto == "icmp" and p.outcome.big is not False) or p.answered:
             self._finish(p)
         elif p.spec.proto == "udp":
@@ -573,8 +586,15 @@ class ProbeRun:
 
     def loop(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        negatives_only = self.expected == 0  # nothing to measure a margin by: the timeout
         while self.pending > 0:
             now = time.monotonic()
+            if self.expected == 0 and not negatives_only:
+                # only probes that must not arrive are left: watch them for a margin
+                # after the last arrival instead of the whole timeout
+                negatives_only = True
+                deadline = min(deadline, now + max(NOT_REACHED_MARGIN,
+                                                   NOT_REACHED_FACTOR * self.slowest))
             if self.grace:
                 held = [p for p in self.grace if not p.done]
                 for p in held:

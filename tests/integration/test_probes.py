@@ -15,6 +15,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -151,6 +152,20 @@ def test_every_path_is_reached_after_a_good_apply(host_ns: Netns, tmp_path: obje
               for proto, port in (("tcp", 80), ("udp", 53), ("tcp", 443), ("tcp", 81))}
     assert counts == {("tcp", 80): 6, ("udp", 53): 6, ("tcp", 443): 1, ("tcp", 81): 0}, seen
     assert all(PROBE_PORTS[0] <= peer <= PROBE_PORTS[1] for _p, _q, peer in seen), seen
+
+
+def test_what_must_not_arrive_is_watched_for_a_margin_not_the_whole_timeout(
+        host_ns: Netns, tmp_path: object) -> None:
+    # not a speed target: with a 20 s timeout, a run whose direct probes (isolation: ports)
+    # waited for the timeout would take 20 s; they are watched for a margin after the last
+    # probe that had to arrive, and still found not reached
+    path, _ = setup(host_ns, tmp_path)
+    t0 = time.monotonic()
+    results = probe(host_ns, path, external=True, timeout=20.0)
+    took = time.monotonic() - t0
+    assert failures(results) == []
+    assert any(r.path == "direct" and r.ok and not r.skipped for r in results)
+    assert took < 10, f"the run took {took:.1f} s: the direct probes waited for the timeout"
 
 
 def test_open_isolation_expects_the_direct_path(host_ns: Netns, tmp_path: object) -> None:
