@@ -26,7 +26,10 @@ from reconciler.drivers.procfs import listening_ports
 from reconciler.engine.handles import HostHandles
 
 #: sysctls every plan may need to compare
-SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
+SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding",
+               # the neighbour tables' hard limits, for all namespaces at once (only the
+               # initial namespace shows them: a sandbox reads none)
+               "net/ipv4/neigh/default/gc_thresh3", "net/ipv6/neigh/default/gc_thresh3")
 
 log = logging.getLogger("reconciler")
 

@@ -541,7 +541,39 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
     return changes
 
 
+#: neighbour entries an allocation needs: its gateway's inside, its own on the bridge
+NEIGHBOURS_PER_ALLOC = 2
+
+
+def neighbour_table_warnings(ctx: PlanContext) -> None:
+    """Warn when the allocations need more neighbour entries than the kernel keeps.
+
+    The ARP and NDISC tables are one each for every namespace of the machine, and
+    ``gc_thresh3`` is a hard limit: past it, resolving a new neighbour fails
+    ("neighbour table overflow") and the packets waiting for it are dropped, so some
+    allocations are unreachable however right their configuration is (the probes of
+    1000 allocations found it: 3,431 failures at the default 1024).
+    """
+    n = len(ctx.desired.allocs)
+    for family, key in ((4, "net/ipv4/neigh/default/gc_thresh3"),
+                        (6, "net/ipv6/neigh/default/gc_thresh3")):
+        raw = ctx.live.sysctls.get(key)
+        if family == 6 and not any(ctx.desired.subnets[a.subnet].cidr6 is not None
+                                   for a in ctx.desired.allocs.values()):
+            continue
+        if raw is None or not raw.strip().isdigit():
+            continue
+        limit, need = int(raw), NEIGHBOURS_PER_ALLOC * n
+        if need > limit:
+            ctx.warnings.append(
+                f"{n} allocations need about {need} IPv{family} neighbour entries (one each "
+                f"side of every veth) but the kernel keeps at most {limit} for all namespaces "
+                f"({key.replace('/', '.')}): past it, traffic to some allocations is dropped "
+                f"(neighbour table overflow); raise it (and gc_thresh2) above {need}")
+
+
 def plan_allocs(ctx: PlanContext) -> list[Change]:
+    neighbour_table_warnings(ctx)
     addrs = assign_addresses(ctx)
     ports = assign_ports(ctx)
     if ctx.fatal:

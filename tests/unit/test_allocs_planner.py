@@ -496,3 +496,16 @@ def test_tagged_empty_netns_file_is_removed_untagged_left_alone():
         plan = make_plan(DesiredState(), live, PlanOptions(prune=prune))
         assert [(c.name, c.action) for c in plan.actionable] == [("ours", Action.DELETE)]
         assert plan.actionable[0].ops[0].name == "netns.delete"
+
+
+def test_more_allocations_than_the_neighbour_table_holds_is_a_warning():
+    host = FakeHost()
+    host.sysctls["net/ipv4/neigh/default/gc_thresh3"] = "8"
+    many = state(*(alloc(f"a{i}") for i in range(5)))
+    (warning,) = [w for w in plan(host, many).warnings if "neighbour" in w]
+    assert "5 allocations need about 10 IPv4 neighbour entries" in warning
+    assert "net.ipv4.neigh.default.gc_thresh3" in warning
+    assert not [w for w in plan(host, state(*(alloc(f"a{i}") for i in range(4)))).warnings
+                if "neighbour" in w]
+    host.sysctls.pop("net/ipv4/neigh/default/gc_thresh3")  # a sandbox cannot read it
+    assert not [w for w in plan(host, many).warnings if "neighbour" in w]
