@@ -70,7 +70,7 @@ class Prober:
                 vantage, unusable = Vantage("", VANTAGE_HOST), str(e)
         exclude = () if self._lease is None else (self._lease.link,)
         specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
-                                        host_exclude=exclude)
+                                        host_exclude=exclude, br_netfilter=_br_netfilter())
         lost = [s for s in specs if s.skipped is None and s.refused is None and unusable
                 and s.vantage == "external"]
         sendable = [s for s in specs if s.skipped is None and s.refused is None
@@ -286,6 +286,19 @@ def flow_tuple(f: driver.Flow) -> Tuple:
     if f.proto in (1, 58):  # ICMP, ICMPv6: echo id and type, code 0
         return Tuple(src, dst, f.proto, None, None, icmp=(f.a, f.b, 0))
     return Tuple(src, dst, f.proto, f.a, f.b)
+
+
+def _br_netfilter() -> dict[int, bool]:
+    """Per family, whether br_netfilter hands bridged IP to iptables here (the sysctl is per
+    network namespace; absent: the module is not loaded)."""
+    out = {}
+    for family, key in ((4, "net/bridge/bridge-nf-call-iptables"),
+                        (6, "net/bridge/bridge-nf-call-ip6tables")):
+        try:
+            out[family] = sysctl.read(key) == "1"
+        except DriverError:
+            out[family] = False
+    return out
 
 
 def _sighting(o: driver.Outcome) -> Sighting:

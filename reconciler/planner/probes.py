@@ -145,10 +145,17 @@ def _gateway(desired: DesiredState, a: Alloc, family: int) -> str | None:
 def probe_specs(desired: DesiredState, live: LiveState, *,
                 allocs: Collection[str] | None = None,
                 vantage: Vantage | None = None,
-                host_exclude: Collection[str] = ()) -> list[ProbeSpec]:
+                host_exclude: Collection[str] = (),
+                br_netfilter: Mapping[int, bool] | None = None) -> list[ProbeSpec]:
     """Every probe of the allocations named (all declared ones for None), in report order.
 
     ``auto`` prefixes are picked the way the plan picks them (kept from live state).
+    ``br_netfilter``: per family, whether ``bridge-nf-call-ip(6)tables`` is 1 (None: take
+    it as on). It decides what ``hairpin: false`` can stop: with it, the DNAT is done as
+    the frame crosses the bridge, which then must hand it back out of the port it came in
+    on — the hairpin flag refuses that, and the path is expected not to arrive; without
+    it the host routes the packet back out of the bridge device, which no port flag stops
+    (measured: it arrives), so the path is skipped with that reason.
     """
     if not all(s.resolved for s in desired.subnets.values()):
         desired = addrspace.resolve(desired, live).desired
@@ -172,7 +179,8 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
             declared = _declared(a, m.proto, m)
             if declared is not None and not declared.probe:
                 continue
-            out += _map_specs(desired, a, family, m, addrs, hosts, vantage)
+            out += _map_specs(desired, a, family, m, addrs, hosts, vantage,
+                              True if br_netfilter is None else br_netfilter.get(family, False))
     return out
 
 
@@ -191,7 +199,7 @@ def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str],
 
 def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
                addrs: dict[int, str], hosts: dict[int, str],
-               vantage: Vantage | None) -> list[ProbeSpec]:
+               vantage: Vantage | None, bridged: bool) -> list[ProbeSpec]:
     proto: ProbeProto = "tcp" if m.proto == "tcp" else "udp"
 
     def spec(path: Path, where: VantageKind, dst: str | None, *, skipped: str | None = None,
@@ -221,6 +229,11 @@ def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
         out.append(spec("localhost", "host", "127.0.0.1"))
     if loopback_only:
         out.append(spec("hairpin", "alloc", None, skipped=only))
+    elif not hairpin and not bridged:
+        tables = "iptables" if family == 4 else "ip6tables"
+        out.append(spec("hairpin", "alloc", None, skipped=(
+            f"hairpin: false cannot stop it without br_netfilter (bridge-nf-call-{tables} "
+            "is not 1: the host routes it back out of the bridge device)")))
     else:
         out.append(spec("hairpin", "alloc", host_dst or _gateway(desired, a, family),
                         expect=hairpin))
@@ -371,9 +384,10 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
                      "is ports: something accepts it before RECONCILER-FORWARD drops it")
     if spec.path == "hairpin" and seen.reached and not spec.expect:
+        flag_on = facts is not None and facts.port_hairpin is True
         return Cause(f"{spec.proto} to its own host port {spec.dst}:{spec.dport} came back "
-                     "into the allocation although its bridge declares hairpin: false (the "
-                     "port's hairpin flag is on)", ours=True)
+                     "into the allocation although its bridge declares hairpin: false"
+                     + (" (the port's hairpin flag is on)" if flag_on else ""), ours=flag_on)
     if spec.path == "gateway" and seen.reached and seen.big is False:
         return Cause(f"MTU black hole: a {spec.size}-byte echo with DF to the gateway "
                      f"{spec.dst} is lost where a small one passes (an MTU smaller than "

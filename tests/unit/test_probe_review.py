@@ -55,6 +55,15 @@ def test_hairpin_false_expects_the_hairpin_path_not_to_arrive() -> None:
         assert all(s.expect for s in specs if s.path != "hairpin")
 
 
+def test_without_br_netfilter_hairpin_false_cannot_stop_the_path_and_it_is_skipped() -> None:
+    d = desired(alloc("a", pm(8080, 80)), cidr6=None, hairpin=False)
+    live = applied(d).observe(d)
+    (hp,) = [s for s in probe_specs(d, live, br_netfilter={4: False}) if s.path == "hairpin"]
+    assert hp.skipped is not None and "br_netfilter" in hp.skipped
+    (hp,) = [s for s in probe_specs(d, live, br_netfilter={4: True}) if s.path == "hairpin"]
+    assert hp.skipped is None and hp.expect is False
+
+
 def test_direct_reports_the_port_it_probes() -> None:
     d = desired(alloc("a", pm(8080, 80)), cidr6=None)
     specs = probe_specs(d, applied(d).observe(d), vantage=Vantage("v", VANTAGE_HOST))
