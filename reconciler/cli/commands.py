@@ -113,27 +113,24 @@ def _load_saved(path: str) -> Plan:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class Stopped(ReconcilerError):
-    """A stop signal ended a command (its cleanup ran: ``finally`` blocks, the vantage)."""
-
-
 @contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event, *, interrupt: bool) -> Iterator[list[int]]:
-    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, so cleanup runs (with
-    the default SIGTERM the process dies where it is and the probes' vantage stays).
+def _stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
+    cleanup runs: with the default SIGTERM the process dies where it is and the probes'
+    vantage stays behind.
 
-    The stop event is set (``apply``'s executor stops after the op it is running, and its
-    probes are not started); with ``interrupt`` (``verify``: nothing half done to finish)
-    ``Stopped`` is raised where the main thread is, and the ``finally`` blocks on the way
-    out close the probes. The signals that came are listed in the value.
+    The handler only sets the stop event (``apply``'s executor stops after the op it is
+    running and its probes are not started; ``verify`` does not start probing) and notes
+    the signal: a run of probes already started ends by its own timeouts, then the
+    ``finally`` blocks close the prober. Raising from the handler instead could leave the
+    thread in an allocation's namespace (between ``setns`` and the switch back). The
+    signals that came are the value; the command then says so and exits 1.
     """
     got: list[int] = []
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         got.append(signum)
         stop.set()
-        if interrupt:
-            raise Stopped(f"stopped by {signal.Signals(signum).name}")
 
     if threading.current_thread() is not threading.main_thread():
         yield got  # signals reach the main thread only (tests call commands from threads)
@@ -144,6 +141,11 @@ def _stop_on_signals(stop: threading.Event, *, interrupt: bool) -> Iterator[list
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _stopped(signals: list[int]) -> int:
+    print(f"error: stopped by {signal.Signals(signals[0]).name}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
@@ -160,7 +162,7 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         return plan_exit(plan)
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
-    with _stop_on_signals(rec.stop, interrupt=False) as signals:
+    with _stop_on_signals(rec.stop) as signals:
         try:
             with host_lock(args.lock_timeout):
                 result = rec.apply(desired, options, saved=saved, probe=request)
@@ -195,8 +197,7 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     for r in result.probe_failures:
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
-        print(f"error: stopped by {signal.Signals(signals[0]).name}", file=sys.stderr)
-        return EXIT_ERROR
+        return _stopped(signals)
     return EXIT_OK if result.ok else EXIT_ERROR
 
 
@@ -229,17 +230,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     desired = _load(args.paths, args)
     request = probe_request(args)
     rec = Reconciler()
-    with _stop_on_signals(rec.stop, interrupt=True):
+    with _stop_on_signals(rec.stop) as signals:
         try:
             plan = rec.plan(desired, plan_options(args))
             t0 = time.monotonic()
             # probe whatever the comparison found: a diff explains a failure, it does not
             # hide one
-            results = [] if request is None else rec.probe(desired, rec.last_live,
-                                                           request=request)
+            results = [] if request is None or signals else rec.probe(
+                desired, rec.last_live, request=request)
             took = time.monotonic() - t0
         finally:
             rec.close_probes()
+    if signals:
+        return _stopped(signals)
     config_ok = not (plan.has_changes or plan.conflicts or plan.errors)
     failures = probe_failures(results)
     ok = config_ok and not failures
