@@ -192,7 +192,9 @@ class VantageLease:
                 self.release()
                 raise DriverError(f"probe vantage: {self.ns} or {self.link} exists and is not "
                                   "ours (no probe-vantage mark): left alone")
-            if state == "ready" and (self._shared or self._try(fcntl.LOCK_SH)):
+            if state == "ready" and self._shared:
+                return  # nobody removes it while we hold our share
+            if state == "ready" and self._try(fcntl.LOCK_SH):
                 self._shared = True
                 if driver.vantage_state(self.ns, self.link) == "ready":
                     return  # removed between the look and the lock: look again
