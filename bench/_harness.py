@@ -217,7 +217,8 @@ class Sandbox:
         with contextlib.suppress(Exception):
             netns.delete(self.host)
         if self.host_inode is not None:  # what a killed reconciler of the sandbox left
-            for name in ("netns-{}.lock", "plan-{}.lock", "plan-{}.sock"):
+            for name in ("netns-{}.lock", "plan-{}.lock", "plan-{}.sock",
+                         "probe-vantage-{}.lock"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(LOCK_DIR, name.format(self.host_inode)))
         shutil.rmtree(self.tmp, ignore_errors=True)

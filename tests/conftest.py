@@ -125,7 +125,8 @@ def forget_run_files(inode: int | None) -> None:
     if inode is None:
         return
     run_dir = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
-    for name in (f"netns-{inode}.lock", f"plan-{inode}.lock", f"plan-{inode}.sock"):
+    for name in (f"netns-{inode}.lock", f"plan-{inode}.lock", f"plan-{inode}.sock",
+                 f"probe-vantage-{inode}.lock"):
         path = os.path.join(run_dir, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

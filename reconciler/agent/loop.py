@@ -61,7 +61,7 @@ from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.lock import host_lock
-from reconciler.engine.reconcile import ProbeRequest, Reconciler
+from reconciler.engine.reconcile import ProbeRequest, Reconciler, conflicts_line
 from reconciler.planner.context import PlanOptions
 from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
 from reconciler.ui.probes import where
@@ -395,10 +395,23 @@ class Agent:
 
     def probe_run(self) -> None:
         """The probe timer: every allocation against a fresh observation, without a pass (a
-        failure the reconciler owns asks for one)."""
+        failure the reconciler owns asks for one).
+
+        Under the host lock, taken without waiting: a CLI ``apply`` in the middle of its
+        changes would show transient failures (and ask for passes that heal nothing), so
+        while somebody else holds it the run is skipped; the next timer tries again.
+        """
         if self.options.probe is None or self.good is None:
             return
-        results = self._probe(None, None)
+        try:
+            with host_lock(0):
+                results = self._probe(None, None)
+        except LockedError:
+            log.debug("probe run skipped: another reconcile holds the host lock")
+            return
+        except ReconcilerError as exc:  # the lock itself (its directory, its file)
+            log.warning("probes not run: %s", exc)
+            return
         if results is not None:
             self.take_probes(results, everything=True)
 
@@ -591,8 +604,8 @@ class Agent:
             report.errors = [{"resource": c.address, "error": "conflict: "
                               + (c.reason or "exists but is not managed by the reconciler")
                               + _adopt_hint(c)} for c in plan.conflicts]
-            raise ReconcilerError(f"{len(plan.conflicts)} conflict(s) with objects the "
-                                  "reconciler does not own; nothing changed: "
+            raise ReconcilerError(conflicts_line([c.reason for c in plan.conflicts])
+                                  + "; nothing changed: "
                                   + ", ".join(c.address for c in plan.conflicts))
         if not plan.has_changes:
             if plan.errors:

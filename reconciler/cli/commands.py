@@ -12,13 +12,17 @@ watchdog. tests/unit/test_layers.py checks what stays out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 from reconciler.config.load import load
@@ -105,6 +109,45 @@ def _load_saved(path: str) -> Plan:
         raise ConfigError(f"not a saved plan: {exc}", file=path) from None
 
 
+#: the signals that stop a command that probes, the way they stop ``watch``
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
+    cleanup runs: with the default SIGTERM the process dies where it is and the probes'
+    vantage stays behind.
+
+    The handler only sets the stop event (``apply``'s executor stops after the op it is
+    running and its probes are not started; ``verify`` does not start probing) and notes
+    the signal: a run of probes already started ends by its own timeouts, then the
+    ``finally`` blocks close the prober. Raising from the handler instead could leave the
+    thread in an allocation's namespace (between ``setns`` and the switch back). The
+    signals that came are the value; the command then says so and exits 1.
+    """
+    got: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        got.append(signum)
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield got  # signals reach the main thread only (tests call commands from threads)
+        return
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stopped(signals: list[int]) -> int:
+    print(f"error: stopped by {signal.Signals(signals[0]).name}", file=sys.stderr)
+    return EXIT_ERROR
+
+
 def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
            saved: Plan | None = None) -> int:
     from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
@@ -119,11 +162,12 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         return plan_exit(plan)
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
-    try:
-        with host_lock(args.lock_timeout):
-            result = rec.apply(desired, options, saved=saved, probe=request)
-    finally:
-        rec.close_probes()
+    with _stop_on_signals(rec.stop) as signals:
+        try:
+            with host_lock(args.lock_timeout):
+                result = rec.apply(desired, options, saved=saved, probe=request)
+        finally:
+            rec.close_probes()
     if args.output == "json":
         json.dump({"plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,
@@ -152,6 +196,8 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         print(f"error: {e}", file=sys.stderr)
     for r in result.probe_failures:
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
+    if signals:
+        return _stopped(signals)
     return EXIT_OK if result.ok else EXIT_ERROR
 
 
@@ -184,14 +230,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     desired = _load(args.paths, args)
     request = probe_request(args)
     rec = Reconciler()
-    try:
-        plan = rec.plan(desired, plan_options(args))
-        t0 = time.monotonic()
-        # probe whatever the comparison found: a diff explains a failure, it does not hide one
-        results = [] if request is None else rec.probe(desired, rec.last_live, request=request)
-        took = time.monotonic() - t0
-    finally:
-        rec.close_probes()
+    with _stop_on_signals(rec.stop) as signals:
+        try:
+            plan = rec.plan(desired, plan_options(args))
+            t0 = time.monotonic()
+            # probe whatever the comparison found: a diff explains a failure, it does not
+            # hide one
+            results = [] if request is None or signals else rec.probe(
+                desired, rec.last_live, request=request)
+            took = time.monotonic() - t0
+        finally:
+            rec.close_probes()
+    if signals:
+        return _stopped(signals)
     config_ok = not (plan.has_changes or plan.conflicts or plan.errors)
     failures = probe_failures(results)
     ok = config_ok and not failures
@@ -221,13 +272,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_destroy(args: argparse.Namespace) -> int:
+    from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
 
-    return _apply(args, DesiredState(), PlanOptions(prune=True))
+    rc = _apply(args, DesiredState(), PlanOptions(prune=True))
+    if not args.dry_run and remove_unused_vantage() and args.output == "text":
+        print("Removed the probes' external vantage (no prober uses it).")
+    return rc
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     from reconciler.engine.observe import Observer  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.probes import vantage_present  # noqa: PLC0415 (lazy: as above)
 
     live = Observer().observe(DesiredState())
     owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
@@ -239,6 +295,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                                    if c.startswith(CHAIN_PREFIX)}
                      for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
         "netns": sorted(live.netns),
+        "probe_vantage": vantage_present(live.host_id),
         "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
                              "scope": n.labels.get(SCOPE_LABEL)}
                             for n in (live.docker.networks if live.docker else ()) if n.owned],
@@ -257,11 +314,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"{fam} {chain}: {len(rules)} rules")
     for ns in view["netns"]:
         print(f"netns {ns}")
+    if view["probe_vantage"]:
+        print(f"probe vantage netns {view['probe_vantage']}")
     for dn in view["docker_networks"]:
         scope = f" [scope {dn['scope']}]" if dn["scope"] else ""
         print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}{scope}")
     if not any((view["links"], any(view["firewall"].values()), view["netns"],
-                view["docker_networks"])):
+                view["docker_networks"], view["probe_vantage"])):
         print("Nothing managed by the reconciler on this host.")
     return EXIT_OK
 

@@ -23,7 +23,7 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.domain.ownership import reserved_link_name
+from reconciler.domain.ownership import reserved_link_name, reserved_netns_name
 
 #: names /proc/sys/net/*/conf uses for itself: a link with these names would be ambiguous
 RESERVED_IFNAMES = frozenset({"all", "default", ".", ".."})
@@ -264,6 +264,10 @@ def _host_ip(doc: Document, path: Path,
 
 def _alloc(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> None:
     aid = raw["id"]
+    reserved = reserved_netns_name(aid)
+    if reserved is not None:
+        raise doc.error((*path, "id"), f"{format_path((*path, 'id'))}: {aid!r} is in a "
+                                       f"pattern the reconciler reserves: {reserved}")
     address = address6 = None
     if "address" in raw:
         a = _ip(doc, (*path, "address"), raw["address"])

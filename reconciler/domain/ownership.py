@@ -65,9 +65,28 @@ def probe_vantage_names(host_id: str) -> tuple[str, str]:
 
     Per host (the network namespace we act on), so the host and its sandboxes each have
     their own and a crash's leftover is found again by the next run of the same host.
+    One per host, not one per prober: the link's /30 (``domain.probes.VANTAGE_NET``) can be
+    routed on one link only; several probers of a host share it under a lock
+    (``engine.probes.VantageLease``).
     """
     return (f"rcprobe-{host_id}",
             "rcprobe" + hashlib.sha1(host_id.encode()).hexdigest()[:8])
+
+
+#: namespace names the reconciler gives its own namespaces that are not allocations: an
+#: allocation of such an id would be taken for (and removed as) the probes' vantage
+RESERVED_NETNS_NAMES = (
+    (re.compile(r"rcprobe-[0-9]+(-.*)?"), "the probes' external vantage namespace "
+                                          "(rcprobe-<host inode>)"),
+)
+
+
+def reserved_netns_name(name: str) -> str | None:
+    """What reserved namespace pattern ``name`` is in, or None."""
+    for pattern, what in RESERVED_NETNS_NAMES:
+        if pattern.fullmatch(name):
+            return what
+    return None
 
 
 def reserved_link_name(name: str) -> str | None:

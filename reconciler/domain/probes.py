@@ -38,6 +38,8 @@ PROBE_PORTS = (61000, 61999)
 VANTAGE_NET = ipaddress.IPv4Network("169.254.250.0/30")
 VANTAGE_HOST = str(VANTAGE_NET.network_address + 1)
 VANTAGE_PEER = str(VANTAGE_NET.network_address + 2)
+#: what a declared prefix that overlaps ``VANTAGE_NET`` is told it overlaps
+VANTAGE_RESERVED = f"{VANTAGE_NET}, reserved for the probes' external vantage link"
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,18 @@ class ProbeSpec:
     family: int
     vantage: Vantage
     dst: str
-    port: int | None = None  # the map's host port (what results report), None for "gateway"
+    #: the port probed (what results report): the map's host port, the container port for
+    #: "direct" (it goes to the allocation's own address), None for "gateway"
+    port: int | None = None
     dport: int | None = None  # destination port the sender uses
     to: int | None = None  # the container port the capture must see
-    expect: bool = True  # reached is the expected outcome (False: "direct" under isolation)
+    #: reached is the expected outcome (False: "direct" under ``isolation: ports``, "hairpin"
+    #: on a bridge that declares ``hairpin: false``)
+    expect: bool = True
     skipped: str | None = None  # why the path cannot exist here: not sent, reported skipped
+    #: why it must not be sent (a namespace that is not this host's allocation): not sent,
+    #: reported failed with this cause
+    refused: str | None = None
     #: the address the packet leaves from, when it is known before sending (the echo: the
     #: alloc's own), so the conntrack entry it makes can be found afterwards
     src: str | None = None
@@ -80,7 +89,7 @@ class ProbeResult:
     alloc: str
     path: str  # one of PATHS
     proto: str  # "icmp" | "tcp" | "udp"
-    port: int | None  # the host port for port-map paths, None for "gateway"
+    port: int | None  # the port probed: the host port, the container port for "direct"
     ok: bool
     skipped: bool = False  # the path cannot exist here (e.g. no host address in a bare sandbox)
     cause: str | None = None  # one line for people: why it failed (or why it was skipped)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import resource
 import secrets
@@ -681,20 +682,33 @@ def _ip(*args: str, batch: str) -> None:
 VANTAGE_HOST_MAC, VANTAGE_PEER_MAC = "02:72:63:70:00:01", "02:72:63:70:00:02"
 
 
+def _mark_lo() -> None:
+    """Inside the new vantage namespace, before it is mounted: ``lo`` carries the mark, so a
+    namespace of that name is provably ours (or provably not) from outside."""
+    _ip(batch=f'link set lo alias "{PROBE_VANTAGE_ALIAS}"\nlink set lo up\n')
+
+
 def create_vantage(ns: str, link: str) -> None:
     """The external vantage: namespace ``ns`` joined to this one by the veth ``link``.
 
     The host end has ``VANTAGE_HOST``/30, the namespace's ``eth0`` ``VANTAGE_PEER``/30
     and a default route through the host, so its connections arrive the way another
     host's do (PREROUTING, FORWARD). Neither end makes IPv6 addresses (nothing on the
-    wire the files do not declare). Made with two ``ip -batch`` runs: it is opt-in and
-    made once per prober, where the netlink driver has no veth without a bridge (its veths
-    are made attached, as an allocation's, and this driver may not call it): kept as
-    ``ip -batch`` for that reason. A leftover of a crash (same names: they are per host) is
-    removed first.
+    wire the files do not declare). Made with ``ip -batch`` runs: it is opt-in and
+    made once per host, where the netlink driver has no veth without a bridge (its veths
+    are made attached, as an allocation's, and this driver may not call it). The caller
+    holds the vantage's lock exclusively and removed what was there (``remove_vantage``);
+    a namespace of that name that is still there is not ours and is refused, never
+    replaced. ``lo`` inside carries ``PROBE_VANTAGE_ALIAS`` before the namespace is
+    mounted (``_mark_lo`` in ``netns.create``'s ``init``; ``ip`` forked from the thread
+    inside the new namespace runs there).
     """
-    remove_vantage(ns, link)
-    netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS)
+    try:
+        made = netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS, init=_mark_lo)
+    except DriverError as e:
+        raise DriverError(f"probe vantage: {e}") from None
+    if not made:
+        raise DriverError(f"probe vantage: the namespace {ns} exists and is not ours")
     try:
         _ip(batch="\n".join((
             f"link add {link} address {VANTAGE_HOST_MAC} type veth peer name eth0 "
@@ -705,7 +719,7 @@ def create_vantage(ns: str, link: str) -> None:
             f"neigh replace {VANTAGE_PEER} lladdr {VANTAGE_PEER_MAC} dev {link} nud permanent",
             f"link set {link} up", "")))
         _ip("-n", ns, batch="\n".join((
-            "link set lo up", "link set eth0 addrgenmode none",
+            "link set eth0 addrgenmode none",
             f"addr add {VANTAGE_PEER}/{VANTAGE_NET.prefixlen} dev eth0",
             f"neigh replace {VANTAGE_HOST} lladdr {VANTAGE_HOST_MAC} dev eth0 nud permanent",
             "link set eth0 up", f"route add default via {VANTAGE_HOST}", "")))
@@ -714,13 +728,64 @@ def create_vantage(ns: str, link: str) -> None:
         raise
 
 
+def _alias(*args: str) -> str | None:
+    """``ifalias`` of one link (``ip -j link show``), "" when it has none, None if absent."""
+    try:
+        p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
+                           check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return None
+    try:
+        links = json.loads(p.stdout or "[]")
+    except ValueError:
+        return None
+    return str(links[0].get("ifalias", "")) if links else None
+
+
+def namespace_mark(ns: str) -> str | None:
+    """The mark of the namespace ``ns``: its ``lo`` alias when it is a live namespace, the
+    file's tag when it is an empty file (a crash between unmount and unlink), None when
+    there is no such namespace; "" when it carries none."""
+    try:
+        if not netns.is_namespace_mount(ns):
+            return netns.file_mark(ns) or ""
+    except (OSError, DriverError):
+        return None
+    return _alias("-n", ns, "-j", "link", "show", "dev", "lo") or ""
+
+
+def link_mark(link: str) -> str | None:
+    """The alias of the host link ``link`` ("" when none), None when there is no such link."""
+    return _alias("-j", "link", "show", "dev", link)
+
+
+def vantage_state(ns: str, link: str) -> str:
+    """``ready`` (both parts there and marked ours), ``absent`` (neither there), ``foreign``
+    (a part of that name is there and not ours), else ``partial`` (ours, half there)."""
+    ns_mark, link_mk = namespace_mark(ns), link_mark(link)
+    if (ns_mark is not None and ns_mark != PROBE_VANTAGE_ALIAS) or \
+            (link_mk is not None and link_mk != PROBE_VANTAGE_ALIAS):
+        return "foreign"
+    if ns_mark is None and link_mk is None:
+        return "absent"
+    if ns_mark is not None and link_mk is not None and netns.is_namespace_mount(ns):
+        return "ready"
+    return "partial"
+
+
 def remove_vantage(ns: str, link: str) -> None:
     """Remove the vantage: the veth first (at once; the namespace's own teardown is
-    asynchronous), then the namespace. Absent parts are fine."""
-    with contextlib.suppress(DriverError):  # "Cannot find device": nothing to remove
-        _ip(batch=f"link del {link}\n")
-    with contextlib.suppress(DriverError, OSError):
-        netns.delete(ns)
+    asynchronous), then the namespace — each only when it carries the vantage's mark
+    (``PROBE_VANTAGE_ALIAS``): a link or namespace of that name that is somebody else's
+    stays. Absent parts are fine."""
+    if link_mark(link) == PROBE_VANTAGE_ALIAS:
+        with contextlib.suppress(DriverError):  # gone meanwhile: nothing to remove
+            _ip(batch=f"link del {link}\n")
+    if namespace_mark(ns) == PROBE_VANTAGE_ALIAS:
+        with contextlib.suppress(DriverError, OSError):
+            netns.delete(ns)
 
 
 def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,

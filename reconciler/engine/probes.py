@@ -10,7 +10,11 @@ after apply); watch probes everything on its own interval.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import ipaddress
+import os
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -27,13 +31,14 @@ from reconciler.domain.probes import (
     sort_key,
 )
 from reconciler.drivers import probe as driver
-from reconciler.drivers import sysctl
+from reconciler.drivers import rundir, sysctl
 from reconciler.drivers.netlink.conntrack import Tuple
+from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.handles import HostHandles
 from reconciler.planner import probes as plan_probes
 from reconciler.planner.probes import Cause, Facts, Sighting, Vantage, classify
 
-__all__ = ["Prober", "probe_targets"]
+__all__ = ["Prober", "VantageLease", "probe_targets", "remove_unused_vantage"]
 
 
 def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
@@ -46,7 +51,7 @@ class Prober:
 
     def __init__(self, handles: HostHandles) -> None:
         self.handles = handles
-        self._vantage: tuple[str, str] | None = None  # (namespace, link) made by us
+        self._lease: VantageLease | None = None  # our share of the host's vantage
 
     def run(self, desired: DesiredState, live: LiveState, *,
             allocs: Collection[str] | None = None, external: bool = False,
@@ -63,18 +68,21 @@ class Prober:
                 vantage = self._ensure_vantage(live.host_id)
             except DriverError as e:  # its probes fail with the reason; the others run
                 vantage, unusable = Vantage("", VANTAGE_HOST), str(e)
-        exclude = () if self._vantage is None else (self._vantage[1],)
+        exclude = () if self._lease is None else (self._lease.link,)
         specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
-                                        host_exclude=exclude)
-        lost = [s for s in specs if s.skipped is None and unusable and s.vantage == "external"]
-        sendable = [s for s in specs if s.skipped is None and s not in lost]
+                                        host_exclude=exclude, br_netfilter=_br_netfilter())
+        lost = [s for s in specs if s.skipped is None and s.refused is None and unusable
+                and s.vantage == "external"]
+        sendable = [s for s in specs if s.skipped is None and s.refused is None
+                    and s not in lost]
         external_ns = vantage.netns if vantage and not unusable else None
         outcomes = send(self.handles, sendable, timeout=timeout, external_ns=external_ns)
         failed = [i for i, (s, o) in enumerate(zip(sendable, outcomes, strict=True))
                   if not _sighting(o).holds(s)]
         causes: dict[int, Cause] = {}
         if failed:
-            again = Diagnosis(self.handles, desired, live, self._vantage).run(
+            names = None if self._lease is None else (self._lease.ns, self._lease.link)
+            again = Diagnosis(self.handles, desired, live, names).run(
                 [sendable[i] for i in failed], timeout=timeout, external_ns=external_ns)
             for i, (outcome, cause) in zip(failed, again, strict=True):
                 outcomes[i] = outcome
@@ -84,17 +92,22 @@ class Prober:
                    enumerate(zip(sendable, outcomes, strict=True))]
         results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=True, skipped=True,
                                 cause=s.skipped, family=s.family)
-                    for s in specs if s.skipped is not None]
+                    for s in specs if s.skipped is not None and s.refused is None]
+        results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=False, cause=s.refused,
+                                family=s.family) for s in specs if s.refused is not None]
         results += [ProbeResult(s.alloc, s.path, s.proto, s.port, ok=False, cause=(
             f"no external vantage namespace: {unusable}"), family=s.family) for s in lost]
         return sorted(results, key=sort_key)
 
     def _ensure_vantage(self, host_id: str) -> Vantage:
-        if self._vantage is None:
-            ns, link = probe_vantage_names(host_id)
-            driver.create_vantage(ns, link)
-            self._vantage = (ns, link)
-        return Vantage(self._vantage[0], VANTAGE_HOST)
+        """Our share of the host's vantage, checked at every run: one that somebody removed
+        (or half removed) since is made again."""
+        if self._lease is None or self._lease.host_id != host_id:
+            if self._lease is not None:
+                self._lease.release()
+            self._lease = VantageLease(host_id)
+        self._lease.ensure()
+        return Vantage(self._lease.ns, VANTAGE_HOST)
 
     def _result(self, s: ProbeSpec, o: driver.Outcome, cause: Cause | None) -> ProbeResult:
         seen = _sighting(o)
@@ -106,10 +119,147 @@ class Prober:
                            family=s.family, ours=not ok and cause is not None and cause.ours)
 
     def close(self) -> None:
-        """Remove the external vantage namespace if this prober made one."""
-        if self._vantage is not None:
-            driver.remove_vantage(*self._vantage)
-            self._vantage = None
+        """Give up our share of the external vantage; the last prober of the host to let go
+        removes it."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+#: how long a prober waits for the vantage's lock while another makes or removes it
+VANTAGE_WAIT = 10.0
+
+
+def vantage_lock_path(host_id: str) -> str:
+    return os.path.join(rundir.RUN_DIR, f"probe-vantage-{host_id}.lock")
+
+
+class VantageLease:
+    """A share of the host's external vantage, held for a prober's lifetime.
+
+    One vantage per host (its /30 can be routed on one link only), used by every prober
+    of the host at once — a ``watch`` agent's and a CLI ``verify``'s — through an
+    ``flock`` on ``/run/reconciler/probe-vantage-<host>.lock``: each user holds it shared
+    while it may probe; it is made, mended or removed only under the exclusive lock, which
+    nobody can hold while another prober uses it. So a prober never removes a vantage in
+    use, a dead prober's share goes with its process (the kernel drops its lock), and its
+    leftover is removed by the next prober (or ``destroy``) that gets the lock alone.
+    """
+
+    def __init__(self, host_id: str) -> None:
+        self.host_id = host_id
+        self.ns, self.link = probe_vantage_names(host_id)
+        self._fd: int | None = None
+        self._shared = False
+
+    def _open(self) -> int:
+        if self._fd is None:
+            rundir.ensure_dir()
+            path = vantage_lock_path(self.host_id)
+            try:
+                self._fd = rundir.open_file(path, 0o600)
+            except OSError as e:
+                raise DriverError(f"probe vantage: cannot open its lock: "
+                                  f"{rundir.describe_open_error(path, e)}") from None
+        return self._fd
+
+    def _try(self, how: int) -> bool:
+        """Take the lock without waiting. The last user unlinks the file as it removes the
+        vantage (sandboxes would leave one each): a lock won on an unlinked file is
+        dropped, and the next try opens the new one."""
+        fd = self._open()
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise DriverError(f"probe vantage: lock: {e.strerror}") from None
+            return False
+        try:
+            current = os.fstat(fd).st_ino == os.stat(vantage_lock_path(self.host_id)).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            os.close(fd)
+            self._fd, self._shared = None, False
+        return current
+
+    def ensure(self) -> None:
+        """Hold a share of a ready vantage; make it (alone) when it is missing or broken."""
+        deadline = time.monotonic() + VANTAGE_WAIT
+        while True:
+            state = driver.vantage_state(self.ns, self.link)
+            if state == "foreign":
+                self.release()
+                raise DriverError(f"probe vantage: {self.ns} or {self.link} exists and is not "
+                                  "ours (no probe-vantage mark): left alone")
+            if state == "ready" and self._shared:
+                return  # nobody removes it while we hold our share
+            if state == "ready" and self._try(fcntl.LOCK_SH):
+                self._shared = True
+                if driver.vantage_state(self.ns, self.link) == "ready":
+                    return  # removed between the look and the lock: look again
+            elif self._try(fcntl.LOCK_EX):  # (a shared lock of ours is converted)
+                self._shared = False
+                try:
+                    if driver.vantage_state(self.ns, self.link) != "ready":
+                        driver.remove_vantage(self.ns, self.link)  # marked parts only
+                        driver.create_vantage(self.ns, self.link)
+                finally:
+                    fcntl.flock(self._open(), fcntl.LOCK_SH)
+                    self._shared = True
+                if driver.vantage_state(self.ns, self.link) == "ready":
+                    return
+            else:
+                self._unlock()  # let the one making it finish (it waits for us otherwise)
+            if time.monotonic() >= deadline:
+                raise DriverError("probe vantage: gave up waiting for another prober of this "
+                                  f"host to finish making or removing it ({VANTAGE_WAIT:g}s)")
+            time.sleep(0.05)
+
+    def _unlock(self) -> None:
+        if self._fd is not None and self._shared:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._shared = False
+
+    def release(self) -> None:
+        """Let go; the last one out (the exclusive lock comes at once) removes the vantage."""
+        if self._fd is None:
+            return
+        try:
+            self.remove_if_alone()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd, self._shared = None, False
+
+    def remove_if_alone(self) -> bool:
+        """Remove the vantage (its marked parts) and the lock file when nobody else holds a
+        share; True when it did."""
+        if not self._try(fcntl.LOCK_EX):
+            return False
+        driver.remove_vantage(self.ns, self.link)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(vantage_lock_path(self.host_id))  # while still holding it: see _try
+        return True
+
+
+def remove_unused_vantage(host_id: str | None = None) -> bool:
+    """``destroy``: remove the host's vantage when no prober uses it (a dead one's leftover);
+    True when there was one to remove. A prober alive keeps it (its lock is shared)."""
+    lease = VantageLease(host_id if host_id is not None else str(current_inode()))
+    if driver.vantage_state(lease.ns, lease.link) not in ("ready", "partial"):
+        return False
+    try:
+        return lease.remove_if_alone()
+    finally:
+        lease.release()
+
+
+def vantage_present(host_id: str | None = None) -> str | None:
+    """``show``: the host's vantage namespace when one (ours) is there."""
+    host = host_id if host_id is not None else str(current_inode())
+    ns, link = probe_vantage_names(host)
+    return ns if driver.vantage_state(ns, link) in ("ready", "partial") else None
 
 
 def send(handles: HostHandles, specs: list[ProbeSpec], *, timeout: float,
@@ -138,6 +288,19 @@ def flow_tuple(f: driver.Flow) -> Tuple:
     if f.proto in (1, 58):  # ICMP, ICMPv6: echo id and type, code 0
         return Tuple(src, dst, f.proto, None, None, icmp=(f.a, f.b, 0))
     return Tuple(src, dst, f.proto, f.a, f.b)
+
+
+def _br_netfilter() -> dict[int, bool]:
+    """Per family, whether br_netfilter hands bridged IP to iptables here (the sysctl is per
+    network namespace; absent: the module is not loaded)."""
+    out = {}
+    for family, key in ((4, "net/bridge/bridge-nf-call-iptables"),
+                        (6, "net/bridge/bridge-nf-call-ip6tables")):
+        try:
+            out[family] = sysctl.read(key) == "1"
+        except DriverError:
+            out[family] = False
+    return out
 
 
 def _sighting(o: driver.Outcome) -> Sighting:
@@ -200,7 +363,8 @@ class Diagnosis:
         bridge = subnet.bridge if subnet is not None else None
         declared = self.desired.bridges.get(bridge) if bridge is not None else None
         port = links.get(alloc_veth_name(s.alloc))
-        address = plan_probes.alloc_addresses(self.live.netns.get(s.alloc)).get(s.family)
+        address = plan_probes.alloc_addresses(self.live.netns.get(s.alloc),
+                                              self.live.host_id).get(s.family)
         route = self._route(address) if address is not None else None
         neighbour = None
         if bridge is not None and address is not None:

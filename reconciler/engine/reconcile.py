@@ -16,7 +16,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.plan import Plan
-from reconciler.domain.probes import ProbeResult
+from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.handles import HostHandles
@@ -140,8 +140,8 @@ class Reconciler:
                 raise StalePlanError("the saved plan is stale: the live state changed since it "
                                      "was made; run plan again")
         if plan.conflicts:
-            lines = [f"refusing to apply: {len(plan.conflicts)} conflict(s) with objects the "
-                     "reconciler does not own; nothing changed"]
+            lines = [f"refusing to apply: {conflicts_line([c.reason for c in plan.conflicts])}"
+                     "; nothing changed"]
             lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
                       for c in plan.conflicts]
             raise ConflictError("\n".join(lines))
@@ -246,3 +246,13 @@ def kernel_problem(release: str) -> str | None:
     return (f"kernel {release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}: it drops the "
             "address protocol tag (IFA_PROTO) that marks addresses the reconciler owns, so "
             "its own addresses would look foreign on the next run; upgrade the kernel")
+
+
+def conflicts_line(reasons: Sequence[str]) -> str:
+    """``N conflict(s) with …``: objects the reconciler does not own, or — when every one
+    is a prefix on the probes' reserved /30 and nothing else — that reservation (nothing
+    foreign is in the way then, and saying so would send people looking for it)."""
+    parts = [p for r in reasons for p in r.split("; ")]
+    if parts and all(p.endswith("overlaps " + VANTAGE_RESERVED) for p in parts):
+        return f"{len(reasons)} conflict(s) with the prefix reserved for the probes' vantage"
+    return f"{len(reasons)} conflict(s) with objects the reconciler does not own"

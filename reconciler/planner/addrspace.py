@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from reconciler.domain.docker import sort_duplicates
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
-from reconciler.domain.probes import VANTAGE_NET
+from reconciler.domain.probes import VANTAGE_NET, VANTAGE_RESERVED
 from reconciler.planner import firewall
 from reconciler.planner.hostspace import (
     IPAddr,
@@ -353,7 +353,7 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
         span = span_of(net)
         hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
         if net.version == 4 and net.overlaps(VANTAGE_NET):
-            hits.append(f"{VANTAGE_NET}, reserved for the probes' external vantage link")
+            hits.append(VANTAGE_RESERVED)
         auto = " (auto)" if field in picked.get(address, {}) else ""
         if hits:
             reasons.setdefault(address, []).append(

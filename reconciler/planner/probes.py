@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
-from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
+from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX, alloc_ns_alias
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
@@ -56,11 +56,22 @@ class Vantage:
 # ------------------------------------------------------------------ targets from live state
 
 
-def alloc_addresses(ns: LiveNetns | None) -> dict[int, str]:
-    """The owned address of each family on the allocation's ``eth0`` (live)."""
-    out: dict[int, str] = {}
+def is_this_hosts(ns: LiveNetns | None, host_id: str) -> bool:
+    """The namespace is an allocation of the host ``host_id``: its ``lo`` carries that
+    host's mark (another ``--netns`` sandbox's allocation of the same id does not)."""
     if ns is None or not ns.usable:
+        return False
+    lo = next((lk for lk in ns.links if lk.name == "lo"), None)
+    return lo is not None and lo.alias == alloc_ns_alias(host_id)
+
+
+def alloc_addresses(ns: LiveNetns | None, host_id: str) -> dict[int, str]:
+    """The owned address of each family on the allocation's ``eth0`` (live); none when the
+    namespace is not this host's allocation."""
+    out: dict[int, str] = {}
+    if not is_this_hosts(ns, host_id):
         return out
+    assert ns is not None
     for lk in ns.links:
         if lk.name != ALLOC_IFNAME:
             continue
@@ -70,9 +81,9 @@ def alloc_addresses(ns: LiveNetns | None) -> dict[int, str]:
     return out
 
 
-def eth0_mtu(ns: LiveNetns | None) -> int | None:
+def eth0_mtu(ns: LiveNetns | None, host_id: str) -> int | None:
     """The MTU of the allocation's ``eth0`` (live), the size of the full echo."""
-    if ns is None or not ns.usable:
+    if ns is None or not is_this_hosts(ns, host_id):
         return None
     return next((lk.mtu for lk in ns.links if lk.name == ALLOC_IFNAME), None)
 
@@ -134,10 +145,17 @@ def _gateway(desired: DesiredState, a: Alloc, family: int) -> str | None:
 def probe_specs(desired: DesiredState, live: LiveState, *,
                 allocs: Collection[str] | None = None,
                 vantage: Vantage | None = None,
-                host_exclude: Collection[str] = ()) -> list[ProbeSpec]:
+                host_exclude: Collection[str] = (),
+                br_netfilter: Mapping[int, bool] | None = None) -> list[ProbeSpec]:
     """Every probe of the allocations named (all declared ones for None), in report order.
 
     ``auto`` prefixes are picked the way the plan picks them (kept from live state).
+    ``br_netfilter``: per family, whether ``bridge-nf-call-ip(6)tables`` is 1 (None: take
+    it as on). It decides what ``hairpin: false`` can stop: with it, the DNAT is done as
+    the frame crosses the bridge, which then must hand it back out of the port it came in
+    on — the hairpin flag refuses that, and the path is expected not to arrive; without
+    it the host routes the packet back out of the bridge device, which no port flag stops
+    (measured: it arrives), so the path is skipped with that reason.
     """
     if not all(s.resolved for s in desired.subnets.values()):
         desired = addrspace.resolve(desired, live).desired
@@ -148,14 +166,21 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
     maps = live_maps(live)
     out: list[ProbeSpec] = []
     for aid, a in chosen:
-        addrs = alloc_addresses(live.netns.get(aid))
-        out += _gateway_specs(desired, a, addrs, eth0_mtu(live.netns.get(aid)))
+        ns = live.netns.get(aid)
+        if ns is not None and ns.usable and not is_this_hosts(ns, live.host_id):
+            # another host's (a sandbox's) namespace of that name: never a probe inside it
+            out.append(ProbeSpec(a.id, "gateway", "icmp", 4, "alloc", "", refused=(
+                f"namespace {aid} is not this host's allocation")))
+            continue
+        addrs = alloc_addresses(ns, live.host_id)
+        out += _gateway_specs(desired, a, addrs, eth0_mtu(ns, live.host_id))
         for family, m in sorted(maps.get(aid, ()), key=lambda fm: (fm[0], fm[1].proto,
                                                                      fm[1].host)):
             declared = _declared(a, m.proto, m)
             if declared is not None and not declared.probe:
                 continue
-            out += _map_specs(desired, a, family, m, addrs, hosts, vantage)
+            out += _map_specs(desired, a, family, m, addrs, hosts, vantage,
+                              True if br_netfilter is None else br_netfilter.get(family, False))
     return out
 
 
@@ -174,15 +199,22 @@ def _gateway_specs(desired: DesiredState, a: Alloc, addrs: dict[int, str],
 
 def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
                addrs: dict[int, str], hosts: dict[int, str],
-               vantage: Vantage | None) -> list[ProbeSpec]:
+               vantage: Vantage | None, bridged: bool) -> list[ProbeSpec]:
     proto: ProbeProto = "tcp" if m.proto == "tcp" else "udp"
 
     def spec(path: Path, where: VantageKind, dst: str | None, *, skipped: str | None = None,
              dport: int = m.host, expect: bool = True) -> ProbeSpec:
         if dst is None and skipped is None:
             skipped = "no address to send to"
-        return ProbeSpec(a.id, path, proto, family, where, dst or "", m.host, dport, m.to,
+        # ``port`` is the port probed: the host port, or the container port for "direct"
+        return ProbeSpec(a.id, path, proto, family, where, dst or "", dport, dport, m.to,
                          expect, skipped)
+
+    subnet = desired.subnets.get(a.subnet)
+    bridge = desired.bridges.get(subnet.bridge) if subnet is not None else None
+    # a bridge that declares hairpin: false must not hand a frame back out of the port it
+    # came in on: the hairpin path is expected NOT to arrive (arriving is a failure)
+    hairpin = bridge is None or bridge.hairpin
 
     only = f"published on {m.host_ip} only"
     loopback_only = m.host_ip is not None and m.host_ip.is_loopback
@@ -197,8 +229,14 @@ def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
         out.append(spec("localhost", "host", "127.0.0.1"))
     if loopback_only:
         out.append(spec("hairpin", "alloc", None, skipped=only))
+    elif not hairpin and not bridged:
+        tables = "iptables" if family == 4 else "ip6tables"
+        out.append(spec("hairpin", "alloc", None, skipped=(
+            f"hairpin: false cannot stop it without br_netfilter (bridge-nf-call-{tables} "
+            "is not 1: the host routes it back out of the bridge device)")))
     else:
-        out.append(spec("hairpin", "alloc", host_dst or _gateway(desired, a, family)))
+        out.append(spec("hairpin", "alloc", host_dst or _gateway(desired, a, family),
+                        expect=hairpin))
     if vantage is not None and family == 4:
         if loopback_only:
             out.append(spec("external", "external", None, skipped=only))
@@ -345,6 +383,11 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if spec.path == "direct" and seen.reached:
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
                      "is ports: something accepts it before RECONCILER-FORWARD drops it")
+    if spec.path == "hairpin" and seen.reached and not spec.expect:
+        flag_on = facts is not None and facts.port_hairpin is True
+        return Cause(f"{spec.proto} to its own host port {spec.dst}:{spec.dport} came back "
+                     "into the allocation although its bridge declares hairpin: false"
+                     + (" (the port's hairpin flag is on)" if flag_on else ""), ours=flag_on)
     if spec.path == "gateway" and seen.reached and seen.big is False:
         return Cause(f"MTU black hole: a {spec.size}-byte echo with DF to the gateway "
                      f"{spec.dst} is lost where a small one passes (an MTU smaller than "

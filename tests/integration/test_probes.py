@@ -139,12 +139,12 @@ def test_every_path_is_reached_after_a_good_apply(host_ns: Netns, tmp_path: obje
     assert reached == {
         *((alloc_gw, "icmp", f, None) for alloc_gw in ("gateway",) for f in (4, 6)),
         ("host", "tcp", 4, 18080), ("localhost", "tcp", 4, 18080), ("hairpin", "tcp", 4, 18080),
-        ("external", "tcp", 4, 18080), ("direct", "tcp", 4, 18080),
+        ("external", "tcp", 4, 18080), ("direct", "tcp", 4, 80),  # direct: the port probed
         ("host", "udp", 4, 15353), ("localhost", "udp", 4, 15353), ("hairpin", "udp", 4, 15353),
-        ("external", "udp", 4, 15353), ("direct", "udp", 4, 15353),
+        ("external", "udp", 4, 15353), ("direct", "udp", 4, 53),
         ("host", "tcp", 6, 18080), ("hairpin", "tcp", 6, 18080),
         ("host", "udp", 6, 15353), ("hairpin", "udp", 6, 15353),
-        ("localhost", "tcp", 4, 18443), ("direct", "tcp", 4, 18443)}
+        ("localhost", "tcp", 4, 18443), ("direct", "tcp", 4, 443)}
     assert {(r.alloc, r.path) for r in results if r.alloc == a1} == {(a1, "gateway")}
     # the listeners saw each probe that claims to have arrived, from a reserved source port;
     # the direct probes (isolation: ports) did not arrive, and the probe: false map saw nothing
@@ -255,16 +255,30 @@ def _probe_sockets(ns: str) -> list[str]:
             if any(f":{p} " in ln + " " for p in range(PROBE_PORTS[0], PROBE_PORTS[0] + 200))]
 
 
+def _fds() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
+
+
 def test_a_probe_run_leaves_nothing_behind(host_ns: Netns, tmp_path: object) -> None:
     if subprocess.run(["which", "conntrack"], capture_output=True).returncode:
         pytest.skip("conntrack(8) not installed")
     path, (a0, a1) = setup(host_ns, tmp_path)
     host_ns.run("conntrack", "-F", check=False)
-    fds = len(os.listdir("/proc/self/fd"))
+    # the baseline after one observation: the Docker SDK keeps its unix socket (unixconn)
+    # open from the first one on, which is not the probes'
+    probe(host_ns, path, allocs=set())
+    host_ns.run("conntrack", "-F", check=False)
+    fds = _fds()
     with recording(a0, "tcp:80", "udp:53"):
         results = probe(host_ns, path, external=True)
     assert failures(results) == []
-    assert len(os.listdir("/proc/self/fd")) == fds
+    # nothing the run opened is still open: every descriptor now was there before, the same
+    # file or socket (an unrelated one the garbage collector closes meanwhile is no leak)
+    assert {fd: t for fd, t in _fds().items() if fds.get(fd) != t} == {}
     assert _conntrack(host_ns) == []
     for ns in (host_ns.name, a0, a1):
         assert _probe_sockets(ns) == [], ns
@@ -272,6 +286,7 @@ def test_a_probe_run_leaves_nothing_behind(host_ns: Netns, tmp_path: object) -> 
     vantage, link = probe_vantage_names(str(os.stat(f"/run/netns/{host_ns.name}").st_ino))
     assert vantage not in sh("ip", "netns", "list").stdout
     assert host_ns.link(link) is None
+    assert not os.path.exists(f"/run/reconciler/probe-vantage-{vantage.split('-')[1]}.lock")
 
 
 @pytest.mark.parametrize("breakage", ["mtu", "route_localnet", "hairpin", "forwarding",
