@@ -305,21 +305,48 @@ def _errno_words(code: int) -> str:
             errno.EPERM: "refused by a local rule (EPERM)"}.get(code, os.strerror(code))
 
 
+#: what the capture tells a probe's arrival by, apart from its source port: the allocation's
+#: veth, the family, the IP protocol and the map's container port
+_Dest = tuple[str, int, int, int]
+
+
 class _Ports:
-    """Source ports of the reserved range in turn; one bound by somebody else is skipped."""
+    """Source ports of the reserved range in turn, never one twice towards one destination.
+
+    A run of more probes than the range holds (3000+ at 500 allocations with 2 maps) uses
+    ports again. Two probes of one map (veth, family, protocol, container port) on the same
+    port would be the same arrival to the capture, and the hairpin and localhost ones, both
+    masqueraded to the gateway, would make one conntrack reply tuple: the kernel moves the
+    later one to another source port, which the capture does not know. So a port is
+    reused only towards another destination (at most a handful of probes share one). A
+    port somebody else has bound is skipped by the caller (``_client``).
+    """
 
     def __init__(self) -> None:
+        self.lo, self.hi = PROBE_PORTS
         # a random start: two runs at once (verify beside the agent) rarely share a 4-tuple
-        self.next = PROBE_PORTS[0] + secrets.randbelow(PROBE_PORTS[1] - PROBE_PORTS[0] + 1)
+        self.next = self.lo + secrets.randbelow(self.hi - self.lo + 1)
+        self.used: dict[_Dest, set[int]] = {}
 
-    def take(self) -> int:
-        port = self.next
-        self.next = port + 1 if port < PROBE_PORTS[1] else PROBE_PORTS[0]
-        return port
+    def take(self, dest: _Dest) -> int:
+        used = self.used.setdefault(dest, set())
+        for _ in range(self.hi - self.lo + 1):
+            port = self.next
+            self.next = port + 1 if port < self.hi else self.lo
+            if port not in used:
+                used.add(port)
+                return port
+        raise OSError(errno.EADDRINUSE, "no free probe source port")
+
+
+def _dest(spec: ProbeSpec) -> _Dest:
+    return (alloc_veth_name(spec.alloc), spec.family, _TCP if spec.proto == "tcp" else _UDP,
+            spec.to or 0)
 
 
 def _client(spec: ProbeSpec, ports: _Ports) -> tuple[socket.socket, int]:
-    """A client socket bound to a reserved source port (in the calling thread's namespace)."""
+    """A client socket bound to a reserved source port (in the calling thread's namespace),
+    one no other probe of the run towards the same destination (``_dest``) has."""
     fam = socket.AF_INET if spec.family == 4 else socket.AF_INET6
     kind = socket.SOCK_STREAM if spec.proto == "tcp" else socket.SOCK_DGRAM
     last: OSError | None = None
@@ -334,7 +361,7 @@ def _client(spec: ProbeSpec, ports: _Ports) -> tuple[socket.socket, int]:
             if kind == socket.SOCK_STREAM:
                 # close = reset: no TIME_WAIT left by a probe
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            port = ports.take()
+            port = ports.take(_dest(spec))
             s.bind(("0.0.0.0" if fam == socket.AF_INET else "::", port))
             return s, port
         except OSError as e:
@@ -435,9 +462,8 @@ class ProbeRun:
             return
         p.sock = s
         self._keep(s)
-        key = (alloc_veth_name(p.spec.alloc), p.spec.family,
-               _TCP if p.spec.proto == "tcp" else _UDP, p.sport, p.spec.to or 0)
-        self.watch[key] = p
+        veth, family, proto, to = _dest(p.spec)
+        self.watch[(veth, family, proto, p.sport, to)] = p
 
     def _fail(self, p: _Probe, error: str) -> None:
         if not p.done:

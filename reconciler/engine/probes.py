@@ -312,7 +312,7 @@ ROUTE_LOOKUPS = 32
 
 
 class Diagnosis:
-    """Failed probes sent again, alone, with the host watched around them.
+    """Failed probes sent again (together, apart from the first run), the host watched around.
 
     Before and after the re-run: ``iptables-save -c`` of the families involved (which
     foreign rule's counter rose) and the IPReversePathFilter counter; after it, the

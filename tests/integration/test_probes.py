@@ -168,6 +168,27 @@ def test_what_must_not_arrive_is_watched_for_a_margin_not_the_whole_timeout(
     assert took < 10, f"the run took {took:.1f} s: the direct probes waited for the timeout"
 
 
+def test_probes_that_share_a_source_port_are_still_told_apart(
+        host_ns: Netns, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above 1000 probes in a run (500 allocations with 2 maps) the reserved source ports
+    are used again. Two probes of one map from the same port could not be told apart (the
+    capture keys arrivals by veth, source port and container port) and, when both are
+    masqueraded to the gateway (hairpin, localhost), made the same conntrack reply tuple:
+    the kernel moved the second one to another source port. Forced here at two
+    allocations: five ports, as many as one map has probes (host, localhost, hairpin,
+    external, direct)."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    monkeypatch.setattr(driver, "PROBE_PORTS", (61000, 61004))
+    with recording(a0, "tcp:80", "udp:53", "tcp:443") as seen:
+        results = probe(host_ns, path, external=True)
+    assert failures(results) == []
+    # every probe arrived once, from the source port it was sent from (none moved by NAT)
+    counts = {(proto, port): sum(1 for p, q, _ in seen if (p, q) == (proto, port))
+              for proto, port in (("tcp", 80), ("udp", 53), ("tcp", 443))}
+    assert counts == {("tcp", 80): 6, ("udp", 53): 6, ("tcp", 443): 1}, seen
+    assert all(61000 <= peer <= 61004 for _p, _q, peer in seen), seen
+
+
 def test_open_isolation_expects_the_direct_path(host_ns: Netns, tmp_path: object) -> None:
     path, (a0, _a1) = setup(host_ns, tmp_path, isolation="open")
     with recording(a0, "tcp:80") as seen:

@@ -391,6 +391,18 @@ def test_capture_filter_passes_only_probe_packets_leaving_a_link():
     assert run_bpf(prog, ipv4(6, lo, 80), 0) == 0  # arriving (PACKET_HOST): not ours to see
 
 
+def test_a_source_port_is_used_again_only_towards_another_destination(monkeypatch):
+    # a run larger than the range reuses ports; two probes of one map (veth, family,
+    # protocol, container port) on one port would be one arrival and one NAT reply tuple
+    monkeypatch.setattr(driver, "PROBE_PORTS", (61000, 61002))
+    ports = driver._Ports()
+    http, https = ("vr0", 4, 6, 80), ("vr0", 4, 6, 443)
+    assert sorted(ports.take(http) for _ in range(3)) == [61000, 61001, 61002]
+    with pytest.raises(OSError, match="no free probe source port"):
+        ports.take(http)
+    assert sorted(ports.take(https) for _ in range(3)) == [61000, 61001, 61002]
+
+
 def test_packet_parsing():
     assert driver.parse_l4(ipv4(6, 61000, 80)) == (4, "10.0.0.1", 61000, "10.0.0.2", 80, 6)
     assert driver.parse_l4(ipv6(17, 61001, 53))[1:] == ("::", 61001, "::", 53, 17)
