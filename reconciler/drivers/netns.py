@@ -273,37 +273,8 @@ def _ensure_rundir() -> None:
         _rundir_ready = True
 
 
-def reserve(name: str, file_mark: str) -> bool:
-    """Create the empty, tagged ``/run/netns/NAME`` a later :func:`create` (``reserved=True``)
-    mounts the namespace on. False (nothing made) when it exists or cannot be made: the
-    plain :func:`create` then finds out why and says so.
-
-    Apart from :func:`create` so that it can be done ahead, on another thread: here
-    ``/run/netns`` lies on the root ext4 filesystem and a file created in it costs
-    220-380 µs (25 µs in another directory of the same disk), as much as the namespace
-    itself. Safe to leave behind: an empty file with our tag is what a crash between
-    create and mount leaves too, and the next plan removes it.
-    """
-    try:
-        path = path_of(name)
-        _ensure_rundir()
-        _create_file(path, file_mark)
-    except (OSError, DriverError, PreconditionError):
-        return False
-    return True
-
-
-def unreserve(name: str) -> None:
-    """Remove a file :func:`reserve` made and no :func:`create` used (still an empty file)."""
-    path = path_of(name)
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_dev != nsfs_dev():
-            os.unlink(path)
-
-
 def create(name: str, *, replace_stale: bool = False,
-           init: Callable[[], None] | None = None, file_mark: str | None = None,
-           reserved: bool = False) -> bool:
+           init: Callable[[], None] | None = None, file_mark: str | None = None) -> bool:
     """``ip netns add NAME`` in-process. Returns False if it already existed.
 
     An existing live namespace is success (concurrent creators, EDGE 4). An
@@ -316,13 +287,16 @@ def create(name: str, *, replace_stale: bool = False,
     a crash leaves either no namespace or a marked one. ``file_mark`` goes on
     the file under the mount (an xattr), so the empty file a crash between
     unmount and unlink (or between create and mount) leaves is provably ours too.
-    ``reserved``: :func:`reserve` made that file already (tagged), in this pass.
     """
     path = path_of(name)
     _ensure_rundir()
     try:
-        if not reserved:
-            _create_file(path, file_mark)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+        try:
+            if file_mark is not None:
+                set_file_mark(fd, file_mark)
+        finally:
+            os.close(fd)
     except FileExistsError:
         try:
             if is_namespace_mount(path):
@@ -359,15 +333,6 @@ def create(name: str, *, replace_stale: bool = False,
     finally:
         os.close(home)
     return True
-
-
-def _create_file(path: str, file_mark: str | None) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
-    try:
-        if file_mark is not None:
-            set_file_mark(fd, file_mark)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -37,12 +37,11 @@ from reconciler.domain.ops import (
     TypedOp,
     decode,
 )
-from reconciler.domain.plan import Op, Plan
+from reconciler.domain.plan import Op
 from reconciler.drivers import netns, procfs, sysctl
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
 from reconciler.engine.handles import HostHandles
-from reconciler.engine.nsfiles import NetnsFiles
 
 if TYPE_CHECKING:
     from reconciler.drivers.docker.client import DockerDriver
@@ -57,28 +56,10 @@ class HostOps:
         self.handles = handles or HostHandles()
         #: network namespace inode -> pids in it, scanned once per pass (``new_pass``)
         self._members: dict[int, tuple[int, ...]] | None = None
-        #: the files of this pass's new namespaces, made ahead (``new_pass``)
-        self._files: NetnsFiles | None = None
 
-    def new_pass(self, plan: Plan | None = None) -> None:
-        """A new plan is executed: what was read of processes may be stale now. With the
-        plan, the files of the namespaces it creates are made ahead (``NetnsFiles``) until
-        :meth:`end_pass`."""
+    def new_pass(self) -> None:
+        """A new plan is executed: what was read of processes may be stale now."""
         self._members = None
-        self.end_pass()
-        if plan is not None:
-            wanted = [(typed.name, typed.mark) for change in plan.actionable
-                      for op in change.ops if op.name == NetnsCreate.NAME
-                      and isinstance(typed := decode(op), NetnsCreate)
-                      and typed.mark is not None and not typed.replace_stale]
-            if wanted:
-                self._files = NetnsFiles(wanted)
-
-    def end_pass(self) -> None:
-        """The plan's execution is over: remove the files made ahead that no op used."""
-        files, self._files = self._files, None
-        if files is not None:
-            files.close()
 
     @property
     def netlink(self) -> Netlink:
@@ -119,9 +100,7 @@ class HostOps:
             case RouteDelDefault():
                 self.netlink.del_default_route(op.version, ns=op.netns)
             case NetnsCreate():
-                reserved = self._files is not None and self._files.take(op.name)
-                self.netlink.create_netns(op.name, replace_stale=op.replace_stale, mark=op.mark,
-                                          reserved=reserved)
+                self.netlink.create_netns(op.name, replace_stale=op.replace_stale, mark=op.mark)
             case NetnsDelete():
                 self._delete_netns(op.name)
             case AllocAttach():

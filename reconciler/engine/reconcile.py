@@ -143,15 +143,10 @@ class Reconciler:
         if not plan.has_changes:
             return result
         preflight(plan, subnet_bridges(desired))
-        hostops = self.runner if isinstance(self.runner, HostOps) else None
-        if hostops is not None:
-            hostops.new_pass(plan)
-        try:
-            result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
-                                       on_outcome=on_outcome).execute(plan)
-        finally:
-            if hostops is not None:
-                hostops.end_pass()
+        if isinstance(self.runner, HostOps):
+            self.runner.new_pass()
+        result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
+                                   on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():
             return result
         result.residual = self.verify(desired, options)

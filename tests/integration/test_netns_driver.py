@@ -432,33 +432,3 @@ def test_get_nsid(sandbox: Sandbox, nl: links.Netlink) -> None:
     nsid = nl.get_nsid(name)
     listed = sh("ip", "-n", sandbox.name, "netns", "list-id").stdout
     assert nsid is not None and nsid >= 0 and f"nsid {nsid} " in listed + " "
-
-
-def test_namespace_files_made_ahead_are_used_or_removed(sandbox: Sandbox,
-                                                        nl: links.Netlink) -> None:
-    """engine.nsfiles: the files of a pass's new namespaces are made on another thread; the
-    ones an op used carry the namespace, the others (a failed or stopped run) are removed,
-    and a file someone else made under a wanted name is neither taken nor removed."""
-    from reconciler.engine.nsfiles import NetnsFiles
-
-    mark = "reconciler-test-ahead"
-    used, unused = sandbox.ns("used"), [sandbox.ns("left0"), sandbox.ns("left1")]
-    foreign = sandbox.ns("foreign")
-    with open(f"/run/netns/{foreign}", "w"):
-        pass
-    files = NetnsFiles([(used, mark), (foreign, mark), *((n, mark) for n in unused)])
-    try:
-        assert files.take(used) is True
-        assert os.path.exists(f"/run/netns/{used}") and not netns.is_namespace_mount(used)
-        assert netns.file_mark(used) == mark  # tagged from the start: provably ours
-        assert nl.create_netns(used, mark=mark, reserved=True) is True
-        assert files.take(foreign) is False  # it existed: left to netns.create, which says why
-        assert files.take(sandbox.ns("never-asked")) is False
-    finally:
-        files.close()
-    assert netns.is_namespace_mount(used)
-    (lo,) = ip_json(used, "link", "show", "lo")
-    assert lo.get("ifalias") == mark and "UP" in lo["flags"]
-    for name in unused:
-        assert not os.path.exists(f"/run/netns/{name}")
-    assert os.path.exists(f"/run/netns/{foreign}") and netns.file_mark(foreign) is None

@@ -451,9 +451,8 @@ class Netlink(NetlinkReader):
         return True
 
     def create_netns(self, name: str, *, replace_stale: bool = False,
-                     mark: str | None = None, reserved: bool = False) -> bool:
-        """``ip netns add`` in-process (see :func:`netns.create`; ``reserved``: its file was
-        made ahead by :func:`netns.reserve`).
+                     mark: str | None = None) -> bool:
+        """``ip netns add`` in-process (see :func:`netns.create`).
 
         With ``mark``, ``lo`` inside is brought up and given that alias before the
         namespace is mounted, so an allocation namespace is never visible unmarked;
@@ -478,8 +477,7 @@ class Netlink(NetlinkReader):
 
         try:
             created = netns.create(name, replace_stale=replace_stale,
-                                   init=init if mark is not None else None, file_mark=mark,
-                                   reserved=reserved)
+                                   init=init if mark is not None else None, file_mark=mark)
             if kept:
                 self._keep_socket(name, kept[0], lo_mark=mark)
                 kept.clear()
