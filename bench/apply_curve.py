@@ -3,7 +3,7 @@
 As root: ``python3 bench/apply_curve.py [--n 250 500 1000 2000] [--runs 1] [--ipv6] [--ports 2]``
 
 For each N, in a throwaway host namespace (bench/_harness.py ``Sandbox``):
-one ``reconcile apply`` of N allocations from nothing (``--ports`` tcp port
+one ``reconcile apply --no-probe`` of N allocations from nothing (``--ports`` tcp port
 maps each, default 2 as in the other benchmarks; ``--ipv6``: dual-stack
 subnets). A Linux bridge takes at most 1,023 ports (the loader refuses more,
 ``MAX_BRIDGE_PORTS``), so allocations are put 1,000 to a bridge: N ≤ 1000 is
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Sandbox  # noqa: E402
+from _harness import Sandbox, cli_supports  # noqa: E402
 
 PER_BRIDGE = 1000  # < 1,023, the most ports a Linux bridge takes
 
@@ -151,7 +151,9 @@ def _one(n: int, groups: int, *, ipv6: bool, ports: int, census: bool, timeout: 
         path = sb.write("allocs.yaml", curve_yaml(n, sb.prefix, ipv6=ipv6, ports=ports,
                                                   groups=groups))
         before = loadavg()
-        res = sb.cli("apply", path, timeout=timeout)
+        # probes off, like for like with the CNI chain (bench/compare.py does the same)
+        probes = cli_supports("apply", "--no-probe")
+        res = sb.cli("apply", path, *(("--no-probe",) if probes else ()), timeout=timeout)
         after = loadavg()
         mc = sum(bridge_multicast(sb.host).values())
         ll = (link_local_census(sb.host, [f"{sb.prefix}-{i}" for i in range(n)])

@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"N={n} run {run + 1} {side}: "
                       + ", ".join(f"{k}={v:.3f}" for k, v in raw[n][side][-1].items()),
                       file=sys.stderr)
-        med = {side: {k: statistics.median(d[k] for d in runs) for k in runs[0]}
+        med = {side: {k: statistics.median(d[k] for d in runs) for k in runs[0]
+                      if all(k in d for d in runs)}  # a run whose probes failed has none
                for side, runs in raw[n].items() if runs}
         results[n] = {"ours": med["ours"], "cni": med.get("cni"), "runs": opts.runs,
                       "cni_runs": cni_runs}

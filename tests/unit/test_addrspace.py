@@ -713,3 +713,31 @@ def test_the_probe_lists_every_network_or_says_why_not(tmp_path, monkeypatch):
     finally:
         t.join(5)
         server.close()
+
+
+def test_a_stopped_daemon_is_not_asked_again_through_the_sdk(tmp_path, monkeypatch):
+    """A socket file nobody listens on (dockerd stopped): a host-only observation says
+    Docker is unavailable, in the SDK's words, without importing or calling the SDK."""
+    import socket
+
+    from reconciler.domain.model import DesiredState
+    from reconciler.engine.handles import HostHandles
+    from reconciler.engine.observe import Observer
+
+    path = str(tmp_path / "docker.sock")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(path)  # bound, never listening: connect() is refused
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+
+    def no_sdk(self: HostHandles) -> None:
+        raise AssertionError("the Docker SDK was asked")
+
+    monkeypatch.setattr(HostHandles, "docker", property(no_sdk))
+    try:
+        listing = probe.list_networks()
+        assert listing is not None and listing.refused and not listing.answered
+        live = Observer(HostHandles()).observe_docker(DesiredState(), listing)
+        assert live is not None and not live.available
+        assert live.error == f"docker daemon unreachable at unix://{path}: connection refused"
+    finally:
+        left.close()

@@ -62,6 +62,9 @@ class Listing:
     answered: bool
     networks: tuple[dict[str, Any], ...] = ()
     error: str | None = None
+    #: the socket file is there but nothing listens on it (dockerd stopped, its socket left
+    #: behind): the SDK would only be refused too
+    refused: bool = False
 
 
 def list_networks(timeout: float = 2.0) -> Listing | None:
@@ -81,6 +84,11 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
         if resp.status != 200:
             return Listing(False, error=f"docker: listing networks failed: HTTP {resp.status}")
         listed = json.loads(body)
+    except ConnectionRefusedError:
+        # worded as the SDK words it (DockerDriver.observe), which is then not asked
+        where = os.environ.get("DOCKER_HOST") or f"unix://{DEFAULT_SOCKET}"
+        return Listing(False, error=f"docker daemon unreachable at {where}: connection refused",
+                       refused=True)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return Listing(False, error=f"docker daemon unreachable at {path}: {why}")
