@@ -20,6 +20,7 @@ import select
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -220,6 +221,10 @@ def test_udp_entries_made_before_a_map_existed_are_dropped_when_it_appears(
     apply_ok(host_ns, path)
     # no map yet: the datagrams meet the host itself (nothing listens) and are tracked so
     assert udp_from(client, 40001) == "none"
+    # the datagram may still wait for the client's ARP to resolve when its sender gives up
+    deadline = time.monotonic() + 5
+    while not conntrack_lines(host_ns, "udp") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert conntrack_lines(host_ns, "udp")
     write(tmp_path, "t.yaml", config([{"id": b, "address": B_ADDR, "ports": [
         {"host": HOST_PORT, "to": 53, "protocol": "udp"}]}]))
