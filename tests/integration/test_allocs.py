@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import EXAMPLES, SESSION, Netns, sh, unique, write
+from tests.integration.traffic import client_of
 
 pytestmark = pytest.mark.root
 
@@ -251,26 +252,11 @@ def client(host_ns: Netns) -> Iterator[str]:
     The host namespace gets dockerd's firewall (FORWARD policy DROP, DOCKER-USER,
     isolation chains) in both families, as on a machine running Docker.
     """
-    name = unique("c")
-    hv = unique("v")
-    sh("ip", "netns", "add", name)
-    try:
-        sh("ip", "link", "add", hv, "netns", host_ns.name, "type", "veth",
-           "peer", "name", "eth0", "netns", name)
-        host_ns.run("ip", "addr", "add", f"{HOST4}/24", "dev", hv)
-        host_ns.run("ip", "addr", "add", f"{HOST6}/64", "dev", hv, "nodad")
-        host_ns.run("ip", "link", "set", hv, "up")
-        for args in (("addr", "add", f"{CLIENT4}/24", "dev", "eth0"),
-                     ("addr", "add", f"{CLIENT6}/64", "dev", "eth0", "nodad"),
-                     ("link", "set", "eth0", "up"), ("link", "set", "lo", "up"),
-                     ("route", "add", "default", "via", HOST4),
-                     ("-6", "route", "add", "default", "via", HOST6)):
-            sh("ip", "-n", name, *args)
+    with client_of(host_ns, host_ip=HOST4, client_ip=CLIENT4, host_ip6=HOST6,
+                   client_ip6=CLIENT6) as c:
         host_ns.run("iptables-restore", input=DOCKER_RULES)
         host_ns.run("ip6tables", "-P", "FORWARD", "DROP")
-        yield name
-    finally:
-        sh("ip", "netns", "del", name, check=False)
+        yield c.name
 
 
 # ------------------------------------------------------------------ 1. the allocation itself

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import Netns, sh, unique, write
+from tests.integration.traffic import client_of
 
 pytestmark = pytest.mark.root
 
@@ -118,24 +119,9 @@ def udp_from(client: str, sport: int, host: str = HOST4) -> str:
 @pytest.fixture
 def client(host_ns: Netns) -> Iterator[str]:
     """Another host: a namespace routed to ``host_ns`` over a veth (dual stack)."""
-    name = unique("c")
-    hv = unique("v")
-    sh("ip", "netns", "add", name)
-    try:
-        sh("ip", "link", "add", hv, "netns", host_ns.name, "type", "veth",
-           "peer", "name", "eth0", "netns", name)
-        host_ns.run("ip", "addr", "add", f"{HOST4}/24", "dev", hv)
-        host_ns.run("ip", "addr", "add", f"{HOST6}/64", "dev", hv, "nodad")
-        host_ns.run("ip", "link", "set", hv, "up")
-        for args in (("addr", "add", f"{CLIENT4}/24", "dev", "eth0"),
-                     ("addr", "add", f"{CLIENT6}/64", "dev", "eth0", "nodad"),
-                     ("link", "set", "eth0", "up"), ("link", "set", "lo", "up"),
-                     ("route", "add", "default", "via", HOST4),
-                     ("-6", "route", "add", "default", "via", HOST6)):
-            sh("ip", "-n", name, *args)
-        yield name
-    finally:
-        sh("ip", "netns", "del", name, check=False)
+    with client_of(host_ns, host_ip=HOST4, client_ip=CLIENT4, host_ip6=HOST6,
+                   client_ip6=CLIENT6) as c:
+        yield c.name
 
 
 def config(allocs: list[dict[str, object]], *, mtu: int = 1400) -> str:

@@ -117,24 +117,26 @@ print(json.dumps(sorted(open_)))
 
 
 @contextlib.contextmanager
-def client_of(host: Netns) -> Iterator[Netns]:
-    """A client namespace with a veth to the sandbox host: client CLIENT_IP, host HOST_IP."""
+def client_of(host: Netns, *, host_ip: str = HOST_IP, client_ip: str = CLIENT_IP,
+              host_ip6: str = HOST_IP6, client_ip6: str = CLIENT_IP6) -> Iterator[Netns]:
+    """A client namespace with a veth to the sandbox host: client CLIENT_IP, host HOST_IP
+    (and their IPv6 twins), or the addresses given."""
     name = unique("c")
     sh("ip", "netns", "add", name)
     try:
         hv, cv = f"{name[-6:]}h", f"{name[-6:]}c"
         sh("ip", "link", "add", hv, "netns", host.name, "type", "veth", "peer", "name", cv,
            "netns", name)
-        sh("ip", "-n", host.name, "addr", "add", f"{HOST_IP}/24", "dev", hv)
+        sh("ip", "-n", host.name, "addr", "add", f"{host_ip}/24", "dev", hv)
         sh("ip", "-n", host.name, "link", "set", hv, "up")
-        sh("ip", "-n", name, "addr", "add", f"{CLIENT_IP}/24", "dev", cv)
+        sh("ip", "-n", name, "addr", "add", f"{client_ip}/24", "dev", cv)
         sh("ip", "-n", name, "link", "set", cv, "up")
         sh("ip", "-n", name, "link", "set", "lo", "up")
-        sh("ip", "-n", name, "route", "add", "default", "via", HOST_IP)
+        sh("ip", "-n", name, "route", "add", "default", "via", host_ip)
         # IPv6 too: a routed client of the subnets' cidr6 (no DAD: usable at once)
-        sh("ip", "-n", host.name, "addr", "add", f"{HOST_IP6}/64", "dev", hv, "nodad")
-        sh("ip", "-n", name, "addr", "add", f"{CLIENT_IP6}/64", "dev", cv, "nodad")
-        sh("ip", "-n", name, "-6", "route", "add", "default", "via", HOST_IP6)
+        sh("ip", "-n", host.name, "addr", "add", f"{host_ip6}/64", "dev", hv, "nodad")
+        sh("ip", "-n", name, "addr", "add", f"{client_ip6}/64", "dev", cv, "nodad")
+        sh("ip", "-n", name, "-6", "route", "add", "default", "via", host_ip6)
         yield Netns(name)
     finally:
         sh("ip", "netns", "del", name, check=False)
