@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.makedirs(TRUSTED_TEMPROOT, mode=0o700, exist_ok=True)
         os.chmod(TRUSTED_TEMPROOT, 0o700)
         os.environ["PYTEST_DEBUG_TEMPROOT"] = TRUSTED_TEMPROOT
+    if is_root() and not os.environ.get("RECONCILER_STATE_DIR"):
+        # pending changes and journals of this run's sandboxes: never the host's own
+        os.makedirs(TRUSTED_TEMPROOT, mode=0o700, exist_ok=True)
+        os.environ["RECONCILER_STATE_DIR"] = os.path.join(TRUSTED_TEMPROOT, f"state-{SESSION}")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ["RECONCILER_STATE_DIR"],
+                                                 ignore_errors=True))
 
 
 #: every name a test makes starts with this, so leak checks see only this run's objects

@@ -31,7 +31,13 @@ from typing import Any
 from reconciler.domain.errors import PreconditionError
 from reconciler.drivers import rundir
 
-STATE_DIR = os.environ.get("RECONCILER_STATE_DIR", "/var/lib/reconciler")
+STATE_DIR = "/var/lib/reconciler"
+
+
+def state_root() -> str:
+    """``RECONCILER_STATE_DIR`` (read at each call: the tests point it elsewhere) or the
+    default."""
+    return os.environ.get("RECONCILER_STATE_DIR") or STATE_DIR
 
 
 def scope_dirname(scope: str) -> str:
@@ -45,7 +51,7 @@ def scope_dirname(scope: str) -> str:
 
 def scope_dir(scope: str, root: str | None = None) -> str:
     """Make (0700) and check ``<root>/<scope>``; PreconditionError naming the problem."""
-    root = root or STATE_DIR
+    root = root or state_root()
     for path in (root, os.path.join(root, scope_dirname(scope))):
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
