@@ -168,6 +168,29 @@ def test_what_must_not_arrive_is_watched_for_a_margin_not_the_whole_timeout(
     assert took < 10, f"the run took {took:.1f} s: the direct probes waited for the timeout"
 
 
+def test_a_path_that_must_not_arrive_but_does_is_caught(host_ns: Netns,
+                                                       tmp_path: object) -> None:
+    """The probes that must not arrive are sent first and watched for a margin from their
+    own send, timed by the kernel's stamps: a rule that lets the direct path through
+    (isolation: ports says it must not) is still seen arriving and fails the probe."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    addrs = json.loads(sh("ip", "-n", a0, "-j", "-4", "addr", "show", "dev", "eth0").stdout)
+    ip = addrs[0]["addr_info"][0]["local"]
+    sh("ip", "netns", "exec", host_ns.name, "iptables", "-I", "FORWARD", "1", "-d", ip, "-p",
+       "tcp", "--dport", "80", "-j", "ACCEPT")
+    with recording(a0, "tcp:80") as seen:
+        results = probe(host_ns, path, external=True, allocs={a0})
+    direct = {(r.proto, r.port): r for r in results if r.path == "direct"}
+    assert not direct["tcp", 80].ok and not direct["tcp", 80].skipped, direct
+    assert direct["udp", 53].ok and direct["tcp", 443].ok, direct  # still held back
+    assert ("tcp", 80) in {(p, q) for p, q, _ in seen}  # it did arrive: the alloc saw it
+    others = [r for r in results if r.path != "direct" and not r.ok and not r.skipped]
+    assert others == []
+    # the kernel's stamps time the arrivals: a sandbox path takes far less than the margin
+    assert all(r.ms < driver.NOT_REACHED_MARGIN * 1000 for r in results
+               if r.ok and not r.skipped and r.path != "direct"), results
+
+
 def test_probes_that_share_a_source_port_are_still_told_apart(
         host_ns: Netns, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above 1000 probes in a run (500 allocations with 2 maps) the reserved source ports
