@@ -27,7 +27,7 @@ from reconciler.domain.errors import DriverError
 from reconciler.domain.ops import StaleMap
 from reconciler.drivers.netlink.messages import ADDR_DUMP
 from reconciler.drivers.netlink.parse import parse_addr
-from reconciler.drivers.netlink.transport import Socket
+from reconciler.drivers.netlink.transport import Socket, netlink_error
 from reconciler.drivers.netlink.wire import (
     HDR,
     NETLINK_NETFILTER,
@@ -233,17 +233,11 @@ class Conntrack:
     def delete_flows(self, origs: Iterable[Tuple]) -> int:
         """Delete the entries with exactly these original tuples (the probes' own flows);
         entries already gone are fine. Returns how many went."""
-        deleted = 0
-        for orig in origs:
-            try:
-                self._sock.request(CT_DELETE, 0, delete_orig_request(orig),
-                                   "conntrack: delete a flow")
-            except DriverError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-            else:
-                deleted += 1
-        return deleted
+        codes = self._sock.request_many(CT_DELETE, 0, (delete_orig_request(o) for o in origs))
+        bad = next((c for c in codes if c not in (0, errno.ENOENT)), None)
+        if bad is not None:
+            raise netlink_error(bad, "conntrack: delete a flow")
+        return codes.count(0)
 
     def delete_matching(self, family: int, predicate: Callable[[Entry], bool], *,
                         protos: Iterable[str] | None = None,
