@@ -212,6 +212,9 @@ NDA_DST = 1
 NDA_LLADDR = 2
 
 
+NUD_REACHABLE = 0x02
+
+
 NUD_STALE = 0x04
 
 
@@ -228,6 +231,9 @@ NETNSA_FD = 3
 
 
 AF_BRIDGE = 7
+
+
+NTF_MASTER = 0x04  # ndmsg flag: an fdb entry of the bridge the port belongs to
 
 
 #: nf_tables over NETLINK_NETFILTER: message type = (subsystem << 8) | message
