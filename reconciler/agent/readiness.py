@@ -107,5 +107,5 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
         f = (probes.get("failures") or [{}])[0]
         return Verdict(False, f"{probes['failed']} probe(s) failing: alloc {f.get('alloc')} "
                               f"path {f.get('path')}: {f.get('cause') or 'no cause found'}")
-    held = f", {probes.get('held', 0)} probe(s) hold" if probes else ""
+    held = f", {probes['held']} probe(s) hold" if probes.get("held") else ""
     return Verdict(True, f"ready: {describe_revision(rev or {})} converged in pass #{n}{held}")
