@@ -93,8 +93,10 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
         return Verdict(False, f"pass #{n} found {len(errors)} difference(s) and --dry-run "
                               "changes nothing")
     if result not in CONVERGED:
-        detail = _first_line(last.get("error")) or (
-            f"{errors[0].get('resource')}: {errors[0].get('error')}" if errors else "")
+        # the first resource's own error says what (a conflict names both sides); the
+        # pass's summary line only counts them
+        detail = (f"{errors[0].get('resource')}: {_first_line(errors[0].get('error'))}"
+                  if errors else _first_line(last.get("error")))
         return Verdict(False, f"pass #{n} {result}" + (f": {detail}" if detail else ""))
     if errors:
         e = errors[0]

@@ -429,12 +429,13 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
     lines.append(f"desired: {' '.join(doc.get('paths', []))} at {where}"
                  + (f" (expected {doc['expected_revision']})" if doc.get("expected_revision")
                     else ""))
-    ready = doc.get("ready")
-    if ready:
-        lines.append(f"ready: {'yes' if ready.get('ready') else 'no'}: {ready.get('reason')}")
     counts = doc.get("desired") or {}
     if counts:
         lines.append("         " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    ready = doc.get("ready")
+    if ready:  # the /readyz verdict; its reason of a ready agent starts with "ready:"
+        lines.append(str(ready.get("reason")) if ready.get("ready")
+                     else f"not ready: {ready.get('reason')}")
     last = doc.get("last_pass") or {}
     if last:
         ch = last.get("changes") or {}

@@ -52,6 +52,10 @@ def test_a_converged_probed_pass_is_ready() -> None:
      "desired state at bbbbbbbbbbbb not taken: /etc/r/a.yaml:3:5: bad"),
     (_with(last_pass={"number": 4, "result": "failed", "error": "2 change(s) failed: x"}),
      "pass #4 failed: 2 change(s) failed: x"),
+    (_with(last_pass={"number": 4, "result": "failed", "error": "1 conflict(s) ..."},
+           errors=[{"resource": "subnet/net", "error": "conflict: 10.1.0.0/24 overlaps route "
+                    "10.1.0.0/25 on tun0\nmore"}]),
+     "pass #4 failed: subnet/net: conflict: 10.1.0.0/24 overlaps route 10.1.0.0/25 on tun0"),
     (_with(last_pass={"number": 4, "result": "drift", "error": None},
            errors=[{"resource": "bridge/br0", "error": "differs"}]),
      "pass #4 found 1 difference(s) and --dry-run changes nothing"),
@@ -164,7 +168,7 @@ def test_ready_after_the_first_converged_pass(repo_agent: Any) -> None:
     _write(repo / "a.yaml", BR.format(name="br0", mtu=1500))  # dirty, and it cannot apply
     agent.run_pass(["files changed"])
     v = agent.ready()
-    assert not v.ready and v.reason.startswith("pass #3 failed: 1 change(s) failed: "), v
+    assert not v.ready and v.reason == "pass #3 failed: bridge/br0: EPERM", v
     assert _metric(agent, "reconciler_ready") == 0.0
 
 
@@ -261,7 +265,7 @@ def test_readyz_answers_200_or_503_with_the_reason_and_healthz_is_unchanged(
         code, body = _get(base + "/readyz")
         assert code == 503 and body.startswith("a change waits for confirmation")
         assert _get(base + "/readyz?verbose")[0] == 503
-        assert "ready: no: a change waits" in status.render(status.fetch(srv.address))
+        assert "not ready: a change waits" in status.render(status.fetch(srv.address))
     finally:
         srv.close()
 
