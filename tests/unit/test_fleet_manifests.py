@@ -148,6 +148,19 @@ def _one(blocks: list[dict[str, Any]], name: str | None = None) -> dict[str, Any
     return found[0]
 
 
+def test_an_hcl_syntax_error_is_caught() -> None:
+    """python-hcl2 checks syntax (only): a lost closing brace is refused."""
+    with open(NOMAD) as fh:
+        text = fh.read()
+    cut = text.rindex("}")
+    try:
+        hcl2.loads(text[:cut])
+    except Exception as exc:  # lark's UnexpectedToken/UnexpectedEOF: any parse error will do
+        assert type(exc).__module__.startswith(("lark", "hcl2")), type(exc)
+    else:
+        raise AssertionError("an unbalanced job parsed")
+
+
 def test_nomad_job_is_a_system_job_that_gates_on_readyz() -> None:
     doc = _nomad()
     job = _one(doc["job"], "reconciler")
