@@ -22,6 +22,9 @@ if [ "${1:-}" = "--test" ]; then
   command -v firewalld >/dev/null || need+=(firewalld)
   command -v ufw >/dev/null || need+=(ufw)
   command -v dbus-daemon >/dev/null || need+=(dbus-daemon)
+  # promtool checks and unit-tests the shipped alert rules; a prometheus server of the
+  # tests' own (127.0.0.1, its own port and storage) scrapes a sandboxed agent
+  command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
 fi
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ]; then

@@ -1,9 +1,19 @@
-# The reconciler agent on every client of a Nomad cluster, driven from git: a
-# git-sync sidecar keeps a checkout of your config repo in a Docker volume the tasks
-# share, and `reconcile watch` keeps the host's networking converged with it. Not in
-# the allocation directory: Nomad makes /alloc world-writable (0777), and the agent
-# refuses config under a directory others can write.
+# The reconciler agent on every client of a Nomad cluster, driven from git and
+# rolled out client by client: the config revision is pinned in the job's meta,
+# git-sync checks out exactly that commit, `watch --expect-revision` refuses any
+# other, and a check on /readyz gates the rollout (max_parallel = 1). A new commit
+# is a new job version, and so a new rollout:
+#   nomad job run -var revision=<commit> reconciler.nomad.hcl
+# The checkout is not in the allocation directory: Nomad makes /alloc world-writable
+# (0777), and the agent refuses config under a directory others can write.
 # Explained in docs/fleet-with-watch.md. Replace the image and the repo URL.
+#
+# Nomad version: the update block below gates the rollout on the check (health_check,
+# min_healthy_time, healthy_deadline) and reverts a failed one (auto_revert) only for
+# Nomad 1.11.0 or later, where system jobs got deployments. Before 1.11 a system job's
+# update block enforces max_parallel and stagger only: the check is registered and
+# shown (`nomad alloc status`) but does not hold the rollout; add `stagger = "5m"` and
+# watch the check, or stop the job by hand.
 #
 # The Docker driver must allow what the agent needs, in the client's plugin config:
 #   plugin "docker" {
@@ -15,11 +25,58 @@
 #     }
 #   }
 
+variable "revision" {
+  type        = string
+  description = "the commit of the config repo to roll out (a commit id, never a branch)"
+  default     = "0123456789abcdef0123456789abcdef01234567"
+}
+
 job "reconciler" {
   type        = "system" # one allocation on every eligible client
   datacenters = ["*"]
 
+  # THE revision this job version delivers: a change of it is a new job version, so
+  # its allocations are replaced client by client under the update block
+  meta {
+    revision = var.revision
+  }
+
+  # Nomad 1.11+: one client at a time, each must pass its /readyz check for a minute
+  # before the next; a client that does not within healthy_deadline fails the
+  # deployment, which stops there and reverts the job to the last good version.
+  update {
+    max_parallel      = 1
+    health_check      = "checks"
+    min_healthy_time  = "60s"
+    healthy_deadline  = "10m"
+    progress_deadline = "15m"
+    auto_revert       = true
+  }
+
   group "reconciler" {
+    network {
+      port "status" {
+        static = 9477 # the agent listens on the host's loopback (network_mode host)
+      }
+    }
+
+    # Ready only when the last pass at the pinned revision converged and its probes
+    # hold; a native Nomad service (no Consul needed), checked on the host's loopback.
+    service {
+      provider = "nomad"
+      name     = "reconciler"
+      port     = "status"
+      address  = "127.0.0.1"
+
+      check {
+        name     = "readyz"
+        type     = "http"
+        path     = "/readyz"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
     restart {
       attempts = 10
       interval = "5m"
@@ -27,7 +84,9 @@ job "reconciler" {
       mode     = "delay"
     }
 
-    # The first checkout, before the agent starts.
+    # The checkout of exactly the pinned commit, before the agent starts. No sidecar
+    # pulling a branch: that would deliver every commit to every client at once,
+    # around the rollout; the next revision comes with the next job version.
     task "git-clone" {
       driver = "docker"
       lifecycle {
@@ -37,37 +96,13 @@ job "reconciler" {
       user = "0" # root-owned files: the agent refuses files others own
       config {
         image = "registry.k8s.io/git-sync/git-sync:v4.2.4"
-        args = ["--repo=https://git.example.com/infra/host-networking.git", "--ref=main",
-                "--root=/git", "--link=repo", "--one-time"]
+        args = ["--repo=https://git.example.com/infra/host-networking.git",
+                "--ref=${NOMAD_META_revision}", "--root=/git", "--link=repo", "--one-time"]
         mount {
           type   = "volume"
           source = "reconciler-git" # a named volume: root's, 0755
           target = "/git"
         }
-      }
-    }
-
-    # Keeps /git/repo up to date; the agent's file watch picks up each change.
-    task "git-sync" {
-      driver = "docker"
-      lifecycle {
-        hook    = "prestart"
-        sidecar = true
-      }
-      user = "0"
-      config {
-        image = "registry.k8s.io/git-sync/git-sync:v4.2.4"
-        args = ["--repo=https://git.example.com/infra/host-networking.git", "--ref=main",
-                "--root=/git", "--link=repo", "--period=30s"]
-        mount {
-          type   = "volume"
-          source = "reconciler-git"
-          target = "/git"
-        }
-      }
-      resources {
-        cpu    = 20
-        memory = 64
       }
     }
 
@@ -84,8 +119,10 @@ job "reconciler" {
         # No AppArmor profile (it forbids mount), and a writable /proc/sys for ip_forward.
         security_opt = ["apparmor=unconfined", "systempaths=unconfined"]
         args = ["watch", "/git/repo/fleet",
-                "--hostname=${node.unique.name}", # what files' `hosts:` patterns match
-                "--interval=30", "--log-format=json", "--status-addr=127.0.0.1:9477"]
+                "--hostname=${node.unique.name}",            # what files' `hosts:` patterns match
+                "--expect-revision=${NOMAD_META_revision}", # any other checkout: refused, not ready
+                "--interval=30", "--log-format=json",
+                "--status-addr=127.0.0.1:${NOMAD_PORT_status}"]
 
         mount {
           type     = "volume"
@@ -107,6 +144,13 @@ job "reconciler" {
           type   = "bind"
           source = "/run/reconciler"
           target = "/run/reconciler"
+        }
+        # Pending changes and revert records: must survive the allocation and a reboot
+        # (not under /run, a tmpfs).
+        mount {
+          type   = "bind"
+          source = "/var/lib/reconciler"
+          target = "/var/lib/reconciler"
         }
         # Only needed for docker_networks.
         mount {

@@ -35,9 +35,11 @@ from typing import Any
 
 from reconciler import __version__
 from reconciler.agent.files import FileWatcher, watch_dirs
+from reconciler.agent.readiness import Verdict, judge
 from reconciler.agent.revision import (
     check_permissions,
     describe_revision,
+    expected_problem,
     files_digest,
     git_revision,
 )
@@ -100,6 +102,8 @@ class WatchOptions:
     probe: ProbeRequest | None = ProbeRequest()
     #: seconds between probes of every allocation; None: only after applying
     probe_interval: float | None = 30.0
+    #: the only commit whose files may be applied (``--expect-revision``); None: any
+    expect_revision: str | None = None
 
 
 @dataclass
@@ -186,7 +190,9 @@ class Agent:
                           pass_count=0, consecutive_failures=0, last_pass=None,
                           last_success_at=None, revision=None, errors=[], config_error=None,
                           desired=None, netns_inode=current_inode(),
-                          event_sources={}, address_overlaps=[])
+                          event_sources={}, address_overlaps=[],
+                          expected_revision=options.expect_revision)
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready().ready else 0.0)
         self.scheduler = Scheduler(backoff_base=options.backoff_base,
                                    backoff_cap=options.backoff_cap,
                                    max_wait=max(5.0, 10 * options.debounce))
@@ -491,6 +497,11 @@ class Agent:
             return False, f"loop stuck for {stale:.0f}s"
         return True, "ok"
 
+    def ready(self) -> Verdict:
+        """``/readyz``: converged, verified and probed at the current revision (readiness)."""
+        return judge(self.board.snapshot(), probing=self.options.probe is not None,
+                     alive=self.healthy())
+
     @contextmanager
     def _host_lock(self) -> Iterator[None]:
         """The host lock, waited for in small steps so that SIGTERM is not held up."""
@@ -518,6 +529,10 @@ class Agent:
         except ConfigError:
             files = []
         rev["files_sha256"] = files_digest(files)
+        if self.options.expect_revision is not None:
+            problem = expected_problem(rev, self.options.expect_revision)
+            if problem is not None:
+                return None, rev, problem
         try:
             for _attempt in range(3):
                 before = check_permissions(self.options.paths) if self.options.strict else ()
@@ -563,6 +578,7 @@ class Agent:
                          len(desired.subnets), len(desired.allocs), len(desired.docker_networks))
                 self._loaded_sig = sig
             self.good, self.good_revision = desired, rev
+            self.metrics.revision_time.set(rev.get("committed_at") or 0)
             self.board.update(config_error=None)
         if self.good is None:
             report.result = "config-error"

@@ -72,7 +72,8 @@ def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
     agent = Agent(options)
     server = None
     if status_socket is not None:
-        server = StatusServer(status_socket, agent.board, agent.metrics, agent.healthy)
+        server = StatusServer(status_socket, agent.board, agent.metrics, agent.healthy,
+                              ready=agent.ready)
     install_signals(agent)
     plans = None
     try:
@@ -81,7 +82,8 @@ def run(options: WatchOptions, status_socket: socket.socket | None) -> int:
             plans = _start_plan_server(agent)
         if server is not None:
             server.start()
-            log.info("status on http://%s/status (metrics /metrics, health /healthz)",
+            log.info("status on http://%s/status (metrics /metrics, health /healthz, "
+                     "readiness /readyz)",
                      server.address)
         log.info("watching %s (interval %gs, debounce %gs)", " ".join(options.paths),
                  options.interval, options.debounce)

@@ -14,7 +14,8 @@ from reconciler.domain.errors import ConfigError, PreconditionError
 
 
 def git_revision(paths: Sequence[str], timeout: float = 5.0) -> dict[str, Any] | None:
-    """Commit and dirty flag of the git checkout holding ``paths[0]``, or None.
+    """Commit, its commit time and the dirty flag of the git checkout holding ``paths[0]``,
+    or None.
 
     Runs with optional locks off (never takes index.lock from under a user's
     git command) and fsmonitor off (no hook programs run on our behalf).
@@ -35,12 +36,37 @@ def git_revision(paths: Sequence[str], timeout: float = 5.0) -> dict[str, Any] |
         return p.stdout.strip() if p.returncode == 0 else None
 
     top = git("rev-parse", "--show-toplevel")
-    head = git("rev-parse", "HEAD") if top else None
+    # one process for the commit and its time (the fleet compares revisions by time:
+    # hashes have no order); no signature check: that would run gpg for us
+    head = git("log", "-1", "--no-show-signature", "--format=%H %ct", "HEAD") if top else None
     if not top or not head:
         return None
+    commit, _, when = head.partition(" ")
     rel = [os.path.relpath(os.path.abspath(p), cwd) for p in paths]
     porcelain = git("status", "--porcelain", "--untracked-files=all", "--", *rel)
-    return {"commit": head, "dirty": bool(porcelain), "toplevel": top}
+    return {"commit": commit, "committed_at": int(when) if when.isdigit() else None,
+            "dirty": bool(porcelain), "toplevel": top}
+
+
+def expected_problem(rev: dict[str, Any] | None, expected: str) -> str | None:
+    """Why the checkout ``rev`` is not exactly the commit ``watch --expect-revision`` names
+    (a commit id or a prefix of one), or None when it is.
+
+    A pinned rollout (SPEC §10) makes each new commit a new rollout of the engine, so an
+    agent must never act on another one: a moving branch, a local edit, a checkout that
+    someone changed by hand would otherwise reach the host outside the rollout.
+    """
+    if not rev or not rev.get("commit"):
+        return (f"--expect-revision {expected}: the files are not in a git checkout, so "
+                "their revision is unknown; refusing them")
+    commit = str(rev["commit"])
+    if not commit.lower().startswith(expected.lower()):
+        return (f"revision {commit[:12]} is not the expected {expected} "
+                "(--expect-revision): refusing it; a new revision is a new rollout")
+    if rev.get("dirty"):
+        return (f"revision {commit[:12]} has local changes, so it is not exactly the expected "
+                f"{expected} (--expect-revision): refusing it")
+    return None
 
 
 def files_digest(files: Sequence[str]) -> str:

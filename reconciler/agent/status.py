@@ -31,6 +31,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from reconciler.agent.readiness import Verdict
 from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
 
 DEFAULT_ADDR = "127.0.0.1:9477"
@@ -80,6 +81,13 @@ class Metrics:
                                       "too long, too many open, malformed)", registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
+        self.ready = Gauge("reconciler_ready",
+                           "1 when /readyz answers 200: the last pass at the current revision "
+                           "converged and its probes hold", registry=r)
+        self.revision_time = Gauge("reconciler_revision_timestamp_seconds",
+                                   "Commit time (Unix) of the revision whose files the agent "
+                                   "converges to; 0 when they are not in a git checkout",
+                                   registry=r)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
@@ -157,7 +165,9 @@ class _Conn:
 
 
 class StatusServer:
-    """``/status`` (JSON), ``/metrics`` (Prometheus text), ``/healthz`` on a pre-bound socket.
+    """``/status`` (JSON), ``/metrics`` (Prometheus text), ``/healthz`` (the loop is alive)
+    and ``/readyz`` (this host is good at its revision: ``agent/readiness``) on a pre-bound
+    socket.
 
     One thread and a selector, not a thread per connection: anyone on the host can
     connect to loopback, and 4000 idle connections must not become 4000 threads, nor
@@ -176,13 +186,21 @@ class StatusServer:
 
     def __init__(self, sock: socket.socket, board: StatusBoard, metrics: Metrics,
                  healthy: Callable[[], tuple[bool, str]], *,
+                 ready: Callable[[], Verdict] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        def status() -> tuple[int, str, bytes]:
+            doc = board.snapshot()
+            if ready is not None:
+                doc["ready"] = ready().to_json()
+            return 200, "application/json", json.dumps(doc, indent=2).encode() + b"\n"
+
         self.routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
-            "/status": lambda: (200, "application/json",
-                                json.dumps(board.snapshot(), indent=2).encode() + b"\n"),
+            "/status": status,
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics.render()),
             "/healthz": lambda: _health(healthy),
         }
+        if ready is not None:
+            self.routes["/readyz"] = lambda: _health(lambda: _pair(ready()))
         self.sock = sock
         self.metrics = metrics
         self.clock = clock
@@ -357,6 +375,10 @@ class StatusServer:
             self._noted = {peer: self._noted[peer]}
 
 
+def _pair(v: Verdict) -> tuple[bool, str]:
+    return v.ready, v.reason
+
+
 def _health(healthy: Callable[[], tuple[bool, str]]) -> tuple[int, str, bytes]:
     ok, why = healthy()
     return (200 if ok else 503), "text/plain", (why + "\n").encode()
@@ -404,10 +426,16 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
         else f"files sha256 {str(rev.get('files_sha256', ''))[:12] or '-'}"
     lines.append(f"agent: pid {doc.get('pid')} on {doc.get('hostname')}, {doc.get('state')}, "
                  f"up since {_ago(doc.get('started_at'), now)}")
-    lines.append(f"desired: {' '.join(doc.get('paths', []))} at {where}")
+    lines.append(f"desired: {' '.join(doc.get('paths', []))} at {where}"
+                 + (f" (expected {doc['expected_revision']})" if doc.get("expected_revision")
+                    else ""))
     counts = doc.get("desired") or {}
     if counts:
         lines.append("         " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    ready = doc.get("ready")
+    if ready:  # the /readyz verdict; its reason of a ready agent starts with "ready:"
+        lines.append(str(ready.get("reason")) if ready.get("ready")
+                     else f"not ready: {ready.get('reason')}")
     last = doc.get("last_pass") or {}
     if last:
         ch = last.get("changes") or {}

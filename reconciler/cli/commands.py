@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -342,6 +343,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (name == "interval" and value <= 0):
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    expect = args.expect_revision
+    if expect is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", expect):
+        raise ConfigError(f"--expect-revision {expect!r}: expected a commit id (7 to 40 hex "
+                          "digits), not a branch or tag: a moving name would gate nothing")
     if not args.allow_insecure_config:
         check_permissions(args.paths)
     expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
@@ -351,7 +356,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
-        dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval)
+        dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval,
+        expect_revision=expect)
     return process.run(options, getattr(args, "status_socket", None))
 
 

@@ -223,6 +223,11 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     help="probe every allocation this often, apart from the resync; a "
                          "failure the reconciler owns starts a pass, others are reported "
                          "(default 30s; 'off': only after applying)")
+    sp.add_argument("--expect-revision", metavar="COMMIT",
+                    help="apply only the files of this git commit (an id, 7-40 hex digits): "
+                         "any other checkout, or local changes, is refused and the agent is "
+                         "not ready (/readyz); a fleet rollout pins the commit so that a new "
+                         "one is a new rollout")
     _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
     sp.set_defaults(prepare=True)
 

@@ -15,7 +15,7 @@ from reconciler.config.load import load
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
 SCHEMA = os.path.join(REPO, "schemas", "reconciler.schema.json")
-NOT_RECONCILER = {"kubernetes", "nomad", "systemd"}
+NOT_RECONCILER = {"kubernetes", "nomad", "prometheus", "systemd"}
 MODELINE = re.compile(r"^# yaml-language-server: \$schema=(\S+)$")
 
 

@@ -218,7 +218,7 @@ def test_usage_error_exits_1(capsys):
 
 
 #: example directories holding manifests for other tools (a DaemonSet, a Nomad job, a unit)
-NOT_RECONCILER = {"kubernetes", "nomad", "systemd"}
+NOT_RECONCILER = {"kubernetes", "nomad", "prometheus", "systemd"}
 
 
 def test_examples_validate():

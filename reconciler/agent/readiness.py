@@ -1,0 +1,113 @@
+"""Whether this host may count as done in a fleet rollout: the verdict behind ``/readyz``.
+
+Liveness (``/healthz``) says the loop runs; readiness says the host is *good* at the
+revision it was given, so that the engine rolling a new revision out (a DaemonSet
+with ``maxUnavailable``, a Nomad system job with ``max_parallel``) takes the next host
+only after this one converged, and stops at the first host where it did not (SPEC
+§10). Ready means all of: the files at the current revision loaded (and are the
+revision ``--expect-revision`` names), the last pass converged and verified, every
+probe holds, no change waits for confirmation and the revision is not one this host
+reverted. Anything else is not ready, with one line that says why — the line an
+operator reads in ``kubectl describe pod`` or ``nomad alloc status``.
+
+The verdict is a pure function of the status document (what ``reconcile status``
+shows) and two facts the document does not hold: whether the agent probes at all and
+whether its loop is alive, so a test can pin every reason without an agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from reconciler.agent.revision import describe_revision
+
+#: results of a pass that count as converged (``drift``: --dry-run found differences)
+CONVERGED = ("ok", "applied")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ready: bool
+    reason: str  # one line
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ready": self.ready, "reason": self.reason}
+
+
+def _first_line(text: Any) -> str:
+    lines = str(text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def same_revision(rev: dict[str, Any] | None, name: str | None) -> bool:
+    """Whether ``name`` (a commit id, a prefix of one of 7+ characters, the short form the
+    logs show, or the files' digest) names the revision ``rev``."""
+    if not rev or not name:
+        return False
+    name = name.strip().lower()
+    if name == describe_revision(rev).lower():
+        return True
+    commit = str(rev.get("commit") or "").lower()
+    if commit:
+        return name == commit or (len(name) >= 7 and commit.startswith(name))
+    digest = str(rev.get("files_sha256") or "").lower()
+    return bool(digest) and name in (digest, f"sha256:{digest}")
+
+
+def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True, "ok")
+          ) -> Verdict:
+    """The readiness of the agent whose status document is ``doc``.
+
+    ``probing``: the agent probes (so probes must have run and hold); ``alive``: what
+    ``/healthz`` says (a stuck loop is not ready either). The checks run in the order an
+    operator would fix things: the agent itself, the files, a change in flight, then
+    what the last pass and the probes found.
+    """
+    state = doc.get("state")
+    if state in ("stopping", "stopped"):
+        return Verdict(False, "the agent is stopping")
+    ok, why = alive
+    if not ok:
+        return Verdict(False, f"the agent is not alive: {why}")
+    rev = doc.get("revision")
+    cfg = doc.get("config_error")
+    if cfg:
+        at = describe_revision(cfg.get("revision") or {}) if cfg.get("revision") else "?"
+        return Verdict(False, f"desired state at {at} not taken: "
+                              f"{_first_line(cfg.get('message')) or 'invalid'}")
+    pending = doc.get("pending")
+    if pending:
+        return Verdict(False, "a change waits for confirmation (it is reverted unless "
+                              f"confirmed by {pending.get('deadline') or '?'})")
+    reverted = doc.get("reverted_revision")
+    if reverted and same_revision(rev, str(reverted)):
+        return Verdict(False, f"revision {describe_revision(rev or {})} was reverted on this "
+                              "host; roll out another revision")
+    last = doc.get("last_pass")
+    if state == "starting" or not last:
+        return Verdict(False, "no pass has finished yet")
+    n, result = last.get("number"), last.get("result")
+    errors = doc.get("errors") or []
+    if result == "drift":
+        return Verdict(False, f"pass #{n} found {len(errors)} difference(s) and --dry-run "
+                              "changes nothing")
+    if result not in CONVERGED:
+        # the first resource's own error says what (a conflict names both sides); the
+        # pass's summary line only counts them
+        detail = (f"{errors[0].get('resource')}: {_first_line(errors[0].get('error'))}"
+                  if errors else _first_line(last.get("error")))
+        return Verdict(False, f"pass #{n} {result}" + (f": {detail}" if detail else ""))
+    if errors:
+        e = errors[0]
+        return Verdict(False, f"pass #{n}: {e.get('resource')}: {_first_line(e.get('error'))}")
+    probes: dict[str, Any] = doc.get("probes") or {}
+    allocs = (doc.get("desired") or {}).get("allocs", 0)
+    if probing and allocs and not probes:
+        return Verdict(False, f"pass #{n} converged; its probes have not run yet")
+    if probes.get("failed"):
+        f = (probes.get("failures") or [{}])[0]
+        return Verdict(False, f"{probes['failed']} probe(s) failing: alloc {f.get('alloc')} "
+                              f"path {f.get('path')}: {f.get('cause') or 'no cause found'}")
+    held = f", {probes['held']} probe(s) hold" if probes.get("held") else ""
+    return Verdict(True, f"ready: {describe_revision(rev or {})} converged in pass #{n}{held}")
