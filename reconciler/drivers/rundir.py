@@ -130,6 +130,17 @@ def _take_unused_lock(path: str) -> int | None:
     return fd
 
 
+def lock_is_free(path: str) -> bool:
+    """Nobody holds the lock file ``path`` (or there is none); it is not made."""
+    if not os.path.lexists(path):
+        return True
+    fd = _take_unused_lock(path)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
 def _nobody_listens(path: str) -> os.stat_result | None:
     """The lstat of ``path`` when it is a socket file of ours on which nothing accepts
     connections (ECONNREFUSED); None otherwise."""

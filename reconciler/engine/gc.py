@@ -25,6 +25,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns, procfs, rundir, statedir
+from reconciler.engine import probes
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.lock import host_lock
@@ -58,6 +59,9 @@ class GcResult:
     removed: list[StaleFile] = field(default_factory=list)
     #: what is still to collect after the removals (None: not looked again)
     residual: Plan | None = None
+    #: the probes' external vantage namespace a prober that is gone left behind
+    vantage: str | None = None
+    vantage_removed: bool = False
 
     @property
     def failed(self) -> list[Outcome]:
@@ -66,7 +70,13 @@ class GcResult:
     @property
     def ok(self) -> bool:
         return not self.failed and not self.plan.errors and (
-            self.residual is None or not self.residual.has_changes)
+            self.residual is None or not self.residual.has_changes) and (
+            self.vantage is None or self.vantage_removed or not self.collected)
+
+    @property
+    def anything(self) -> bool:
+        """Something to collect (or, after collecting, something that was)."""
+        return self.plan.has_changes or bool(self.files) or self.vantage is not None
 
 
 def holders(names: Iterable[str]) -> dict[str, tuple[int, ...]]:
@@ -85,6 +95,14 @@ def holders(names: Iterable[str]) -> dict[str, tuple[int, ...]]:
     me = os.getpid()
     return {name: pids for name, ino in inodes.items()
             if (pids := tuple(p for p in members.get(ino, ()) if p != me))}
+
+
+def vantage_left(host_id: str) -> str | None:
+    """The host's probe vantage when no prober holds its lock: a dead prober's leftover."""
+    ns = probes.vantage_present(host_id)
+    if ns is None or not rundir.lock_is_free(probes.vantage_lock_path(host_id)):
+        return None
+    return ns
 
 
 def stale_files() -> list[StaleFile]:
@@ -106,7 +124,9 @@ class Collector:
                  stop: threading.Event | None = None,
                  who_holds: Callable[[Iterable[str]], Mapping[str, tuple[int, ...]]] = holders,
                  files: Callable[[], list[StaleFile]] = stale_files,
-                 remove: Callable[[StaleFile], bool] = remove_file) -> None:
+                 remove: Callable[[StaleFile], bool] = remove_file,
+                 vantage: Callable[[str], str | None] = vantage_left,
+                 remove_vantage: Callable[[str], bool] = probes.remove_unused_vantage) -> None:
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
         self.sleep = sleep
@@ -114,16 +134,21 @@ class Collector:
         self._who_holds = who_holds
         self._files = files
         self._remove = remove
+        self._vantage = vantage
+        self._remove_vantage = remove_vantage
+        self.host_id = ""
 
     def plan(self, desired: DesiredState | None) -> Plan:
         """The removals (``planner.gc.gc_plan``) of a fresh observation; changes nothing."""
         live: LiveState = self.observer.observe(desired or DesiredState())
+        self.host_id = live.host_id
         held = self._who_holds(planner_gc.broken_namespaces(live)) if desired is None else {}
         return planner_gc.gc_plan(live, desired, holders=held)
 
     def report(self, desired: DesiredState | None) -> GcResult:
         """``gc --plan``: what would be collected."""
-        return GcResult(self.plan(desired), self._files())
+        plan = self.plan(desired)
+        return GcResult(plan, self._files(), vantage=self._vantage(self.host_id))
 
     def collect(self, desired: DesiredState | None, lock_timeout: float = 60.0) -> GcResult:
         """Remove what :meth:`plan` finds, under the host lock; then the stale files."""
@@ -137,6 +162,10 @@ class Collector:
                                            sleep=self.sleep).execute(result.plan)
                 if not result.failed and not self.stop.is_set():
                     result.residual = self._verify(desired)
+            # before the files: removing the vantage takes its lock file with it
+            result.vantage = None if self.stop.is_set() else self._vantage(self.host_id)
+            if result.vantage is not None:
+                result.vantage_removed = self._remove_vantage(self.host_id)
             # with the host lock held: our own lock file is in use, never taken for stale
             result.files = self._files()
             result.removed = [f for f in result.files

@@ -21,13 +21,15 @@ def exit_code(result: GcResult) -> int:
     if not result.collected:
         if result.plan.errors:
             return EXIT_ERROR
-        return EXIT_CHANGES if result.plan.has_changes or result.files else EXIT_OK
+        return EXIT_CHANGES if result.anything else EXIT_OK
     return EXIT_OK if result.ok else EXIT_ERROR
 
 
 def counted(result: GcResult) -> str:
     """``2 objects (1 alloc, 1 veth) and 1 file`` for people."""
     kinds = Counter(c.kind for c in result.plan.actionable)
+    if result.vantage is not None:
+        kinds["probe vantage"] += 1
     n, files = sum(kinds.values()), len(result.files)
     parts = ", ".join(f"{k} {kind}" for kind, k in sorted(kinds.items()))
     text = f"{n} object{'s' if n != 1 else ''}" + (f" ({parts})" if parts else "")
@@ -45,20 +47,24 @@ def text(result: GcResult, *, colour: bool = False, verbose: bool = False) -> st
         lines += [f"      warning: {w}" for w in c.warnings]
         if verbose:
             lines += [f"      > {o.describe()}" for o in c.ops]
+    if result.vantage is not None:
+        lines.append(f"  - probe vantage {result.vantage}: left by a prober that is gone "
+                     "(no prober holds its lock)")
     for f in result.files:
         lines.append(f"  - file {f.path}: {f.reason}")
     lines += [f"warning: {w}" for w in result.plan.warnings]
     lines += [f"error: {e}" for e in result.plan.errors]
     if lines:
         lines.append("")
-    if not result.collected:
-        todo = result.plan.has_changes or result.files
-        lines.append(f"Gc: {counted(result)} to collect." if todo else "Nothing to collect.")
-    elif not result.plan.has_changes and not result.files:
+    if not result.anything:
         lines.append("Nothing to collect.")
+    elif not result.collected:
+        lines.append(f"Gc: {counted(result)} to collect.")
     else:
         applied = sum(1 for o in result.outcomes if o.status == "applied")
-        lines.append(f"Collected: {applied} of {len(result.outcomes)} object(s), "
+        total = len(result.outcomes) + (result.vantage is not None)
+        applied += result.vantage_removed
+        lines.append(f"Collected: {applied} of {total} object(s), "
                      f"{len(result.removed)} of {len(result.files)} file(s).")
     return "\n".join(lines) + "\n"
 
@@ -69,11 +75,13 @@ def to_json(result: GcResult) -> dict[str, object]:
         "collected": result.collected,
         "changes": plan["changes"],
         "files": [f.to_json() for f in result.files],
+        "probe_vantage": result.vantage,
         "warnings": plan["warnings"],
         "errors": plan["errors"],
         "outcomes": [{"kind": o.change.kind, "name": o.change.name, "status": o.status,
                       "error": o.error} for o in result.outcomes],
         "removed_files": [f.path for f in result.removed],
+        "probe_vantage_removed": result.vantage_removed,
         "residual": result.residual.to_json()["changes"] if result.residual else None,
         "ok": result.ok if result.collected else not result.plan.errors,
     }

@@ -29,7 +29,12 @@ from pathlib import Path
 import pytest
 
 from reconciler.domain.docker import SCOPE_LABEL
-from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE, alloc_veth_name
+from reconciler.domain.ownership import (
+    DOCKER_LABEL,
+    DOCKER_LABEL_VALUE,
+    alloc_veth_name,
+    probe_vantage_names,
+)
 from reconciler.drivers import statedir
 from tests.conftest import Netns, Result, sh, unique, write
 
@@ -274,3 +279,39 @@ def test_gc_with_files_collects_what_no_file_declares_docker_networks_included(
         for name in (n1, n2, foreign, other_scope):
             subprocess.run(["docker", "network", "rm", name], capture_output=True, check=False)
         assert not {n1, n2, foreign, other_scope} & network_names()
+
+
+def test_gc_removes_the_probe_vantage_a_killed_prober_left(
+        host_ns: Netns, run_dir: Path, holder: list[subprocess.Popen[bytes]]) -> None:
+    inode = os.stat(f"/run/netns/{host_ns.name}").st_ino
+    vantage_ns, vantage_link = probe_vantage_names(str(inode))
+    lease = ("import os, sys, time\n"
+             "from reconciler.engine.probes import VantageLease\n"
+             "VantageLease(sys.argv[1]).ensure()\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(120)\n")
+    env = {**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)}
+    prober = subprocess.Popen(["nsenter", f"--net=/run/netns/{host_ns.name}", sys.executable,
+                               "-c", lease, str(inode)], stdout=subprocess.PIPE, env=env)
+    holder.append(prober)  # type: ignore[arg-type]
+    try:
+        assert prober.stdout is not None and prober.stdout.readline() == b"ready\n"
+        assert vantage_ns in netns_names() and vantage_link in links(host_ns)
+        r = gc(host_ns, run_dir, "gc", "--plan")
+        assert r.rc == 0 and "Nothing to collect." in r.out, r.all  # a prober uses it
+        prober.kill()  # kill -9: its share of the vantage goes, the vantage stays
+        prober.wait()
+        assert vantage_ns in netns_names()
+        r = gc(host_ns, run_dir, "gc", "--plan", "--output", "json")
+        assert r.rc == 2, r.all
+        doc = json.loads(r.out)
+        assert doc["probe_vantage"] == vantage_ns and doc["changes"] == []
+        r = gc(host_ns, run_dir, "gc")
+        assert r.rc == 0, r.all
+        assert vantage_ns not in netns_names() and vantage_link not in links(host_ns)
+        assert not (run_dir / f"probe-vantage-{inode}.lock").exists()
+        r = gc(host_ns, run_dir, "gc", "--plan")
+        assert r.rc == 0 and "Nothing to collect." in r.out, r.all
+    finally:
+        sh("ip", "netns", "del", vantage_ns, check=False)
+

@@ -50,7 +50,8 @@ def collect(host: FakeHost, desired: DesiredState | None, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> GcResult:
     monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path / "lock"))
     c = Collector(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
-                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False)
+                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False,
+                  vantage=lambda _host: None)
     return c.collect(desired)
 
 
@@ -219,6 +220,9 @@ def test_text_and_exit_codes():
     assert gc_view.text(GcResult(Plan(), [])) == "Nothing to collect.\n"
     assert gc_view.exit_code(GcResult(Plan(errors=("docker: down",)), [])) == 1
     assert gc_view.to_json(report)["files"] == [f.to_json() for f in files]
+    left = GcResult(Plan(), [], vantage="rcprobe-1")
+    assert gc_view.exit_code(left) == 2 and "  - probe vantage rcprobe-1: left by" in \
+        gc_view.text(left)
 
 
 # -- the stale-file drivers -------------------------------------------------------------------
