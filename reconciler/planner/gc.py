@@ -52,11 +52,11 @@ from reconciler.planner.hostlinks import KEEPS_MTU_REASON
 Holders = Mapping[str, tuple[int, ...]]
 
 
-def broken_namespaces(live: LiveState, declared: Collection[str] = ()) -> list[str]:
-    """Owned allocation namespaces of this host whose veth pair is not whole (none
-    declared): ``engine.gc`` asks who is inside these before planning."""
+def broken_namespaces(live: LiveState) -> list[str]:
+    """Owned allocation namespaces of this host whose veth pair is not whole:
+    ``engine.gc`` asks who is inside these before planning."""
     return sorted(name for name, ns in live.netns.items()
-                  if name not in declared and owned_ns(live.host_id, ns)
+                  if owned_ns(live.host_id, ns)
                   and not veth_pair_ok(ns, live.links.get(alloc_veth_name(name))))
 
 

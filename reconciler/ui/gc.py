@@ -1,7 +1,8 @@
 """What `reconcile gc` prints: the removals and stale files as text or JSON, and its exit code.
 
-Removals are shown as plan changes are (``-`` symbol, kind, name, reason; ``-v``
-adds the ops); stale files follow as ``- file PATH: why``.
+Removals are shown as `plan` shows changes (``ui.render``: symbol, kind, name,
+reason; ``-v`` adds the ops); the vantage and stale files follow as
+``- file PATH: why``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import json
 from collections import Counter
 from typing import TextIO
 
-from reconciler.domain.plan import Action
+from reconciler.domain.plan import Plan
 from reconciler.engine.gc import GcResult
-from reconciler.ui.render import _COLOURS, _RESET, EXIT_CHANGES, EXIT_ERROR, EXIT_OK, _fmt
+from reconciler.ui.render import EXIT_CHANGES, EXIT_ERROR, EXIT_OK, render_text
 
 
 def exit_code(result: GcResult) -> int:
@@ -37,16 +38,9 @@ def counted(result: GcResult) -> str:
 
 
 def text(result: GcResult, *, colour: bool = False, verbose: bool = False) -> str:
-    lines: list[str] = []
-    for c in result.plan.actionable:
-        head = f"{c.action.symbol:>3} {c.kind} {c.name}" + (f": {c.reason}" if c.reason else "")
-        if colour:
-            head = f"{_COLOURS.get(c.action, _COLOURS[Action.DELETE])}{head}{_RESET}"
-        lines.append(head)
-        lines += [f"      {a.field}: {_fmt(a.before)} -> {_fmt(a.after)}" for a in c.attrs]
-        lines += [f"      warning: {w}" for w in c.warnings]
-        if verbose:
-            lines += [f"      > {o.describe()}" for o in c.ops]
+    # the changes as `plan` shows them, without its summary line (and the blank before it)
+    lines = render_text(Plan(result.plan.actionable), colour=colour,
+                        verbose=verbose).splitlines()[:-2]
     if result.vantage is not None:
         lines.append(f"  - probe vantage {result.vantage}: left by a prober that is gone "
                      "(no prober holds its lock)")
