@@ -106,7 +106,8 @@ def holder() -> Iterator[list[subprocess.Popen[bytes]]]:
 def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         host_ns: Netns, run_dir: Path, tmp_path: Path,
         holder: list[subprocess.Popen[bytes]]) -> None:
-    a1, a2, a3, a4, a5, a6 = (unique("g") for _ in range(6))
+    a1, a2, a3, a4 = (unique("g") for _ in range(4))
+    a5, a6 = sorted(unique("g") for _ in range(2))  # allocations are made in id order
     first = [a1, a2, a3, a4]
     ports = {a1: 8081, a2: 8082, a3: 8083, a4: 8084}
     r = gc(host_ns, run_dir, "apply", "--no-probe", allocs_file(tmp_path, "a.yaml", first, ports))
