@@ -28,7 +28,7 @@ from reconciler.planner.gc import gc_plan, only_removals
 from reconciler.ui import gc as gc_view
 
 from .fakehost import FakeHost, FakeNetns
-from .test_allocs_planner import alloc, bridge, converge, port, state
+from .test_allocs_planner import alloc, bridge, converge, port, state, subnet
 
 
 def addresses(p: Plan) -> dict[str, Action]:
@@ -296,3 +296,19 @@ def test_temporaries_of_dead_writers_are_stale(tmp_path: Path):
     assert sorted(os.listdir(scope)) == [f".journal-1.json.{os.getpid()}.tmp", "pending.json"]
     assert statedir.stale_temporaries("netns/none", root=str(tmp_path)) == []
     assert not (tmp_path / "netns-none").exists()  # never made
+
+
+def test_ipv6_rules_of_a_vanished_alloc_go_too(tmp_path, monkeypatch):
+    host = FakeHost()
+    desired = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)),
+                    sub=subnet(cidr6="fd00::/64"))
+    converge(host, desired)
+    assert any("alloc=b" in r for r in host.fw[6].chains[("nat", firewall.DNAT)])
+    host.netns.pop("b")
+    host.links.pop(alloc_veth_name("b"))
+    p = gc_plan(host.observe(DesiredState()))
+    assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE}
+    assert collect(host, None, tmp_path, monkeypatch).ok
+    for family in (4, 6):
+        rules = host.fw[family].chains[("nat", firewall.DNAT)]
+        assert not [r for r in rules if "alloc=b" in r] and [r for r in rules if "alloc=a" in r]
