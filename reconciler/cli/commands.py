@@ -282,6 +282,34 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from reconciler.engine.gc import Collector  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui import gc as gc_view  # noqa: PLC0415 (lazy: see the module docstring)
+
+    desired = _load(args.paths, args) if args.paths else None
+    collector = Collector()
+    if args.dry_run:
+        result = collector.report(desired)
+    else:
+        with _stop_on_signals(collector.stop) as signals:
+            result = collector.collect(desired, args.lock_timeout)
+        if signals:
+            return _stopped(signals)
+    if args.output == "json":
+        gc_view.write_json(result, sys.stdout)
+    else:
+        sys.stdout.write(gc_view.text(result, colour=colour(args), verbose=args.verbose > 0))
+    for o in result.failed:
+        print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
+    if result.residual is not None and result.residual.has_changes:
+        left = ", ".join(c.address for c in result.residual.actionable)
+        print(f"error: gc finished but these are still to collect: {left}", file=sys.stderr)
+    if args.output == "json":
+        for e in result.plan.errors:
+            print(f"error: {e}", file=sys.stderr)
+    return gc_view.exit_code(result)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from reconciler.engine.observe import Observer  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.probes import vantage_present  # noqa: PLC0415 (lazy: as above)
@@ -384,7 +412,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "verify": cmd_verify,
     "destroy": cmd_destroy, "show": cmd_show, "watch": cmd_watch, "status": cmd_status,
-    "completion": cmd_completion,
+    "completion": cmd_completion, "gc": cmd_gc,
 }
 #: what runs before --netns moves the process (the status socket binds on the host)
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}

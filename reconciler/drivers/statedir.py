@@ -25,6 +25,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 from typing import Any
 
@@ -174,3 +175,87 @@ def boot_id() -> str:
             return fh.read().strip()
     except OSError:
         return ""
+
+
+# -- stale temporaries (`reconcile gc`) -----------------------------------------------------
+
+#: the temporary ``write_record`` writes a record to before renaming it: ``.NAME.PID.tmp``
+_TEMPORARY = re.compile(r"\.(?P<name>[^/\0]+)\.(?P<pid>[0-9]+)\.tmp")
+
+
+def _boot_time() -> float | None:
+    """When this boot started (``btime`` of ``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as fh:
+            for line in fh:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale_why(path: str, pid: int, boot: float | None) -> str | None:
+    """Why the temporary at ``path`` is left over (its writer is gone, or it is older than
+    this boot: a pid of now is not its writer), or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    if not _pid_alive(pid):
+        return f"a record's temporary whose writer (pid {pid}) is gone"
+    if boot is not None and st.st_mtime < boot:
+        return "a record's temporary written before this boot"
+    return None
+
+
+def stale_temporaries(scope: str, root: str | None = None) -> list[tuple[str, str]]:
+    """``(path, why)`` of the temporaries in ``scope``'s directory that no writer will
+    rename any more (a ``kill -9`` between write and rename). The directory is not made:
+    none, nothing to collect."""
+    directory = os.path.join(root or state_root(), scope_dirname(scope))
+    try:
+        st = os.lstat(directory)
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    problem = rundir.dir_problem(st, os.geteuid())
+    if problem is not None:
+        raise PreconditionError(f"refusing the state directory {directory}: {problem}")
+    boot = _boot_time()
+    out = []
+    for name in names:
+        m = _TEMPORARY.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        why = _stale_why(path, int(m.group("pid")), boot)
+        if why is not None:
+            out.append((path, why))
+    return out
+
+
+def remove_temporary(path: str) -> bool:
+    """Remove the temporary ``path`` if it is still left over (checked again); its
+    directory is fsync'd. False when it is not (any more)."""
+    m = _TEMPORARY.fullmatch(os.path.basename(path))
+    if m is None or _stale_why(path, int(m.group("pid")), _boot_time()) is None:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    _fsync_dir(os.path.dirname(path))
+    return True

@@ -13,7 +13,7 @@ from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
 from reconciler.planner import addrspace, allocs, conntrack, docker, firewall, hostlinks
 from reconciler.planner.context import PlanContext, PlanOptions
 
-__all__ = ["PlanOptions", "links_that_matter", "make_plan"]
+__all__ = ["PlanOptions", "change_order", "links_that_matter", "make_plan"]
 
 
 def links_that_matter(desired: DesiredState, live: LiveState) -> dict[str, LiveLink]:
@@ -120,7 +120,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
                                       firewall.change_notes(desired, live_rules, family, planned))
         if ch is not None:
             changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
-    changes.sort(key=_sort_key)
+    changes.sort(key=change_order)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace})
@@ -167,8 +167,9 @@ def _keep_undeclared_rules(ctx: PlanContext) -> None:
                     rules.add_rule(chain, r, head=firewall.is_ingress(chain, r))
 
 
-def _sort_key(c: Change) -> tuple[int, int, str]:
-    # deletes first, in reverse dependency order; then everything else in order
+def change_order(c: Change) -> tuple[int, int, str]:
+    """The sort key of a plan's changes: deletes first, in reverse dependency order; then
+    everything else in order (``planner.gc`` orders what it collects the same way)."""
     rank = _ORDER.get(c.kind, len(_ORDER))
     if c.action is Action.DELETE:
         return (0, -rank, c.name)

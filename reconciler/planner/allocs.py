@@ -56,11 +56,23 @@ class Mapped:
 
 
 def _owned_ns(ctx: PlanContext, ns: LiveNetns | None) -> bool:
-    """An allocation namespace of this host: its ``lo`` carries our mark."""
+    return owned_ns(ctx.live.host_id, ns)
+
+
+def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
+    """An allocation namespace of the host ``host_id``: its ``lo`` carries our mark."""
     if ns is None or not ns.usable:
         return False
     lo = _inner(ns, "lo")
-    return lo is not None and lo.alias == alloc_ns_alias(ctx.live.host_id)
+    return lo is not None and lo.alias == alloc_ns_alias(host_id)
+
+
+def veth_pair_ok(ns: LiveNetns, veth: LiveLink | None) -> bool:
+    """The allocation's veth pair is whole: the host end and ``eth0`` inside, one pair."""
+    eth0 = _inner(ns, ALLOC_IFNAME)
+    return (veth is not None and eth0 is not None and eth0.kind == "veth"
+            and veth.kind == "veth" and (ns.nsid is None or veth.peer_netnsid in
+                                         (None, ns.nsid)))
 
 
 def _inner(ns: LiveNetns | None, name: str) -> LiveLink | None:
@@ -428,10 +440,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     attrs_l: list[AttrChange] = []
     ops: list[Op] = []
     eth0 = _inner(ns, ALLOC_IFNAME)
-    peer_ok = (veth is not None and eth0 is not None and eth0.kind == "veth"
-               and veth.kind == "veth" and (ns.nsid is None or veth.peer_netnsid in
-                                            (None, ns.nsid)))
-    if not peer_ok:
+    if not veth_pair_ok(ns, veth):
         attrs_l.append(AttrChange("veth", "missing" if veth is None or eth0 is None
                                   else "wrong peer", veth_name))
         if eth0 is not None:

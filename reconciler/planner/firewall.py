@@ -301,8 +301,12 @@ class FirewallDiff:
         return bool(self.script)
 
 
-def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
-    """Compare desired and live owned chains; build the restore script that converges them."""
+def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> FirewallDiff:
+    """Compare desired and live owned chains; build the restore script that converges them.
+
+    ``add_jumps=False`` (``reconcile gc``, which only removes) leaves a missing jump
+    missing: everything else the script does is then a removal.
+    """
     owned = _owned_chains(live)
     live_jumps = _live_jumps(live)
     # per table, in the order iptables-restore needs: declarations, rules, jumps, removals
@@ -335,7 +339,7 @@ def diff(rs: RuleSet, live: LiveChainSet) -> FirewallDiff:
         for builtin, match in (JUMPS[chain][1] if chain in JUMPS else ()):
             want = jump_rule(chain, match)
             jumps = [j for j in live_jumps.get((table, builtin), []) if j.split()[-1] == chain]
-            if want not in jumps:
+            if want not in jumps and add_jumps:
                 bucket(table, 2).append(f"-I {builtin} 1 {want}")
                 attrs.append(AttrChange(f"{table}/{builtin} jump to {chain}", None, "present"))
             extra = list(jumps)

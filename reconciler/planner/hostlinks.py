@@ -302,6 +302,10 @@ def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
 #: the MTU the kernel gives a bridge without ports whose MTU was not set (ETH_DATA_LEN)
 KERNEL_BRIDGE_MTU = 1500
 
+#: the reason of a declared bridge's change that only sets its MTU again after the plan
+#: removed its last ports (``planner.gc`` keeps such a change with the deletions)
+KEEPS_MTU_REASON = "its last ports go: the kernel resets its MTU then"
+
 
 def keep_mtu_of_emptied_bridges(ctx: PlanContext, changes: list[Change]) -> list[Change]:
     """A declared bridge whose last ports the plan removes keeps its MTU, in the same run.
@@ -343,8 +347,7 @@ def keep_mtu_of_emptied_bridges(ctx: PlanContext, changes: list[Change]) -> list
             again = AttrChange("mtu", f"{mtu} ({KERNEL_BRIDGE_MTU} once its last port leaves)",
                                mtu)
             if c.action is Action.NOOP:
-                c = replace(c, action=Action.UPDATE,
-                            reason="its last ports go: the kernel resets its MTU then",
+                c = replace(c, action=Action.UPDATE, reason=KEEPS_MTU_REASON,
                             attrs=(again,), ops=(encode(LinkSet(c.name, mtu=mtu)),))
             elif not any(a.field == "mtu" for a in c.attrs):  # else it sets it already
                 c = replace(c, attrs=(*c.attrs, again),

@@ -180,6 +180,31 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     help="wait this long for another writer to finish (default 60)")
 
     sp = sub.add_parser(
+        "gc", help="remove leftovers: broken halves, stale files (with PATH: also what no "
+                   "file declares)",
+        description="Remove what the reconciler owns and nothing uses: veths whose allocation "
+                    "namespace is gone, allocation namespaces without their veth, firewall "
+                    "rules of allocations that are gone, and stale lock, socket and "
+                    "temporary files. With PATH, also every owned object (Docker networks of "
+                    "this scope included) that the files no longer declare, as a prune would. "
+                    "Never creates or changes anything, and never touches objects without "
+                    "the reconciler's mark. Takes the host lock when it removes. Exit 0 "
+                    "when done (--plan: nothing to collect), 2 with --plan and something to "
+                    "collect, 1 on error.")
+    gc_paths = sp.add_argument("paths", nargs="*", metavar="PATH",
+                               help="desired-state files or directories (optional)")
+    mark(gc_paths, "files")
+    sp.add_argument("--plan", "--dry-run", dest="dry_run", action="store_true",
+                    help="only report what would be collected")
+    sp.add_argument("--output", choices=("text", "json"), default="text",
+                    help="text for people (default) or json for programs")
+    sp.add_argument("--hostname", metavar="NAME",
+                    help="the name matched against files' hosts: patterns (default: this "
+                         "host's name)")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+
+    sp = sub.add_parser(
         "show", help="show the live state of managed objects",
         description="Print what the reconciler owns on this host right now, read from the "
                     "kernel, iptables and Docker (no files needed).")

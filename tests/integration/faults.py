@@ -7,12 +7,15 @@ process fails as the kernel's EPERM would (a ``DriverError``), the 1st
 ``netns.create`` as EBUSY would (a ``TemporaryError``, so the executor retries
 it). Used by test_faults.py, which needs a real ``reconcile`` process: one
 that fails midway, reports and exits, for the next run to converge.
+``alloc.attach:2:SIGKILL`` instead kills the process (``kill -9``) just before its
+2nd ``alloc.attach``: what a crash mid-apply leaves behind (test_gc.py).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from collections import Counter
 
@@ -29,8 +32,13 @@ def parse(spec: str) -> dict[tuple[str, int], int]:
         nth, _, code = rest.partition(":")
         if not nth.isdigit():
             raise SystemExit(f"faults: {item!r} is not OP:N[:ERRNO]")
-        faults[(name, int(nth))] = getattr(errno, code or "EPERM", errno.EPERM)
+        faults[(name, int(nth))] = KILL if code == "SIGKILL" else \
+            getattr(errno, code or "EPERM", errno.EPERM)
     return faults
+
+
+#: the "errno" of a fault that is a kill -9 of the process
+KILL = -signal.SIGKILL
 
 
 def install(spec: str) -> None:
@@ -43,6 +51,8 @@ def install(spec: str) -> None:
         counts[op.name] += 1
         n = counts[op.name]
         code = faults.get((op.name, n))
+        if code == KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
         if code is not None:
             msg = f"{op.name}: {os.strerror(code)} (injected fault {n})"
             exc = TemporaryError(msg) if code == errno.EBUSY else DriverError(msg)

@@ -70,7 +70,9 @@ def test_completion_scripts_mention_every_command_and_option():
 
 BASH_CASES = [
     (["reconcile", ""], {"validate", "plan", "apply", "verify", "destroy", "show", "watch",
-                         "status", "completion"}),
+                         "status", "completion", "gc"}),
+    (["reconcile", "gc", "--pl"], {"--plan"}),
+    (["reconcile", "gc", "examples/quick"], {"examples/quickstart.yaml"}),
     (["reconcile", "verify", "--probe-e"], {"--probe-external"}),
     (["reconcile", "verify", "examples/quick"], {"examples/quickstart.yaml"}),
     (["reconcile", "pl"], {"plan"}),

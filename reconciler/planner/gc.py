@@ -1,0 +1,266 @@
+"""What `reconcile gc` collects (pure): a plan of removals only.
+
+Without files it collects *broken halves*, things that are garbage whatever the
+files say: an owned veth whose allocation namespace is gone, an owned allocation
+namespace that lost its veth pair, the marked empty file of a deleted namespace,
+and our firewall rules of allocations whose namespace is gone. With files it also
+collects what a prune would remove: owned objects nothing declares any more (of this
+scope: Docker networks of another scope are never ours to remove).
+
+It does not carry its own copy of the ownership rules: the removals are the
+planner's own (``make_plan`` with nothing declared and pruning off gives the
+always-garbage deletions, ``make_plan`` of the files with pruning on gives the
+prunes), restricted to deletions. What the planner does not do by itself, this
+module adds: namespaces without their veth (the planner heals those of declared
+allocations, and prunes undeclared ones only when pruning), and firewall rules
+removed by owner without any rule added. Every candidate is checked once more
+against the mark on the object itself (``_marked``), and the finished plan holds
+removal ops only (``only_removals``): a planner change that slipped a creation
+into a deletion fails here rather than on the host.
+
+Nothing declared in the files is collected: a declared allocation whose veth or
+namespace went is healed by ``apply``, and its rules (its ``auto`` host ports)
+are kept for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.errors import PlanError
+from reconciler.domain.live import LiveChainSet, LiveState
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ops import (
+    AddrDel,
+    DockerRemove,
+    FirewallRestore,
+    LinkDelete,
+    LinkSet,
+    NetnsDelete,
+    decode,
+    encode,
+)
+from reconciler.domain.ownership import CHAIN_PREFIX, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.plan import Action, Change, Plan
+from reconciler.planner import change_order, firewall, make_plan
+from reconciler.planner.allocs import owned_ns, veth_pair_ok
+from reconciler.planner.context import PlanOptions
+from reconciler.planner.hostlinks import KEEPS_MTU_REASON
+
+#: namespace name -> pids of the processes inside it (``drivers.procfs``)
+Holders = Mapping[str, tuple[int, ...]]
+
+
+def broken_namespaces(live: LiveState) -> list[str]:
+    """Owned allocation namespaces of this host whose veth pair is not whole:
+    ``engine.gc`` asks who is inside these before planning."""
+    return sorted(name for name, ns in live.netns.items()
+                  if owned_ns(live.host_id, ns)
+                  and not veth_pair_ok(ns, live.links.get(alloc_veth_name(name))))
+
+
+def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
+            holders: Holders | None = None) -> Plan:
+    """The removals of `reconcile gc`: broken halves, and with ``desired`` also what a prune
+    of it removes. ``holders``: who is inside each of :func:`broken_namespaces` (a held
+    one is left alone without files, see :func:`_namespaces_without_veth`)."""
+    declared = set(desired.allocs) if desired is not None else set()
+    found: dict[str, Change] = {}
+    warnings: list[str] = []
+    errors: list[str] = []
+    # what the planner removes whatever is declared: its warnings are about declared things
+    always = make_plan(DesiredState(), live, PlanOptions(prune=False))
+    for c in always.changes:
+        if c.action is Action.DELETE and _marked(c, live) and not _declared_alloc(c, declared):
+            found[c.address] = c
+    if desired is None:
+        for c in _namespaces_without_veth(live, holders or {}, warnings):
+            found[c.address] = c
+        drop = _vanished_allocs(live, found)
+    else:
+        # a prune: it takes every undeclared owned namespace, veth or not
+        pruned = make_plan(desired, live, PlanOptions(prune=True), desired.file_hashes)
+        warnings += pruned.warnings
+        errors += pruned.errors
+        for c in pruned.changes:
+            if c.kind == "firewall":
+                continue  # its transaction also adds what is declared: by owner below
+            if (c.action is Action.DELETE and _marked(c, live)) or _keeps_mtu(c, live):
+                found[c.address] = c
+        drop = _undeclared_owners(live, desired)
+    for family, chains in ((4, live.firewall4), (6, live.firewall6)):
+        change = _rules_without(family, chains, drop, warnings)
+        if change is not None:
+            found[change.address] = change
+    plan = Plan(tuple(sorted(found.values(), key=change_order)), "",
+                desired.file_hashes if desired is not None else (), tuple(warnings),
+                tuple(errors), {"gc": True, "files": desired is not None})
+    only_removals(plan, live)
+    return plan
+
+
+def _declared_alloc(c: Change, declared: Collection[str]) -> bool:
+    """A change of a declared allocation (its namespace, or its veth by name)."""
+    if c.kind == "alloc":
+        return c.name in declared
+    return c.kind == "veth" and c.name in {alloc_veth_name(a) for a in declared}
+
+
+def _marked(c: Change, live: LiveState) -> bool:
+    """The object ``c`` removes carries our mark itself (not only our kind of name)."""
+    if c.kind == "alloc":
+        ns = live.netns.get(c.name)
+        return ns is not None and (owned_ns(live.host_id, ns) or
+                                   (not ns.usable and ns.file_mark == alloc_ns_alias(
+                                       live.host_id)))
+    if c.kind in ("veth", "bridge"):
+        link = live.links.get(c.name)
+        return link is not None and link.owned
+    if c.kind == "subnet":
+        # known only from rules carrying our comment; removes owned addresses only
+        return all(op.name == AddrDel.NAME for op in c.ops)
+    if c.kind == "docker_network":
+        docker = live.docker
+        if docker is None:
+            return False
+        ours = {n.id for n in docker.networks
+                if n.owned and n.labels.get(SCOPE_LABEL) == docker.scope}
+        ops = [decode(op) for op in c.ops]
+        return bool(ops) and all(isinstance(op, DockerRemove) and op.id in ours for op in ops)
+    return False
+
+
+def _keeps_mtu(c: Change, live: LiveState) -> bool:
+    """A declared bridge's MTU set again after its last ports went: the value it has now.
+
+    The kernel would set it to 1500 when the removal takes its last port
+    (``hostlinks.keep_mtu_of_emptied_bridges``); setting it to what it is keeps it.
+    """
+    link = live.links.get(c.name)
+    if c.kind != "bridge" or c.reason != KEEPS_MTU_REASON or link is None or not link.owned:
+        return False
+    ops = [decode(op) for op in c.ops]
+    return all(isinstance(op, LinkSet) and op.mtu == link.mtu and op.up is None
+               and op.master is None and not op.owned for op in ops)
+
+
+def _namespaces_without_veth(live: LiveState, holders: Holders,
+                             warnings: list[str]) -> list[Change]:
+    """Owned namespaces whose veth pair is gone (deleted, or never made: a kill between
+    creating the namespace and attaching its veth).
+
+    One with processes inside is left alone, with a warning: without the files it may be
+    a declared allocation's, whose next apply gives it a veth again; removed, its
+    processes would keep a namespace without network for good.
+    """
+    out = []
+    for name in broken_namespaces(live):
+        held = holders.get(name, ())
+        if held:
+            pids = ", ".join(str(p) for p in held[:5]) + (" …" if len(held) > 5 else "")
+            warnings.append(f"alloc {name}: its namespace has no veth, but processes are "
+                            f"inside (pid {pids}): left alone (`reconcile gc PATH` removes it "
+                            "when no file declares it; an apply that declares it heals it)")
+            continue
+        veth = live.links.get(alloc_veth_name(name))
+        ops = [encode(LinkDelete(veth.name))] if veth is not None and veth.owned else []
+        out.append(Change("alloc", name, Action.DELETE, "broken: its namespace has no veth",
+                          (), (*ops, encode(NetnsDelete(name)))))
+    return out
+
+
+def _live_owners(live: LiveState) -> set[str]:
+    return {o for chains in (live.firewall4, live.firewall6)
+            for o in firewall.live_by_owner(chains)}
+
+
+def _vanished_allocs(live: LiveState, collected: Mapping[str, Change]) -> set[str]:
+    """``alloc=ID`` owners of live rules whose allocation namespace is gone (or goes now)."""
+    alive = {name for name, ns in live.netns.items()
+             if owned_ns(live.host_id, ns) and f"alloc/{name}" not in collected}
+    return {o for o in _live_owners(live)
+            if o.startswith("alloc=") and o.partition("=")[2] not in alive}
+
+
+def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:
+    """Owners of live rules that no file declares (what a prune's transaction drops)."""
+    declared = ({f"subnet={n}" for n in desired.subnets} | {f"alloc={n}" for n in desired.allocs}
+                | {f"bridge={n}" for n in desired.bridges})
+    return {o for o in _live_owners(live) if o not in declared}
+
+
+def _rules_without(family: int, live: LiveChainSet, drop: set[str],
+                   warnings: list[str]) -> Change | None:
+    """The firewall change that removes the rules of the owners in ``drop``, nothing else.
+
+    The owned chains are written back as they are without those rules (a chain left
+    empty goes with its jumps, as after a prune); no rule and no jump is added.
+    """
+    if not live.available or not drop:
+        return None
+    owned = {k: v for k, v in live.chains.items() if k[1].startswith(CHAIN_PREFIX)}
+    if not any(firewall.owner_of(r) in drop for rules in owned.values() for r in rules):
+        return None
+    rs = firewall.RuleSet(family)
+    for (table, chain), rules in sorted(owned.items()):
+        if chain not in firewall.JUMPS or rs.table_of(chain) != table:
+            warnings.append(f"ipv{family} {table}/{chain}: a chain of ours this version does "
+                            "not know; the firewall is left as it is")
+            return None
+        for r in rules:
+            if firewall.owner_of(r) not in drop:
+                rs.add_rule(chain, r)
+    d = firewall.diff(rs, live, add_jumps=False)
+    change = firewall.firewall_change(family, d)
+    if change is None:
+        return None
+    if d.missing_owners:  # every kept rule is a live one: nothing can be missing
+        raise PlanError(f"gc: ipv{family} rules would be added for "
+                        f"{', '.join(sorted(d.missing_owners))}")
+    return change
+
+
+#: the ops a gc plan may hold
+_REMOVALS = (LinkDelete, NetnsDelete, AddrDel, DockerRemove, FirewallRestore, LinkSet)
+
+
+def only_removals(plan: Plan, live: LiveState) -> None:
+    """Refuse (PlanError) a gc plan with an op that could create or change something.
+
+    A ``LinkSet`` may only take a veth off its bridge before its namespace goes, or set a
+    declared bridge's MTU to the value it has; a firewall transaction may only declare,
+    rewrite (with live rules), flush, delete chains and delete rules.
+    """
+    for c in plan.changes:
+        for raw in c.ops:
+            op = decode(raw)
+            ok = isinstance(op, _REMOVALS)
+            if isinstance(op, LinkSet):
+                link = live.links.get(op.name)
+                ok = not op.owned and op.up is None and op.netns is None and (
+                    (op.master == "" and op.mtu is None)
+                    or (op.master is None and link is not None and op.mtu == link.mtu))
+            elif isinstance(op, FirewallRestore):
+                ok = _removal_script(op.script, live.firewall4 if op.family == 4
+                                     else live.firewall6)
+            if not ok:
+                raise PlanError(f"gc: {c.kind} {c.name}: {raw.describe()} is not a removal; "
+                                "nothing collected")
+
+
+def _removal_script(script: str, live: LiveChainSet) -> bool:
+    """Every line of a restore script declares, flushes or deletes, and every ``-A`` is a
+    live rule of that chain (a chain rewritten without some of its rules)."""
+    table = ""
+    for line in script.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        elif line.startswith("-A "):
+            chain, _, rule = line[3:].partition(" ")
+            if rule not in live.chains.get((table, chain), ()):
+                return False
+        elif not (line == "COMMIT" or line.startswith((":", "-D ", "-F ", "-X "))):
+            return False
+    return True
+

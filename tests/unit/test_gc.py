@@ -1,0 +1,314 @@
+"""`reconcile gc`: the pure removals (planner.gc) over an in-memory host, the collector's
+run, and the stale-file drivers on a temporary directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.errors import PlanError
+from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveLink
+from reconciler.domain.model import DesiredState
+from reconciler.domain.ops import AddrAdd, FirewallRestore, LinkAddBridge, LinkDelete, encode
+from reconciler.domain.ownership import DOCKER_LABEL, alloc_veth_name
+from reconciler.domain.plan import Action, Change, Plan
+from reconciler.drivers import rundir, statedir
+from reconciler.engine import lock
+from reconciler.engine.gc import Collector, GcResult, StaleFile
+from reconciler.planner import firewall
+from reconciler.planner.gc import gc_plan, only_removals
+from reconciler.ui import gc as gc_view
+
+from .fakehost import FakeHost, FakeNetns
+from .test_allocs_planner import alloc, bridge, converge, port, state, subnet
+
+
+def addresses(p: Plan) -> dict[str, Action]:
+    return {c.address: c.action for c in p.actionable}
+
+
+def three(host: FakeHost) -> DesiredState:
+    desired = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)),
+                    alloc("c", port(8082, 80)))
+    converge(host, desired)
+    return desired
+
+
+def dnat(host: FakeHost) -> list[str]:
+    return host.fw[4].chains.get(("nat", firewall.DNAT), [])
+
+
+def collect(host: FakeHost, desired: DesiredState | None, tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> GcResult:
+    monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path / "lock"))
+    c = Collector(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
+                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False,
+                  vantage=lambda _host: None)
+    return c.collect(desired)
+
+
+def test_a_converged_host_has_nothing_to_collect():
+    host = FakeHost()
+    desired = three(host)
+    for files in (None, desired):
+        p = gc_plan(host.observe(files or DesiredState()), files)
+        assert not p.has_changes and not p.errors
+
+
+def test_broken_halves_are_collected_whole_allocations_are_not():
+    host = FakeHost()
+    three(host)
+    host.perform(LinkDelete(alloc_veth_name("a")))  # namespace a keeps no veth
+    del host.netns["b"]  # unmounted while something holds it: its veth stays behind
+    p = gc_plan(host.observe(DesiredState()))
+    assert addresses(p) == {"alloc/a": Action.DELETE,
+                            f"veth/{alloc_veth_name('b')}": Action.DELETE,
+                            "firewall/ipv4": Action.UPDATE}
+    fw = next(c for c in p.actionable if c.kind == "firewall")
+    assert "alloc=a" in fw.reason and "alloc=b" in fw.reason and "alloc=c" not in fw.reason
+
+
+def test_rules_of_a_vanished_alloc_go_with_nothing_added(tmp_path, monkeypatch):
+    host = FakeHost()
+    three(host)
+    host.netns.pop("c")  # `ip netns del`: the namespace and its veth are gone
+    host.links.pop(alloc_veth_name("c"))
+    jumps = list(host.fw[4].chains[("nat", "PREROUTING")])
+    result = collect(host, None, tmp_path, monkeypatch)
+    assert result.ok and result.residual is not None and not result.residual.has_changes
+    assert [r for r in dnat(host) if "alloc=c" in r] == []
+    assert len([r for r in dnat(host) if "alloc=" in r]) == 2
+    assert host.fw[4].chains[("nat", "PREROUTING")] == jumps
+    assert set(host.netns) == {"a", "b"}
+
+
+def test_a_missing_jump_is_not_added_back():
+    host = FakeHost()
+    three(host)
+    host.netns.pop("c")
+    host.links.pop(alloc_veth_name("c"))
+    host.fw[4].chains[("nat", "OUTPUT")] = []  # someone deleted our jump
+    fw = next(c for c in gc_plan(host.observe(DesiredState())).actionable
+              if c.kind == "firewall")
+    script = fw.ops[0].args["script"]
+    assert "-I " not in script and "-D " not in script and "-A RECONCILER-DNAT" in script
+
+
+def test_foreign_look_alikes_are_never_listed():
+    host = FakeHost()
+    three(host)
+    # an unmarked veth named like ours, an unmarked temporary-bridge name, another host's
+    # allocation namespace without a veth
+    host.add_link(alloc_veth_name("zz"), "veth")
+    host.links["rcltmp0123abcd"] = LiveLink("rcltmp0123abcd", 99, "bridge", 1500, False, False)
+    host.netns["other"] = FakeNetns(77, {"lo": LiveLink("lo", 1, "", 65536, True, False,
+                                                        alias="managed-by=reconciler "
+                                                              "alloc-of=1")})
+    host.fw[4].chains[("filter", "FORWARD")].append(
+        "-m comment --comment reconciler:alloc=foreign -j ACCEPT")  # not in a chain of ours
+    p = gc_plan(host.observe(DesiredState()))
+    assert not p.has_changes, addresses(p)
+
+
+def test_a_held_namespace_without_veth_is_left_alone_without_files():
+    host = FakeHost()
+    desired = three(host)
+    host.links.pop(alloc_veth_name("a"))
+    host.netns["a"].links.pop("eth0")
+    p = gc_plan(host.observe(DesiredState()), holders={"a": (4242,)})
+    assert "alloc/a" not in addresses(p)
+    assert any("pid 4242" in w for w in p.warnings)
+    # its rules stay with it
+    assert "firewall/ipv4" not in addresses(p)
+    # declared: healed by apply, never collected
+    assert "alloc/a" not in addresses(gc_plan(host.observe(desired), desired))
+
+
+def test_with_files_also_what_a_prune_removes_and_only_that(tmp_path, monkeypatch):
+    host = FakeHost()
+    three(host)
+    kept = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
+    p = gc_plan(host.observe(kept), kept)
+    assert addresses(p) == {"alloc/c": Action.DELETE, "firewall/ipv4": Action.UPDATE}
+    # the declared ones need no change: nothing of them is in the plan either way
+    host.netns["a"].links["eth0"] = dataclasses.replace(host.netns["a"].links["eth0"],
+                                                        addresses=())
+    assert "alloc/a" not in addresses(gc_plan(host.observe(kept), kept))
+    result = collect(host, kept, tmp_path, monkeypatch)
+    assert result.ok
+    assert set(host.netns) == {"a", "b"}
+    assert not host.netns["a"].links["eth0"].addresses  # gc did not heal it: apply does
+    assert not gc_plan(host.observe(kept), kept).has_changes
+
+
+def test_with_files_that_declare_nothing_everything_owned_goes(tmp_path, monkeypatch):
+    host = FakeHost()
+    three(host)
+    host.add_link("eth9", "dummy")
+    result = collect(host, DesiredState(), tmp_path, monkeypatch)
+    assert result.ok
+    assert set(host.links) == {"eth9"} and not host.netns
+    assert not any(c.startswith("RECONCILER") for _t, c in host.fw[4].chains)
+
+
+def test_a_declared_bridge_keeps_its_mtu_when_gc_takes_its_last_ports():
+    host = FakeHost()
+    desired = state(alloc("a"), br=bridge(mtu=9000))
+    converge(host, desired)
+    p = gc_plan(host.observe(state(br=bridge(mtu=9000))), state(br=bridge(mtu=9000)))
+    assert addresses(p)["alloc/a"] is Action.DELETE
+    assert addresses(p)["bridge/br0"] is Action.UPDATE  # its MTU set to what it is
+
+
+def _docker(host: FakeHost, *nets: LiveDockerNetwork) -> DesiredState:
+    real = host.observe
+
+    def observe(desired: DesiredState):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(real(desired), docker=LiveDocker(True, networks=nets))
+
+    host.observe = observe  # type: ignore[method-assign]
+    return DesiredState()
+
+
+def _net(name: str, labels: dict[str, str]) -> LiveDockerNetwork:
+    return LiveDockerNetwork(f"{name}-id", name, "bridge", labels, {}, False, False, (), 0)
+
+
+def test_docker_networks_are_collected_only_with_files_only_ours_of_our_scope():
+    host = FakeHost()
+    ours = {DOCKER_LABEL: "true", SCOPE_LABEL: "host"}
+    _docker(host, _net("mine", ours), _net("theirs", {}),
+            _net("sandbox", {**ours, SCOPE_LABEL: "netns/x"}))
+    assert not gc_plan(host.observe(DesiredState())).has_changes
+    p = gc_plan(host.observe(DesiredState()), DesiredState())
+    assert addresses(p) == {"docker_network/mine": Action.DELETE}
+
+
+def test_a_plan_with_anything_but_removals_is_refused():
+    host = FakeHost()
+    live = host.observe(DesiredState())
+    for op in (encode(LinkAddBridge("br9", None)), encode(AddrAdd("br9", "10.0.0.1/24"))):
+        with pytest.raises(PlanError, match="is not a removal"):
+            only_removals(Plan((Change("bridge", "br9", Action.DELETE, ops=(op,)),)), live)
+    add_rule = "*nat\n-A RECONCILER-DNAT -j ACCEPT\nCOMMIT\n"
+    with pytest.raises(PlanError, match="is not a removal"):
+        only_removals(Plan((Change("firewall", "ipv4", Action.UPDATE, ops=(
+            encode(FirewallRestore(4, add_rule)),)),)), live)
+
+
+def test_text_and_exit_codes():
+    host = FakeHost()
+    three(host)
+    del host.netns["b"]
+    p = gc_plan(host.observe(DesiredState()))
+    files = [StaleFile("/run/reconciler/netns-1.lock", "run", "a lock nobody holds")]
+    report = GcResult(p, files)
+    out = gc_view.text(report)
+    assert f"  - veth {alloc_veth_name('b')}: orphan" in out
+    assert "  - file /run/reconciler/netns-1.lock: a lock nobody holds" in out
+    assert "Gc: 2 objects (1 firewall, 1 veth) and 1 file to collect." in out
+    assert gc_view.exit_code(report) == 2
+    assert gc_view.exit_code(GcResult(Plan(), [])) == 0
+    assert gc_view.text(GcResult(Plan(), [])) == "Nothing to collect.\n"
+    assert gc_view.exit_code(GcResult(Plan(errors=("docker: down",)), [])) == 1
+    assert gc_view.to_json(report)["files"] == [f.to_json() for f in files]
+    left = GcResult(Plan(), [], vantage="rcprobe-1")
+    assert gc_view.exit_code(left) == 2 and "  - probe vantage rcprobe-1: left by" in \
+        gc_view.text(left)
+
+
+# -- the stale-file drivers -------------------------------------------------------------------
+
+def test_run_files_nobody_uses_are_listed_and_removed(tmp_path: Path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "netns-1.lock").touch()
+    held = run / "netns-2.lock"
+    held.touch()
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    (run / "notours.lock").touch()
+    os.symlink("/etc/passwd", run / "netns-3.lock")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(run / "plan-1.sock"))
+    dead.close()
+    alive = socket.socket(socket.AF_UNIX)
+    alive.bind(str(run / "plan-2.sock"))
+    alive.listen(1)
+    served = socket.socket(socket.AF_UNIX)  # its server holds its lock: never connected to
+    served.bind(str(run / "plan-3.sock"))
+    (run / "plan-3.lock").touch()
+    fd3 = os.open(run / "plan-3.lock", os.O_RDONLY)
+    fcntl.flock(fd3, fcntl.LOCK_EX)
+    try:
+        stale = rundir.stale_files(str(run))
+        assert [os.path.basename(p) for p, _ in stale] == ["plan-1.sock", "netns-1.lock"]
+        for p, _why in stale:
+            assert rundir.remove_stale(p)
+        assert sorted(os.listdir(run)) == ["netns-2.lock", "netns-3.lock", "notours.lock",
+                                           "plan-2.sock", "plan-3.lock", "plan-3.sock"]
+        assert not rundir.remove_stale(str(held))
+    finally:
+        os.close(fd)
+        os.close(fd3)
+        alive.close()
+        served.close()
+
+
+def test_a_lock_replaced_after_it_was_listed_is_not_removed(tmp_path: Path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "netns-1.lock").touch()
+    [(path, _why)] = rundir.stale_files(str(run))
+    os.unlink(path)  # its holder released it, a new holder made and holds a new one
+    Path(path).touch()
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert not rundir.remove_stale(path)
+        assert os.path.exists(path)
+    finally:
+        os.close(fd)
+
+
+def test_temporaries_of_dead_writers_are_stale(tmp_path: Path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(gone.stdout)
+    scope = tmp_path / "netns-x"
+    scope.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    (scope / f".pending.json.{pid}.tmp").touch()
+    (scope / f".journal-1.json.{os.getpid()}.tmp").touch()  # a live writer's
+    (scope / "pending.json").touch()
+    stale = statedir.stale_temporaries("netns/x", root=str(tmp_path))
+    assert [os.path.basename(p) for p, _ in stale] == [f".pending.json.{pid}.tmp"]
+    assert statedir.remove_temporary(stale[0][0])
+    assert not statedir.remove_temporary(str(scope / f".journal-1.json.{os.getpid()}.tmp"))
+    assert sorted(os.listdir(scope)) == [f".journal-1.json.{os.getpid()}.tmp", "pending.json"]
+    assert statedir.stale_temporaries("netns/none", root=str(tmp_path)) == []
+    assert not (tmp_path / "netns-none").exists()  # never made
+
+
+def test_ipv6_rules_of_a_vanished_alloc_go_too(tmp_path, monkeypatch):
+    host = FakeHost()
+    desired = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)),
+                    sub=subnet(cidr6="fd00::/64"))
+    converge(host, desired)
+    assert any("alloc=b" in r for r in host.fw[6].chains[("nat", firewall.DNAT)])
+    host.netns.pop("b")
+    host.links.pop(alloc_veth_name("b"))
+    p = gc_plan(host.observe(DesiredState()))
+    assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE}
+    assert collect(host, None, tmp_path, monkeypatch).ok
+    for family in (4, 6):
+        rules = host.fw[family].chains[("nat", firewall.DNAT)]
+        assert not [r for r in rules if "alloc=b" in r] and [r for r in rules if "alloc=a" in r]
