@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
-from reconciler.config.load import load
+from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.errors import ConfigError, ReconcilerError
@@ -58,10 +58,17 @@ def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    desired = _load(args.paths, args)
+    # files only: a machine that checks a fleet's files is none of its hosts
+    note = ""
+    try:
+        desired = _load(args.paths, args)
+    except NoFileForHost as exc:
+        desired = load(args.paths, hostname=exc.host, for_host=False)
+        note = (f" (no file is for host {exc.host!r}: plan, apply and watch there refuse "
+                "them)")
     print(f"{len(desired.files)} file(s) valid: {len(desired.bridges)} bridges, "
           f"{len(desired.subnets)} subnets, {len(desired.allocs)} allocs, "
-          f"{len(desired.docker_networks)} docker networks")
+          f"{len(desired.docker_networks)} docker networks{note}")
     return EXIT_OK
 
 
@@ -104,8 +111,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _load_saved(path: str) -> Plan:
     try:
         with open(path) as fh:
-            return Plan.from_json(json.load(fh))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+    if isinstance(raw, dict) and not isinstance(raw.get("options", {}), dict):
+        # the options are checked one by one later (ui.options.saved_plan_options)
+        raise ConfigError("not a usable saved plan: options must be a mapping of option "
+                          "names to values", file=path)
+    try:
+        return Plan.from_json(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"not a saved plan: {exc}", file=path) from None
 
 
