@@ -28,7 +28,7 @@ from typing import Any
 from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.docker import SCOPE_LABEL
-from reconciler.domain.errors import ConfigError, ReconcilerError
+from reconciler.domain.errors import ConfigError, ReconcilerError, StalePlanError
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import CHAIN_PREFIX
 from reconciler.domain.plan import Plan
@@ -290,10 +290,58 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
 
-    rc = _apply(args, DesiredState(), PlanOptions(prune=True))
+    options = PlanOptions(prune=True)
+    shown = None
+    if not args.dry_run and not args.yes and _interactive():
+        shown = _confirm_destroy(args, options)
+        if shown is None:
+            print("Destroy cancelled; nothing changed.", file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        rc = _apply(args, DesiredState(), options, shown)
+    except StalePlanError:
+        if shown is None:
+            raise
+        raise StalePlanError("the host changed while destroy was waiting for the answer; "
+                             "nothing was destroyed: run destroy again") from None
     if not args.dry_run and remove_unused_vantage() and args.output == "text":
         print("Removed the probes' external vantage (no prober uses it).")
     return rc
+
+
+def _interactive() -> bool:
+    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # closed
+        return False
+
+
+#: what ``destroy`` asks on a terminal, and the one answer that goes on (as Terraform)
+DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler manages here?\n"
+                    "  There is no undo. Only 'yes' will be accepted to confirm.\n\n"
+                    "  Enter a value: ")
+
+
+def _confirm_destroy(args: argparse.Namespace, options: Any) -> Plan | None:
+    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do).
+
+    The plan shown is the one applied: ``apply`` checks it against the live state again
+    under the lock (as a saved plan), so what changed meanwhile is refused, not removed.
+    """
+    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+
+    plan = Reconciler().plan(DesiredState(), options)
+    _print_plan(plan, args)
+    if not plan.has_changes:
+        return plan
+    sys.stdout.flush()
+    sys.stderr.write("\n" + DESTROY_QUESTION)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        sys.stderr.write("\n")  # end of input: no answer is no
+    return plan if answer.strip() == "yes" else None
 
 
 def cmd_show(args: argparse.Namespace) -> int:
