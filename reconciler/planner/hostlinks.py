@@ -17,7 +17,7 @@ from reconciler.domain.ops import (
     LinkSetMac,
     encode,
 )
-from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac
+from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac, temp_bridge_mac
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -272,12 +272,16 @@ def is_temp_bridge_name(name: str) -> bool:
 
 
 def _interrupted_creation(ctx: PlanContext, name: str, link: LiveLink) -> bool:
-    """The temporary bridge of a creation killed before it was marked (links.ensure_bridge).
+    """The temporary bridge of a creation killed before it was renamed (links.ensure_bridge).
 
-    Its name is ours alone and it is bare: no ports, no addresses, down.
+    Bare (no ports, no addresses, down) under a temporary name, and marked: its alias
+    once the creation got that far, before that the MAC it was created with
+    (``temp_bridge_mac``). The name alone is no proof: anyone may call a bridge so, and
+    an unmarked one is left alone. Always garbage, so removed with ``--no-prune`` too.
     """
-    return (link.kind == "bridge" and not link.owned and not link.up and not link.addresses
+    return (link.kind == "bridge" and not link.up and not link.addresses
             and bool(_TEMP_BRIDGE.match(name))
+            and (link.owned or link.mac == temp_bridge_mac(name))
             and not any(lk.master == name for lk in ctx.live.links.values()))
 
 

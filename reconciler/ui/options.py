@@ -56,12 +56,12 @@ def _is_bool(value: object) -> str | None:
 
 
 def _is_adopt_list(value: object) -> str | None:
+    want = "must be a list of KIND/NAME strings"
     if not isinstance(value, list):
-        return "must be a list of KIND/NAME strings"
+        return want
     for a in value:
-        problem = adopt_problem(a)
-        if problem is not None:
-            return f"has {a!r}: {problem}"
+        if adopt_problem(a) is not None:
+            return f"{want} with KIND one of {', '.join(ADOPT_KINDS)} (not {a!r})"
     return None
 
 

@@ -109,3 +109,102 @@ def test_saved_plan_with_a_malformed_option_is_one_line_naming_file_and_option(
     assert err.count("\n") == 1, err
     assert err.startswith(f"error: {path}: ") and named in err, err
     assert "internal error" not in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ planner: marks, not names
+
+
+def _fake_alloc_host() -> Any:
+    from tests.unit.fakehost import FakeHost
+    return FakeHost()
+
+
+def test_a_link_named_like_the_veth_that_is_not_ours_is_a_conflict_never_deleted() -> None:
+    import dataclasses
+
+    from reconciler.domain.ownership import alloc_veth_name
+    from reconciler.domain.plan import Action
+    from tests.unit.test_allocs_planner import alloc, converge, plan, state
+
+    veth = alloc_veth_name("a")
+    for kind, owned in (("bridge", False), ("dummy", True), ("veth", False)):
+        host = _fake_alloc_host()
+        host.add_link(veth, kind, owned=owned)
+        p = plan(host, state(alloc("a")))
+        (c,) = [c for c in p.changes if c.kind == "alloc"]
+        assert c.action is Action.CONFLICT and veth in c.reason and "not the reconciler's" \
+            in c.reason, (kind, owned, c)
+        assert not any(o.name == "link.delete" for ch in p.changes for o in ch.ops)
+    # ours (marked, or its peer inside our namespace) is still healed
+    host = _fake_alloc_host()
+    converge(host, state(alloc("a")))
+    host.links[veth] = dataclasses.replace(host.links[veth], owned=False, alias=None)
+    (c,) = plan(host, state(alloc("a"))).actionable
+    assert c.action is Action.UPDATE and "unmarked" in str(c.attrs)
+
+
+def test_an_unmarked_empty_namespace_file_of_a_declared_alloc_is_a_conflict() -> None:
+    from reconciler.domain.plan import Action
+    from tests.unit.fakehost import FakeNetns
+    from tests.unit.test_allocs_planner import alloc, plan, state
+
+    host = _fake_alloc_host()
+    host.netns["a"] = FakeNetns(9, {}, [], usable=False)  # someone's `ip netns add` half-way
+    (c,) = [c for c in plan(host, state(alloc("a"))).changes if c.kind == "alloc"]
+    assert c.action is Action.CONFLICT and "no mark on the file" in c.reason
+    assert not c.ops
+    (c,) = [c for c in plan(host, state(alloc("a")), adopt=frozenset({"alloc/a"})).changes
+            if c.kind == "alloc"]
+    assert c.action is Action.REPLACE  # adopting it is saying so
+
+
+def test_the_namespace_the_reconciler_runs_in_is_never_an_allocation() -> None:
+    from reconciler.domain.live import LiveLink
+    from reconciler.domain.model import DesiredState
+    from reconciler.domain.ownership import alloc_ns_alias
+    from reconciler.domain.plan import Action
+    from tests.unit.fakehost import HOST_ID, FakeNetns
+    from tests.unit.test_allocs_planner import alloc, plan, state
+
+    host = _fake_alloc_host()
+    lo = LiveLink("lo", 1, "", 65536, True, False)
+    host.netns["me"] = FakeNetns(0, {"lo": lo}, inode=int(HOST_ID))
+    for opts in ({}, {"adopt": frozenset({"alloc/me"})}):
+        p = plan(host, state(alloc("me")), **opts)
+        (c,) = [c for c in p.changes if c.kind == "alloc"]
+        assert c.action is Action.CONFLICT and "runs in" in c.reason and not c.ops
+    # adopted by an earlier version (its lo marked as ours): destroy must not unmount it
+    marked = LiveLink("lo", 1, "", 65536, True, False, alias=alloc_ns_alias(HOST_ID))
+    host.netns["me"] = FakeNetns(0, {"lo": marked}, inode=int(HOST_ID))
+    assert not plan(host, DesiredState()).actionable
+
+
+def test_adopting_a_name_nothing_declares_is_an_error() -> None:
+    from reconciler.domain.errors import PlanError
+    from tests.unit.test_allocs_planner import alloc, plan, state
+
+    with pytest.raises(PlanError) as exc:
+        plan(_fake_alloc_host(), state(alloc("a")),
+             adopt=frozenset({"alloc/a", "alloc/b", "bridge/nope", "subnet/net"}))
+    assert "alloc/b, bridge/nope" in str(exc.value) and "alloc/a" not in str(exc.value)
+
+
+def test_adopting_a_foreign_namespace_says_what_it_deletes_in_the_text_plan() -> None:
+    import ipaddress
+
+    from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
+    from reconciler.ui.render import render_text
+    from tests.unit.fakehost import FakeNetns
+    from tests.unit.test_allocs_planner import alloc, plan, state
+
+    host = _fake_alloc_host()
+    lo = LiveLink("lo", 1, "", 65536, True, False)
+    eth0 = LiveLink("eth0", 2, "veth", 1500, True, False, addresses=(
+        LiveAddress(ipaddress.ip_interface("192.168.5.7/24"), False),))
+    eth1 = LiveLink("eth1", 3, "veth", 1500, True, False, addresses=(
+        LiveAddress(ipaddress.ip_interface("192.168.6.7/24"), False),))
+    host.netns["a"] = FakeNetns(9, {"lo": lo, "eth0": eth0, "eth1": eth1},
+                                [LiveRoute("default", "192.168.6.1", False, oif=3)])
+    text = render_text(plan(host, state(alloc("a")), adopt=frozenset({"alloc/a"})))
+    assert "eth0 inside: veth 192.168.5.7/24 -> deleted" in text, text
+    assert "default route: via 192.168.6.1 (replaced) -> via the gateway" in text, text
