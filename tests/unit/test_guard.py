@@ -14,6 +14,9 @@ import pytest
 from reconciler.cli import commands as cli
 from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError
+from tests.unit.test_docker_logic import fake
+
+__all__ = ["fake"]  # the Docker driver over a fake API (fixture)
 
 BRIDGE = "version: 1\nbridges: [{name: brx}]\n"
 
@@ -208,3 +211,29 @@ def test_adopting_a_foreign_namespace_says_what_it_deletes_in_the_text_plan() ->
     text = render_text(plan(host, state(alloc("a")), adopt=frozenset({"alloc/a"})))
     assert "eth0 inside: veth 192.168.5.7/24 -> deleted" in text, text
     assert "default route: via 192.168.6.1 (replaced) -> via the gateway" in text, text
+
+
+# ------------------------------------------------------------------ Docker: another scope's
+
+
+def test_the_driver_refuses_another_scopes_network_at_the_moment_of_the_change(
+        fake: Any) -> None:
+    """The planner says it first; the driver re-reads the network and has the last word."""
+    from reconciler.domain.docker import SCOPE_LABEL
+    from reconciler.domain.errors import ConflictError
+    from reconciler.drivers.docker.payloads import parse_network
+    from tests.unit.test_docker_logic import OURS, spec
+
+    drv, api = fake
+    mine = spec("kind", labels=((SCOPE_LABEL, "netns/me"),))
+    old = api.add("kind", labels={**OURS, SCOPE_LABEL: "host"})
+    for call in (lambda: drv.replace(mine, parse_network(api.nets[old]), 1500,
+                                     reconnect=False, adopt=True),
+                 lambda: drv.ensure(mine, 1500)):
+        with pytest.raises(ConflictError, match="another reconciler"):
+            call()
+        assert old in api.nets
+    api.add("kind", labels={**OURS, SCOPE_LABEL: "netns/me"})  # a duplicate of ours beside
+    with pytest.raises(ConflictError, match="several reconcilers"):
+        drv.dedupe("kind")
+    assert old in api.nets
