@@ -332,7 +332,10 @@ def _confirm_destroy(args: argparse.Namespace, options: Any) -> Plan | None:
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
 
     plan = Reconciler().plan(DesiredState(), options)
-    _print_plan(plan, args)
+    if args.output == "json":  # stdout stays one JSON document (the result's)
+        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
+    else:
+        _print_plan(plan, args)
     if not plan.has_changes:
         return plan
     sys.stdout.flush()
