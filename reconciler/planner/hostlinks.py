@@ -149,6 +149,7 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     have = {str(a.address): a for a in (managed.addresses if managed else ())}
     ops: list[Op] = []
     attrs: list[AttrChange] = []
+    deleted: list[AttrChange] = []  # what adopting removes: shown whatever the action
     for w in wanted:
         iface = ipaddress.ip_interface(w)
         cur = have.get(w)
@@ -173,6 +174,8 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                                   f"not add and that overlaps {iface.network} "
                                   f"(--adopt subnet/{s.name} replaces it)", source=src)
                 ops.append(encode(AddrDel(s.bridge, str(o))))
+                # said in the plan, not only in -v's ops: adopting deletes it
+                deleted.append(AttrChange(f"address {o} (not ours)", str(o), "deleted"))
         attrs.append(AttrChange("gateway" if iface.version == 4 else "gateway6", None, w))
         ops.append(encode(AddrAdd(s.bridge, w)))
     exists = managed is not None and (len(wanted) > len(attrs) or
@@ -188,9 +191,10 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
         if s.cidr6 is not None:
             attrs.append(AttrChange("cidr6", None, shown("cidr6", s.cidr6)))
         attrs += [AttrChange("gateway", None, str(s.gateway_interface)),
-                  AttrChange("masquerade", None, s.masquerade)]
+                  AttrChange("masquerade", None, s.masquerade), *deleted]
         return Change("subnet", s.name, Action.CREATE, "not present", tuple(attrs),
                       tuple(ops), src)
+    attrs += deleted
     if not attrs:
         return Change("subnet", s.name, Action.NOOP, source=src)
     reason = ", ".join(a.field for a in attrs) + " missing or different"

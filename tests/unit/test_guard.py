@@ -237,3 +237,16 @@ def test_the_driver_refuses_another_scopes_network_at_the_moment_of_the_change(
     with pytest.raises(ConflictError, match="several reconcilers"):
         drv.dedupe("kind")
     assert old in api.nets
+
+
+def test_adopting_a_subnet_says_which_foreign_address_it_deletes() -> None:
+    from reconciler.domain.plan import Action
+    from reconciler.ui.render import render_text
+    from tests.unit.test_allocs_planner import plan, state
+
+    host = _fake_alloc_host()
+    host.add_link("br0", "bridge", owned=True, addresses=("10.0.0.200/25",))
+    p = plan(host, state(), adopt=frozenset({"subnet/net"}))
+    (c,) = [c for c in p.changes if c.kind == "subnet"]
+    assert c.action in (Action.CREATE, Action.UPDATE)
+    assert "address 10.0.0.200/25 (not ours)" in render_text(p), render_text(p)
