@@ -229,7 +229,7 @@ class Sandbox:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             if netns.is_namespace_mount(self.host):
-                run_cli(["--netns", self.host, "destroy"], ok=(0, 1))
+                run_cli(["--netns", self.host, "destroy", "--yes"], ok=(0, 1))
         for name in self.leftovers():  # allocation namespaces, then the host (veths go with it)
             if name != self.host:
                 with contextlib.suppress(Exception):

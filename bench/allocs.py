@@ -46,7 +46,7 @@ def one_run(n: int, profile: Path | None) -> dict[str, float]:
             t["agent plan"] = statistics.median(
                 sb.cli("plan", path, env={"RECONCILER_AGENT": "require"}).seconds
                 for _ in range(5))
-        t["destroy"] = cli("destroy", "destroy")
+        t["destroy"] = cli("destroy", "destroy", "--yes")
         left = [x for x in sb.leftovers() if x != sb.host]
         if left:
             raise RuntimeError(f"destroy left {len(left)} namespaces behind, e.g. {left[:3]}")

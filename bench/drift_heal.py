@@ -173,7 +173,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 agent.kill()
                 agent.wait()
-        subprocess.run([sys.executable, "-m", "reconciler", "--netns", host, "destroy"],
+        subprocess.run([sys.executable, "-m", "reconciler", "--netns", host, "destroy", "--yes"],
                        capture_output=True, env=ENV, cwd=ROOT, check=False)
         for i in range(args.allocs):
             subprocess.run(["ip", "netns", "del", f"rtb-{tag}-{i}"], capture_output=True,

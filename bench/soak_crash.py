@@ -111,7 +111,7 @@ class Host:
     def remove(self) -> None:
         """Destroy what the reconciler made (allocation namespaces are global), then the host."""
         try:
-            self.cli("destroy", "--lock-timeout", "30", timeout=600)
+            self.cli("destroy", "--yes", "--lock-timeout", "30", timeout=600)
         finally:
             for n in os.listdir("/run/netns"):
                 if n.startswith(f"{self.prefix}-a"):
@@ -231,7 +231,7 @@ def soak(trials: int, n_allocs: int, n_networks: int, seed: int,
             kind = KINDS[trial % len(KINDS)]
             cfg, args = {"apply-all": (full, ["apply", full.path]),
                          "apply-half": (half, ["apply", half.path]),
-                         "destroy": (EMPTY, ["destroy"])}[kind]
+                         "destroy": (EMPTY, ["destroy", "--yes"])}[kind]
             changes = len(set(cfg.allocs) ^ set(state.allocs)) + 6
             summary.trials += 1
             summary.killed += killed_run(host, args, changes, rng)

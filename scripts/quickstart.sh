@@ -7,7 +7,7 @@ bash scripts/install.sh
 example=${1:-examples/quickstart.yaml}
 ns="reconciler-demo-$$"
 ip netns add "$ns"
-trap 'reconcile --netns "$ns" destroy >/dev/null 2>&1 || true; ip netns del "$ns" 2>/dev/null || true' EXIT
+trap 'reconcile --netns "$ns" destroy --yes >/dev/null 2>&1 || true; ip netns del "$ns" 2>/dev/null || true' EXIT
 ip -n "$ns" link set lo up
 echo "== reconcile plan $example   (in network namespace $ns)"
 reconcile --netns "$ns" plan "$example" || [ $? -eq 2 ]
@@ -20,4 +20,4 @@ reconcile --netns "$ns" show
 echo "== reconcile plan again: nothing to do"
 reconcile --netns "$ns" plan "$example"
 echo "== reconcile destroy"
-reconcile --netns "$ns" destroy
+reconcile --netns "$ns" destroy --yes

@@ -75,8 +75,9 @@ def reconcile(*args: str, netns: str | None = None, timeout: float = 300,
         cmd += ["--netns", netns]
     full_env = dict(os.environ)
     full_env.update(env or {})
+    # stdin is no terminal (``pytest -s`` keeps the caller's): ``destroy`` asks nothing
     p = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
-                       env=full_env)
+                       env=full_env, stdin=subprocess.DEVNULL)
     return Result(p.returncode, p.stdout, p.stderr)
 
 

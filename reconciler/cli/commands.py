@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
-from reconciler.config.load import load
+from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.docker import SCOPE_LABEL
-from reconciler.domain.errors import ConfigError, ReconcilerError
+from reconciler.domain.errors import ConfigError, ReconcilerError, StalePlanError
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import CHAIN_PREFIX
 from reconciler.domain.plan import Plan
@@ -59,10 +59,17 @@ def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    desired = _load(args.paths, args)
+    # files only: a machine that checks a fleet's files is none of its hosts
+    note = ""
+    try:
+        desired = _load(args.paths, args)
+    except NoFileForHost as exc:
+        desired = load(args.paths, hostname=exc.host, for_host=False)
+        note = (f" (no file is for host {exc.host!r}: plan, apply and watch there refuse "
+                "them)")
     print(f"{len(desired.files)} file(s) valid: {len(desired.bridges)} bridges, "
           f"{len(desired.subnets)} subnets, {len(desired.allocs)} allocs, "
-          f"{len(desired.docker_networks)} docker networks")
+          f"{len(desired.docker_networks)} docker networks{note}")
     return EXIT_OK
 
 
@@ -105,8 +112,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _load_saved(path: str) -> Plan:
     try:
         with open(path) as fh:
-            return Plan.from_json(json.load(fh))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+    if isinstance(raw, dict) and not isinstance(raw.get("options", {}), dict):
+        # the options are checked one by one later (ui.options.saved_plan_options)
+        raise ConfigError("not a usable saved plan: options must be a mapping of option "
+                          "names to values", file=path)
+    try:
+        return Plan.from_json(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"not a saved plan: {exc}", file=path) from None
 
 
@@ -276,7 +291,20 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
 
-    rc = _apply(args, DesiredState(), PlanOptions(prune=True))
+    options = PlanOptions(prune=True)
+    shown = None
+    if not args.dry_run and not args.yes and _interactive():
+        shown = _confirm_destroy(args, options)
+        if shown is None:
+            print("Destroy cancelled; nothing changed.", file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        rc = _apply(args, DesiredState(), options, shown)
+    except StalePlanError:
+        if shown is None:
+            raise
+        raise StalePlanError("the host changed while destroy was waiting for the answer; "
+                             "nothing was destroyed: run destroy again") from None
     if not args.dry_run and remove_unused_vantage() and args.output == "text":
         print("Removed the probes' external vantage (no prober uses it).")
     return rc
@@ -308,6 +336,43 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for e in result.plan.errors:
             print(f"error: {e}", file=sys.stderr)
     return gc_view.exit_code(result)
+
+def _interactive() -> bool:
+    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # closed
+        return False
+
+
+#: what ``destroy`` asks on a terminal, and the one answer that goes on (as Terraform)
+DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler manages here?\n"
+                    "  There is no undo. Only 'yes' will be accepted to confirm.\n\n"
+                    "  Enter a value: ")
+
+
+def _confirm_destroy(args: argparse.Namespace, options: Any) -> Plan | None:
+    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do).
+
+    The plan shown is the one applied: ``apply`` checks it against the live state again
+    under the lock (as a saved plan), so what changed meanwhile is refused, not removed.
+    """
+    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+
+    plan = Reconciler().plan(DesiredState(), options)
+    if args.output == "json":  # stdout stays one JSON document (the result's)
+        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
+    else:
+        _print_plan(plan, args)
+    if not plan.has_changes:
+        return plan
+    sys.stdout.flush()
+    sys.stderr.write("\n" + DESTROY_QUESTION)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        sys.stderr.write("\n")  # end of input: no answer is no
+    return plan if answer.strip() == "yes" else None
 
 
 def cmd_show(args: argparse.Namespace) -> int:

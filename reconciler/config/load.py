@@ -11,7 +11,7 @@ import fnmatch
 import os
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reconciler.config.build import SECTIONS, Collector, read_settings
 from reconciler.config.checks import cross_checks
@@ -21,15 +21,16 @@ from reconciler.config.schema import validate_schema
 from reconciler.domain.errors import ConfigError, ConfigErrors
 from reconciler.domain.model import DesiredState, Settings
 
-if TYPE_CHECKING:
-    pass
 
-
-def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
+def load(paths: Sequence[str], *, hostname: str | None = None,
+         for_host: bool = True) -> DesiredState:
     """Load, validate and merge desired-state files; raise ConfigErrors listing every problem.
 
     A file with ``hosts:`` patterns that do not match ``hostname`` is still validated but
-    contributes nothing.
+    contributes nothing. When every file has patterns and none matches, that is an error
+    (``NoFileForHost``) unless ``for_host`` is false (``validate``): an empty
+    desired state would prune everything the host has, and a typo in a pattern or a
+    renamed host must not do that. A matching file with empty lists empties a host.
     """
     sources: list[tuple[str, str, bytes | ConfigError]] = []
     for f in expand_paths(paths):
@@ -37,11 +38,22 @@ def load(paths: Sequence[str], *, hostname: str | None = None) -> DesiredState:
             sources.append((f, os.path.abspath(f), read_bytes(f)))
         except ConfigError as exc:
             sources.append((f, os.path.abspath(f), exc))
-    return load_sources(sources, hostname=hostname)
+    return load_sources(sources, hostname=hostname, for_host=for_host)
+
+
+class NoFileForHost(ConfigError):
+    """Every file has ``hosts:`` patterns and none matches this host (see :func:`load`)."""
+
+    def __init__(self, host: str, unmatched: Sequence[tuple[str, Sequence[str]]]) -> None:
+        self.host = host
+        listed = "; ".join(f"{f}: {', '.join(p) or '(none)'}" for f, p in unmatched)
+        super().__init__(f"no desired-state file is for host {host!r}: the hosts: patterns "
+                         f"({listed}) match other hosts; nothing planned or pruned (a file "
+                         "whose hosts: matches this host, with empty lists, empties it)")
 
 
 def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
-                 hostname: str | None = None) -> DesiredState:
+                 hostname: str | None = None, for_host: bool = True) -> DesiredState:
     """:func:`load` of files already read: (name as given, absolute path, bytes or the error).
 
     The plan agent loads what a client read in its own working directory this way.
@@ -49,6 +61,9 @@ def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
     host = hostname if hostname is not None else socket.gethostname()
     c = Collector()
     hashes: list[tuple[str, str]] = []
+    #: files left out by their hosts: patterns, and whether any file is for this host
+    unmatched: list[tuple[str, Sequence[str]]] = []
+    matched = False
     for f, abspath, raw in sources:
         try:
             if isinstance(raw, ConfigError):
@@ -65,7 +80,9 @@ def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
         data: dict[str, Any] = doc.data
         patterns = data.get("hosts")
         if patterns is not None and not any(fnmatch.fnmatchcase(host, p) for p in patterns):
+            unmatched.append((f, patterns))
             continue
+        matched = True
         if "settings" in data:
             c.guard(read_settings, c, doc, data["settings"])
         for section, build in SECTIONS:
@@ -73,6 +90,8 @@ def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
                 c.guard(build, c, doc, (section, i), raw)
     if not c.errors:
         c.errors.extend(cross_checks(c))
+    if not c.errors and for_host and unmatched and not matched:
+        c.errors.append(NoFileForHost(host, unmatched))
     if c.errors:
         raise ConfigErrors(c.errors) if len(c.errors) > 1 else c.errors[0]
     return DesiredState(c.bridges, c.subnets, c.allocs, c.docker,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reconciler.domain.live import LiveDockerNetwork
@@ -38,6 +38,13 @@ IPV6_FALLBACK_LABEL = "io.reconciler.ipv6-unavailable"
 #: global to the daemon, so pruning removes only networks of its own scope — a
 #: sandbox run never prunes the host's networks, nor the host a sandbox's.
 SCOPE_LABEL = "io.reconciler.scope"
+
+
+def network_scope(labels: Mapping[str, str]) -> str:
+    """Which reconciler made an owned network, from its labels (``SCOPE_LABEL``); "host"
+    for one made before networks carried the label (sandbox runs came with it). Another
+    scope's network is never replaced, deduped or pruned: a conflict."""
+    return labels.get(SCOPE_LABEL, "host")
 
 
 #: Docker's default address pools (libnetwork ipamutils, Docker 20.10 and later):

@@ -75,6 +75,9 @@ class LiveNetns:
     nsid: int | None = None
     #: the reconciler's tag on the file itself (read when it is not a live namespace)
     file_mark: str | None = None
+    #: the namespace's inode (a live one): the namespace the reconciler runs in is never
+    #: an allocation's, whatever its name or marks
+    inode: int | None = None
 
 
 @dataclass(frozen=True)

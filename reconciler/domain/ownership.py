@@ -117,6 +117,7 @@ ALLOC_IFNAME = "eth0"
 #: so an allocation id and a bridge name that are the same string never share a MAC
 ALLOC_MAC_PREFIX = b"reconciler/alloc-mac/"
 BRIDGE_MAC_PREFIX = b"reconciler/bridge-mac/"
+TEMP_BRIDGE_MAC_PREFIX = b"reconciler/temp-bridge-mac/"
 
 #: a bridge with no port and no address of its own reports this (it follows its ports)
 ZERO_MAC = "00:00:00:00:00:00"
@@ -147,3 +148,11 @@ def bridge_mac(name: str) -> str:
     (and is not 00:00:00:00:00:00 without ports), and every allocation's cached
     gateway MAC stays right as allocations come and go."""
     return derived_mac(BRIDGE_MAC_PREFIX, name)
+
+
+def temp_bridge_mac(temp_name: str) -> str:
+    """The MAC a bridge has under its temporary name (``rcltmp`` + 8 hex), given in the
+    creation message itself: the kernel ignores an alias there, so until the bridge is
+    marked this MAC is the mark a crash leaves on it. A leftover is deleted only when it
+    has it (46 bits of hash of its own name: no other tool's bridge has it by chance)."""
+    return derived_mac(TEMP_BRIDGE_MAC_PREFIX, temp_name)

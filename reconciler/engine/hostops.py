@@ -169,11 +169,17 @@ class HostOps:
         self.netlink.delete_netns(name)
         if not holders:
             return
-        self.netlink.delete_link(ownership.alloc_veth_name(name))
+        # by its mark, not its name: a link someone else called vr<hex> is not our veth
+        veth = ownership.alloc_veth_name(name)
+        link = self.netlink.get_link(veth)
+        ours = link is not None and link.kind == "veth" and link.owned
+        if ours:
+            self.netlink.delete_link(veth)
         named = ", ".join(f"pid {pid} ({procfs.process_name(pid)})" for pid in holders[:5])
         more = f" and {len(holders) - 5} more" if len(holders) > 5 else ""
-        log.warning("alloc %s: its namespace is still held by %s%s; removed its veth and "
-                    "rules", name, named, more)
+        log.warning("alloc %s: its namespace is still held by %s%s; removed %s", name, named,
+                    more, "its veth and rules" if ours else
+                    f"its rules (the link {veth} is no veth of ours: left alone)")
 
     def _conntrack_delete(self, op: ConntrackDelete) -> None:
         gone = self.handles.conntrack.delete_port_flows(op.family, op.stale_maps())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from reconciler.domain.errors import PlanError
 from reconciler.domain.live import LiveLink, LiveState
@@ -56,6 +57,24 @@ def _sysctl_changes(ctx: PlanContext) -> list[Change]:
     return out
 
 
+def undeclared_adoptions(desired: DesiredState, options: PlanOptions) -> list[str]:
+    """The ``--adopt KIND/NAME`` addresses no file declares, sorted.
+
+    Adopting takes an object over in order to make it what a file says; without a file
+    there is nothing to make it, and a typo would otherwise go unnoticed (the object stays
+    a conflict, or worse, a prune of the name it meant).
+    """
+    declared: dict[str, Collection[str]] = {
+        "bridge": desired.bridges.keys(), "subnet": desired.subnets.keys(),
+        "alloc": desired.allocs.keys(), "docker_network": desired.docker_networks.keys()}
+    out = []
+    for address in sorted(options.adopt):
+        kind, _, name = address.partition("/")
+        if name not in declared.get(kind, ()):
+            out.append(address)
+    return out
+
+
 # Docker networks come last: a daemon refusing one (pool overlap, ...) stops the run,
 # and must not leave the host's allocations without their sysctls and rules.
 _ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "sysctl", "firewall",
@@ -70,6 +89,11 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     with resolved subnets and Docker networks.
     """
     opts = options or PlanOptions()
+    undeclared = undeclared_adoptions(desired, opts)
+    if undeclared:
+        raise PlanError(f"--adopt {', '.join(undeclared)}: no file declares "
+                        f"{'it' if len(undeclared) == 1 else 'them'}; only declared objects "
+                        "can be adopted (check the name, or --hostname and the files' hosts:)")
     resolution = addrspace.resolve(desired, live, prune=opts.prune)
     if resolution.fatal:
         raise PlanError("\n".join(resolution.fatal))

@@ -81,6 +81,33 @@ def _inner(ns: LiveNetns | None, name: str) -> LiveLink | None:
     return next((lk for lk in ns.links if lk.name == name), None)
 
 
+def _is_own_namespace(ctx: PlanContext, ns: LiveNetns | None) -> bool:
+    """The namespace the reconciler runs in (``--netns X``'s X, or the host's own bind-mounted
+    under /run/netns): never an allocation's, to adopt, fill or delete. Its own veth in it
+    would be a loop, and deleting it unmounts the sandbox itself."""
+    return ns is not None and ns.inode is not None and str(ns.inode) == ctx.live.host_id
+
+
+def _veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | None) -> bool:
+    """May the host link named ``alloc_veth_name(aid)`` be changed or deleted? Its name
+    proves nothing (anyone may call a link ``vr`` + 12 hex): a veth that carries our mark,
+    or a veth whose peer is inside this allocation's namespace (ours, or being adopted) —
+    what a crash between the veth's creation and its marking leaves."""
+    if veth.kind != "veth":
+        return False
+    if veth.owned:
+        return True
+    return (ns is not None and ns.usable and ns.nsid is not None
+            and veth.peer_netnsid == ns.nsid
+            and (_owned_ns(ctx, ns) or ctx.adopted("alloc", aid)))
+
+
+def _describe_link(lk: LiveLink) -> str:
+    """``veth 10.77.0.50/24`` for a plan line: what a deletion takes with it."""
+    addrs = " ".join(sorted(str(x.address) for x in lk.addresses))
+    return f"{lk.kind or 'link'}{' ' + addrs if addrs else ''}"
+
+
 def _live_addr(ctx: PlanContext, aid: str, version: int) -> IPAddr | None:
     ns = ctx.live.netns.get(aid)
     if not _owned_ns(ctx, ns):
@@ -411,7 +438,29 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                    for m in maps)
     ns = ctx.live.netns.get(a.id)
     veth = ctx.live.links.get(veth_name)
+    if _is_own_namespace(ctx, ns):
+        ctx.blocked.add(f"alloc/{a.id}")
+        return Change("alloc", a.id, Action.CONFLICT,
+                      f"network namespace {a.id} is the one the reconciler runs in (--netns "
+                      f"{a.id}): it cannot be an allocation (its veth would loop back into "
+                      "it); give the allocation another id", source=src)
+    if veth is not None and not _veth_is_ours(ctx, a.id, veth, ns):
+        ctx.blocked.add(f"alloc/{a.id}")
+        return Change("alloc", a.id, Action.CONFLICT,
+                      f"host link {veth_name} (the name of this allocation's veth) exists "
+                      f"but is not the reconciler's ({_describe_link(veth)}, no mark, peer "
+                      "not in the allocation's namespace): it is left alone (remove or "
+                      "rename it)", source=src)
     stale_veth = [encode(LinkDelete(veth_name))] if veth is not None else []
+    if (ns is not None and not ns.usable and ns.file_mark != mark
+            and not ctx.adopted("alloc", a.id)):
+        # an empty file under /run/netns is someone's too (`ip netns add` between its
+        # create and its mount, a tool that keeps the name): only our xattr proves it ours
+        ctx.blocked.add(f"alloc/{a.id}")
+        return Change("alloc", a.id, Action.CONFLICT,
+                      f"/run/netns/{a.id} exists, is not a live namespace and was not "
+                      "made by the reconciler (no mark on the file): it is left alone "
+                      f"(--adopt alloc/{a.id} replaces it)", source=src)
 
     if ns is None or not ns.usable:
         # a veth left behind: its namespace (and eth0, with these addresses) may live on
@@ -443,8 +492,24 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if not veth_pair_ok(ns, veth):
         attrs_l.append(AttrChange("veth", "missing" if veth is None or eth0 is None
                                   else "wrong peer", veth_name))
+        # every deletion is said in the plan, not only in -v's ops: an adopted namespace's
+        # own eth0 (and its addresses and routes) goes here
         if eth0 is not None:
+            attrs_l.append(AttrChange(f"{ALLOC_IFNAME} inside", _describe_link(eth0),
+                                      "deleted (the new veth's peer takes its place)"))
             ops.append(encode(LinkDelete(ALLOC_IFNAME, netns=a.id)))
+        if veth is not None:
+            attrs_l.append(AttrChange(f"host {veth_name}", _describe_link(veth),
+                                      "deleted (re-created)"))
+        # a default route through another link of the namespace is replaced by ours
+        gone = eth0.index if eth0 is not None else None
+        for r in ns.routes:
+            if (r.dst == "default" and r.gateway is not None and r.gateway not in gateways
+                    and (gone is None or r.oif != gone)
+                    and any(ipaddress.ip_address(g).version
+                            == ipaddress.ip_address(r.gateway).version for g in gateways)):
+                attrs_l.append(AttrChange("default route", f"via {r.gateway} (replaced)",
+                                          "via the gateway"))
         ops += stale_veth
         # a heal: whoever talked to eth0 caches the MAC of the one that went
         ops += [encode(attach), encode(dataclasses.replace(configure, announce=True))]
@@ -485,7 +550,13 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                     ops.append(encode(AddrDel(ALLOC_IFNAME, w, netns=a.id)))
         for gw in gateways:
             if not any(r.dst == "default" and r.gateway == gw for r in ns.routes):
-                attrs_l.append(AttrChange("default route", None, f"via {gw}"))
+                family = ipaddress.ip_address(gw).version
+                # a default route there (an adopted namespace's own) is replaced: say so
+                old = [f"via {r.gateway} (replaced)" for r in ns.routes
+                       if r.dst == "default" and r.gateway is not None
+                       and ipaddress.ip_address(r.gateway).version == family]
+                attrs_l.append(AttrChange("default route", old[0] if old else None,
+                                          f"via {gw}"))
                 inside_ok = False
         # our default route of a family the subnet no longer has (cidr6 dropped): the
         # kernel keeps an IPv6 route via a gateway after the address is gone
@@ -532,7 +603,7 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
                                   "leftover file of a deleted namespace", (),
                                   (encode(NetnsDelete(name)),)))
             continue
-        if not _owned_ns(ctx, ns):
+        if not _owned_ns(ctx, ns) or _is_own_namespace(ctx, ns):
             continue
         ctx.observed[f"alloc/{name}"] = _view(ctx, name)
         if ctx.options.prune:

@@ -4,8 +4,10 @@ Docker cannot change a network in place, so a difference is a replace
 (``-/+``); replacing a network with containers attached is refused unless the
 user opts in (``--force-replace``), and then the executor re-attaches them
 with their addresses and aliases. Several networks with one name are deduped
-when all are ours. Pruning removes owned networks of this reconciler's scope
-(see ``SCOPE_LABEL``) that no file declares any more.
+when all are ours. Networks are global to the daemon: one that another
+reconciler made (another ``SCOPE_LABEL``: the host's, another sandbox's) is a
+conflict, never replaced, deduped or pruned. Pruning removes owned networks of
+this reconciler's scope that no file declares any more.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from reconciler.domain.docker import (
     PROTECTED_NETWORKS,
     SCOPE_LABEL,
+    network_scope,
     sort_duplicates,
     spec_to_json,
     ula_subnet,
@@ -113,6 +116,17 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
                       (encode(DockerEnsure(spec_to_json(spec), docker.default_mtu,
                                            docker.scope)),), src)
 
+    elsewhere = [n for n in found if n.owned and network_scope(n.labels) != docker.scope]
+    if elsewhere:
+        # Docker networks are global to the daemon: another reconciler's (the host's, or
+        # another sandbox's) is not ours to replace, dedupe or prune, and two of them
+        # declaring one name would otherwise take it from each other at every pass
+        ctx.blocked.add(address)
+        listed = ", ".join(f"{_short(n.id)} of {network_scope(n.labels)!r}" for n in elsewhere)
+        return Change(KIND, name, Action.CONFLICT,
+                      f"exists but belongs to another reconciler ({SCOPE_LABEL} {listed}; "
+                      f"this one is {docker.scope!r}): it is left alone (give the network "
+                      "another name here)", source=src)
     ops: list[Op] = []
     reasons: list[str] = []
     if len(found) > 1:

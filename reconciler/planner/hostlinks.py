@@ -17,7 +17,7 @@ from reconciler.domain.ops import (
     LinkSetMac,
     encode,
 )
-from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac
+from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac, temp_bridge_mac
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
@@ -149,6 +149,7 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     have = {str(a.address): a for a in (managed.addresses if managed else ())}
     ops: list[Op] = []
     attrs: list[AttrChange] = []
+    deleted: list[AttrChange] = []  # what adopting removes: shown whatever the action
     for w in wanted:
         iface = ipaddress.ip_interface(w)
         cur = have.get(w)
@@ -173,6 +174,8 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
                                   f"not add and that overlaps {iface.network} "
                                   f"(--adopt subnet/{s.name} replaces it)", source=src)
                 ops.append(encode(AddrDel(s.bridge, str(o))))
+                # said in the plan, not only in -v's ops: adopting deletes it
+                deleted.append(AttrChange(f"address {o} (not ours)", str(o), "deleted"))
         attrs.append(AttrChange("gateway" if iface.version == 4 else "gateway6", None, w))
         ops.append(encode(AddrAdd(s.bridge, w)))
     exists = managed is not None and (len(wanted) > len(attrs) or
@@ -188,9 +191,10 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
         if s.cidr6 is not None:
             attrs.append(AttrChange("cidr6", None, shown("cidr6", s.cidr6)))
         attrs += [AttrChange("gateway", None, str(s.gateway_interface)),
-                  AttrChange("masquerade", None, s.masquerade)]
+                  AttrChange("masquerade", None, s.masquerade), *deleted]
         return Change("subnet", s.name, Action.CREATE, "not present", tuple(attrs),
                       tuple(ops), src)
+    attrs += deleted
     if not attrs:
         return Change("subnet", s.name, Action.NOOP, source=src)
     reason = ", ".join(a.field for a in attrs) + " missing or different"
@@ -272,12 +276,16 @@ def is_temp_bridge_name(name: str) -> bool:
 
 
 def _interrupted_creation(ctx: PlanContext, name: str, link: LiveLink) -> bool:
-    """The temporary bridge of a creation killed before it was marked (links.ensure_bridge).
+    """The temporary bridge of a creation killed before it was renamed (links.ensure_bridge).
 
-    Its name is ours alone and it is bare: no ports, no addresses, down.
+    Bare (no ports, no addresses, down) under a temporary name, and marked: its alias
+    once the creation got that far, before that the MAC it was created with
+    (``temp_bridge_mac``). The name alone is no proof: anyone may call a bridge so, and
+    an unmarked one is left alone. Always garbage, so removed with ``--no-prune`` too.
     """
-    return (link.kind == "bridge" and not link.owned and not link.up and not link.addresses
+    return (link.kind == "bridge" and not link.up and not link.addresses
             and bool(_TEMP_BRIDGE.match(name))
+            and (link.owned or link.mac == temp_bridge_mac(name))
             and not any(lk.master == name for lk in ctx.live.links.values()))
 
 

@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from reconciler.domain.errors import ConfigError
 from reconciler.engine.reconcile import ProbeRequest
 from reconciler.planner.context import PlanOptions
 
+#: the kinds ``--adopt KIND/NAME`` takes
+ADOPT_KINDS = ("bridge", "subnet", "alloc", "docker_network")
+
+
+def adopt_problem(address: object) -> str | None:
+    """Why ``address`` is not a ``KIND/NAME`` of :data:`ADOPT_KINDS`; None when it is."""
+    if not isinstance(address, str):
+        return "expected a KIND/NAME string"
+    kind, _, name = address.partition("/")
+    if kind not in ADOPT_KINDS or not name:
+        return (f"expected KIND/NAME with KIND one of {', '.join(ADOPT_KINDS)} "
+                "(e.g. bridge/nomad)")
+    return None
+
 
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     """The options `plan`, `apply` and `watch` were given (``--adopt`` checked here)."""
     adopt = frozenset(args.adopt or ())
-    kinds = ("bridge", "subnet", "alloc", "docker_network")
-    for a in adopt:
-        kind, _, name = a.partition("/")
-        if kind not in kinds or not name:
-            raise ConfigError(f"--adopt {a}: expected KIND/NAME with KIND one of "
-                              f"{', '.join(kinds)} (e.g. bridge/nomad)")
+    for a in sorted(adopt):
+        problem = adopt_problem(a)
+        if problem is not None:
+            raise ConfigError(f"--adopt {a}: {problem}")
     return PlanOptions(prune=not args.no_prune, adopt=adopt,
                        force_replace=getattr(args, "force_replace", False))
 
@@ -39,17 +51,44 @@ def probe_request(args: argparse.Namespace) -> ProbeRequest | None:
     return ProbeRequest(external=bool(external), timeout=args.probe_timeout)
 
 
+def _is_bool(value: object) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _is_adopt_list(value: object) -> str | None:
+    want = "must be a list of KIND/NAME strings"
+    if not isinstance(value, list):
+        return want
+    for a in value:
+        if adopt_problem(a) is not None:
+            return f"{want} with KIND one of {', '.join(ADOPT_KINDS)} (not {a!r})"
+    return None
+
+
+#: every option a saved plan may carry, and its check (None: fine, else what is wrong).
+#: A key not here is refused: a plan made with an option this version does not know
+#: would be applied without it.
+SAVED_OPTIONS: dict[str, Callable[[object], str | None]] = {
+    "prune": _is_bool, "adopt": _is_adopt_list, "force_replace": _is_bool,
+}
+
+
 def saved_plan_options(options: Mapping[str, object], *, file: str | None = None) -> PlanOptions:
     """The options a saved plan (``plan --out``) was made with; a malformed one is one
-    ``ConfigError`` line naming the file (a saved plan is a file anyone may have edited)."""
-    def bad(key: str, want: str) -> ConfigError:
-        return ConfigError(f"not a usable saved plan: options.{key} must be {want}", file=file)
-
-    for key in ("prune", "force_replace"):
-        if not isinstance(options.get(key, False), bool):
-            raise bad(key, "true or false")
+    ``ConfigError`` line naming the file and the option (a saved plan is a file anyone may
+    have edited)."""
+    if not isinstance(options, Mapping):
+        raise ConfigError("not a usable saved plan: options must be a mapping of option "
+                          "names to values", file=file)
+    for key in sorted(options, key=str):
+        check = SAVED_OPTIONS.get(key) if isinstance(key, str) else None
+        if check is None:
+            raise ConfigError(f"not a usable saved plan: options.{key} is not an option of "
+                              f"this version (it knows {', '.join(SAVED_OPTIONS)})", file=file)
+        problem = check(options[key])
+        if problem is not None:
+            raise ConfigError(f"not a usable saved plan: options.{key} {problem}", file=file)
     adopt = options.get("adopt", [])
-    if not isinstance(adopt, list | tuple) or not all(isinstance(a, str) for a in adopt):
-        raise bad("adopt", "a list of KIND/NAME strings")
+    assert isinstance(adopt, list)
     return PlanOptions(prune=bool(options.get("prune", True)), adopt=frozenset(adopt),
                        force_replace=bool(options.get("force_replace", False)))

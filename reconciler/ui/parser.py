@@ -176,6 +176,9 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--output", choices=("text", "json"), default="text",
                     help="text for people (default) or json for programs")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    sp.add_argument("--yes", action="store_true",
+                    help="do not ask for confirmation (asked only when stdin is a terminal: "
+                         "scripts and pipes are never asked)")
     sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for another writer to finish (default 60)")
 

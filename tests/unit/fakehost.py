@@ -52,11 +52,16 @@ class FakeNetns:
     links: dict[str, LiveLink] = field(default_factory=dict)
     routes: list[LiveRoute] = field(default_factory=list)
     usable: bool = True
+    #: the xattr on the /run/netns file (what an empty one still carries)
+    file_mark: str | None = None
+    #: the namespace's inode (None: not the one the reconciler runs in)
+    inode: int | None = None
 
     def live(self, name: str) -> LiveNetns:
         if not self.usable:
-            return LiveNetns(name, usable=False)
-        return LiveNetns(name, True, tuple(self.links.values()), tuple(self.routes), self.nsid)
+            return LiveNetns(name, usable=False, file_mark=self.file_mark)
+        return LiveNetns(name, True, tuple(self.links.values()), tuple(self.routes), self.nsid,
+                         inode=self.inode)
 
 
 class FakeFirewall:
@@ -249,7 +254,7 @@ class FakeHost:
             raise AssertionError(f"netns {name}: empty file and no replace_stale")
         self._next_nsid += 1
         lo = LiveLink("lo", 1, "", 65536, mark is not None, False, alias=mark)
-        self.netns[name] = FakeNetns(self._next_nsid, {"lo": lo})
+        self.netns[name] = FakeNetns(self._next_nsid, {"lo": lo}, file_mark=mark)
 
     def _delete_link(self, name: str, netns: str | None) -> None:
         if netns is None:

@@ -40,12 +40,12 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.domain.ownership import alloc_veth_name
+from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Plan
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 
-from .fakehost import FakeHost, FakeNetns
+from .fakehost import HOST_ID, FakeHost, FakeNetns
 
 
 def _bridge(name: str = "br0", mtu: int | None = 1500, hairpin: bool = True) -> Bridge:
@@ -141,7 +141,7 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     yield "veth gone, eth0 left", _plan(host, want)
 
     host = _converged(want)
-    host.netns["c"] = FakeNetns(99, {}, [], usable=False)
+    host.netns["c"] = FakeNetns(99, {}, [], usable=False, file_mark=alloc_ns_alias(HOST_ID))
     yield "stale namespace file", _plan(host, _state(allocs=("a", "b", "c")))
     orphan = dataclasses.replace(host.links[veth], name=alloc_veth_name("zz"), peer_netnsid=42)
     host.links[orphan.name] = orphan

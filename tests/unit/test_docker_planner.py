@@ -135,9 +135,21 @@ def test_live_ours_without_diff_is_noop() -> None:
     assert c.action is Action.NOOP and not c.ops
 
 
-def test_scope_of_a_declared_network_does_not_matter() -> None:
-    live = net(labels={DOCKER_LABEL: DOCKER_LABEL_VALUE, SCOPE_LABEL: "netns/other"})
-    assert one(plan(desired(spec()), docker(live))[0]).action is Action.NOOP
+def test_a_declared_network_of_another_scope_is_a_conflict_never_replaced() -> None:
+    """Networks are global to the daemon: a sandbox's declared name must not take the host's
+    (or another sandbox's) network, whatever the difference (here: none, and an MTU)."""
+    for labels in ({DOCKER_LABEL: DOCKER_LABEL_VALUE, SCOPE_LABEL: "netns/other"},
+                   {DOCKER_LABEL: DOCKER_LABEL_VALUE}):  # before scope labels: the host's
+        for s in (spec(), spec(mtu=1400)):
+            c = one(plan(desired(s), dataclasses.replace(docker(net(labels=labels)),
+                                                         scope="netns/me"))[0])
+            assert c.action is Action.CONFLICT and not c.ops, c
+            assert "another reconciler" in c.reason and "'netns/me'" in c.reason
+    # one of ours beside another scope's of the same name: not deduped either
+    mine = net(id="1" * 64, labels={**OURS, SCOPE_LABEL: "netns/me"})
+    theirs = net(id="2" * 64, labels={**OURS, SCOPE_LABEL: "host"})
+    c = one(plan(desired(spec()), dataclasses.replace(docker(mine, theirs), scope="netns/me"))[0])
+    assert c.action is Action.CONFLICT and "'host'" in c.reason and not c.ops
 
 
 def test_difference_is_a_replace_with_the_reason() -> None:

@@ -260,13 +260,24 @@ def test_kernel_without_ifa_proto_is_refused(release, ok):
     assert (kernel_problem(release) is None) == ok
 
 
-def test_unmarked_temporary_bridge_of_an_interrupted_creation_is_removed():
-    host = FakeHost()
-    host.add_link("rcltmp0a1b2c3d", "bridge")  # created, killed before the alias was set
+def test_temporary_bridge_of_an_interrupted_creation_is_removed_only_when_marked():
+    """The name proves nothing: the MAC it was created with (before the alias could be set)
+    or the alias is the mark; unmarked, it is someone's and stays, even with pruning."""
     import dataclasses
-    host.links["rcltmp0a1b2c3d"] = dataclasses.replace(host.links["rcltmp0a1b2c3d"], up=False)
+
+    from reconciler.domain.ownership import temp_bridge_mac
+    host = FakeHost()
+    for name in ("rcltmp0a1b2c3d", "rcltmp0a1b2c3e", "rcltmp0a1b2c3f"):
+        host.add_link(name, "bridge")  # created, killed before it was renamed
+        host.links[name] = dataclasses.replace(host.links[name], up=False)
+    lk = host.links["rcltmp0a1b2c3d"]  # killed before the alias: its MAC is the mark
+    host.links[lk.name] = dataclasses.replace(lk, mac=temp_bridge_mac(lk.name))
+    lk = host.links["rcltmp0a1b2c3e"]  # killed after the alias, before the rename
+    host.links[lk.name] = dataclasses.replace(lk, owned=True, alias="managed-by=reconciler")
+    # rcltmp0a1b2c3f: no mark (another tool's, or another MAC): left alone
     host.add_link("rcltmpnothex!", "bridge")  # not our pattern: left alone
     host.add_link("rcltmp99999999", "bridge", addresses=("10.1.1.1/24",))  # in use: left alone
-    p = plan(host, DesiredState(), prune=False)
-    assert [(c.address, c.action) for c in p.actionable] == [
-        ("bridge/rcltmp0a1b2c3d", Action.DELETE)]
+    for prune in (False, True):
+        p = plan(host, DesiredState(), prune=prune)
+        assert [(c.address, c.action) for c in p.actionable] == [
+            ("bridge/rcltmp0a1b2c3d", Action.DELETE), ("bridge/rcltmp0a1b2c3e", Action.DELETE)]

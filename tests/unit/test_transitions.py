@@ -349,11 +349,27 @@ def test_what_the_predicate_picks_is_deleted_by_its_tuple() -> None:
 # ------------------------------------------------------------------ HostOps: a held namespace
 
 
+class _HeldNetlink(Recorder):
+    """Records calls; ``get_link`` answers from ``links`` (the host's links by name)."""
+
+    def __init__(self, label: str, calls: list[tuple[Any, ...]],
+                 links: dict[str, LiveLink]) -> None:
+        super().__init__(label, calls)
+        self.links = links
+
+    def get_link(self, name: str, ns: str | None = None) -> LiveLink | None:
+        return self.links.get(name)
+
+
 def _held_ops(monkeypatch: pytest.MonkeyPatch,
-              members: dict[int, tuple[int, ...]]) -> tuple[HostOps, list[tuple[Any, ...]], list[int]]:
+              members: dict[int, tuple[int, ...]], links: dict[str, LiveLink] | None = None
+              ) -> tuple[HostOps, list[tuple[Any, ...]], list[int]]:
     log: list[tuple[Any, ...]] = []
     scans: list[int] = []
-    ops = HostOps(HostHandles(netlink=Recorder("netlink", log)))  # type: ignore[arg-type]
+    if links is None:  # each allocation's veth, ours
+        links = {alloc_veth_name(n): LiveLink(alloc_veth_name(n), 7, "veth", 1500, True, True)
+                 for n in "abc"}
+    ops = HostOps(HostHandles(netlink=_HeldNetlink("netlink", log, links)))  # type: ignore[arg-type]
     monkeypatch.setattr(netns, "namespace_inode", lambda name: 1000 + ord(name[0]))
 
     def scan() -> dict[int, tuple[int, ...]]:
@@ -370,7 +386,7 @@ def test_a_held_namespace_loses_its_veth_and_its_holders_are_named(
     ops, log, scans = _held_ops(monkeypatch, {1000 + ord("a"): (4242, os.getpid())})
     ops.perform(NetnsDelete("a"))
     ops.perform(NetnsDelete("b"))  # not held: the namespace goes with its veth by itself
-    assert [(c[1], c[2]) for c in log] == [("delete_netns", ("a",)),
+    assert [(c[1], c[2]) for c in log if c[1] != "get_link"] == [("delete_netns", ("a",)),
                                            ("delete_link", (alloc_veth_name("a"),)),
                                            ("delete_netns", ("b",))]
     assert scans == [1]  # one scan of /proc per pass, however many namespaces
@@ -379,3 +395,16 @@ def test_a_held_namespace_loses_its_veth_and_its_holders_are_named(
     ops.new_pass()
     ops.perform(NetnsDelete("c"))
     assert scans == [1, 1]
+
+
+@pytest.mark.parametrize("link", [
+    LiveLink(alloc_veth_name("a"), 7, "veth", 1500, True, False),  # a veth, not marked
+    LiveLink(alloc_veth_name("a"), 7, "dummy", 1500, True, True),  # marked, but no veth
+])
+def test_a_held_namespace_spares_a_link_of_its_veths_name_that_is_not_ours(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        link: LiveLink) -> None:
+    ops, log, _scans = _held_ops(monkeypatch, {1000 + ord("a"): (4242,)}, {link.name: link})
+    ops.perform(NetnsDelete("a"))
+    assert "delete_link" not in [c[1] for c in log], log
+    assert f"the link {link.name} is no veth of ours: left alone" in caplog.text

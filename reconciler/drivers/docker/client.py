@@ -40,6 +40,8 @@ from reconciler.domain.docker import (
     OPT_MASQUERADE,
     OPT_MTU,
     PROTECTED_NETWORKS,
+    SCOPE_LABEL,
+    network_scope,
     sort_duplicates,
     ula_subnet,
 )
@@ -314,6 +316,11 @@ class DockerDriver:
         found = sort_duplicates(found)
         if len(found) < 2:
             return DedupeResult(kept=found[0] if found else None)
+        scopes = sorted({network_scope(n.labels) for n in found if n.owned})
+        if len(scopes) > 1:
+            raise ConflictError(f"docker network {name}: networks of several reconcilers share "
+                                f"this name ({SCOPE_LABEL} {', '.join(scopes)}); refusing to "
+                                "remove another reconciler's")
         foreign = [n for n in found if not n.owned]
         if foreign or name in PROTECTED_NETWORKS:
             listed = ", ".join(f"{n.id[:12]}{'' if n.owned else ' (not ours)'}" for n in found)
@@ -376,8 +383,22 @@ class DockerDriver:
         with self._errors(f"docker network {name}: ensure"):
             existing = self._named(name)
             if existing:
+                self._check_scope(f"docker network {name}: ensure", spec, existing)
                 return self._kept(name, existing)
             return self._create_probing(self._base_args(spec, default_mtu), spec)
+
+    @staticmethod
+    def _check_scope(what: str, spec: DockerNetwork,
+                     networks: Iterable[LiveDockerNetwork]) -> None:
+        """``ConflictError`` when one of ``networks`` is another reconciler's: its scope label
+        is not the one ``spec`` carries (the planner says so first; this is the last word
+        at the moment of the change)."""
+        mine = dict(spec.labels).get(SCOPE_LABEL)
+        for n in networks:
+            if mine is not None and n.owned and network_scope(n.labels) != mine:
+                raise ConflictError(f"{what}: {n.id[:12]} belongs to another reconciler "
+                                    f"({SCOPE_LABEL} {network_scope(n.labels)!r}, not "
+                                    f"{mine!r}); left alone")
 
     def _kept(self, name: str, existing: list[LiveDockerNetwork],
               **extra: Any) -> EnsureResult:
@@ -513,6 +534,7 @@ class DockerDriver:
             if attrs is None:  # gone meanwhile: plain ensure
                 return self.ensure(spec, default_mtu)
             current = parse_network(attrs)
+            self._check_scope(what, spec, [current])
             if not current.owned and not adopt:
                 raise ConflictError(f"{what}: not managed by reconciler (no label "
                                     f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}); adopt it explicitly")

@@ -153,7 +153,11 @@ class Netlink(NetlinkReader):
         The kernel ignores IFLA_IFALIAS when creating a link, so the bridge is
         made under a temporary name, marked, then renamed: a crash never leaves
         an unmarked bridge under the wanted name (it would look foreign), only
-        a marked temporary one that the next run prunes.
+        a temporary one that the next run prunes. Until the alias is set, the
+        temporary bridge's mark is its MAC (``ownership.temp_bridge_mac`` of its
+        name, in the creation message); the message that sets the alias also sets
+        the MAC it keeps (``mac``, else ``bridge_mac(name)``): a leftover
+        ``rcltmp`` bridge without either mark is someone else's.
 
         IPv6 address generation is turned off before the bridge is first up (the
         kernel refuses IFLA_AF_SPEC at creation): an empty bridge has carrier, so
@@ -163,16 +167,19 @@ class Netlink(NetlinkReader):
         """
         tmp = name if alias is None else ownership.TEMP_BRIDGE_PREFIX + secrets.token_hex(4)
         body = ifinfo() + str_attr(IFLA_IFNAME, tmp)
-        if mac is not None:
-            body += attr(IFLA_ADDRESS, _mac_bytes(mac))
+        first_mac = mac if alias is None else ownership.temp_bridge_mac(tmp)
+        if first_mac is not None:
+            body += attr(IFLA_ADDRESS, _mac_bytes(first_mac))
         body += nested(IFLA_LINKINFO, str_attr(IFLA_INFO_KIND, "bridge"))
         try:
             self._host.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body,
                                f"bridge {name}: create")
             if alias is not None:
                 index = self._index(tmp, None)
+                final_mac = mac if mac is not None else ownership.bridge_mac(name)
                 self._host.request(RTM_NEWLINK, 0, ifinfo(index=index)
-                                   + attr(IFLA_IFALIAS, alias.encode()) + no_ipv6_ll(),
+                                   + attr(IFLA_IFALIAS, alias.encode())
+                                   + attr(IFLA_ADDRESS, _mac_bytes(final_mac)) + no_ipv6_ll(),
                                    f"bridge {name}: mark")
                 try:
                     self._host.request(RTM_NEWLINK, 0, ifinfo(index=index)

@@ -310,7 +310,7 @@ class NetlinkReader:
                 with contextlib.suppress(DriverError):
                     entry.nsid = self.get_nsid(name)
             out[name] = LiveNetns(name=name, usable=True, links=tuple(links), routes=routes,
-                                  nsid=entry.nsid)
+                                  nsid=entry.nsid, inode=entry.inode)
         return out
 
     def _lookup(self, name: str, ns: str | None) -> bytes | None:
