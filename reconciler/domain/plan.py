@@ -88,8 +88,21 @@ class FlowMatch:
     port: tuple[str, int] | None = None
 
 
-#: what an impact entry is about (``Impact.type``)
-IMPACT_TYPES = ("alloc", "container", "port_map")
+#: what an impact entry is about (``Impact.type``), in words: (one, many)
+IMPACT_TYPES = {"alloc": ("alloc", "allocs"), "container": ("container", "containers"),
+                "port_map": ("port map", "port maps")}
+
+
+def impact_noun(kind: str, n: int = 1) -> str:
+    """``alloc``/``allocs``, ``port map``/``port maps``: an impact type in words."""
+    one, many = IMPACT_TYPES.get(kind, (kind, kind + "s"))
+    return one if n == 1 else many
+
+
+def impact_detail(items: tuple[Impact, ...]) -> str:
+    """``2 allocs, 1 port map``: how many impacted items of each type."""
+    by_type = Counter(i.type for i in items)
+    return ", ".join(f"{n} {impact_noun(t, n)}" for t, n in sorted(by_type.items()))
 
 
 @dataclass(frozen=True)

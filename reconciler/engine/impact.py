@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 
 from reconciler.domain.errors import DriverError, ReconcilerError
 from reconciler.domain.live import LiveFlow, LiveState
-from reconciler.domain.plan import Plan
+from reconciler.domain.plan import Plan, impact_detail
 from reconciler.drivers.netlink.conntrack import live_flow
 from reconciler.engine.handles import HostHandles
 from reconciler.planner import impact
@@ -23,7 +22,13 @@ log = logging.getLogger("reconciler")
 
 
 class DisruptionError(ReconcilerError):
-    """The plan disrupts more items than ``--max-disruption`` allows: nothing was changed."""
+    """The plan disrupts more items than ``--max-disruption`` allows: nothing was changed.
+
+    ``plan`` is the refused plan (what the command shows)."""
+
+    def __init__(self, message: str, plan: Plan) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 def count_flows(plan: Plan, live: LiveState, handles: HostHandles) -> tuple[Plan, LiveState]:
@@ -43,19 +48,13 @@ def count_flows(plan: Plan, live: LiveState, handles: HostHandles) -> tuple[Plan
     return impact.with_flows(plan, live), live
 
 
-_NOUNS = {"alloc": ("alloc", "allocs"), "container": ("container", "containers"),
-          "port_map": ("port map", "port maps")}
-
-
 def refusal(plan: Plan, limit: int | None) -> str | None:
     """The one line that refuses ``plan`` under ``--max-disruption limit``, or None."""
     items = plan.impacted
     if limit is None or len(items) <= limit:
         return None
-    by_type = Counter(i.type for i in items)
-    detail = ", ".join(f"{n} {_NOUNS.get(t, (t, t + 's'))[n != 1]}"
-                       for t, n in sorted(by_type.items()))
-    return (f"the plan disrupts {len(items)} item{'s' if len(items) != 1 else ''} ({detail}), "
+    return (f"the plan disrupts {len(items)} item{'s' if len(items) != 1 else ''} "
+            f"({impact_detail(items)}), "
             f"more than --max-disruption {limit}: refused, nothing changed")
 
 
@@ -63,4 +62,4 @@ def check(plan: Plan, limit: int | None) -> None:
     """Raise ``DisruptionError`` when ``plan`` disrupts more than ``limit`` items."""
     line = refusal(plan, limit)
     if line is not None:
-        raise DisruptionError(line)
+        raise DisruptionError(line, plan)

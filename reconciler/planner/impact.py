@@ -228,7 +228,7 @@ def _containers(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> list[Impact]
         live = next((n for n in docker.networks if n.id == op.id), None)
         if live is None:
             continue
-        for ep in live.endpoints:
+        for ep in sorted(live.endpoints, key=lambda e: e.name):
             addrs = tuple(a for a in (ep.ipv4, ep.ipv6) if a is not None)
             lost = [a for a in addrs if not _kept(spec, a)]
             effect = (f"disconnected from docker network {c.name} while it is re-created, "
