@@ -161,6 +161,9 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--no-agent", action="store_true",
                     help="plan in this process even when a running `reconcile watch` could "
                          "answer (same output; RECONCILER_AGENT=off does the same)")
+    sp.add_argument("--force-replace", action="store_true",
+                    help="plan as `apply --force-replace` would: Docker networks with "
+                         "containers attached are replaced (the impact names the containers)")
     _max_disruption(sp, "the plan is printed and the command exits 1")
 
     sp = sub.add_parser(
