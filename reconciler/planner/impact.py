@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from reconciler.domain.live import LiveFlow, LiveNetns, LiveState
 from reconciler.domain.model import DockerNetwork, DockerNetworkName
 from reconciler.domain.ops import (
+    AddrAdd,
     AddrDel,
     DockerReplace,
     LinkDelete,
@@ -156,8 +157,10 @@ def _on_bridge(ctx: PlanContext, c: Change, ops: list[TypedOp],
     """
     bridge_gone = {op.name for op in ops if isinstance(op, LinkDelete) and op.netns is None}
     gateways: dict[str, list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]] = {}
+    # an address taken over (deleted, then added as ours by the same change) stays there
+    readded = {(op.link, op.address) for op in ops if isinstance(op, AddrAdd)}
     for op in ops:
-        if isinstance(op, AddrDel) and op.netns is None:
+        if isinstance(op, AddrDel) and op.netns is None and (op.link, op.address) not in readded:
             gateways.setdefault(op.link, []).append(ipaddress.ip_interface(op.address))
     if not bridge_gone and not gateways:
         return []

@@ -29,13 +29,13 @@ def change_lines(c: Change) -> list[str]:
 
 
 def summary(plan: Plan) -> str | None:
-    """``Impact: 3 items disrupted (2 allocs, 1 port map), 4 established flows.``, or None."""
+    """``Impact: 3 items disrupted (2 allocs, 1 port map).``, or None.
+
+    No total of flows: one flow is counted under each item it goes through (an
+    allocation and its port map), so a sum would count it twice.
+    """
     items = plan.impacted
     if not items:
         return None
-    text = (f"Impact: {len(items)} item{'s' if len(items) != 1 else ''} disrupted "
-            f"({impact_detail(items)})")
-    counted = [i.flows for i in items if i.flows is not None]
-    if counted:
-        text += f", {flows_phrase(sum(counted))}"
-    return text + "."
+    return (f"Impact: {len(items)} item{'s' if len(items) != 1 else ''} disrupted "
+            f"({impact_detail(items)}).")
