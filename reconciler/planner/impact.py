@@ -60,8 +60,15 @@ def assess(ctx: PlanContext, changes: list[Change]) -> list[Change]:
     return out
 
 
+#: the ops that can take connectivity away (the others are not even decoded)
+_DISRUPTIVE = frozenset({NetnsDelete.NAME, LinkDelete.NAME, LinkSet.NAME, AddrDel.NAME,
+                         AddrAdd.NAME, RouteDelDefault.NAME, DockerReplace.NAME})
+
+
 def _impact_of(ctx: PlanContext, c: Change, deleted: set[str]) -> list[Impact]:
-    ops = [t for t in (_typed(o) for o in c.ops) if t is not None]
+    if c.kind == "firewall":
+        return _port_maps(ctx, 4 if c.name == "ipv4" else 6)
+    ops = [t for t in (_typed(o) for o in c.ops if o.name in _DISRUPTIVE) if t is not None]
     if c.kind == "alloc":
         one = _alloc(ctx, c, ops)
         return [one] if one is not None else []
@@ -71,8 +78,6 @@ def _impact_of(ctx: PlanContext, c: Change, deleted: set[str]) -> list[Impact]:
                 for op in ops if isinstance(op, LinkDelete) and op.netns is None]
     if c.kind in ("bridge", "subnet"):
         return _on_bridge(ctx, c, ops, deleted)
-    if c.kind == "firewall":
-        return _port_maps(ctx, 4 if c.name == "ipv4" else 6)
     if c.kind == "docker_network":
         return _containers(ctx, c, ops)
     return []
@@ -188,13 +193,21 @@ def _on_bridge(ctx: PlanContext, c: Change, ops: list[TypedOp],
 
 def _port_maps(ctx: PlanContext, family: int) -> list[Impact]:
     """Live port maps of ``family`` the new rules close or send elsewhere."""
-    rules = ctx.rules4 if family == 4 else ctx.rules6
     live = ctx.live.firewall4 if family == 4 else ctx.live.firewall6
+    live_rules = live.chains.get(("nat", firewall.DNAT), ())
+    desired = (ctx.rules4 if family == 4 else ctx.rules6).chains.get(firewall.DNAT, [])
+    # both sides are in iptables-save's words (the firewall diff compares them so): a rule
+    # in both is a map that stays as it is, only the others are read
+    kept = set(desired)
+    have = firewall.dnat_rules(r for r in live_rules if r not in kept)
+    if not have:
+        return []
+    live_set = set(live_rules)
     want = {(d.proto, d.port, d.host_ip): d
-            for d in firewall.dnat_rules(rules.chains.get(firewall.DNAT, []))}
+            for d in firewall.dnat_rules(r for r in desired if r not in live_set)}
     out = []
     seen: set[tuple[str, int, IPAddr | None]] = set()
-    for d in firewall.dnat_rules(live.chains.get(("nat", firewall.DNAT), ())):
+    for d in have:
         key = (d.proto, d.port, d.host_ip)
         if key in seen:
             continue
