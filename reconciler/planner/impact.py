@@ -26,6 +26,7 @@ from reconciler.domain.model import DockerNetwork, DockerNetworkName
 from reconciler.domain.ops import (
     AddrAdd,
     AddrDel,
+    DockerRemove,
     DockerReplace,
     LinkDelete,
     LinkSet,
@@ -62,7 +63,8 @@ def assess(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 
 #: the ops that can take connectivity away (the others are not even decoded)
 _DISRUPTIVE = frozenset({NetnsDelete.NAME, LinkDelete.NAME, LinkSet.NAME, AddrDel.NAME,
-                         AddrAdd.NAME, RouteDelDefault.NAME, DockerReplace.NAME})
+                         AddrAdd.NAME, RouteDelDefault.NAME, DockerReplace.NAME,
+                         DockerRemove.NAME})
 
 
 def _impact_of(ctx: PlanContext, c: Change, deleted: set[str]) -> list[Impact]:
@@ -234,23 +236,30 @@ def _hostport(ip: IPAddr | None, port: int) -> str:
 
 def _containers(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> list[Impact]:
     """The containers a replace disconnects (then reconnects, with the addresses the new
-    network still holds: the driver keeps the live subnets unless the file declares others)."""
+    network still holds: the driver keeps the live subnets unless the file declares others),
+    or a removal disconnects (the planner removes only networks without containers, and the
+    driver refuses one that gained some meanwhile: listed should that ever change)."""
     docker = ctx.live.docker
+    if docker is None:
+        return []
     spec = ctx.desired.docker_networks.get(DockerNetworkName(c.name))
     out = []
     for op in ops:
-        if not isinstance(op, DockerReplace) or docker is None:
+        if not isinstance(op, DockerReplace | DockerRemove):
             continue
         live = next((n for n in docker.networks if n.id == op.id), None)
         if live is None:
             continue
         for ep in sorted(live.endpoints, key=lambda e: e.name):
             addrs = tuple(a for a in (ep.ipv4, ep.ipv6) if a is not None)
-            lost = [a for a in addrs if not _kept(spec, a)]
-            effect = (f"disconnected from docker network {c.name} while it is re-created, "
-                      "then reconnected")
-            if lost:
-                effect += " without " + ", ".join(lost) + " (outside the new subnets)"
+            if isinstance(op, DockerRemove):
+                effect = f"disconnected: docker network {c.name} is removed"
+            else:
+                effect = (f"disconnected from docker network {c.name} while it is re-created, "
+                          "then reconnected")
+                lost = [a for a in addrs if not _kept(spec, a)]
+                if lost:
+                    effect += " without " + ", ".join(lost) + " (outside the new subnets)"
             # the containers' flows are in the conntrack table of dockerd's namespace: the
             # one we read only when we act on the host itself
             match = FlowMatch(addrs) if docker.scope == "host" else None

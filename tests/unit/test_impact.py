@@ -329,3 +329,21 @@ def test_a_gateway_taken_over_in_place_is_no_loss() -> None:
     (sub,) = [c for c in plan.actionable if c.kind == "subnet"]
     assert {op.name for op in sub.ops} == {"addr.del", "addr.add"}
     assert plan.impacted == ()
+
+
+def test_a_removed_network_names_its_containers_should_it_have_any() -> None:
+    """The planner removes only networks without containers; were one listed with some (a
+    planner change, a hand-made plan), its impact says so."""
+    from reconciler.domain.ops import DockerRemove, encode  # noqa: PLC0415
+    from reconciler.planner import impact  # noqa: PLC0415
+    from reconciler.planner.context import PlanContext  # noqa: PLC0415
+
+    gone = DockerNetwork(DockerNetworkName("old"))
+    live = _docker_state(gone, LiveEndpoint("web", "172.30.0.2", "fd00::2"))
+    change = Change("docker_network", "old", Action.DELETE,
+                    ops=(encode(DockerRemove("n" * 64, "old")),))
+    (c,) = impact.assess(PlanContext(DesiredState(), live, PlanOptions()), [change])
+    assert [(i.type, i.name, i.effect, i.addresses) for i in c.impact] == [
+        ("container", "web", "disconnected: docker network old is removed",
+         ("172.30.0.2", "fd00::2"))]
+    assert c.impact[0].match is not None  # scope "host": its flows are in this table
