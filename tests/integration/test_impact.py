@@ -296,6 +296,43 @@ def test_the_plan_agent_counts_flows_too(host_ns: Netns, client: str, tmp_path: 
         assert agent.agent.stop() == 0
 
 
+#: in a namespace of its own: UDP datagrams from 127.0.0.2 and 127.0.0.3 to 127.0.0.1 (each a
+#: conntrack entry), then the entries a kernel-filtered dump returns, unfiltered here
+FILTERED_DUMP = r"""
+import ipaddress, json, socket, time
+from reconciler.drivers.netlink import conntrack as ct
+for src in ("127.0.0.2", "127.0.0.3", "127.0.0.3"):
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((src, 0))
+    u.sendto(b"x", ("127.0.0.1", 5999)); u.close()
+time.sleep(0.1)
+table = ct.Conntrack()
+def raw(**kw):
+    body = ct.NFGENMSG.pack(socket.AF_INET, 0, 0) + ct.dump_filter(**kw)
+    return sorted(str(e.orig.src) + ">" + str(e.reply.src)
+                  for m in table._sock.dump(ct.CT_GET, body, "test")
+                  if (e := ct.parse_entry(m)) is not None)
+three, lo = ipaddress.ip_address("127.0.0.3"), ipaddress.ip_address("127.0.0.1")
+print(json.dumps({"all": raw(), "orig": raw(orig_src=three), "reply": raw(reply_src=three),
+                  "reply_lo": raw(reply_src=lo),
+                  "flows": sorted(str(e.orig.src) for e in table.flows(4, [three], []))}))
+"""
+
+
+def test_the_kernel_filters_the_flow_dumps(host_ns: Netns) -> None:
+    """The dumps behind the flow counts are filtered by the kernel (CTA_FILTER by original
+    or reply source), not only here: the entries it sends back are the asked ones."""
+    # loopback traffic is tracked once a rule needs conntrack in the namespace
+    host_ns.run("iptables", "-A", "OUTPUT", "-m", "conntrack", "--ctstate", "NEW", "-j",
+                "ACCEPT")
+    out = host_ns.run(sys.executable, "-c", FILTERED_DUMP).stdout
+    got = json.loads(out)
+    assert got["all"] == ["127.0.0.2>127.0.0.1", "127.0.0.3>127.0.0.1", "127.0.0.3>127.0.0.1"]
+    assert got["orig"] == ["127.0.0.3>127.0.0.1", "127.0.0.3>127.0.0.1"]
+    assert got["reply"] == []  # nothing answers from 127.0.0.3
+    assert len(got["reply_lo"]) == 3
+    assert got["flows"] == ["127.0.0.3", "127.0.0.3"]
+
+
 # ------------------------------------------------------------------ Docker
 
 
