@@ -62,6 +62,7 @@ from reconciler.domain.probes import ProbeResult
 from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
+from reconciler.engine.impact import refusal
 from reconciler.engine.lock import host_lock
 from reconciler.engine.reconcile import ProbeRequest, Reconciler, conflicts_line
 from reconciler.planner.context import PlanOptions
@@ -104,6 +105,8 @@ class WatchOptions:
     probe_interval: float | None = 30.0
     #: the only commit whose files may be applied (``--expect-revision``); None: any
     expect_revision: str | None = None
+    #: refuse a pass whose plan disrupts more items than this (``--max-disruption``)
+    max_disruption: int | None = None
 
 
 @dataclass
@@ -636,6 +639,12 @@ class Agent:
             log.info("pass %d: %d change(s) pending; --dry-run: not applied", report.number,
                      len(plan.actionable))
             return
+        refused = refusal(plan, self.options.max_disruption)
+        if refused is not None:
+            report.errors = [{"resource": "plan", "error": refused}] + [
+                {"resource": f"{i.type}/{i.name}", "error": f"would be disrupted: {i.effect}"}
+                for i in plan.impacted[:50]]
+            raise ReconcilerError(refused)
         log.info("pass %d: %d change(s) to apply", report.number, len(plan.actionable))
 
         def on_outcome(o: Outcome) -> None:
@@ -644,7 +653,8 @@ class Agent:
 
         with self._host_lock():
             result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
-                               probe=self.options.probe)
+                               probe=self.options.probe,
+                               max_disruption=self.options.max_disruption)
         report.probes = list(result.probes)
         report.applied = sum(1 for o in result.outcomes if o.status == "applied")
         report.failed = len(result.failed)

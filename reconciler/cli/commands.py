@@ -84,6 +84,7 @@ def _is_saved_plan(paths: Sequence[str]) -> bool:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from reconciler.engine.impact import refusal  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: see the module docstring)
 
@@ -106,6 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               file=args.out) from None
         print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
               file=sys.stderr)
+    refused = refusal(plan, args.max_disruption)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return EXIT_ERROR
     return plan_exit(plan)
 
 
@@ -166,6 +171,7 @@ def _stopped(signals: list[int]) -> int:
 
 def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
            saved: Plan | None = None) -> int:
+    from reconciler.engine.impact import DisruptionError, refusal  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
@@ -175,13 +181,22 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     if args.dry_run:
         plan = rec.plan(desired, options)
         _print_plan(plan, args)
+        refused = refusal(plan, getattr(args, "max_disruption", None))
+        if refused is not None:
+            print(f"error: {refused}", file=sys.stderr)
+            return EXIT_ERROR
         return plan_exit(plan)
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
     with _stop_on_signals(rec.stop) as signals:
         try:
             with host_lock(args.lock_timeout):
-                result = rec.apply(desired, options, saved=saved, probe=request)
+                result = rec.apply(desired, options, saved=saved, probe=request,
+                                   max_disruption=getattr(args, "max_disruption", None))
+        except DisruptionError as exc:  # what it would have disrupted, then the one line
+            _print_plan(exc.plan, args)
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
         finally:
             rec.close_probes()
     if args.output == "json":
@@ -450,7 +465,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
         dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval,
-        expect_revision=expect)
+        expect_revision=expect, max_disruption=args.max_disruption)
     return process.run(options, getattr(args, "status_socket", None))
 
 

@@ -95,6 +95,15 @@ class LiveChainSet:
 
 
 @dataclass(frozen=True)
+class LiveEndpoint:
+    """A container attached to a Docker network, as the network's inspect lists it."""
+
+    name: str
+    ipv4: str | None = None  # the address without its prefix length
+    ipv6: str | None = None
+
+
+@dataclass(frozen=True)
 class LiveDockerNetwork:
     id: str
     name: str
@@ -105,6 +114,8 @@ class LiveDockerNetwork:
     internal: bool
     subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
     containers: int
+    #: the containers attached, by name (what a replace disconnects: ``planner.impact``)
+    endpoints: tuple[LiveEndpoint, ...] = ()
 
     @property
     def owned(self) -> bool:
@@ -150,6 +161,27 @@ class DockerAddressSpace:
 
 
 @dataclass(frozen=True)
+class LiveFlow:
+    """A conntrack entry of a TCP or UDP flow, for the impact's flow counts.
+
+    ``src``/``sport`` -> ``dst``/``dport``: what its first packet was (before NAT);
+    ``reply_src``/``reply_sport``: where the replies come from (a DNATed flow: the
+    allocation the rule sent it to). ``established``: TCP in state ESTABLISHED, UDP
+    answered at least once.
+    """
+
+    family: int
+    proto: str  # "tcp" or "udp"
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    reply_src: str
+    reply_sport: int
+    established: bool
+
+
+@dataclass(frozen=True)
 class LiveState:
     #: identity of the host: inode of the network namespace the reconciler acts on
     host_id: str = ""
@@ -166,3 +198,6 @@ class LiveState:
     docker_space: DockerAddressSpace | None = None
     #: neighbour entries on the declared bridges (read when allocations are declared)
     neighbours: tuple[LiveNeighbour, ...] = ()
+    #: conntrack entries of the flows a plan's impact counts; None: not read (they are read
+    #: only for a plan that disrupts something, and only those: ``engine.impact``)
+    flows: tuple[LiveFlow, ...] | None = None

@@ -75,6 +75,70 @@ class AttrChange:
 
 
 @dataclass(frozen=True)
+class FlowMatch:
+    """Which conntrack entries are the flows of an impacted item (``planner.impact``).
+
+    Without ``port``: flows one of ``addresses`` started, or that it answers (the reply
+    comes from it: connections to it, DNATed ones included). With ``port`` (protocol,
+    host port): flows to that host port that a DNAT sent to one of ``addresses``.
+    Not saved with the plan: flows are counted where a plan is made.
+    """
+
+    addresses: tuple[str, ...] = ()
+    port: tuple[str, int] | None = None
+
+
+#: what an impact entry is about (``Impact.type``), in words: (one, many)
+IMPACT_TYPES = {"alloc": ("alloc", "allocs"), "container": ("container", "containers"),
+                "port_map": ("port map", "port maps")}
+
+
+def impact_noun(kind: str, n: int = 1) -> str:
+    """``alloc``/``allocs``, ``port map``/``port maps``: an impact type in words."""
+    one, many = IMPACT_TYPES.get(kind, (kind, kind + "s"))
+    return one if n == 1 else many
+
+
+def impact_detail(items: tuple[Impact, ...]) -> str:
+    """``2 allocs, 1 port map``: how many impacted items of each type."""
+    by_type = Counter(i.type for i in items)
+    return ", ".join(f"{n} {impact_noun(t, n)}" for t, n in sorted(by_type.items()))
+
+
+@dataclass(frozen=True)
+class Impact:
+    """Something a change disrupts: an allocation that loses connectivity, a container
+    disconnected from a Docker network, a port map closed or moved (SPEC §8).
+
+    ``flows``: the established flows through it (TCP established, UDP answered; the
+    probes' own source ports left out) when they were counted, None when not. They move
+    on their own, so they are no part of the plan's work (``Plan.same_work``).
+    """
+
+    type: str
+    name: str
+    effect: str
+    addresses: tuple[str, ...] = ()
+    flows: int | None = None
+    match: FlowMatch | None = field(default=None, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.type, self.name)
+
+    def to_json(self) -> dict[str, Json]:
+        return {"type": self.type, "name": self.name, "effect": self.effect,
+                "addresses": list(self.addresses), "flows": self.flows}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Impact:
+        flows = raw.get("flows")
+        return cls(str(raw["type"]), str(raw["name"]), str(raw.get("effect", "")),
+                   tuple(str(a) for a in raw.get("addresses") or ()),
+                   flows if isinstance(flows, int) and not isinstance(flows, bool) else None)
+
+
+@dataclass(frozen=True)
 class Change:
     kind: str
     name: str
@@ -84,6 +148,8 @@ class Change:
     ops: tuple[Op, ...] = ()
     source: str | None = None
     warnings: tuple[str, ...] = ()
+    #: what it disrupts (``planner.impact``); empty for what disrupts nothing
+    impact: tuple[Impact, ...] = ()
 
     @property
     def address(self) -> str:
@@ -97,6 +163,7 @@ class Change:
                       for a in self.attrs],
             "ops": [o.to_json() for o in self.ops],
             "warnings": list(self.warnings),
+            "impact": [i.to_json() for i in self.impact],
         }
 
     @classmethod
@@ -105,7 +172,9 @@ class Change:
                    tuple(AttrChange(a["field"], a["before"], a["after"])
                          for a in raw.get("attrs", [])),
                    tuple(Op.from_json(o) for o in raw.get("ops", [])), raw.get("source"),
-                   tuple(raw.get("warnings", [])))
+                   tuple(raw.get("warnings", [])),
+                   # plans saved before impact was planned have none
+                   tuple(Impact.from_json(i) for i in raw.get("impact") or ()))
 
 
 @dataclass(frozen=True)
@@ -131,6 +200,16 @@ class Plan:
     @property
     def has_changes(self) -> bool:
         return bool(self.actionable)
+
+    @property
+    def impacted(self) -> tuple[Impact, ...]:
+        """Every item the plan disrupts, once each (one alloc can be disrupted by several
+        changes: its own and its subnet's); what ``--max-disruption`` counts."""
+        seen: dict[tuple[str, str], Impact] = {}
+        for c in self.actionable:
+            for i in c.impact:
+                seen.setdefault(i.key, i)
+        return tuple(seen.values())
 
     def summary(self) -> dict[str, int]:
         counts = Counter(c.action for c in self.changes)
@@ -165,10 +244,13 @@ class Plan:
         """True when both plans would run the same ops on the same live state.
 
         Where a resource was declared (``source``) is for people and may be
-        spelled differently (relative vs absolute path): it is not compared.
+        spelled differently (relative vs absolute path): it is not compared. Nor is
+        the impact: it follows from the files and the live state the fingerprint
+        covers, but for its flow counts, which move on their own (and a plan saved
+        before impact was planned has none).
         """
         def work(plan: Plan) -> list[dict[str, Json]]:
-            return [{k: v for k, v in c.to_json().items() if k != "source"}
+            return [{k: v for k, v in c.to_json().items() if k not in ("source", "impact")}
                     for c in plan.changes if c.action is not Action.NOOP]
 
         return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint

@@ -18,6 +18,7 @@ from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, Netn
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
+from reconciler.engine import impact
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
@@ -108,6 +109,8 @@ class Reconciler:
     def plan(self, desired: DesiredState, options: PlanOptions) -> Plan:
         live = self.observe(desired)
         plan = make_plan(desired, live, options, desired.file_hashes)
+        # the flows of what it disrupts, read only when it disrupts something
+        plan, self.last_live = impact.count_flows(plan, live, self.observer.handles)
         # also when nothing is to change: a bridge taken out of firewalld's zones leaves the
         # rules as they were and the allocations' own traffic rejected
         problem = firewalld.bridges_problem(subnet_bridges(desired))
@@ -118,12 +121,15 @@ class Reconciler:
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
               on_outcome: Callable[[Outcome], None] | None = None,
-              probe: ProbeRequest | None = None) -> ApplyResult:
+              probe: ProbeRequest | None = None,
+              max_disruption: int | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
-        that matches is not yet traffic that flows.
+        that matches is not yet traffic that flows. With ``max_disruption``, a plan
+        that disrupts more items than that is refused before any change
+        (``engine.impact.DisruptionError``).
         """
         plan = self.plan(desired, options)
         if saved is not None:
@@ -145,6 +151,7 @@ class Reconciler:
             lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
                       for c in plan.conflicts]
             raise ConflictError("\n".join(lines))
+        impact.check(plan, max_disruption)
         result = ApplyResult(plan)
         if not plan.has_changes:
             return result

@@ -11,7 +11,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import ConntrackDelete, StaleMap, SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import addrspace, allocs, conntrack, docker, firewall, hostlinks
+from reconciler.planner import addrspace, allocs, conntrack, docker, firewall, hostlinks, impact
 from reconciler.planner.context import PlanContext, PlanOptions
 
 __all__ = ["PlanOptions", "change_order", "links_that_matter", "make_plan"]
@@ -145,6 +145,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         if ch is not None:
             changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
     changes.sort(key=change_order)
+    changes = impact.assess(ctx, changes)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace})

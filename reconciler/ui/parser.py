@@ -60,6 +60,25 @@ def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
     sp.add_argument("--probe-timeout", type=duration, default=1.0, metavar="DURATION",
                     help="how long each probe waits for its packet (default 1s)")
 
+def _count(text: str) -> int:
+    """A whole number of items, 0 or more (an argparse ``type``)."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of items (0 or more)")
+    return value
+
+
+def _max_disruption(sp: argparse.ArgumentParser, refused: str) -> None:
+    """`--max-disruption`, shared by `plan`, `apply` and `watch` (SPEC §8)."""
+    sp.add_argument("--max-disruption", type=_count, default=None, metavar="N",
+                    help="refuse a plan whose impact lists more than N items (allocations "
+                         "losing connectivity, containers disconnected, port maps closed or "
+                         f"moved): {refused}")
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1: exit 2 means "changes present" in this tool."""
 
@@ -142,6 +161,10 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--no-agent", action="store_true",
                     help="plan in this process even when a running `reconcile watch` could "
                          "answer (same output; RECONCILER_AGENT=off does the same)")
+    sp.add_argument("--force-replace", action="store_true",
+                    help="plan as `apply --force-replace` would: Docker networks with "
+                         "containers attached are replaced (the impact names the containers)")
+    _max_disruption(sp, "the plan is printed and the command exits 1")
 
     sp = sub.add_parser(
         "apply", help="plan, change the host, verify",
@@ -156,6 +179,7 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     help="allow replacing Docker networks that have containers attached "
                          "(they are disconnected and reconnected with the same addresses)")
     _probe_options(sp, "do not probe after applying (the configuration is still verified)")
+    _max_disruption(sp, "nothing is changed, exit 1")
 
     sp = sub.add_parser(
         "verify", help="check the host holds: config matches and packets flow (exit 0/1)",
@@ -257,6 +281,7 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                          "not ready (/readyz); a fleet rollout pins the commit so that a new "
                          "one is a new rollout")
     _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
+    _max_disruption(sp, "the pass changes nothing and fails (logs and status say why)")
     sp.set_defaults(prepare=True)
 
     sp = sub.add_parser(

@@ -15,6 +15,7 @@ from typing import TextIO
 
 from reconciler.domain.errors import VerifyError
 from reconciler.domain.plan import Action, Json, Plan
+from reconciler.ui import impact
 
 EXIT_OK, EXIT_ERROR, EXIT_CHANGES = 0, 1, 2
 
@@ -81,6 +82,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
                 lines.append(f"      {a.field}: {_fmt(a.before)} -> {_fmt(a.after)}")
         for w in c.warnings:
             lines.append(f"      warning: {w}")
+        lines += impact.change_lines(c)
         if c.source:
             lines.append(f"      # {c.source}")
         if verbose:
@@ -101,6 +103,9 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
         summary = f"No changes. {s['unchanged']} resources match the desired state."
     if lines:
         lines.append("")
+    disrupted = impact.summary(plan)
+    if disrupted is not None:
+        lines.append(disrupted)
     lines.append(summary)
     return "\n".join(lines) + "\n"
 

@@ -40,8 +40,26 @@ from reconciler.domain.ops import (
 )
 from reconciler.domain.ownership import LINK_ALIAS, alloc_ns_alias
 from reconciler.domain.plan import Op
+from reconciler.drivers.netlink.conntrack import PROTOCOLS, Entry, IPAddress
 
 HOST_ID = "4026531840"
+
+
+class FakeConntrack:
+    """A conntrack table of entries the test puts there, read as the driver's ``flows``."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        #: each ``flows`` call: (family, addresses, ports)
+        self.asked: list[tuple[int, frozenset[IPAddress], frozenset[tuple[str, int]]]] = []
+
+    def flows(self, family: int, addresses: frozenset[IPAddress],
+              ports: frozenset[tuple[str, int]]) -> list[Entry]:
+        self.asked.append((family, frozenset(addresses), frozenset(ports)))
+        names = {v: k for k, v in PROTOCOLS.items()}
+        return [e for e in self.entries if e.family == family and e.orig.proto in names and (
+            e.orig.src in addresses or e.reply.src in addresses
+            or (names[e.orig.proto], e.orig.dport) in ports)]
 
 
 @dataclass
@@ -129,6 +147,7 @@ class FakeHost:
         self.conntrack_deleted: list[tuple[int, str]] = []
         #: neighbour entries of the host's links
         self.neighbours: list[LiveNeighbour] = []
+        self.conntrack = FakeConntrack()
 
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:

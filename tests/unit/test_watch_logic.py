@@ -412,7 +412,7 @@ class FakeReconciler:
         pass
 
     def apply(self, desired: Any, options: Any, on_outcome: Any = None,
-              probe: Any = None) -> ApplyResult:
+              probe: Any = None, max_disruption: Any = None) -> ApplyResult:
         from reconciler.engine.executor import Outcome
 
         plan = self._plan(desired)

@@ -62,6 +62,7 @@ from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns
+from reconciler.engine.impact import count_flows
 from reconciler.engine.observe import Observer
 from reconciler.planner import addrspace, links_that_matter, make_plan
 from reconciler.planner.context import PlanOptions
@@ -233,6 +234,9 @@ class LiveView:
         if plan is None:
             plan = self.make_plan(desired, self.live, options, desired.file_hashes)
             self.plans[okey] = plan
+        # flows move on their own: counted for each answer, never kept (only a plan that
+        # disrupts something reads them, and only theirs)
+        plan, _live = count_flows(plan, self.live, self.observer.handles)
         return plan, how
 
     def close(self) -> None:

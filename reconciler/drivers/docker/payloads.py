@@ -8,7 +8,7 @@ from typing import Any, TypedDict
 
 from reconciler.domain.docker import OPT_MTU, bridge_of
 from reconciler.domain.docker import parse_mtu as _parse_mtu
-from reconciler.domain.live import DockerNetworkUse, LiveDockerNetwork
+from reconciler.domain.live import DockerNetworkUse, LiveDockerNetwork, LiveEndpoint
 
 _DAEMON_PREFIX = "Error response from daemon: "
 
@@ -137,7 +137,22 @@ def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
         internal=bool(attrs.get("Internal", False)),
         subnets=subnets,
         containers=len(attrs.get("Containers") or {}),
+        endpoints=endpoints(attrs),
     )
+
+
+def _bare(address: object) -> str | None:
+    """``172.18.0.2/16`` -> ``172.18.0.2``; None for an empty or missing one."""
+    text = str(address or "").split("/", 1)[0].strip()
+    return text or None
+
+
+def endpoints(attrs: Mapping[str, Any]) -> tuple[LiveEndpoint, ...]:
+    """The containers a network inspect lists (a list call lists none), by name."""
+    found = [LiveEndpoint(str(ep.get("Name") or cid[:12]), _bare(ep.get("IPv4Address")),
+                          _bare(ep.get("IPv6Address")))
+             for cid, ep in (attrs.get("Containers") or {}).items() if isinstance(ep, Mapping)]
+    return tuple(sorted(found, key=lambda e: e.name))
 
 
 def network_use(attrs: Mapping[str, Any]) -> DockerNetworkUse:

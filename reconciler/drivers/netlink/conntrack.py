@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from reconciler.domain.errors import DriverError
+from reconciler.domain.live import LiveFlow
 from reconciler.domain.ops import StaleMap
 from reconciler.drivers.netlink.messages import ADDR_DUMP
 from reconciler.drivers.netlink.parse import parse_addr
@@ -48,11 +49,19 @@ CT_DELETE = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE
 BE16 = struct.Struct("!H")
 BE32 = struct.Struct("!I")
 
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS = 1, 2, 3
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_PROTOINFO = 1, 2, 3, 4
 CTA_ID, CTA_ZONE, CTA_FILTER = 12, 18, 25
-CTA_FILTER_ORIG_FLAGS = 1
-#: CTA_FILTER_ORIG_FLAGS bits (the kernel's CTA_FILTER_F_*, since Linux 5.8)
-FILTER_PROTO_NUM, FILTER_PROTO_DST_PORT = 1 << 3, 1 << 5
+CTA_FILTER_ORIG_FLAGS, CTA_FILTER_REPLY_FLAGS = 1, 2
+#: CTA_FILTER_*_FLAGS bits (the kernel's CTA_FILTER_F_*, since Linux 5.8)
+FILTER_IP_SRC, FILTER_PROTO_NUM, FILTER_PROTO_DST_PORT = 1 << 0, 1 << 3, 1 << 5
+#: CTA_PROTOINFO > CTA_PROTOINFO_TCP > CTA_PROTOINFO_TCP_STATE (u8)
+CTA_PROTOINFO_TCP, CTA_PROTOINFO_TCP_STATE = 1, 1
+TCP_CONNTRACK_ESTABLISHED = 3
+#: the entry's status bit: a reply was seen
+IPS_SEEN_REPLY = 1 << 1
+#: at most this many kernel-filtered dumps for one count of flows; more, one dump per
+#: protocol, filtered here
+FLOW_DUMPS = 16
 #: at most this many ports of one protocol get a kernel-filtered dump each; more, one
 #: dump of the protocol (a dump walks the whole table in the kernel, ~µs per entry)
 PORT_DUMPS = 8
@@ -98,6 +107,21 @@ class Entry:
     zone: int
     id: int | None
     status: int
+    #: TCP only: the conntrack state (``TCP_CONNTRACK_*``), None when not reported
+    tcp_state: int | None = None
+
+    @property
+    def established(self) -> bool:
+        """A flow that carries traffic: TCP in state ESTABLISHED, anything else answered."""
+        if self.orig.proto == socket.IPPROTO_TCP:
+            return self.tcp_state == TCP_CONNTRACK_ESTABLISHED
+        return bool(self.status & IPS_SEEN_REPLY)
+
+
+def _tcp_state(buf: bytes | None) -> int | None:
+    tcp = parse_attrs(parse_attrs(buf or b"").get(CTA_PROTOINFO_TCP, b""))
+    state = tcp.get(CTA_PROTOINFO_TCP_STATE)
+    return state[0] if state else None
 
 
 def _tuple(buf: bytes) -> Tuple | None:
@@ -136,7 +160,44 @@ def parse_entry(raw: bytes) -> Entry | None:
     status = attrs.get(CTA_STATUS)
     return Entry(version, orig, reply, BE16.unpack(zone[:2])[0] if zone else 0,
                  BE32.unpack(ident[:4])[0] if ident else None,
-                 BE32.unpack(status[:4])[0] if status else 0)
+                 BE32.unpack(status[:4])[0] if status else 0,
+                 _tcp_state(attrs.get(CTA_PROTOINFO)) if orig.proto == socket.IPPROTO_TCP
+                 else None)
+
+
+def dump_filter(proto: int | None = None, orig_dport: int | None = None,
+                orig_src: IPAddress | None = None, reply_src: IPAddress | None = None) -> bytes:
+    """The ``CTA_FILTER`` attributes of a dump (empty: every entry).
+
+    Original-direction matches (protocol, its destination port, its source address) and
+    the reply direction's source address; the kernel ANDs what it is given.
+    """
+    orig_flags, reply_flags = 0, 0
+    body = b""
+    orig: list[bytes] = []
+    if orig_src is not None:
+        orig.append(nested(CTA_TUPLE_IP, attr(CTA_IP_V4_SRC if orig_src.version == 4
+                                              else CTA_IP_V6_SRC, orig_src.packed)))
+        orig_flags |= FILTER_IP_SRC
+    if proto is not None:
+        match = attr(CTA_PROTO_NUM, bytes((proto,)))
+        orig_flags |= FILTER_PROTO_NUM
+        if orig_dport is not None:
+            match += attr(CTA_PROTO_DST_PORT, BE16.pack(orig_dport))
+            orig_flags |= FILTER_PROTO_DST_PORT
+        orig.append(nested(CTA_TUPLE_PROTO, match))
+    if orig:
+        body += nested(CTA_TUPLE_ORIG, *orig)
+    if reply_src is not None:
+        body += nested(CTA_TUPLE_REPLY, nested(CTA_TUPLE_IP, attr(
+            CTA_IP_V4_SRC if reply_src.version == 4 else CTA_IP_V6_SRC, reply_src.packed)))
+        reply_flags |= FILTER_IP_SRC
+    if not (orig_flags or reply_flags):
+        return b""
+    flags = attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", orig_flags))
+    if reply_flags:
+        flags += attr(CTA_FILTER_REPLY_FLAGS, struct.pack("=I", reply_flags))
+    return body + nested(CTA_FILTER, flags)
 
 
 def _tuple_attr(kind: int, t: Tuple) -> bytes:
@@ -190,34 +251,66 @@ class Conntrack:
             self._route.close()
 
     def dump(self, family: int, *, proto: str | None = None,
-             orig_dport: int | None = None) -> list[Entry]:
+             orig_dport: int | None = None, orig_src: IPAddress | None = None,
+             reply_src: IPAddress | None = None) -> list[Entry]:
         """The entries of IP ``family`` (4 or 6), optionally of one protocol (and original
-        destination port).
+        destination port), or from one original source or reply source address.
 
         The kernel filters them (``CTA_FILTER``): parsing every entry of a busy table
         costs ~40 µs each here. A kernel that does not know the filter sends all;
         the same filter applies here too.
         """
         num = PROTOCOLS[proto] if proto is not None else None
-        body = NFGENMSG.pack(_FAMILIES[family], 0, 0)
-        if num is not None:
-            match = attr(CTA_PROTO_NUM, bytes((num,)))
-            flags = FILTER_PROTO_NUM
-            if orig_dport is not None:
-                match += attr(CTA_PROTO_DST_PORT, BE16.pack(orig_dport))
-                flags |= FILTER_PROTO_DST_PORT
-            body += (nested(CTA_TUPLE_ORIG, nested(CTA_TUPLE_PROTO, match))
-                     + nested(CTA_FILTER, attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", flags))))
+        body = NFGENMSG.pack(_FAMILIES[family], 0, 0) + dump_filter(
+            num, orig_dport, orig_src, reply_src)
         raw = self._sock.dump(CT_GET, body, f"conntrack: list IPv{family} entries")
         out = []
         for msg in raw:
             e = parse_entry(msg)
             if e is None or e.family != family:
                 continue
-            if (num is None or e.orig.proto == num) and (
-                    orig_dport is None or e.orig.dport == orig_dport):
+            if ((num is None or e.orig.proto == num)
+                    and (orig_dport is None or e.orig.dport == orig_dport)
+                    and (orig_src is None or e.orig.src == orig_src)
+                    and (reply_src is None or e.reply.src == reply_src)):
                 out.append(e)
         return out
+
+    def flows(self, family: int, addresses: Iterable[IPAddress],
+              ports: Iterable[tuple[str, int]]) -> list[Entry]:
+        """The TCP and UDP entries of ``family`` that one of ``addresses`` started or
+        answers, or that go to one of the (protocol, original destination port) ``ports``;
+        each once.
+
+        Kernel-filtered dumps: two per address (original source, reply source: an entry
+        DNATed to an allocation is answered by it), one per port; past ``FLOW_DUMPS`` of
+        them, one dump per protocol filtered here (each dump walks the whole table in the
+        kernel anyway).
+        """
+        wanted = sorted({a for a in addresses if a.version == family}, key=str)
+        by_port = sorted(set(ports))
+        keep: Callable[[Entry], bool]
+        if 2 * len(wanted) + len(by_port) > FLOW_DUMPS:
+            found = [e for p in sorted(PROTOCOLS) for e in self.dump(family, proto=p)]
+            addrs, port_set = set(wanted), set(by_port)
+            names = {v: k for k, v in PROTOCOLS.items()}
+
+            def keep(e: Entry) -> bool:
+                return (e.orig.src in addrs or e.reply.src in addrs
+                        or (names.get(e.orig.proto, ""), e.orig.dport or 0) in port_set)
+        else:
+            found = [e for a in wanted for e in (*self.dump(family, orig_src=a),
+                                                 *self.dump(family, reply_src=a))]
+            found += [e for p, port in by_port for e in self.dump(family, proto=p,
+                                                                  orig_dport=port)]
+
+            def keep(e: Entry) -> bool:
+                return e.orig.proto in PROTOCOLS.values()
+        seen: dict[tuple[Tuple, int, int | None], Entry] = {}
+        for e in found:
+            if keep(e):
+                seen.setdefault((e.orig, e.zone, e.id), e)
+        return list(seen.values())
 
     def delete(self, entry: Entry) -> bool:
         """Delete one entry; False if it is gone already (expired, or replaced meanwhile)."""
@@ -309,3 +402,14 @@ def describe(entry: Entry) -> str:
     return (f"{name} {end(entry.orig.src, entry.orig.sport)} -> "
             f"{end(entry.orig.dst, entry.orig.dport)} "
             f"(replies from {end(entry.reply.src, entry.reply.sport)})")
+
+
+def live_flow(entry: Entry) -> LiveFlow | None:
+    """The domain value of a TCP or UDP entry (None for other protocols)."""
+    names = {v: k for k, v in PROTOCOLS.items()}
+    proto = names.get(entry.orig.proto)
+    if proto is None:
+        return None
+    o, r = entry.orig, entry.reply
+    return LiveFlow(entry.family, proto, str(o.src), o.sport or 0, str(o.dst), o.dport or 0,
+                    str(r.src), r.sport or 0, entry.established)
