@@ -15,10 +15,11 @@ from reconciler.domain.errors import ConflictError, PreconditionError, StalePlan
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
-from reconciler.domain.plan import Plan
+from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
-from reconciler.engine.executor import Executor, OpRunner, Outcome
+from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
+from reconciler.engine.finish import finish_journals
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.observe import Observer
@@ -124,7 +125,10 @@ class Reconciler:
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
         that matches is not yet traffic that flows.
+
+        A change a killed run left half done (its journal) is finished first.
         """
+        self.finish_journals()
         plan = self.plan(desired, options)
         if saved is not None:
             if dict(saved.files) != dict(plan.files):
@@ -152,7 +156,8 @@ class Reconciler:
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
-                                   on_outcome=on_outcome).execute(plan)
+                                   on_outcome=on_outcome,
+                                   journal=self._journal_of(options)).execute(plan)
         if result.failed or self.stop.is_set():
             return result
         result.residual = self.verify(desired, options)
@@ -164,6 +169,29 @@ class Reconciler:
                                            request=probe)
                 result.probe_seconds = time.perf_counter() - t0
         return result
+
+    def journals_pending(self) -> bool:
+        """Whether a killed run left a journalled change to finish (no file is read)."""
+        return isinstance(self.runner, HostOps) and bool(self.runner.journals.names())
+
+    def finish_journals(self) -> list[str]:
+        """Finish the changes killed runs left half done (``engine/finish.py``); the caller
+        holds the host lock. The lines said, also logged."""
+        if not isinstance(self.runner, HostOps):
+            return []
+        return finish_journals(self.runner)
+
+    def _journal_of(self, options: PlanOptions
+                    ) -> Callable[[Change], ChangeJournal | None] | None:
+        if not isinstance(self.runner, HostOps):
+            return None
+        journals = self.runner.journals
+
+        def begin(change: Change) -> ChangeJournal | None:
+            return journals.for_change(change, adopt=f"{change.kind}/{change.name}"
+                                       in options.adopt)
+
+        return begin
 
     def probe(self, desired: DesiredState, live: LiveState | None = None, *,
               allocs: Collection[str] | None = None,
