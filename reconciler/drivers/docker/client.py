@@ -83,24 +83,7 @@ MAX_ATTEMPTS = 5
 
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 
-
-
-
-
-
 _T = TypeVar("_T")
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 class DockerDriver:
