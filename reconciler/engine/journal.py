@@ -50,6 +50,18 @@ def record_name(kind: str, name: str) -> str:
     return f"{PREFIX}{kind}-{name}{SUFFIX}"
 
 
+def describe(record: str) -> str:
+    """What a journal file stands for, from its name alone (``plan`` reads no journal):
+    ``docker network N: a replace …``."""
+    kind, _, name = record[len(PREFIX):-len(SUFFIX)].partition("-")
+    if kind == DOCKER:
+        return (f"docker network {name}: a replace that a killed run left half done (its "
+                "containers may be detached); the next apply, destroy or watch pass "
+                "finishes it first")
+    return (f"{kind} {name}: a change that a killed run left half done; the next apply, "
+            "destroy or watch pass finishes it first")
+
+
 @dataclass
 class Journal:
     """One journal file: the body a change needs to be finished and the steps it did."""

@@ -22,6 +22,7 @@ from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcom
 from reconciler.engine.finish import finish_journals
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
+from reconciler.engine.journal import describe
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober, probe_targets
 from reconciler.planner import make_plan
@@ -173,6 +174,13 @@ class Reconciler:
     def journals_pending(self) -> bool:
         """Whether a killed run left a journalled change to finish (no file is read)."""
         return isinstance(self.runner, HostOps) and bool(self.runner.journals.names())
+
+    def journal_notes(self) -> list[str]:
+        """One line per change a killed run left half done, for ``plan`` (nothing is read
+        but the directory: planning changes nothing, so it cannot finish them)."""
+        if not isinstance(self.runner, HostOps):
+            return []
+        return [describe(n) for n in self.runner.journals.names()]
 
     def finish_journals(self) -> list[str]:
         """Finish the changes killed runs left half done (``engine/finish.py``); the caller

@@ -24,7 +24,14 @@ from reconciler.drivers.docker.payloads import parse_network
 from reconciler.drivers.docker.replacement import Replacement
 from reconciler.engine import finish
 from reconciler.engine.executor import Executor
-from reconciler.engine.journal import ALLOC, DOCKER, BadJournal, Journals, needs_journal
+from reconciler.engine.journal import (
+    ALLOC,
+    DOCKER,
+    BadJournal,
+    Journals,
+    describe,
+    needs_journal,
+)
 
 from .test_docker_logic import OURS, FakeAPI, api_error, spec
 
@@ -361,3 +368,9 @@ def test_replacement_json_round_trip() -> None:
     assert Replacement.from_json(r.to_json()) == r
     with pytest.raises(ValueError, match="format"):
         Replacement.from_json({**r.to_json(), "format": 2})
+
+
+def test_plan_describes_a_journal_from_its_name() -> None:
+    assert describe("journal-docker_network-my-net.json").startswith(
+        "docker network my-net: a replace that a killed run left half done")
+    assert describe("journal-alloc-a-1.json").startswith("alloc a-1: a change that a killed")
