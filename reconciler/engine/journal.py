@@ -24,6 +24,7 @@ whose they are.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -36,6 +37,8 @@ from reconciler.domain.plan import Change
 from reconciler.drivers import statedir
 from reconciler.drivers.docker.replacement import Replacement
 from reconciler.engine.observe import docker_scope
+
+log = logging.getLogger("reconciler")
 
 PREFIX = "journal-"
 SUFFIX = ".json"
@@ -84,19 +87,38 @@ class Journal:
         return os.path.join(self.directory, self.record)
 
     def begin(self, body: dict[str, Any]) -> None:
-        """Store ``body`` durably; raises OSError (a full disk …) before anything changed."""
+        """Store ``body`` durably. A PreconditionError (a full disk, a read-only state
+        directory …) comes before anything changed: the change must not start."""
         self.body, self.steps = body, []
         self.started_at, self.pid = time.time(), os.getpid()
-        self._write()
+        try:
+            self._write()
+        except OSError as exc:
+            raise PreconditionError(f"{self.kind} {self.name}: cannot write its journal "
+                                    f"{self.path}: {exc.strerror or exc}; nothing changed"
+                                    ) from None
 
     def done(self, step: str) -> None:
-        """Record that ``step`` completed (durably, before the next one starts)."""
+        """Record that ``step`` completed (durably, before the next one starts).
+
+        A step that cannot be recorded does not stop the change halfway (that would
+        strand what the journal protects): the journal keeps the steps before it, and
+        finishing from there is correct because every step is idempotent.
+        """
         self.steps.append(step)
-        self._write()
+        try:
+            self._write()
+        except OSError as exc:
+            log.warning("%s %s: could not record step %s in %s: %s", self.kind, self.name,
+                        step, self.path, exc.strerror or exc)
 
     def close(self) -> None:
         """The change reached its end: nothing is left to finish."""
-        statedir.remove_record(self.directory, self.record)
+        try:
+            statedir.remove_record(self.directory, self.record)
+        except OSError as exc:  # the next run finds everything done: a no-op finish
+            log.warning("%s %s: could not remove %s: %s", self.kind, self.name, self.path,
+                        exc.strerror or exc)
         self.written = False
 
     def _write(self) -> None:

@@ -374,3 +374,22 @@ def test_plan_describes_a_journal_from_its_name() -> None:
     assert describe("journal-docker_network-my-net.json").startswith(
         "docker network my-net: a replace that a killed run left half done")
     assert describe("journal-alloc-a-1.json").startswith("alloc a-1: a change that a killed")
+
+
+def test_a_full_disk_refuses_the_change_at_begin_but_never_stops_it_halfway(
+        state: Journals, monkeypatch: pytest.MonkeyPatch) -> None:
+    from reconciler.domain.errors import PreconditionError
+    from reconciler.engine import journal as journal_mod
+
+    j = state.new(DOCKER, "n")
+    j.begin({"x": 1})
+
+    def full(*_a: Any, **_k: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_mod.statedir, "write_record", full)
+    j.done("remove")  # logged, not raised: the replace goes on
+    again = state.find(DOCKER, "n")
+    assert again is not None and again.steps == []  # finishing from here is still right
+    with pytest.raises(PreconditionError, match="cannot write its journal .*nothing changed"):
+        state.new(DOCKER, "m").begin({})
