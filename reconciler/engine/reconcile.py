@@ -180,7 +180,10 @@ class Reconciler:
         but the directory: planning changes nothing, so it cannot finish them)."""
         if not isinstance(self.runner, HostOps):
             return []
-        return [describe(n) for n in self.runner.journals.names()]
+        try:
+            return [describe(n) for n in self.runner.journals.names()]
+        except PreconditionError as exc:  # the plan itself stands: say why it may not be all
+            return [f"journals not checked: {exc}"]
 
     def finish_journals(self) -> list[str]:
         """Finish the changes killed runs left half done (``engine/finish.py``); the caller
