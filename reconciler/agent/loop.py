@@ -618,6 +618,10 @@ class Agent:
 
     def _reconcile(self, desired: DesiredState, report: PassReport) -> None:
         rec = self.reconciler
+        if rec.journals_pending() and not self.options.dry_run:
+            # a change a killed run left half done: the plan alone may not see it
+            with self._host_lock():
+                rec.finish_journals()
         plan = rec.plan(desired, self.options.plan)
         if plan.conflicts:
             report.errors = [{"resource": c.address, "error": "conflict: "

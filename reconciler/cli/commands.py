@@ -37,6 +37,7 @@ from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
 from reconciler.ui.parser import build_parser
 from reconciler.ui.render import (
+    EXIT_CHANGES,
     EXIT_ERROR,
     EXIT_OK,
     colour,
@@ -96,8 +97,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot write the plan here: {exc.strerror}",
                               file=args.out) from None
-    plan = Reconciler().plan(desired, plan_options(args))
+    rec = Reconciler()
+    plan = rec.plan(desired, plan_options(args))
     _print_plan(plan, args)
+    notes = rec.journal_notes()  # "No changes" is not the whole truth then
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if out is not None:
         try:
             with out:
@@ -111,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_ERROR
-    return plan_exit(plan)
+    return plan_exit(plan) or (EXIT_CHANGES if notes else EXIT_OK)
 
 
 def _load_saved(path: str) -> Plan:

@@ -32,6 +32,14 @@ class OpRunner(Protocol):
         """Perform one op; raise ReconcilerError (TemporaryError to be retried)."""
 
 
+class ChangeJournal(Protocol):
+    """A change's durable record of its progress (``engine/journal.Journal``)."""
+
+    def done(self, step: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Outcome:
     change: Change
@@ -54,11 +62,17 @@ def describe(change: Change) -> str:
 class Executor:
     def __init__(self, runner: OpRunner, *, stop: threading.Event | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 on_outcome: Callable[[Outcome], None] | None = None) -> None:
+                 on_outcome: Callable[[Outcome], None] | None = None,
+                 journal: Callable[[Change], ChangeJournal | None] | None = None) -> None:
+        """``journal`` begins the journal of a change whose ops must not stop halfway
+        unnoticed (None: it needs none); each op done is recorded in it, and it is closed
+        when the last one is. A change that fails keeps its journal: the next run
+        finishes it (``engine/finish.py``)."""
         self.runner = runner
         self.stop = stop or threading.Event()
         self.sleep = sleep
         self.on_outcome = on_outcome
+        self.journal = journal
 
     def _run_op(self, op: Op) -> None:
         attempt = 0
@@ -75,6 +89,15 @@ class Executor:
                             attempt + 1, MAX_ATTEMPTS)
                 self.sleep(delay)
 
+    def _run_change(self, change: Change) -> None:
+        journal = self.journal(change) if self.journal is not None else None
+        for i, op in enumerate(change.ops):
+            self._run_op(op)
+            if journal is not None:
+                journal.done(f"op:{i}")
+        if journal is not None:
+            journal.close()
+
     def execute(self, plan: Plan) -> list[Outcome]:
         outcomes: list[Outcome] = []
         failed = False
@@ -83,8 +106,7 @@ class Executor:
                 outcome = Outcome(change, "skipped")
             else:
                 try:
-                    for op in change.ops:
-                        self._run_op(op)
+                    self._run_change(change)
                     outcome = Outcome(change, "applied")
                     log.info("%s", describe(change))
                 except ReconcilerError as exc:

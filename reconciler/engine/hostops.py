@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, assert_never
 
 from reconciler.domain import ownership
+from reconciler.domain.errors import ReconcilerError, TemporaryError
 from reconciler.domain.live import LiveDockerNetwork
 from reconciler.domain.ops import (
     AddrAdd,
@@ -39,9 +40,12 @@ from reconciler.domain.ops import (
 )
 from reconciler.domain.plan import Op
 from reconciler.drivers import netns, procfs, sysctl
+from reconciler.drivers.docker.replacement import Replacement
+from reconciler.drivers.docker.results import EnsureResult
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
 from reconciler.engine.handles import HostHandles
+from reconciler.engine.journal import DOCKER, Journal, Journals, ReplaceSteps
 
 if TYPE_CHECKING:
     from reconciler.drivers.docker.client import DockerDriver
@@ -52,8 +56,11 @@ log = logging.getLogger("reconciler")
 class HostOps:
     """Performs plan ops through the host's drivers (``HostHandles``, shared with observation)."""
 
-    def __init__(self, handles: HostHandles | None = None) -> None:
+    def __init__(self, handles: HostHandles | None = None,
+                 journals: Journals | None = None) -> None:
         self.handles = handles or HostHandles()
+        #: where multi-step changes record what they need to be finished (engine/journal)
+        self.journals = journals or Journals()
         #: network namespace inode -> pids in it, scanned once per pass (``new_pass``)
         self._members: dict[int, tuple[int, ...]] | None = None
 
@@ -202,13 +209,53 @@ class HostOps:
         self._docker_report(spec.name, result.warnings, result.removed_duplicates)
 
     def _docker_replace(self, op: DockerReplace) -> None:
+        """Replace a network; with containers attached, journalled (``engine/journal``).
+
+        The journal is written before the first disconnect and removed once the
+        replace reached its end (done, or undone and reported). It stays when the
+        daemon went away midway (a ``TemporaryError``): the executor's retry of this
+        op, or the next run, carries the same replace on from its last step rather
+        than starting a new one on a network that may be gone already.
+        """
         spec = op.network()
-        # replace() re-inspects the network by ID; only the ID and name matter here
-        live = LiveDockerNetwork(id=op.id, name=spec.name, driver="", labels={},
-                                 options={}, enable_ipv6=False, internal=False, subnets=(),
-                                 containers=0)
-        result = self.docker.replace(spec, live, op.default_mtu, op.reconnect, adopt=op.adopt)
+        interrupted = self.journals.find(DOCKER, spec.name)
+        if interrupted is not None:
+            result = self.resume_docker_replace(interrupted)
+        else:
+            # replace() re-inspects the network by ID; only the ID and name matter here
+            live = LiveDockerNetwork(id=op.id, name=spec.name, driver="", labels={},
+                                     options={}, enable_ipv6=False, internal=False,
+                                     subnets=(), containers=0)
+            steps = ReplaceSteps(self.journals, spec.name)
+            try:
+                result = self.docker.replace(spec, live, op.default_mtu, op.reconnect,
+                                             adopt=op.adopt, steps=steps)
+            except TemporaryError:
+                raise
+            except ReconcilerError:  # reached its end, reported: undone or failed for good
+                steps.close()
+                raise
+            steps.close()
         self._docker_report(spec.name, result.warnings, result.removed_duplicates)
         if result.reconnected:
             log.info("docker network %s: reconnected %s", spec.name,
                      ", ".join(result.reconnected))
+
+    def resume_docker_replace(self, journal: Journal) -> EnsureResult:
+        """Carry the interrupted replace ``journal`` describes to its end; the journal is
+        removed unless a ``TemporaryError`` (the daemon unreachable) stopped it again.
+
+        ValueError (or KeyError, TypeError) when its body is not a replacement this
+        version wrote; nothing is changed then.
+        """
+        replacement = Replacement.from_json(journal.body)
+        steps = ReplaceSteps(self.journals, journal.name, journal)
+        try:
+            result = self.docker.resume_replace(replacement, frozenset(journal.steps), steps)
+        except TemporaryError:
+            raise
+        except ReconcilerError:
+            steps.close()
+            raise
+        steps.close()
+        return result

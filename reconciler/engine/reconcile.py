@@ -15,13 +15,15 @@ from reconciler.domain.errors import ConflictError, PreconditionError, StalePlan
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
-from reconciler.domain.plan import Plan
+from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
 from reconciler.engine import impact
-from reconciler.engine.executor import Executor, OpRunner, Outcome
+from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
+from reconciler.engine.finish import finish_journals
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
+from reconciler.engine.journal import describe
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober, probe_targets
 from reconciler.planner import make_plan
@@ -130,7 +132,10 @@ class Reconciler:
         that matches is not yet traffic that flows. With ``max_disruption``, a plan
         that disrupts more items than that is refused before any change
         (``engine.impact.DisruptionError``).
+
+        A change a killed run left half done (its journal) is finished first.
         """
+        self.finish_journals()
         plan = self.plan(desired, options)
         if saved is not None:
             if dict(saved.files) != dict(plan.files):
@@ -159,7 +164,8 @@ class Reconciler:
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
-                                   on_outcome=on_outcome).execute(plan)
+                                   on_outcome=on_outcome,
+                                   journal=self._journal_of(options)).execute(plan)
         if result.failed or self.stop.is_set():
             return result
         result.residual = self.verify(desired, options)
@@ -171,6 +177,39 @@ class Reconciler:
                                            request=probe)
                 result.probe_seconds = time.perf_counter() - t0
         return result
+
+    def journals_pending(self) -> bool:
+        """Whether a killed run left a journalled change to finish (no file is read)."""
+        return isinstance(self.runner, HostOps) and bool(self.runner.journals.names())
+
+    def journal_notes(self) -> list[str]:
+        """One line per change a killed run left half done, for ``plan`` (nothing is read
+        but the directory: planning changes nothing, so it cannot finish them)."""
+        if not isinstance(self.runner, HostOps):
+            return []
+        try:
+            return [describe(n) for n in self.runner.journals.names()]
+        except PreconditionError as exc:  # the plan itself stands: say why it may not be all
+            return [f"journals not checked: {exc}"]
+
+    def finish_journals(self) -> list[str]:
+        """Finish the changes killed runs left half done (``engine/finish.py``); the caller
+        holds the host lock. The lines said, also logged."""
+        if not isinstance(self.runner, HostOps):
+            return []
+        return finish_journals(self.runner)
+
+    def _journal_of(self, options: PlanOptions
+                    ) -> Callable[[Change], ChangeJournal | None] | None:
+        if not isinstance(self.runner, HostOps):
+            return None
+        journals = self.runner.journals
+
+        def begin(change: Change) -> ChangeJournal | None:
+            return journals.for_change(change, adopt=f"{change.kind}/{change.name}"
+                                       in options.adopt)
+
+        return begin
 
     def probe(self, desired: DesiredState, live: LiveState | None = None, *,
               allocs: Collection[str] | None = None,

@@ -397,7 +397,7 @@ class FakeDriver:
             "created it IPv4-only",))
 
     def replace(self, s: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
-                reconnect: bool, *, adopt: bool = False) -> Any:
+                reconnect: bool, *, adopt: bool = False, steps: Any = None) -> Any:
         from reconciler.drivers.docker.results import EnsureResult
 
         self.calls.append(("replace", s, live.id, live.name, default_mtu, reconnect, adopt))

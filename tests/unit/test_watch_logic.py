@@ -391,6 +391,17 @@ class FakeReconciler:
     fail_apply: bool = False
     applied: list[str] = field(default_factory=list)
     last_live: Any = None
+    #: interrupted changes a killed run left (their journals), finished by finish_journals
+    journals: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def journals_pending(self) -> bool:
+        return bool(self.journals)
+
+    def finish_journals(self) -> list[str]:
+        self.finished += self.journals
+        self.journals = []
+        return self.finished
 
     def _plan(self, desired: Any) -> Plan:
         changes = []
@@ -566,6 +577,31 @@ def test_host_lock_is_taken_only_when_there_is_work(agent_env: Any,
     agent.run_pass(["resync"])
     agent.run_pass(["netlink drift"])
     assert taken == [1]
+
+
+def test_a_pass_finishes_interrupted_changes_under_the_lock_even_with_nothing_to_plan(
+        agent_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replace killed after the network was re-created plans as "no changes": the pass
+    must finish its journal anyway (under the host lock), and a --dry-run agent must not."""
+    agent, conf, rec = agent_env
+    _write(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    agent.run_pass(["startup"])
+    taken: list[int] = []
+    real = agent._host_lock
+
+    def spy() -> Any:
+        taken.append(len(rec.journals))
+        return real()
+
+    monkeypatch.setattr(agent, "_host_lock", spy)
+    rec.journals = ["docker_network/n"]
+    agent.options = dataclasses.replace(agent.options, dry_run=True)
+    agent.run_pass(["resync"])
+    assert rec.finished == [] and taken == []
+    agent.options = dataclasses.replace(agent.options, dry_run=False)
+    report = agent.run_pass(["docker drift"])
+    assert rec.finished == ["docker_network/n"] and taken == [1]
+    assert report.result == "ok"
 
 
 # --------------------------------------------------------------------------- examples

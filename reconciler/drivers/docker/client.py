@@ -26,8 +26,8 @@ import ipaddress
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import docker
@@ -43,6 +43,8 @@ from reconciler.domain.docker import (
     SCOPE_LABEL,
     network_scope,
     sort_duplicates,
+    spec_from_json,
+    spec_to_json,
     ula_subnet,
 )
 from reconciler.domain.docker import flag as _flag
@@ -68,6 +70,13 @@ from reconciler.drivers.docker.payloads import (
     parse_default_mtu,
     parse_network,
 )
+from reconciler.drivers.docker.replacement import (
+    NO_STEPS,
+    CreateArgs,
+    Endpoint,
+    Replacement,
+    Steps,
+)
 from reconciler.drivers.docker.results import DedupeResult, EnsureResult
 
 #: kind's probing budget: attempt 0 plus four more derived subnets.
@@ -76,47 +85,7 @@ MAX_ATTEMPTS = 5
 
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 
-
-
-
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    """A container attached to a network, as replace re-attaches it."""
-
-    container_id: str
-    container_name: str
-    ipv4: ipaddress.IPv4Address | None
-    ipv6: ipaddress.IPv6Address | None
-    aliases: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _CreateArgs:
-    name: str
-    options: dict[str, str]
-    labels: dict[str, str]
-    internal: bool
-    subnet: ipaddress.IPv4Network | None
-    gateway: str | None = None
-    subnet6: ipaddress.IPv6Network | None = None
-    gateway6: str | None = None
-
-
 _T = TypeVar("_T")
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 class DockerDriver:
@@ -331,7 +300,7 @@ class DockerDriver:
 
     # -- creating -----------------------------------------------------------
 
-    def _create(self, args: _CreateArgs) -> str:
+    def _create(self, args: CreateArgs) -> str:
         """One create call; returns the new ID. APIError propagates."""
         pools = []
         if args.subnet is not None:
@@ -351,14 +320,14 @@ class DockerDriver:
         return str(result.get("Id", ""))
 
     @staticmethod
-    def _base_args(spec: DockerNetwork, default_mtu: int | None) -> _CreateArgs:
+    def _base_args(spec: DockerNetwork, default_mtu: int | None) -> CreateArgs:
         options = {OPT_MASQUERADE: _flag(spec.masquerade)}
         mtu = spec.mtu if spec.mtu is not None else default_mtu
         if mtu is not None and mtu > 0:
             options[OPT_MTU] = str(mtu)
         labels = dict(spec.labels)
         labels[DOCKER_LABEL] = DOCKER_LABEL_VALUE
-        return _CreateArgs(name=spec.name, options=options, labels=labels,
+        return CreateArgs(name=spec.name, options=options, labels=labels,
                            internal=spec.internal, subnet=spec.subnet)
 
     def _named(self, name: str) -> list[LiveDockerNetwork]:
@@ -411,7 +380,7 @@ class DockerDriver:
         return EnsureResult(name=name, network_id=result.kept.id, created=False,
                             removed_duplicates=result.removed, **extra)
 
-    def _create_probing(self, base: _CreateArgs, spec: DockerNetwork,
+    def _create_probing(self, base: CreateArgs, spec: DockerNetwork,
                         pinned6: ipaddress.IPv6Network | None = None) -> EnsureResult:
         """Create with kind's probing; called inside ``_errors``."""
         name = spec.name
@@ -460,7 +429,7 @@ class DockerDriver:
         raise DriverError("exhausted attempts trying to find a non-overlapping subnet "
                           f"for docker network {name}")
 
-    def _create_ipv4_fallback(self, base: _CreateArgs, spec: DockerNetwork,
+    def _create_ipv4_fallback(self, base: CreateArgs, spec: DockerNetwork,
                               why: str) -> EnsureResult:
         warning = (f"docker network {spec.name}: the Docker daemon cannot set up IPv6 "
                    f"({one_line(why)}); created it IPv4-only")
@@ -492,7 +461,7 @@ class DockerDriver:
 
     # -- replacing ----------------------------------------------------------
 
-    def _endpoints(self, attrs: NetworkInspect) -> list[_Endpoint]:
+    def _endpoints(self, attrs: NetworkInspect) -> list[Endpoint]:
         endpoints = []
         net_name = attrs.get("Name", "")
         for cid, ep in sorted((attrs.get("Containers") or {}).items()):
@@ -504,26 +473,34 @@ class DockerDriver:
             net = settings.get(net_name) or {}
             # Docker adds the short ID itself on every connect.
             aliases = tuple(a for a in (net.get("Aliases") or []) if a != cid[:12])
-            endpoints.append(_Endpoint(
+            ipam = net.get("IPAMConfig") or {}
+            endpoints.append(Endpoint(
                 container_id=cid,
                 container_name=str(ep.get("Name") or cattrs.get("Name", "").lstrip("/")),
                 ipv4=_address(ep.get("IPv4Address"), ipaddress.IPv4Address),
                 ipv6=_address(ep.get("IPv6Address"), ipaddress.IPv6Address),
                 aliases=aliases,
+                links=tuple(str(x) for x in net.get("Links") or ()),
+                link_local_ips=tuple(str(x) for x in ipam.get("LinkLocalIPs") or ()),
+                driver_opts=tuple(sorted((str(k), str(v)) for k, v in
+                                         (net.get("DriverOpts") or {}).items())),
             ))
         return endpoints
 
     def replace(self, spec: DockerNetwork, live: LiveDockerNetwork, default_mtu: int | None,
-                reconnect: bool, *, adopt: bool = False) -> EnsureResult:
+                reconnect: bool, *, adopt: bool = False,
+                steps: Steps = NO_STEPS) -> EnsureResult:
         """Delete ``live`` and create ``spec`` in its place (Docker cannot update).
 
         With containers attached: refuse (``ConflictError``) unless
-        ``reconnect``; then record each container's addresses and aliases,
-        disconnect, re-create and re-attach them with the same addresses. The
-        re-created network keeps the live IPv4/IPv6 subnets unless the file
-        declares others, because Docker only accepts fixed addresses on
-        networks with configured subnets. ``adopt`` allows replacing a network
-        that lacks our label (it gets the label).
+        ``reconnect``; then record each container's addresses, aliases and
+        endpoint settings (``Replacement``, handed to ``steps.begin`` before the
+        first disconnect: the caller stores it durably), disconnect, re-create and
+        re-attach them with the same addresses, reporting each step to ``steps``.
+        The re-created network keeps the live IPv4/IPv6 subnets unless the file
+        declares others, because Docker only accepts fixed addresses on networks
+        with configured subnets. ``adopt`` allows replacing a network that lacks
+        our label (it gets the label).
         """
         name = spec.name
         what = f"docker network {name}: replace"
@@ -546,63 +523,169 @@ class DockerDriver:
                     "re-create with reconnect to re-attach them")
 
             base = self._base_args(spec, default_mtu)
+            if not endpoints:
+                self._remove_ids(name, [current.id])
+                return self._create_probing(base, spec)
             pinned6: ipaddress.IPv6Network | None = None
             live4, live6 = _networks_of(current.subnets)
-            if endpoints:
-                gateways = _gateways(attrs)
-                if spec.subnet is None and live4:
-                    base = _replace_args(base, subnet=live4[0], gateway=gateways.get(live4[0]))
-                want_v6 = spec.ipv6 or spec.subnet6 is not None
-                if want_v6 and spec.subnet6 is None and live6 and current.enable_ipv6:
-                    pinned6 = live6[0]
-                    base = _replace_args(base, gateway6=gateways.get(pinned6))
+            gateways = _gateways(attrs)
+            if spec.subnet is None and live4:
+                base = _replace_args(base, subnet=live4[0], gateway=gateways.get(live4[0]))
+            want_v6 = spec.ipv6 or spec.subnet6 is not None
+            if want_v6 and spec.subnet6 is None and live6 and current.enable_ipv6:
+                pinned6 = live6[0]
+                base = _replace_args(base, gateway6=gateways.get(pinned6))
+            replacement = Replacement(
+                name=name, old_id=current.id, spec=spec_to_json(spec), new=base,
+                old=_old_args(attrs), endpoints=tuple(endpoints), pinned6=pinned6,
+                default_mtu=default_mtu)
+            steps.begin(replacement)
+            return self._carry_out(replacement, steps, frozenset())
 
-            detached: list[_Endpoint] = []
+    def resume_replace(self, replacement: Replacement, done: frozenset[str],
+                       steps: Steps = NO_STEPS) -> EnsureResult:
+        """Carry on a replace another process started (it stored ``replacement`` and
+        reported the steps ``done``) to its end: every container back on a network of
+        that name with its addresses and aliases.
+
+        The step after the last one reported may have happened too (the process died
+        between doing it and reporting it): every step is idempotent. A container
+        that no longer exists is named in ``EnsureResult.gone``; ``undone`` says the old
+        network was restored because the new one could not be made.
+        """
+        with self._errors(f"docker network {replacement.name}: finish replace"):
+            return self._carry_out(replacement, steps, done)
+
+    def _carry_out(self, rep: Replacement, steps: Steps, done: frozenset[str]) -> EnsureResult:
+        """The destructive steps of a replace from ``done`` on; called inside ``_errors``."""
+        name = rep.name
+        what = f"docker network {name}: replace"
+        old_attrs = None if "remove" in done else self._inspect(rep.old_id)
+        if old_attrs is not None:
+            detached: list[Endpoint] = []
             try:
-                for ep in endpoints:
-                    self._disconnect(name, current.id, ep)
+                for ep in rep.endpoints:
+                    if f"disconnect:{ep.container_id}" not in done:
+                        self._disconnect(name, rep.old_id, ep)
+                        steps.done(f"disconnect:{ep.container_id}")
                     detached.append(ep)
-                self._remove_ids(name, [current.id])
-            except (ReconcilerError, docker.errors.APIError):
+                self._remove_ids(name, [rep.old_id])
+            except (ReconcilerError, docker.errors.APIError) as exc:
                 # e.g. a container joined meanwhile: put ours back where they were
-                for ep in detached:
-                    self._reconnect_quietly(current.id, ep)
+                left = self._put_back(rep.old_id, detached)
+                if isinstance(exc, docker.errors.APIError):
+                    raise DriverError(f"{what}: {one_line(explanation(exc))}"
+                                      + _left_over(left)) from None
+                if left:
+                    raise DriverError(f"{exc}{_left_over(left)}") from None
                 raise
-            try:
-                result = self._create_probing(base, spec, pinned6=pinned6)
-            except ReconcilerError as exc:
-                if endpoints:
-                    self._restore(attrs, endpoints, exc)
-                raise
-            except docker.errors.APIError as exc:
-                if endpoints:
-                    self._restore(attrs, endpoints, exc)
-                raise
-            if not endpoints:
-                return result
-            new_attrs = self._inspect(result.network_id)
-            new4, new6 = _networks_of(parse_network(new_attrs or {}).subnets)
-            warnings = list(result.warnings)
-            failures = []
-            reattached = []
-            for ep in endpoints:
+            steps.done("remove")
+        undoing = "undo" in done
+        net_id = next((s.split(":", 1)[1] for s in done if s.startswith("create:")), None)
+        if net_id is not None and self._inspect(net_id) is None:
+            net_id = None
+        cause: str | None = None
+        if net_id is not None:
+            result = EnsureResult(name=name, network_id=net_id, created=True)
+        else:
+            others = [n for n in self._named(name) if n.id != rep.old_id]
+            if others:  # made before the step could be reported
+                result = self._kept(name, others)
+            elif undoing:
+                result = EnsureResult(name=name, network_id=self._create(rep.old), created=True)
+            else:
                 try:
-                    warnings += self._connect(result.network_id, name, ep, new4, new6)
-                    reattached.append(ep.container_name)
-                except docker.errors.APIError as exc:
-                    failures.append(f"{ep.container_name}: {one_line(explanation(exc))}")
-            if failures:
-                raise DriverError(f"{what}: re-created, but could not re-attach "
-                                  + "; ".join(failures))
-            return _with(result, reconnected=tuple(reattached), warnings=tuple(warnings))
+                    result = self._create_probing(rep.new, spec_from_json(rep.spec),
+                                                  pinned6=rep.pinned6)
+                except (ReconcilerError, docker.errors.APIError) as exc:
+                    # the new network cannot be made: bring the old one back instead
+                    cause = (one_line(explanation(exc))
+                             if isinstance(exc, docker.errors.APIError) else str(exc))
+                    steps.done("undo")
+                    undoing = True
+                    result = EnsureResult(name=name, network_id=self._create(rep.old),
+                                          created=True)
+            steps.done(f"create:{result.network_id}")
+        reconnected, gone, failures, warnings = self._reattach(rep, result.network_id, done,
+                                                               steps)
+        if failures:
+            raise DriverError(f"{what}: re-created, but could not re-attach "
+                              + "; ".join(failures))
+        if cause is not None:
+            raise DriverError(f"{what}: {cause}; restored the old network and reconnected "
+                              f"{len(reconnected)} container(s)")
+        return _with(result, reconnected=tuple(reconnected), gone=tuple(gone),
+                     undone=undoing, warnings=result.warnings + tuple(warnings))
 
-    def _reconnect_quietly(self, net_id: str, ep: _Endpoint) -> None:
-        # best effort; the caller reports the original failure
-        with suppress(docker.errors.DockerException, requests.exceptions.RequestException):
-            self._api.connect_container_to_network(
-                ep.container_id, net_id, aliases=list(ep.aliases) or None)
+    def _reattach(self, rep: Replacement, net_id: str, done: frozenset[str], steps: Steps
+                  ) -> tuple[list[str], list[str], list[str], list[str]]:
+        """Connect every endpoint of ``rep`` to ``net_id``: (reconnected, gone, failures,
+        warnings), by container name."""
+        name = rep.name
+        new4, new6 = _networks_of(parse_network(self._inspect(net_id) or {}).subnets)
+        reconnected: list[str] = []
+        gone: list[str] = []
+        failures: list[str] = []
+        warnings: list[str] = []
+        for ep in rep.endpoints:
+            if f"connect:{ep.container_id}" not in done:
+                on = self._attached_to(ep.container_id, name)
+                if on is None:
+                    gone.append(ep.container_name)
+                    warnings.append(f"docker network {name}: container {ep.container_name} "
+                                    "is gone; not reconnected")
+                    continue
+                if on != net_id:
+                    try:
+                        warnings += self._connect(net_id, name, ep, new4, new6)
+                    except docker.errors.APIError as exc:
+                        problem = self._connect_anyhow(net_id, name, ep, exc)
+                        if problem is not None:
+                            failures.append(problem)
+                            continue
+                        warnings.append(f"docker network {name}: container "
+                                        f"{ep.container_name} reconnected without its "
+                                        f"addresses ({one_line(explanation(exc))})")
+                steps.done(f"connect:{ep.container_id}")
+            reconnected.append(ep.container_name)
+        return reconnected, gone, failures, warnings
 
-    def _disconnect(self, name: str, net_id: str, ep: _Endpoint) -> None:
+    def _attached_to(self, container_id: str, name: str) -> str | None:
+        """The ID of the network called ``name`` the container is on ("" none); None when
+        the container is gone."""
+        try:
+            cattrs = self._api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return None
+        nets = (cattrs.get("NetworkSettings") or {}).get("Networks") or {}
+        return str((nets.get(name) or {}).get("NetworkID") or "")
+
+    def _connect_anyhow(self, net_id: str, name: str, ep: Endpoint,
+                        why: docker.errors.APIError) -> str | None:
+        """The fixed addresses were refused (taken meanwhile): attached without them
+        rather than not at all. The failure line, or None when it worked."""
+        if ep.ipv4 is None and ep.ipv6 is None:
+            return f"{ep.container_name}: {one_line(explanation(why))}"
+        try:
+            self._api.connect_container_to_network(ep.container_id, net_id,
+                                                   aliases=list(ep.aliases) or None)
+        except docker.errors.APIError as exc:
+            return f"{ep.container_name}: {one_line(explanation(exc))}"
+        return None
+
+    def _put_back(self, net_id: str, endpoints: Sequence[Endpoint]) -> list[str]:
+        """Reconnect ``endpoints`` to the network they were taken off; the names that could
+        not be (best effort: the caller reports the original failure)."""
+        net4, net6 = _networks_of(parse_network(self._inspect(net_id) or {}).subnets)
+        left = []
+        for ep in endpoints:
+            try:
+                self._connect(net_id, "", ep, net4, net6)
+            except (docker.errors.DockerException, requests.exceptions.RequestException):
+                left.append(ep.container_name)
+        return left
+
+    def _disconnect(self, name: str, net_id: str, ep: Endpoint) -> None:
         try:
             self._api.disconnect_container_from_network(ep.container_id, net_id, force=True)
         except docker.errors.APIError as exc:
@@ -611,7 +694,7 @@ class DockerDriver:
                     or "No such container" in msg):
                 raise
 
-    def _connect(self, net_id: str, name: str, ep: _Endpoint,
+    def _connect(self, net_id: str, name: str, ep: Endpoint,
                  subnets4: Sequence[ipaddress.IPv4Network],
                  subnets6: Sequence[ipaddress.IPv6Network]) -> list[str]:
         warnings = []
@@ -630,27 +713,27 @@ class DockerDriver:
             ipv4_address=str(ipv4) if ipv4 is not None else None,
             ipv6_address=str(ipv6) if ipv6 is not None else None,
             aliases=list(ep.aliases) or None,
+            links=[tuple(x.split(":", 1)) for x in ep.links] or None,
+            link_local_ips=list(ep.link_local_ips) or None,
+            driver_opt=dict(ep.driver_opts) or None,
         )
         return warnings
 
-    def _restore(self, attrs: NetworkInspect, endpoints: list[_Endpoint],
-                 cause: BaseException) -> None:
-        """Best effort after a failed re-create: bring the old network back."""
-        old = parse_network(attrs)
-        v4, v6 = _networks_of(old.subnets)
-        gateways = _gateways(attrs)
-        args = _CreateArgs(name=old.name, options=dict(old.options), labels=dict(old.labels),
-                           internal=old.internal, subnet=v4[0] if v4 else None,
-                           gateway=gateways.get(v4[0]) if v4 else None,
-                           subnet6=v6[0] if v6 and old.enable_ipv6 else None,
-                           gateway6=gateways.get(v6[0]) if v6 else None)
-        try:
-            net_id = self._create(args)
-            for ep in endpoints:
-                self._connect(net_id, old.name, ep, v4, v6)
-        except (docker.errors.DockerException, requests.exceptions.RequestException):
-            pass  # the original error is what the user needs to see
 
+def _old_args(attrs: NetworkInspect) -> CreateArgs:
+    """The create call that makes the network ``attrs`` describes again (an undo)."""
+    old = parse_network(attrs)
+    v4, v6 = _networks_of(old.subnets)
+    gateways = _gateways(attrs)
+    return CreateArgs(name=old.name, options=dict(old.options), labels=dict(old.labels),
+                      internal=old.internal, subnet=v4[0] if v4 else None,
+                      gateway=gateways.get(v4[0]) if v4 else None,
+                      subnet6=v6[0] if v6 and old.enable_ipv6 else None,
+                      gateway6=gateways.get(v6[0]) if v6 and old.enable_ipv6 else None)
+
+
+def _left_over(names: Sequence[str]) -> str:
+    return f" (could not put back {', '.join(names)})" if names else ""
 
 def _name_filters(name: str) -> dict[str, str] | None:
     """An anchored name filter (the daemon matches a Go regexp), as kind uses.
@@ -690,7 +773,7 @@ def _container_names(attrs: NetworkInspect) -> str:
                             for cid, ep in (attrs.get("Containers") or {}).items()))
 
 
-def _replace_args(args: _CreateArgs, **changes: Any) -> _CreateArgs:
+def _replace_args(args: CreateArgs, **changes: Any) -> CreateArgs:
     return replace(args, **changes)
 
 

@@ -19,6 +19,8 @@ class EnsureResult:
     ipv6_fallback: bool = False  # created IPv4-only because the daemon lacks IPv6
     removed_duplicates: tuple[str, ...] = ()
     reconnected: tuple[str, ...] = ()  # container names re-attached by replace
+    gone: tuple[str, ...] = ()  # containers a replace could not re-attach: they no longer exist
+    undone: bool = False  # a finished replace restored the old network instead
     warnings: tuple[str, ...] = ()
 
 

@@ -1,0 +1,248 @@
+"""Durable multi-step changes (SPEC §8): a kill -9 anywhere in one is finished by the next run.
+
+A Docker network with 4 containers attached is replaced (`apply --force-replace`,
+an MTU change) and the CLI is SIGKILLed right after one daemon request of the
+replace (``killpoints.py``: after each disconnect, the removal, the create, each
+reconnect). The next run — a plain `apply`, `destroy` or a `watch` pass — must
+leave every container attached to the network of that name with the IPv4, IPv6
+and aliases it had, read with `docker inspect`, not with our observer. The same
+for an adopted namespace killed right after its foreign ``eth0`` was deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, Netns, Result, sh, unique, write
+
+try:
+    from tests.integration import docker_fixtures as fx
+except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
+    import docker_fixtures as fx  # type: ignore[no-redef]
+
+pytestmark = pytest.mark.root
+
+docker_client = fx.docker_client
+busybox_image = fx.busybox_image
+
+#: after each daemon request of a replace with 4 containers, and once before anything
+KILL_POINTS = ["disconnect:1:before", "disconnect:1", "disconnect:2", "disconnect:3",
+               "disconnect:4", "remove:1", "create:1", "connect:1", "connect:2", "connect:3",
+               "connect:4"]
+ALIASES = (["web"], ["db", "cache"], [], ["api"])
+
+
+def killed(ns: Netns, spec: str, *args: str) -> Result:
+    """`reconcile ARGS` in ``ns``, SIGKILLed at ``spec`` (killpoints.py)."""
+    p = subprocess.run([sys.executable, "-m", "tests.integration.killpoints", spec,
+                        "--netns", ns.name, *args], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def docker(*args: str) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True,
+                          timeout=60).stdout
+
+
+def network_ids(name: str) -> list[str]:
+    return sorted(docker("network", "ls", "--no-trunc", "--filter", f"name=^{name}$",
+                         "--format", "{{.ID}}").split())
+
+
+def attachment(container_id: str, network: str) -> dict[str, Any] | None:
+    """The container's endpoint on ``network`` as `docker inspect` shows it (None: detached)."""
+    (attrs,) = json.loads(docker("inspect", container_id))
+    ep = (attrs["NetworkSettings"]["Networks"] or {}).get(network)
+    if ep is None:
+        return None
+    return {"network_id": ep["NetworkID"], "ipv4": ep["IPAddress"],
+            "ipv6": ep["GlobalIPv6Address"],
+            "aliases": sorted(set(ep["Aliases"] or []) - {container_id[:12]})}
+
+
+def journals(ns: Netns) -> list[str]:
+    scope = os.path.join(os.environ["RECONCILER_STATE_DIR"], f"netns-{ns.name}")
+    return sorted(n for n in os.listdir(scope) if n.startswith("journal-")) \
+        if os.path.isdir(scope) else []
+
+
+class Scratch(fx.DockerScratch):
+    def __init__(self, client: Any, image: str | None) -> None:
+        super().__init__(client, image)
+        self.prefix = unique("j")
+
+
+@pytest.fixture
+def scratch(docker_client: Any, busybox_image: str) -> Iterator[Scratch]:
+    s = Scratch(docker_client, busybox_image)
+    try:
+        yield s
+    finally:
+        s.cleanup()
+        left = [n["Name"] for n in s.networks()]
+        assert not left, f"docker networks leaked: {left}"
+
+
+def four_attached(ns: Netns, scratch: Scratch, tmp_path: Any
+                  ) -> tuple[str, str, dict[str, dict[str, Any]]]:
+    """A network of ours with 4 containers on it; (its name, the changed file, endpoints)."""
+    name = scratch.name("n")
+    first = write(tmp_path, "a.yaml", f"version: 1\ndocker_networks:\n"
+                                      f"  - {{name: {name}, ipv6: true}}\n")
+    r = ns.reconcile("apply", first)
+    assert r.rc == 0, r.all
+    for i, aliases in enumerate(ALIASES):
+        scratch.attach(scratch.container(f"c{i}"), name, aliases=aliases or None)
+    before = {cid: attachment(cid, name) for cid in scratch.containers}
+    for ep in before.values():
+        assert ep is not None and ep["ipv4"] and ep["ipv6"], ep
+    changed = write(tmp_path, "b.yaml", f"version: 1\ndocker_networks:\n"
+                                        f"  - {{name: {name}, ipv6: true, mtu: 1400}}\n")
+    return name, changed, before  # type: ignore[return-value]
+
+
+def assert_all_reattached(name: str, before: dict[str, dict[str, Any]]) -> None:
+    (net_id,) = network_ids(name)
+    detached = [cid[:12] for cid in before if attachment(cid, name) is None]
+    assert detached == [], f"containers left detached: {detached}"
+    for cid, old in before.items():
+        now = attachment(cid, name)
+        assert now is not None and now["network_id"] == net_id, (cid[:12], now)
+        assert (now["ipv4"], now["ipv6"]) == (old["ipv4"], old["ipv6"]), (cid[:12], old, now)
+        assert set(old["aliases"]) <= set(now["aliases"]), (cid[:12], old, now)
+
+
+def no_traceback(r: Result) -> None:
+    assert "Traceback" not in r.all and "internal error" not in r.all, r.all
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_replace_killed_at_each_step_is_finished_by_the_next_apply(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any, point: str) -> None:
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    old_id = network_ids(name)
+    r = killed(host_ns, point, "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all  # the kill landed inside the replace
+    # plan changes nothing, so it cannot finish it, but it must not say "nothing to do"
+    r = host_ns.reconcile("plan", "--no-agent", changed)
+    assert r.rc in (1, 2) and f"note: docker network {name}: a replace that a killed run " \
+        "left half done" in r.err, r.all
+    r = host_ns.reconcile("apply", changed)
+    no_traceback(r)
+    assert_all_reattached(name, before)
+    assert r.rc == 0, r.all
+    assert "interrupted replace" in r.err, r.all  # said in one line
+    assert network_ids(name) != old_id
+    attrs = json.loads(docker("network", "inspect", name))[0]
+    assert attrs["Options"]["com.docker.network.driver.mtu"] == "1400"
+    assert journals(host_ns) == []
+    r = host_ns.reconcile("plan", changed)
+    assert r.rc == 0, r.all
+
+
+@pytest.mark.docker
+def test_replace_killed_then_destroy_reattaches_before_it_removes(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    r = host_ns.reconcile("destroy")
+    no_traceback(r)
+    # destroy keeps an owned network that containers use (it is removed once they leave)
+    assert_all_reattached(name, before)
+    assert "interrupted replace" in r.err and "not removed yet" in r.all, r.all
+    assert journals(host_ns) == []
+
+
+@pytest.mark.docker
+def test_replace_killed_then_a_watch_pass_finishes_it(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "connect:2", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    # the network exists with the new settings: the plan alone sees nothing to do
+    agent = subprocess.Popen([sys.executable, "-m", "reconciler", "--netns", host_ns.name,
+                              "watch", changed, "--status-addr", "off", "--interval", "3600"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+                journals(host_ns) or any(attachment(c, name) is None for c in before)):
+            time.sleep(0.5)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=60)
+    assert_all_reattached(name, before)
+    assert journals(host_ns) == []
+    assert "interrupted replace" in out, out
+
+
+@pytest.mark.docker
+def test_a_container_gone_meanwhile_is_named_and_does_not_loop(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    gone = scratch.containers[1]
+    scratch.client.api.remove_container(gone, force=True)
+    r = host_ns.reconcile("apply", changed)
+    no_traceback(r)
+    assert_all_reattached(name, {c: ep for c, ep in before.items() if c != gone})
+    assert [ln for ln in r.err.splitlines() if "interrupted replace" in ln
+            and scratch.name("c1") in ln and "gone" in ln], r.all
+    assert journals(host_ns) == []
+    r = host_ns.reconcile("apply", changed)  # nothing left to finish: no loop
+    assert r.rc == 0 and "interrupted" not in r.all, r.all
+
+
+BRIDGE = "rtjrn0"
+
+
+def test_adopt_killed_after_deleting_the_foreign_eth0_is_finished(
+        host_ns: Netns, tmp_path: Any) -> None:
+    a = unique("n")
+    sh("ip", "netns", "add", a)
+    try:
+        # someone else's namespace with the alloc's id: its eth0 is not our veth
+        sh("ip", "-n", a, "link", "add", "eth0", "type", "veth", "peer", "name", "theirs")
+        sh("ip", "-n", a, "addr", "add", "10.76.0.50/24", "dev", "eth0")
+        sh("ip", "-n", a, "link", "set", "eth0", "up")
+        path = write(tmp_path, "adopt.yaml", "\n".join([
+            "version: 1", f"bridges: [{{name: {BRIDGE}}}]",
+            f"subnets: [{{name: jn, bridge: {BRIDGE}, cidr: 10.76.0.0/24}}]",
+            f"allocs: [{{id: {a}, subnet: jn, address: 10.76.0.9}}]"]) + "\n")
+        r = host_ns.reconcile("plan", path)
+        assert r.rc == 1 and f"--adopt alloc/{a}" in r.out, r.all
+        r = killed(host_ns, "link.delete:1", "apply", "--adopt", f"alloc/{a}", path)
+        assert r.rc == -signal.SIGKILL, r.all
+        inside = {lk["ifname"] for lk in json.loads(sh("ip", "-n", a, "-j", "link").stdout)}
+        assert "eth0" not in inside  # the kill came right after the deletion
+        # the next run, without --adopt: the journal says the adopt was asked for
+        r = host_ns.reconcile("apply", path)
+        no_traceback(r)
+        links = {lk["ifname"]: lk for lk in json.loads(
+            sh("ip", "-n", a, "-j", "-d", "addr").stdout)}
+        assert "eth0" in links, r.all
+        assert links["eth0"]["linkinfo"]["info_kind"] == "veth"
+        assert [f"{x['local']}/{x['prefixlen']}" for x in links["eth0"]["addr_info"]
+                if x["family"] == "inet"] == ["10.76.0.9/24"]
+        assert links["lo"].get("ifalias", "").startswith("managed-by=reconciler")
+        assert r.rc == 0, r.all
+        assert "interrupted adopt" in r.err, r.all
+        assert journals(host_ns) == []
+        assert host_ns.reconcile("plan", path).rc == 0
+    finally:
+        host_ns.reconcile("destroy", "--lock-timeout", "20")
+        sh("ip", "netns", "del", a, check=False)
