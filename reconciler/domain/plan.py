@@ -177,6 +177,15 @@ class Change:
                    tuple(Impact.from_json(i) for i in raw.get("impact") or ()))
 
 
+def _files(raw: Json) -> tuple[tuple[str, str], ...]:
+    """A saved plan's ``files``: (path, sha256) pairs of strings, else ValueError naming it."""
+    if not isinstance(raw, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str)
+            and isinstance(f.get("sha256"), str) for f in raw):
+        raise ValueError("files: want a list of {path, sha256} strings")
+    return tuple((str(f["path"]), str(f["sha256"])) for f in raw if isinstance(f, dict))
+
+
 @dataclass(frozen=True)
 class Plan:
     changes: tuple[Change, ...] = ()
@@ -236,7 +245,7 @@ class Plan:
         if raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"unsupported plan format {raw.get('format_version')!r}")
         return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
-                   tuple((f["path"], f["sha256"]) for f in raw.get("files", [])),
+                   _files(raw.get("files", [])),
                    tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
                    dict(raw.get("options", {})))
 

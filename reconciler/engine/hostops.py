@@ -65,8 +65,9 @@ class HostOps:
         self._members: dict[int, tuple[int, ...]] | None = None
 
     def new_pass(self) -> None:
-        """A new plan is executed: what was read of processes may be stale now."""
+        """A new plan is executed: what was read of processes and bridges may be stale now."""
         self._members = None
+        self.netlink.new_pass()
 
     @property
     def netlink(self) -> Netlink:

@@ -250,3 +250,22 @@ def test_adopting_a_subnet_says_which_foreign_address_it_deletes() -> None:
     (c,) = [c for c in p.changes if c.kind == "subnet"]
     assert c.action in (Action.CREATE, Action.UPDATE)
     assert "address 10.0.0.200/25 (not ours)" in render_text(p), render_text(p)
+
+
+@pytest.mark.parametrize("files", [
+    [{"path": 5, "sha256": "x"}],
+    [{"path": ["a"], "sha256": "x"}],
+    [{"path": "a.yaml"}],
+    ["a.yaml"],
+    "a.yaml",
+    [{"path": "a.yaml", "sha256": 7}],
+])
+def test_saved_plan_with_malformed_files_is_one_line_not_internal_error(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str], files: Any) -> None:
+    plan = {"format_version": 1, "changes": [], "live_fingerprint": "", "files": files}
+    path = write(tmp_path, "plan.json", json.dumps(plan))
+    assert cli.main(["apply", path]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"error: {path}: not a saved plan: ") and "files" in err, err
+    assert "internal error" not in err and "Traceback" not in err

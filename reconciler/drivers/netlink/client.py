@@ -130,9 +130,14 @@ class Netlink(NetlinkReader):
         # bridge veths were put on, and the peer of a veth just created (until configured)
         self._bridge_index: dict[str, int] = {}
         self._fresh: dict[str, _FreshPeer] = {}
-        #: each bridge's MAC by index, for the neighbour entries of new allocations; only
-        #: our own set_mac changes a bridge's MAC once it is pinned (forgotten there)
+        #: each bridge's MAC by index, for the neighbour entries of new allocations: read
+        #: once per pass (``new_pass``; someone may set a bridge's MAC between passes of the
+        #: agent) and forgotten at our own set_mac
         self._bridge_mac: dict[int, str | None] = {}
+
+    def new_pass(self) -> None:
+        """A new plan is executed: what was read of the bridges may be stale now."""
+        self._bridge_mac.clear()
 
     def forget_netns(self, name: str) -> None:
         """Close the cached socket into ``name`` and forget the peer just put there."""
