@@ -150,11 +150,11 @@ class Collector:
                  journals: JournalKeeper | None = None) -> None:
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
-        # the journals as apply finishes them (over the same drivers and runner)
-        self._journals: JournalKeeper = journals if journals is not None else Reconciler(
-            self.observer, runner=self.runner, sleep=sleep, stop=stop)
         self.sleep = sleep
         self.stop = stop or threading.Event()
+        # the journals as apply finishes them (over the same drivers and runner)
+        self._journals: JournalKeeper = journals if journals is not None else Reconciler(
+            self.observer, runner=self.runner, sleep=sleep, stop=self.stop)
         self._who_holds = who_holds
         self._files = files
         self._remove = remove

@@ -464,3 +464,30 @@ def test_a_run_or_state_directory_that_is_not_a_directory_is_one_line(tmp_path: 
         statedir.stale_temporaries("netns/x", root=str(tmp_path))
     with pytest.raises(PreconditionError, match="(?i)cannot read .*not a directory"):
         statedir.stale_temporaries("netns/x", root=str(afile))
+
+
+def test_gc_removes_nothing_while_a_journal_cannot_be_finished(tmp_path, monkeypatch):
+    """The daemon unreachable: the journal is kept for the next run, and gc, which would
+    take its halves for leaks, stops with one error naming it."""
+    from reconciler.domain.errors import PreconditionError
+    from reconciler.domain.ops import AllocAttach
+    host = FakeHost()
+    three(host)
+    host.perform(LinkDelete(alloc_veth_name("a")))
+    monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path / "lock"))
+
+    class Stuck(Keeper):
+        def finish_journals(self) -> list[str]:
+            return ["alloc a: could not finish an interrupted heal yet: …; kept for the next run"]
+
+    keeper = Stuck(host, {"a": encode(AllocAttach("a", "x", "br0", None, False))},
+                   lock.lock_path())
+    c = Collector(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
+                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False,
+                  vantage=lambda _host: None, journals=keeper)
+    ran = len(host.log)
+    with pytest.raises(PreconditionError, match="nothing collected") as err:
+        c.collect(None)
+    assert "alloc a: a change that a killed run left half done" in str(err.value)
+    assert "a" in host.netns and len(host.log) == ran  # nothing ran
+    assert rundir.lock_is_free(lock.lock_path())
