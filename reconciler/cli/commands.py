@@ -347,6 +347,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         gc_view.write_json(result, sys.stdout)
     else:
         sys.stdout.write(gc_view.text(result, colour=colour(args), verbose=args.verbose > 0))
+    for note in result.notes:  # as `plan` says them: what is listed is not all there is
+        print(f"note: {note}", file=sys.stderr)
     for o in result.failed:
         print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
     if result.residual is not None and result.residual.has_changes:

@@ -70,6 +70,29 @@ def dir_problem(st: os.stat_result, me: int) -> str | None:
     return None
 
 
+def list_trusted_dir(directory: str, what: str) -> list[str] | None:
+    """The sorted names in ``directory`` once it is checked ours (:func:`dir_problem`);
+    None when it does not exist. Anything else that keeps it from being read (it is a
+    file, a path through a file, unreadable) is one PreconditionError line naming it."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PreconditionError(f"cannot read the {what} {directory}: "
+                                f"{exc.strerror or exc}") from None
+    problem = dir_problem(st, os.geteuid())
+    if problem is not None:
+        raise PreconditionError(f"refusing the {what} {directory}: {problem}")
+    try:
+        return sorted(os.listdir(directory))
+    except FileNotFoundError:  # removed meanwhile
+        return None
+    except OSError as exc:
+        raise PreconditionError(f"cannot read the {what} {directory}: "
+                                f"{exc.strerror or exc}") from None
+
+
 def open_file(path: str, mode: int = 0o600) -> int:
     """Open (create) a file under the run directory for reading and writing, never via a link.
 
@@ -171,14 +194,9 @@ def stale_files(directory: str = RUN_DIR) -> list[tuple[str, str]]:
     nobody listens on and whose server's lock nobody holds. Sockets first: one is
     removed under its server's lock (:func:`remove_stale`). Files of other names, and
     entries that are not regular files (or sockets) of ours, are never listed."""
-    try:
-        st = os.lstat(directory)
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
+    names = list_trusted_dir(directory, "run directory")
+    if names is None:
         return []
-    problem = dir_problem(st, os.geteuid())
-    if problem is not None:
-        raise PreconditionError(f"refusing the run directory {directory}: {problem}")
     out: list[tuple[str, str]] = []
     for name in sorted((n for n in names if _RUN_FILE.fullmatch(n)),
                        key=lambda n: (not n.endswith(".sock"), n)):

@@ -183,6 +183,24 @@ def boot_id() -> str:
 _TEMPORARY = re.compile(r"\.(?P<name>[^/\0]+)\.(?P<pid>[0-9]+)\.tmp")
 
 
+#: no process has a pid above this (the kernel's PID_MAX_LIMIT, 2^22)
+PID_MAX_LIMIT = 4 * 1024 * 1024
+
+
+def _writer_pid(name: str) -> int | None:
+    """The pid in a temporary's name (``.NAME.PID.tmp``), or None when the name is not one
+    or its pid is one no process can have (0, beyond PID_MAX_LIMIT): an odd entry is not
+    ours to judge, and ``os.kill`` would take 0 for our own process group."""
+    m = _TEMPORARY.fullmatch(name)
+    if m is None:
+        return None
+    digits = m.group("pid")
+    if len(digits) > 8:
+        return None
+    pid = int(digits)
+    return pid if 0 < pid <= PID_MAX_LIMIT else None
+
+
 def _boot_time() -> float | None:
     """When this boot started (``btime`` of ``/proc/stat``), or None."""
     try:
@@ -210,7 +228,7 @@ def _stale_why(path: str, pid: int, boot: float | None) -> str | None:
     this boot: a pid of now is not its writer), or None."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except OSError:  # gone meanwhile, or not to be read: not one to remove
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return None
@@ -226,22 +244,17 @@ def stale_temporaries(scope: str, root: str | None = None) -> list[tuple[str, st
     rename any more (a ``kill -9`` between write and rename). The directory is not made:
     none, nothing to collect."""
     directory = os.path.join(root or state_root(), scope_dirname(scope))
-    try:
-        st = os.lstat(directory)
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
+    names = rundir.list_trusted_dir(directory, "state directory")
+    if names is None:
         return []
-    problem = rundir.dir_problem(st, os.geteuid())
-    if problem is not None:
-        raise PreconditionError(f"refusing the state directory {directory}: {problem}")
     boot = _boot_time()
     out = []
     for name in names:
-        m = _TEMPORARY.fullmatch(name)
-        if m is None:
+        pid = _writer_pid(name)
+        if pid is None:
             continue
         path = os.path.join(directory, name)
-        why = _stale_why(path, int(m.group("pid")), boot)
+        why = _stale_why(path, pid, boot)
         if why is not None:
             out.append((path, why))
     return out
@@ -250,8 +263,8 @@ def stale_temporaries(scope: str, root: str | None = None) -> list[tuple[str, st
 def remove_temporary(path: str) -> bool:
     """Remove the temporary ``path`` if it is still left over (checked again); its
     directory is fsync'd. False when it is not (any more)."""
-    m = _TEMPORARY.fullmatch(os.path.basename(path))
-    if m is None or _stale_why(path, int(m.group("pid")), _boot_time()) is None:
+    pid = _writer_pid(os.path.basename(path))
+    if pid is None or _stale_why(path, pid, _boot_time()) is None:
         return False
     try:
         os.unlink(path)

@@ -1,6 +1,6 @@
 """Finish the changes a killed run left half done (their journals), before anything is planned.
 
-``apply``, ``destroy`` and each ``watch`` pass call ``finish_journals`` under the
+``apply``, ``destroy``, ``gc`` and each ``watch`` pass call ``finish_journals`` under the
 host lock first: a journal (``engine/journal.py``) still there means its change was
 interrupted, and planning first would see only the half-made state — a
 re-created network with no containers is "No changes", an adopted namespace

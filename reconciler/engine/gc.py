@@ -7,6 +7,13 @@ leak: only what a dead run left is. After removing, the host is observed again
 until the gc plan is empty (the kernel destroys namespaces, and so their veths,
 asynchronously), as ``Reconciler.verify`` does for apply.
 
+A change a killed run left half done (its journal, ``engine/journal.py``) is finished
+first, under the lock, as ``apply`` does: planned before it, gc would take its halves
+for leaks (the empty network of a replace killed after the create, a namespace whose
+heal deleted its veth). One that cannot be finished yet stops gc before it removes
+anything. ``gc --plan`` finishes nothing (it changes nothing): it names them, as
+``plan`` does.
+
 The stale files are the reconciler's own bookkeeping, not host objects, so they are
 removed by the drivers of their directories (``drivers/rundir``, ``drivers/statedir``:
 each re-checks a file just before removing it), not through ``HostOps``.
@@ -19,8 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
+from reconciler.domain.errors import PreconditionError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
@@ -30,7 +38,7 @@ from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.lock import host_lock
 from reconciler.engine.observe import Observer, docker_scope
-from reconciler.engine.reconcile import VERIFY_ATTEMPTS, VERIFY_DELAYS, preflight
+from reconciler.engine.reconcile import VERIFY_ATTEMPTS, VERIFY_DELAYS, Reconciler, preflight
 from reconciler.planner import gc as planner_gc
 
 FileKind = Literal["run", "state"]
@@ -49,6 +57,14 @@ class StaleFile:
         return {"path": self.path, "where": self.where, "reason": self.reason}
 
 
+class JournalKeeper(Protocol):
+    """What gc asks about the journals of killed runs (``Reconciler`` is one)."""
+
+    def journal_notes(self) -> list[str]: ...
+
+    def finish_journals(self) -> list[str]: ...
+
+
 @dataclass
 class GcResult:
     plan: Plan
@@ -62,6 +78,10 @@ class GcResult:
     #: the probes' external vantage namespace a prober that is gone left behind
     vantage: str | None = None
     vantage_removed: bool = False
+    #: ``--plan``: the changes killed runs left half done, one line each (as ``plan``'s notes)
+    notes: list[str] = field(default_factory=list)
+    #: after collecting: what finishing them first said
+    finished: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Outcome]:
@@ -126,11 +146,15 @@ class Collector:
                  files: Callable[[], list[StaleFile]] = stale_files,
                  remove: Callable[[StaleFile], bool] = remove_file,
                  vantage: Callable[[str], str | None] = vantage_left,
-                 remove_vantage: Callable[[str], bool] = probes.remove_unused_vantage) -> None:
+                 remove_vantage: Callable[[str], bool] = probes.remove_unused_vantage,
+                 journals: JournalKeeper | None = None) -> None:
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
         self.sleep = sleep
         self.stop = stop or threading.Event()
+        # the journals as apply finishes them (over the same drivers and runner)
+        self._journals: JournalKeeper = journals if journals is not None else Reconciler(
+            self.observer, runner=self.runner, sleep=sleep, stop=self.stop)
         self._who_holds = who_holds
         self._files = files
         self._remove = remove
@@ -148,12 +172,20 @@ class Collector:
     def report(self, desired: DesiredState | None) -> GcResult:
         """``gc --plan``: what would be collected."""
         plan = self.plan(desired)
-        return GcResult(plan, self._files(), vantage=self._vantage(self.host_id))
+        return GcResult(plan, self._files(), vantage=self._vantage(self.host_id),
+                        notes=self._journals.journal_notes())
 
     def collect(self, desired: DesiredState | None, lock_timeout: float = 60.0) -> GcResult:
         """Remove what :meth:`plan` finds, under the host lock; then the stale files."""
         with host_lock(lock_timeout):
-            result = GcResult(self.plan(desired), [], collected=True)
+            finished = self._journals.finish_journals()
+            pending = self._journals.journal_notes()
+            if pending:  # its halves are not leaks: gc waits for it, as nothing else would
+                raise PreconditionError("\n".join(
+                    ["gc: a change a killed run left half done could not be finished yet; "
+                     "nothing collected (the next apply, destroy or gc tries it again)",
+                     *pending]))
+            result = GcResult(self.plan(desired), [], collected=True, finished=finished)
             if result.plan.has_changes:
                 preflight(result.plan)
                 if isinstance(self.runner, HostOps):

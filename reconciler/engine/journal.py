@@ -59,10 +59,10 @@ def describe(record: str) -> str:
     kind, _, name = record[len(PREFIX):-len(SUFFIX)].partition("-")
     if kind == DOCKER:
         return (f"docker network {name}: a replace that a killed run left half done (its "
-                "containers may be detached); the next apply, destroy or watch pass "
+                "containers may be detached); the next apply, destroy, gc or watch pass "
                 "finishes it first")
     return (f"{kind} {name}: a change that a killed run left half done; the next apply, "
-            "destroy or watch pass finishes it first")
+            "destroy, gc or watch pass finishes it first")
 
 
 @dataclass

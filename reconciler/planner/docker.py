@@ -202,7 +202,7 @@ def _plan_pruned(ctx: PlanContext, docker: LiveDocker,
         if name in ctx.desired.docker_networks or name in PROTECTED_NETWORKS:
             continue
         mine = sort_duplicates(n for n in nets
-                               if n.owned and n.labels.get(SCOPE_LABEL) == docker.scope)
+                               if n.owned and network_scope(n.labels) == docker.scope)
         if not mine:
             continue
         address = f"{KIND}/{name}"

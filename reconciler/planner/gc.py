@@ -2,18 +2,21 @@
 
 Without files it collects *broken halves*, things that are garbage whatever the
 files say: an owned veth whose allocation namespace is gone, an owned allocation
-namespace that lost its veth pair, the marked empty file of a deleted namespace,
-and our firewall rules of allocations whose namespace is gone. With files it also
+namespace that lost its veth pair, the marked empty file of a deleted namespace.
+The firewall rules of allocations whose namespace is gone are not among them: the
+files may still declare those allocations (a namespace deleted by hand), and the
+rules hold their ``auto`` host ports; a warning names them. With files it also
 collects what a prune would remove: owned objects nothing declares any more (of this
-scope: Docker networks of another scope are never ours to remove).
+scope: Docker networks of another scope are never ours to remove), their rules
+included.
 
 It does not carry its own copy of the ownership rules: the removals are the
 planner's own (``make_plan`` with nothing declared and pruning off gives the
 always-garbage deletions, ``make_plan`` of the files with pruning on gives the
 prunes), restricted to deletions. What the planner does not do by itself, this
 module adds: namespaces without their veth (the planner heals those of declared
-allocations, and prunes undeclared ones only when pruning), and firewall rules
-removed by owner without any rule added. Every candidate is checked once more
+allocations, and prunes undeclared ones only when pruning), and, with files, firewall
+rules removed by owner without any rule added. Every candidate is checked once more
 against the mark on the object itself (``_marked``), and the finished plan holds
 removal ops only (``only_removals``): a planner change that slipped a creation
 into a deletion fails here rather than on the host.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.docker import network_scope
 from reconciler.domain.errors import PlanError
 from reconciler.domain.live import LiveChainSet, LiveState
 from reconciler.domain.model import DesiredState
@@ -46,7 +49,7 @@ from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import change_order, firewall, make_plan
 from reconciler.planner.allocs import owned_ns, veth_pair_ok
 from reconciler.planner.context import PlanOptions
-from reconciler.planner.hostlinks import KEEPS_MTU_REASON
+from reconciler.planner.hostlinks import KEEPS_MTU_REASON, interrupted_creation
 
 #: namespace name -> pids of the processes inside it (``drivers.procfs``)
 Holders = Mapping[str, tuple[int, ...]]
@@ -77,7 +80,10 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
     if desired is None:
         for c in _namespaces_without_veth(live, holders or {}, warnings):
             found[c.address] = c
-        drop = _vanished_allocs(live, found)
+        kept = _vanished_allocs(live, found)
+        if kept:
+            warnings.append(_kept_rules_warning(kept))
+        drop: set[str] = set()
     else:
         # a prune: it takes every undeclared owned namespace, veth or not
         pruned = make_plan(desired, live, PlanOptions(prune=True), desired.file_hashes)
@@ -114,6 +120,8 @@ def _marked(c: Change, live: LiveState) -> bool:
         return ns is not None and (owned_ns(live.host_id, ns) or
                                    (not ns.usable and ns.file_mark == alloc_ns_alias(
                                        live.host_id)))
+    if c.kind == "bridge" and interrupted_creation(live.links, c.name):
+        return True  # marked by its alias or, killed before that, by its MAC
     if c.kind in ("veth", "bridge"):
         link = live.links.get(c.name)
         return link is not None and link.owned
@@ -125,7 +133,7 @@ def _marked(c: Change, live: LiveState) -> bool:
         if docker is None:
             return False
         ours = {n.id for n in docker.networks
-                if n.owned and n.labels.get(SCOPE_LABEL) == docker.scope}
+                if n.owned and network_scope(n.labels) == docker.scope}
         ops = [decode(op) for op in c.ops]
         return bool(ops) and all(isinstance(op, DockerRemove) and op.id in ours for op in ops)
     return False
@@ -181,6 +189,20 @@ def _vanished_allocs(live: LiveState, collected: Mapping[str, Change]) -> set[st
              if owned_ns(live.host_id, ns) and f"alloc/{name}" not in collected}
     return {o for o in _live_owners(live)
             if o.startswith("alloc=") and o.partition("=")[2] not in alive}
+
+
+def _kept_rules_warning(owners: Collection[str]) -> str:
+    """Without files, the rules of allocations whose namespace is gone stay: one line.
+
+    Their namespace may have gone by hand (``ip netns del``) while the files still declare
+    them, and their DNAT rules are what holds their ``auto`` host ports: removed, the next
+    apply would pick other ones. The files decide: ``gc PATH`` (or an apply that prunes)
+    removes the rules of allocations they do not declare.
+    """
+    names = ", ".join(f"alloc {o.partition('=')[2]}" for o in sorted(owners))
+    return (f"the port-map rules of allocations whose namespace is gone are kept: {names} "
+            "(the files may still declare them, and their rules hold their `auto` host "
+            "ports; `reconcile gc PATH` removes them when the files no longer declare them)")
 
 
 def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 
 from reconciler.domain.live import LiveLink
@@ -275,24 +276,26 @@ def is_temp_bridge_name(name: str) -> bool:
     return bool(_TEMP_BRIDGE.match(name))
 
 
-def _interrupted_creation(ctx: PlanContext, name: str, link: LiveLink) -> bool:
+def interrupted_creation(links: Mapping[str, LiveLink], name: str) -> bool:
     """The temporary bridge of a creation killed before it was renamed (links.ensure_bridge).
 
     Bare (no ports, no addresses, down) under a temporary name, and marked: its alias
     once the creation got that far, before that the MAC it was created with
     (``temp_bridge_mac``). The name alone is no proof: anyone may call a bridge so, and
-    an unmarked one is left alone. Always garbage, so removed with ``--no-prune`` too.
+    an unmarked one is left alone. Always garbage, so removed with ``--no-prune`` too;
+    ``planner.gc`` checks its candidates with this same test.
     """
-    return (link.kind == "bridge" and not link.up and not link.addresses
+    link = links.get(name)
+    return (link is not None and link.kind == "bridge" and not link.up and not link.addresses
             and bool(_TEMP_BRIDGE.match(name))
             and (link.owned or link.mac == temp_bridge_mac(name))
-            and not any(lk.master == name for lk in ctx.live.links.values()))
+            and not any(lk.master == name for lk in links.values()))
 
 
 def plan_pruned_bridges(ctx: PlanContext) -> list[Change]:
     changes = []
     for name, link in sorted(ctx.live.links.items()):
-        if _interrupted_creation(ctx, name, link):
+        if interrupted_creation(ctx.live.links, name):
             ctx.observed[f"bridge/{name}"] = _link_view(link)
             changes.append(Change("bridge", name, Action.DELETE,
                                   "leftover of an interrupted bridge creation", (),

@@ -17,12 +17,14 @@ from reconciler.ui.render import EXIT_CHANGES, EXIT_ERROR, EXIT_OK, render_text
 
 
 def exit_code(result: GcResult) -> int:
-    """``--plan``: 0 nothing to collect, 2 something, 1 an error; else 0 when everything
-    went (and the host was found clean after), 1 otherwise."""
+    """``--plan``: 0 nothing to collect, 2 something (or a killed run's journal pending),
+    1 an error; else 0 when everything went (and the host was found clean after), 1
+    otherwise."""
     if not result.collected:
         if result.plan.errors:
             return EXIT_ERROR
-        return EXIT_CHANGES if result.anything else EXIT_OK
+        # a journal pending: what is listed is not the whole truth (as `plan` exits 2)
+        return EXIT_CHANGES if result.anything or result.notes else EXIT_OK
     return EXIT_OK if result.ok else EXIT_ERROR
 
 
@@ -78,6 +80,8 @@ def to_json(result: GcResult) -> dict[str, object]:
         "probe_vantage_removed": result.vantage_removed,
         "residual": result.residual.to_json()["changes"] if result.residual else None,
         "ok": result.ok if result.collected else not result.plan.errors,
+        "notes": result.notes,
+        "journals": result.finished,
     }
 
 

@@ -36,11 +36,23 @@ from reconciler.domain.ownership import (
     probe_vantage_names,
 )
 from reconciler.drivers import statedir
-from tests.conftest import Netns, Result, sh, unique, write
+from tests.conftest import REPO, Netns, Result, sh, unique, write
+from tests.integration import test_journal as replaces  # 4 containers on a network of ours
+from tests.integration.test_journal import (
+    Scratch,
+    assert_all_reattached,
+    four_attached,
+    journals,
+    network_ids,
+)
 
 pytestmark = pytest.mark.root
 
 BRIDGE = "rgcbr0"
+
+docker_client = replaces.docker_client
+busybox_image = replaces.busybox_image
+scratch = replaces.scratch
 
 
 @pytest.fixture
@@ -160,14 +172,13 @@ def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         r = gc(host_ns, run_dir, "gc", "--plan", "--output", "json")
         assert r.rc == 2, r.all
         changes, files = report(r)
-        assert changes == {f"alloc/{a1}", f"alloc/{a6}", f"veth/{alloc_veth_name(a2)}",
-                           "firewall/ipv4"}, r.out
-        fw = next(c for c in json.loads(r.out)["changes"] if c["kind"] == "firewall")
-        assert all(f"alloc={a}" in fw["reason"] for a in (a1, a2, a3))
-        assert f"alloc={a4}" not in fw["reason"]
+        assert changes == {f"alloc/{a1}", f"alloc/{a6}", f"veth/{alloc_veth_name(a2)}"}, r.out
+        # without files their rules stay (the files may still declare them: auto ports)
+        (kept,) = [w for w in json.loads(r.out)["warnings"] if "port-map rules" in w]
+        assert all(f"alloc {a}" in kept for a in (a1, a2, a3)) and a4 not in kept, kept
         assert files == {str(stale_lock), str(dead_sock), str(tmp_record)}, r.out
         text = gc(host_ns, run_dir, "gc", "--plan")
-        assert text.rc == 2 and "Gc: 4 objects" in text.out, text.all
+        assert text.rc == 2 and "Gc: 3 objects" in text.out, text.all
         assert stale_lock.exists() and dead_sock.exists()  # --plan removed nothing
 
         r = gc(host_ns, run_dir, "gc")
@@ -181,10 +192,8 @@ def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         assert {alloc_veth_name(a4), alloc_veth_name(a5), look_alike, BRIDGE} <= host_links
         rules = host_ns.iptables_save(4).splitlines()
         ours = [r for r in rules if r.startswith("-A RECONCILER-")]
-        for a in (a1, a2, a3):
-            assert not [r for r in ours if f"alloc={a}" in r]
-        assert [r for r in rules if r.startswith("-A FORWARD") and f"alloc={a3}" in r]
-        assert [r for r in ours if f"alloc={a4}" in r]
+        for a in (a1, a2, a3, a4):
+            assert [r for r in ours if f"alloc={a}" in r], a
         assert not stale_lock.exists() and not dead_sock.exists() and not tmp_record.exists()
         assert held.exists()
         # the held namespace lost its eth0 with the veth (the kernel deletes both ends)
@@ -193,8 +202,19 @@ def test_gc_collects_exactly_the_broken_halves_and_stale_files(
 
         again = gc(host_ns, run_dir, "gc", "--plan")
         assert again.rc == 0 and "Nothing to collect." in again.out, again.all
+        assert "port-map rules" in again.out, again.all
+        # the files say a1-a3 are gone: gc PATH removes their rules, and only theirs
+        last = allocs_file(tmp_path, "c.yaml", [a4, a5], ports)
+        r = gc(host_ns, run_dir, "gc", last)
+        assert r.rc == 0, r.all
+        rules = host_ns.iptables_save(4).splitlines()
+        ours = [r for r in rules if r.startswith("-A RECONCILER-")]
+        for a in (a1, a2, a3):
+            assert not [r for r in ours if f"alloc={a}" in r], a
+        assert [r for r in rules if r.startswith("-A FORWARD") and f"alloc={a3}" in r]
+        assert [r for r in ours if f"alloc={a4}" in r]
         # what remains is whole: the last files apply without re-making anything
-        r = gc(host_ns, run_dir, "plan", allocs_file(tmp_path, "c.yaml", [a4, a5], ports))
+        r = gc(host_ns, run_dir, "plan", last)
         assert r.rc == 0, r.all
     finally:
         if lock_fd is not None:
@@ -316,3 +336,41 @@ def test_gc_removes_the_probe_vantage_a_killed_prober_left(
     finally:
         sh("ip", "netns", "del", vantage_ns, check=False)
 
+
+
+def killed(ns: Netns, run_dir: Path, spec: str, *args: str) -> Result:
+    """`reconcile ARGS` in ``ns``, SIGKILLed at ``spec`` (killpoints.py), on our run dir."""
+    p = subprocess.run([sys.executable, "-m", "tests.integration.killpoints", spec,
+                        "--netns", ns.name, *args], capture_output=True, text=True,
+                       timeout=300, cwd=REPO,
+                       env={**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)})
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.docker
+def test_gc_finishes_an_interrupted_replace_before_it_collects(
+        host_ns: Netns, run_dir: Path, scratch: Scratch, tmp_path: Path) -> None:
+    """Killed right after the new network was made, with every container detached: to
+    gc with files that no longer declare it, the new network is an empty one of ours to
+    remove, and the containers would stay detached for good. gc finishes the replace
+    first (under the lock), so the network has its containers and stays (pruned once
+    they leave); `gc --plan` says the journal is pending and exits 2."""
+    import signal  # noqa: PLC0415
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, run_dir, "create:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    assert journals(host_ns) and len(network_ids(name)) == 1
+    nothing = write(tmp_path, "none.yaml", "version: 1\n")
+    r = gc(host_ns, run_dir, "gc", "--plan", nothing)
+    assert r.rc == 2, r.all
+    assert f"note: docker network {name}: a replace that a killed run left half done" \
+        in r.err, r.all
+    assert journals(host_ns)  # --plan finished nothing
+    r = gc(host_ns, run_dir, "gc", nothing)
+    assert "Traceback" not in r.all and "internal error" not in r.all, r.all
+    assert r.rc == 0, r.all
+    assert "interrupted replace" in r.err and "not removed yet" in r.out, r.all
+    assert_all_reattached(name, before)  # read with `docker inspect`
+    assert journals(host_ns) == []
+    r = gc(host_ns, run_dir, "gc", "--plan", nothing)
+    assert r.rc == 0 and "note:" not in r.err, r.all

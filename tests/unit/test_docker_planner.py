@@ -263,7 +263,6 @@ def test_prune_removes_only_ours_of_our_scope() -> None:
         net("old", id="1" * 64),                                            # ours: removed
         net("old", id="2" * 64),                                            # its duplicate too
         net("other-scope", labels={**OURS, SCOPE_LABEL: "netns/x"}),        # a sandbox's
-        net("unscoped", labels={DOCKER_LABEL: DOCKER_LABEL_VALUE}),          # not by a reconcile
         net("foreign", labels={}),
         net("bridge", labels=dict(OURS)),                                   # Docker's own
     )
@@ -272,6 +271,16 @@ def test_prune_removes_only_ours_of_our_scope() -> None:
     assert (c.address, c.action) == ("docker_network/old", Action.DELETE)
     assert [(o.name, o.args["id"]) for o in c.ops] == [("docker.remove", "1" * 64),
                                                        ("docker.remove", "2" * 64)]
+
+
+def test_an_owned_network_without_the_scope_label_is_the_hosts_to_prune() -> None:
+    """Made before networks carried the label (``network_scope``): the host's reconciler
+    prunes it, a sandbox's never does (as its conflict check already said)."""
+    unscoped = net("unscoped", labels={DOCKER_LABEL: DOCKER_LABEL_VALUE})
+    c = one(plan(desired(), docker(unscoped))[0])
+    assert (c.address, c.action) == ("docker_network/unscoped", Action.DELETE)
+    sandbox = dataclasses.replace(docker(unscoped), scope="netns/x")
+    assert plan(desired(), sandbox)[0] == []
 
 
 def test_no_prune_keeps_them() -> None:

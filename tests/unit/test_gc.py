@@ -19,7 +19,7 @@ from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveLink
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, FirewallRestore, LinkAddBridge, LinkDelete, encode
 from reconciler.domain.ownership import DOCKER_LABEL, alloc_veth_name
-from reconciler.domain.plan import Action, Change, Plan
+from reconciler.domain.plan import Action, Change, Op, Plan
 from reconciler.drivers import rundir, statedir
 from reconciler.engine import lock
 from reconciler.engine.gc import Collector, GcResult, StaleFile
@@ -70,6 +70,14 @@ def test_broken_halves_are_collected_whole_allocations_are_not():
     del host.netns["b"]  # unmounted while something holds it: its veth stays behind
     p = gc_plan(host.observe(DesiredState()))
     assert addresses(p) == {"alloc/a": Action.DELETE,
+                            f"veth/{alloc_veth_name('b')}": Action.DELETE}
+    # their rules stay without files (the files may declare them: their auto ports)
+    (kept,) = p.warnings
+    assert "alloc a, alloc b" in kept and "alloc c" not in kept
+    # with files that declare c only, they go too
+    only_c = state(alloc("c", port(8082, 80)))
+    p = gc_plan(host.observe(only_c), only_c)
+    assert addresses(p) == {"alloc/a": Action.DELETE,
                             f"veth/{alloc_veth_name('b')}": Action.DELETE,
                             "firewall/ipv4": Action.UPDATE}
     fw = next(c for c in p.actionable if c.kind == "firewall")
@@ -82,7 +90,8 @@ def test_rules_of_a_vanished_alloc_go_with_nothing_added(tmp_path, monkeypatch):
     host.netns.pop("c")  # `ip netns del`: the namespace and its veth are gone
     host.links.pop(alloc_veth_name("c"))
     jumps = list(host.fw[4].chains[("nat", "PREROUTING")])
-    result = collect(host, None, tmp_path, monkeypatch)
+    result = collect(host, state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80))),
+                     tmp_path, monkeypatch)
     assert result.ok and result.residual is not None and not result.residual.has_changes
     assert [r for r in dnat(host) if "alloc=c" in r] == []
     assert len([r for r in dnat(host) if "alloc=" in r]) == 2
@@ -96,7 +105,8 @@ def test_a_missing_jump_is_not_added_back():
     host.netns.pop("c")
     host.links.pop(alloc_veth_name("c"))
     host.fw[4].chains[("nat", "OUTPUT")] = []  # someone deleted our jump
-    fw = next(c for c in gc_plan(host.observe(DesiredState())).actionable
+    kept = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
+    fw = next(c for c in gc_plan(host.observe(kept), kept).actionable
               if c.kind == "firewall")
     script = fw.ops[0].args["script"]
     assert "-I " not in script and "-D " not in script and "-A RECONCILER-DNAT" in script
@@ -208,7 +218,8 @@ def test_text_and_exit_codes():
     host = FakeHost()
     three(host)
     del host.netns["b"]
-    p = gc_plan(host.observe(DesiredState()))
+    kept = state(alloc("a", port(8080, 80)), alloc("c", port(8082, 80)))
+    p = gc_plan(host.observe(kept), kept)
     files = [StaleFile("/run/reconciler/netns-1.lock", "run", "a lock nobody holds")]
     report = GcResult(p, files)
     out = gc_view.text(report)
@@ -306,9 +317,177 @@ def test_ipv6_rules_of_a_vanished_alloc_go_too(tmp_path, monkeypatch):
     assert any("alloc=b" in r for r in host.fw[6].chains[("nat", firewall.DNAT)])
     host.netns.pop("b")
     host.links.pop(alloc_veth_name("b"))
-    p = gc_plan(host.observe(DesiredState()))
+    kept = state(alloc("a", port(8080, 80)), sub=subnet(cidr6="fd00::/64"))
+    p = gc_plan(host.observe(kept), kept)
     assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE}
-    assert collect(host, None, tmp_path, monkeypatch).ok
+    assert collect(host, kept, tmp_path, monkeypatch).ok
     for family in (4, 6):
         rules = host.fw[family].chains[("nat", firewall.DNAT)]
         assert not [r for r in rules if "alloc=b" in r] and [r for r in rules if "alloc=a" in r]
+
+
+# -- the review's fixes (fix-gc) ---------------------------------------------------------------
+
+def test_a_temporary_bridge_marked_only_by_its_mac_is_collected():
+    """A kill between creating the temporary bridge and setting its alias leaves the MAC it
+    was made with as its only mark: the planner removes it (``hostlinks``), so gc does."""
+    from reconciler.domain.ownership import temp_bridge_mac
+    host = FakeHost()
+    three(host)
+    for name in ("rcltmp0a1b2c3d", "rcltmp0a1b2c3e"):
+        host.add_link(name, "bridge")
+        host.links[name] = dataclasses.replace(host.links[name], up=False)
+    host.links["rcltmp0a1b2c3d"] = dataclasses.replace(
+        host.links["rcltmp0a1b2c3d"], mac=temp_bridge_mac("rcltmp0a1b2c3d"))
+    # the same MAC on another bridge is no mark of that one
+    host.links["rcltmp0a1b2c3e"] = dataclasses.replace(
+        host.links["rcltmp0a1b2c3e"], mac=temp_bridge_mac("rcltmp0a1b2c3d"))
+    for files in (None, DesiredState()):
+        p = gc_plan(host.observe(files or DesiredState()), files)
+        assert addresses(p).get("bridge/rcltmp0a1b2c3d") is Action.DELETE, addresses(p)
+        assert "bridge/rcltmp0a1b2c3e" not in addresses(p)
+
+
+def test_an_owned_network_without_a_scope_label_is_the_hosts():
+    """Networks made before they carried the scope label are the host scope's, as the
+    planner reads them (``domain.docker.network_scope``)."""
+    host = FakeHost()
+    _docker(host, _net("old", {DOCKER_LABEL: "true"}))
+    p = gc_plan(host.observe(DesiredState()), DesiredState())
+    assert addresses(p) == {"docker_network/old": Action.DELETE}
+
+
+def test_without_files_the_rules_of_a_vanished_alloc_are_kept_with_a_warning(
+        tmp_path, monkeypatch):
+    """Its namespace went by hand, but the files may still declare it: its DNAT rules hold
+    its ``auto`` host ports, which the next apply keeps only if they are still there."""
+    host = FakeHost()
+    three(host)
+    host.netns.pop("c")
+    host.links.pop(alloc_veth_name("c"))
+    before = dnat(host)
+    p = gc_plan(host.observe(DesiredState()))
+    assert not p.has_changes, addresses(p)
+    (warning,) = p.warnings
+    assert "alloc c" in warning and "gc PATH" in warning, warning
+    result = collect(host, None, tmp_path, monkeypatch)
+    assert result.ok and dnat(host) == before
+    assert "Nothing to collect." in gc_view.text(result) and "alloc c" in gc_view.text(result)
+    # with files that no longer declare it, they go (and only its)
+    kept = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
+    result = collect(host, kept, tmp_path, monkeypatch)
+    assert result.ok
+    assert [r for r in dnat(host) if "alloc=c" in r] == []
+    assert len([r for r in dnat(host) if "alloc=" in r]) == 2
+
+
+class Keeper:
+    """The journals of a killed run, for the collector: finishing one runs its last op."""
+
+    def __init__(self, host: FakeHost, pending: dict[str, Op], lock_path: str) -> None:
+        self.host, self.pending, self.lock_path = host, pending, lock_path
+        self.finished_locked: list[bool] = []
+
+    def journal_notes(self) -> list[str]:
+        return [f"alloc {n}: a change that a killed run left half done" for n in self.pending]
+
+    def finish_journals(self) -> list[str]:
+        self.finished_locked.append(not rundir.lock_is_free(self.lock_path))
+        lines = []
+        for name, op in sorted(self.pending.items()):
+            self.host.run(op)
+            lines.append(f"alloc {name}: finished an interrupted heal")
+        self.pending = {}
+        return lines
+
+
+def test_gc_finishes_interrupted_changes_under_the_lock_before_it_plans(tmp_path, monkeypatch):
+    """A heal killed after it deleted the veth and before it attached the new one: gc
+    would take the namespace for a broken half and delete it. Finished first, it is whole."""
+    from reconciler.domain.ops import AllocAttach
+    host = FakeHost()
+    three(host)
+    host.perform(LinkDelete(alloc_veth_name("a")))
+    host.netns["a"].links.pop("eth0", None)
+    assert "alloc/a" in addresses(gc_plan(host.observe(DesiredState())))
+    monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path / "lock"))
+    keeper = Keeper(host, {"a": encode(AllocAttach("a", alloc_veth_name("a"), "br0", None,
+                                                    False))}, lock.lock_path())
+    c = Collector(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
+                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False,
+                  vantage=lambda _host: None, journals=keeper)
+    # --plan changes nothing: it says a journal is pending, and exits 2
+    report = c.report(None)
+    assert keeper.pending and report.notes == [
+        "alloc a: a change that a killed run left half done"]
+    assert gc_view.exit_code(report) == 2
+    result = c.collect(None)
+    assert keeper.finished_locked == [True]
+    assert result.finished == ["alloc a: finished an interrupted heal"]
+    assert "alloc/a" not in addresses(result.plan) and set(host.netns) == {"a", "b", "c"}
+    assert gc_view.to_json(result)["journals"] == result.finished
+    assert gc_view.exit_code(c.report(None)) == 0
+
+
+def test_gc_plan_with_a_pending_journal_exits_2_even_with_nothing_to_collect():
+    report = GcResult(Plan(), [], notes=["docker network n: a replace …"])
+    assert gc_view.exit_code(report) == 2
+    assert gc_view.to_json(report)["notes"] == ["docker network n: a replace …"]
+    assert gc_view.exit_code(GcResult(Plan(errors=("x",)), [], notes=["n"])) == 1
+
+
+def test_odd_temporaries_are_skipped(tmp_path: Path):
+    """A pid no process can have (too big for the kernel's pid_t, 0) names no writer: the
+    entry is not ours to judge, so it is neither listed nor removed, and nothing fails."""
+    scope = tmp_path / "netns-x"
+    scope.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    for name in (".x.99999999999999999999.tmp", ".x.0.tmp", ".x.4294967296.tmp"):
+        (scope / name).touch()
+        assert not statedir.remove_temporary(str(scope / name))
+    (scope / ".dir.1.tmp").mkdir()  # not a regular file
+    assert statedir.stale_temporaries("netns/x", root=str(tmp_path)) == []
+    assert len(os.listdir(scope)) == 4
+
+
+def test_a_run_or_state_directory_that_is_not_a_directory_is_one_line(tmp_path: Path):
+    from reconciler.domain.errors import PreconditionError
+    os.chmod(tmp_path, 0o700)
+    afile = tmp_path / "run"
+    afile.write_text("")
+    with pytest.raises(PreconditionError, match="it is not a directory"):
+        rundir.stale_files(str(afile))
+    with pytest.raises(PreconditionError, match="(?i)cannot read .*not a directory"):
+        rundir.stale_files(str(afile / "below"))
+    (tmp_path / "netns-x").write_text("")
+    with pytest.raises(PreconditionError, match="it is not a directory"):
+        statedir.stale_temporaries("netns/x", root=str(tmp_path))
+    with pytest.raises(PreconditionError, match="(?i)cannot read .*not a directory"):
+        statedir.stale_temporaries("netns/x", root=str(afile))
+
+
+def test_gc_removes_nothing_while_a_journal_cannot_be_finished(tmp_path, monkeypatch):
+    """The daemon unreachable: the journal is kept for the next run, and gc, which would
+    take its halves for leaks, stops with one error naming it."""
+    from reconciler.domain.errors import PreconditionError
+    from reconciler.domain.ops import AllocAttach
+    host = FakeHost()
+    three(host)
+    host.perform(LinkDelete(alloc_veth_name("a")))
+    monkeypatch.setattr(lock, "LOCK_DIR", str(tmp_path / "lock"))
+
+    class Stuck(Keeper):
+        def finish_journals(self) -> list[str]:
+            return ["alloc a: could not finish an interrupted heal yet: …; kept for the next run"]
+
+    keeper = Stuck(host, {"a": encode(AllocAttach("a", "x", "br0", None, False))},
+                   lock.lock_path())
+    c = Collector(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
+                  who_holds=lambda _names: {}, files=list, remove=lambda _f: False,
+                  vantage=lambda _host: None, journals=keeper)
+    ran = len(host.log)
+    with pytest.raises(PreconditionError, match="nothing collected") as err:
+        c.collect(None)
+    assert "alloc a: a change that a killed run left half done" in str(err.value)
+    assert "a" in host.netns and len(host.log) == ran  # nothing ran
+    assert rundir.lock_is_free(lock.lock_path())
