@@ -23,6 +23,7 @@ from reconciler.domain.ops import (
     DockerEnsure,
     DockerRemove,
     DockerReplace,
+    DockerRestore,
     FirewallRestore,
     LinkAddBridge,
     LinkDelete,
@@ -124,6 +125,8 @@ class HostOps:
                 self._docker_report(op.name, (), result.removed)
             case DockerRemove():
                 self.docker.remove(op.id)  # False when already gone: idempotent
+            case DockerRestore():
+                self._docker_restore(op)
             case ConntrackDelete():
                 self._conntrack_delete(op)
             case _:
@@ -206,3 +209,12 @@ class HostOps:
         if result.reconnected:
             log.info("docker network %s: reconnected %s", spec.name,
                      ", ".join(result.reconnected))
+
+    def _docker_restore(self, op: DockerRestore) -> None:
+        from reconciler.drivers.docker import snapshot  # noqa: PLC0415 (lazy: the Docker SDK, ~80 ms, only for reverts)
+
+        point = op.point()
+        snapshot.restore(self.docker, point, op.replace_id)
+        if point.endpoints:
+            log.info("docker network %s: restored with %s", point.name,
+                     ", ".join(e.name or e.container[:12] for e in point.endpoints))

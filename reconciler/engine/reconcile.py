@@ -118,8 +118,13 @@ class Reconciler:
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
               on_outcome: Callable[[Outcome], None] | None = None,
-              probe: ProbeRequest | None = None) -> ApplyResult:
+              probe: ProbeRequest | None = None,
+              before_changes: Callable[[Plan], None] | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
+
+        ``before_changes`` runs after the preflight checks and before the first op of a
+        plan with changes (``engine/safechange`` records its checkpoint there: an error
+        it raises means nothing changed).
 
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
@@ -149,6 +154,8 @@ class Reconciler:
         if not plan.has_changes:
             return result
         preflight(plan, subnet_bridges(desired))
+        if before_changes is not None:
+            before_changes(plan)
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
