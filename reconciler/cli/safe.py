@@ -106,7 +106,10 @@ class Window:
             with host_lock(60.0):
                 _report(safechange.revert(self.rec, current, why=why), current, why)
             return EXIT_ERROR
-        safechange.update(p, applied=True)
+        # the window starts now that the change is made (a kill before this point leaves the
+        # deadline counted from the record, which is earlier)
+        p = self.pending = safechange.update(p, applied=True,
+                                             deadline=time.time() + self.seconds)
         _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run `reconcile "
              "confirm` to keep the change; without it (or if the probes fail) it is reverted "
              "then (`reconcile revert` reverts now).", err=self.err)

@@ -200,6 +200,8 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
     veth = cp.links.get(veth_name)
     have = now.allocs.get(point.name)
     live_veth = live.links.get(veth_name)
+    # the mark of this host now: after a reboot its namespace (a sandbox's) is another one
+    mark = alloc_ns_alias(live.host_id)
     attach: list[TypedOp] = []
     if veth is not None and veth.master is not None and point.eth0_mtu is not None:
         mtu = point.eth0_mtu
@@ -207,10 +209,10 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
         attach = [AllocAttach(point.name, veth_name, veth.master, mtu, bool(veth.hairpin),
                               mac=point.eth0_mac),
                   AllocConfigure(point.name, point.addresses, point.gateways, mtu, v6,
-                                 point.mark, announce=True)]
+                                 mark, announce=True)]
     if have is None:
         ops: list[TypedOp] = [LinkDelete(veth_name)] if live_veth is not None else []
-        ops.append(NetnsCreate(point.name, point.name in live.netns, point.mark))
+        ops.append(NetnsCreate(point.name, point.name in live.netns, mark))
         out.add("alloc", point.name, Action.CREATE, "deleted by the change", [*ops, *attach],
                 [AttrChange("addresses", None, list(point.addresses))])
         return
@@ -233,7 +235,7 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
             versions.add(version)
     if (set(point.addresses) - set(have.addresses) or set(point.gateways) - set(have.gateways)
             or have.eth0_mtu != point.eth0_mtu or have.eth0_up != point.eth0_up
-            or have.mark != point.mark):
+            or have.mark != mark):
         ops += attach[1:]
     out.add("alloc", point.name, Action.UPDATE, "changed by the change", ops,
             [AttrChange("addresses", list(have.addresses), list(point.addresses))])
