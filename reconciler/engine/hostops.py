@@ -211,10 +211,8 @@ class HostOps:
                      ", ".join(result.reconnected))
 
     def _docker_restore(self, op: DockerRestore) -> None:
-        from reconciler.drivers.docker import snapshot  # noqa: PLC0415 (lazy: the Docker SDK, ~80 ms, only for reverts)
-
         point = op.point()
-        snapshot.restore(self.docker, point, op.replace_id)
+        self.docker.restore_network(point, op.replace_id)
         if point.endpoints:
             log.info("docker network %s: restored with %s", point.name,
                      ", ".join(e.name or e.container[:12] for e in point.endpoints))

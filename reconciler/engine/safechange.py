@@ -40,6 +40,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.drivers import statedir, sysctl
 from reconciler.engine.executor import Executor, Outcome
+from reconciler.engine.handles import HostHandles
 from reconciler.engine.observe import docker_scope
 from reconciler.planner.checkpoint import restore_plan, sysctl_keys, take
 
@@ -143,10 +144,9 @@ def revert_count(scope: str | None = None) -> tuple[int, str | None]:
 
 # -- the checkpoint ---------------------------------------------------------------------------
 
-def _docker_now(handles: Any, scope: str) -> tuple[NetworkPoint, ...]:
-    from reconciler.drivers.docker import snapshot  # noqa: PLC0415 (lazy: the Docker SDK, ~80 ms, only when Docker is part of it)
-
-    return snapshot.snapshot(handles.docker, scope)
+def _docker_now(handles: HostHandles, scope: str) -> tuple[NetworkPoint, ...]:
+    snap: tuple[NetworkPoint, ...] = handles.docker.snapshot(scope)
+    return snap
 
 
 def _with_sysctls(live: LiveState) -> LiveState:
@@ -156,7 +156,7 @@ def _with_sysctls(live: LiveState) -> LiveState:
     return dataclasses.replace(live, sysctls={**live.sysctls, **extra}) if extra else live
 
 
-def checkpoint_of(handles: Any, live: LiveState, *, docker: bool) -> Checkpoint:
+def checkpoint_of(handles: HostHandles, live: LiveState, *, docker: bool) -> Checkpoint:
     """The checkpoint of ``live`` (an observation), with our Docker networks of this scope
     read from the daemon when ``docker``."""
     nets = _docker_now(handles, docker_scope()) if docker else None
@@ -169,7 +169,7 @@ def uses_docker(live: LiveState) -> bool:
     return live.docker is not None and live.docker.available
 
 
-def record(live: LiveState, handles: Any, *, deadline: float,
+def record(live: LiveState, handles: HostHandles, *, deadline: float,
            files: Iterable[tuple[str, str]] = (), revision: str | None = None,
            probe: dict[str, Any] | None = None) -> Pending:
     """Write ``pending.json`` for a change about to be made on ``live``: before its first op.

@@ -10,6 +10,7 @@ inside each of the sandbox's allocation namespaces eth0 and the routes), ``iptab
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -372,11 +373,11 @@ def test_a_checkpoint_that_cannot_be_written_changes_nothing(box: Netns, tmp_pat
     sh("mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(full))
     try:
         os.mkdir(full / f"netns-{box.name}", 0o700)
-        with open(full / "filler", "wb") as fh:
-            try:
-                fh.write(b"x" * 65536)
-            except OSError:
+        fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # ENOSPC: full, as wanted
+            while os.write(fd, b"x" * 4096):
                 pass
+        os.close(fd)
         r = box.reconcile("apply", b, "--confirm-within", "1m",
                           env={"RECONCILER_STATE_DIR": str(full)})
     finally:

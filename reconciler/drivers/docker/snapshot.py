@@ -8,7 +8,8 @@ their addresses; given the network a change made in its place, it first disconne
 that one's containers and removes it.
 
 In its own module so that ``client`` (kind's semantics for declared networks) stays as
-it is; it goes through the driver's SDK client.
+it is: ``DockerDriver.snapshot`` and ``DockerDriver.restore_network`` hand it their SDK
+API client.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from reconciler.domain.checkpoint import EndpointPoint, NetworkPoint
 from reconciler.domain.docker import PROTECTED_NETWORKS, SCOPE_LABEL
 from reconciler.domain.errors import ConflictError, DriverError, TemporaryError
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
-from reconciler.drivers.docker.client import DockerDriver
 from reconciler.drivers.docker.failures import explanation, is_connection_failure, one_line
 from reconciler.drivers.docker.payloads import is_no_such_network
 
@@ -79,9 +79,8 @@ def _point(api: Any, attrs: dict[str, Any]) -> NetworkPoint:
         tuple(endpoints))
 
 
-def snapshot(driver: DockerDriver, scope: str) -> tuple[NetworkPoint, ...]:
+def snapshot(api: Any, scope: str) -> tuple[NetworkPoint, ...]:
     """Our networks of ``scope`` (label ``io.reconciler.scope``) with their attachments."""
-    api = driver.client.api
     with _errors("docker: reading networks for the checkpoint"):
         found = []
         for entry in api.networks(filters={"label": f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}"}):
@@ -98,7 +97,7 @@ def snapshot(driver: DockerDriver, scope: str) -> tuple[NetworkPoint, ...]:
     return tuple(sorted(found, key=lambda n: (n.name, n.id)))
 
 
-def restore(driver: DockerDriver, point: NetworkPoint, replace_id: str = "") -> str:
+def restore(api: Any, point: NetworkPoint, replace_id: str = "") -> str:
     """Re-create ``point`` and attach its containers; first remove ``replace_id`` (ours)
     after disconnecting its containers. The new network's ID."""
     what = f"docker network {point.name}: restore"
@@ -107,7 +106,6 @@ def restore(driver: DockerDriver, point: NetworkPoint, replace_id: str = "") -> 
     labels = dict(point.labels)
     if labels.get(DOCKER_LABEL) != DOCKER_LABEL_VALUE:
         raise ConflictError(f"{what}: the checkpoint's network is not ours")
-    api = driver.client.api
     with _errors(what):
         if replace_id:
             try:
