@@ -80,6 +80,11 @@ class Metrics:
                                       "too long, too many open, malformed)", registry=r)
         self.last_success = Gauge("reconciler_last_success_timestamp_seconds",
                                   "Unix time of the last pass that converged", registry=r)
+        self.pending_change = Gauge("reconciler_pending_change",
+                                    "1 while a change applied under a confirm window is "
+                                    "pending (not confirmed, not reverted)", registry=r)
+        self.reverts = Counter("reconciler_reverts", "Pending changes reverted (deadline, "
+                               "failed probes, reboot, `reconcile revert`)", registry=r)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -368,7 +368,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
-        dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval)
+        dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval,
+        confirm_within=args.confirm_within)
     return process.run(options, getattr(args, "status_socket", None))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from typing import Any
 
 from reconciler.config.load import load
@@ -75,22 +74,9 @@ class Window:
         self.err = args.output == "json"
 
     def before_changes(self, plan: Plan) -> None:
-        live = self.rec.last_live
-        if live is None:  # planned and observed just now, always
-            raise PreconditionError("no observation to checkpoint; nothing changed")
-        probe = None if self.request is None else {
-            "external": self.request.external, "timeout": self.request.timeout,
-            "hostname": self.hostname}
-        p = safechange.record(live, self.rec.observer.handles,
-                              deadline=time.time() + self.seconds, files=plan.files,
-                              probe=probe)
-        try:
-            pid = safechange.spawn_reverter(p)
-        except OSError as exc:
-            safechange.confirm(p)  # nothing changed yet: no record may stay behind
-            raise PreconditionError(f"cannot start the reverter: {exc.strerror or exc}; "
-                                    "nothing changed") from None
-        self.pending = safechange.update(p, reverter_pid=pid)
+        self.pending = safechange.begin(self.rec.last_live, self.rec.observer.handles,
+                                        seconds=self.seconds, files=plan.files,
+                                        probe=self.request, hostname=self.hostname)
 
     def finish(self, result: ApplyResult, rc: int) -> int:
         p = self.pending
@@ -106,10 +92,7 @@ class Window:
             with host_lock(60.0):
                 _report(safechange.revert(self.rec, current, why=why), current, why)
             return EXIT_ERROR
-        # the window starts now that the change is made (a kill before this point leaves the
-        # deadline counted from the record, which is earlier)
-        p = self.pending = safechange.update(p, applied=True,
-                                             deadline=time.time() + self.seconds)
+        p = self.pending = safechange.started(p, self.seconds)
         _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run `reconcile "
              "confirm` to keep the change; without it (or if the probes fail) it is reverted "
              "then (`reconcile revert` reverts now).", err=self.err)

@@ -300,6 +300,36 @@ def spawn_reverter(p: Pending) -> int:
     return proc.pid
 
 
+def begin(live: LiveState | None, handles: HostHandles, *, seconds: float,
+          files: Iterable[tuple[str, str]], probe: Any = None, hostname: str | None = None,
+          revision: str | None = None) -> Pending:
+    """Before the first op of a change made under a window: record the checkpoint of
+    ``live`` (the plan's observation) and start the reverter. ``probe``: the
+    ``ProbeRequest`` the change is applied with (None: not probed). PreconditionError
+    (nothing changed, no record left) when either fails."""
+    if live is None:
+        raise PreconditionError("no observation to checkpoint; nothing changed")
+    request = None if probe is None else {"external": bool(probe.external),
+                                          "timeout": float(probe.timeout),
+                                          "hostname": hostname}
+    p = record(live, handles, deadline=time.time() + seconds, files=files, probe=request,
+               revision=revision)
+    try:
+        pid = spawn_reverter(p)
+    except OSError as exc:
+        confirm(p)  # nothing changed yet: no record may stay behind
+        raise PreconditionError(f"cannot start the reverter: {exc.strerror or exc}; "
+                                "nothing changed") from None
+    return update(p, reverter_pid=pid)
+
+
+def started(p: Pending, seconds: float) -> Pending:
+    """The change is made: its window of ``seconds`` starts now (a kill before this point
+    leaves the deadline counted from the record, which is earlier), and the reverter may
+    probe it."""
+    return update(p, applied=True, deadline=time.time() + seconds)
+
+
 def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
          sleep: Callable[[float], None] = time.sleep) -> Pending | None:
     """Sleep until the pending change ``token`` is due: its deadline passed, or ``probe``

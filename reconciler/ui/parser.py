@@ -248,6 +248,11 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                          "failure the reconciler owns starts a pass, others are reported "
                          "(default 30s; 'off': only after applying)")
     _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
+    sp.add_argument("--confirm-within", type=duration, metavar="DURATION",
+                    help="apply each new revision of the files under a window: the agent "
+                         "confirms it itself when its probes held for DURATION and reverts "
+                         "it when they fail; a reverted revision is not applied again until "
+                         "the files change (docs/safe-change.md)")
     sp.set_defaults(prepare=True)
 
     sp = sub.add_parser(
