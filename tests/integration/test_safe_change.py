@@ -413,3 +413,91 @@ def test_revert_trials(box: Netns, tmp_path: Any, request: pytest.FixtureRequest
                     f"max T+{worst:.1f}s", named=False)
     assert restored == trials and residual == 0
     assert reverts(box)["count"] == trials
+
+
+# -- watch --confirm-within --------------------------------------------------------------------
+
+def _agent(box: Netns, cfg_dir: str, window: str) -> Any:
+    from tests.integration.test_watch import Agent
+
+    return Agent(box, [cfg_dir], "--confirm-within", window,  # type: ignore[arg-type]
+                 "--interval", "3600", "--probe-interval", "off")
+
+
+def _settled(agent: Any, timeout: float = 40.0) -> dict[str, Any]:
+    """The agent's status once nothing is pending and its last pass converged."""
+    return agent.wait_status(  # type: ignore[no-any-return]
+        lambda d: d.get("pending") is None and (d.get("last_pass") or {}).get("result")
+        in ("ok", "applied") and "pending" in d, timeout, what="nothing pending")
+
+
+def test_watch_confirms_a_new_revision_whose_probes_hold(box: Netns, tmp_path: Any) -> None:
+    a, b, before, _extra = _setup(box, tmp_path)
+    cfg = tmp_path / "cfg"
+    cfg.mkdir(mode=0o755)
+    (cfg / "hosts.yaml").write_text(open(a).read())
+    agent = _agent(box, str(cfg), "3s")
+    try:
+        _settled(agent)
+        (cfg / "hosts.yaml").write_text(open(b).read())
+        doc = agent.wait_status(lambda d: d.get("pending") is not None, 20,
+                                what="the new revision pending")
+        assert doc["pending"]["revision"] and doc["pending"]["deadline"].endswith("Z")
+        metrics = agent.get("/metrics")
+        assert "reconciler_pending_change 1.0" in metrics, metrics
+        doc = _settled(agent)
+        assert doc["reverted_revision"] is None
+        assert "confirmed revision" in agent.log_text()
+        changed = state(box)
+        assert diff(changed, before)
+        time.sleep(GRACE_CHECK)  # past the reverter's own deadline: it stays
+        assert not diff(state(box), changed)
+        assert pending_record(box) is None and reverts(box)["count"] == 0
+        metrics = agent.get("/metrics")
+        assert "reconciler_pending_change 0.0" in metrics
+        assert "reconciler_reverts_total 0.0" in metrics
+    finally:
+        agent.stop()
+
+
+#: the agent's grace (agent/safewatch.GRACE) and a little: the reverter's deadline is past
+GRACE_CHECK = 11.0
+
+
+def test_watch_reverts_a_revision_whose_probes_fail_and_keeps_it_out(box: Netns,
+                                                                    tmp_path: Any) -> None:
+    a, b, before, _extra = _setup(box, tmp_path)
+    cfg = tmp_path / "cfg"
+    cfg.mkdir(mode=0o755)
+    (cfg / "hosts.yaml").write_text(open(a).read())
+    agent = _agent(box, str(cfg), "30s")
+    drop = ("-p", "tcp", "--dport", str(PORT_B), "-j", "DROP")
+    try:
+        _settled(agent)
+        # the new revision's port map will not answer
+        box.run("iptables", "-t", "raw", "-I", "PREROUTING", *drop)
+        box.run("iptables", "-t", "raw", "-I", "OUTPUT", *drop)
+        (cfg / "hosts.yaml").write_text(open(b).read())
+        doc = agent.wait_status(lambda d: d.get("reverted_revision") is not None, 40,
+                                what="the revision reverted")
+        assert doc["pending"] is None
+        assert not diff(state(box), before), diff(state(box), before)
+        assert reverts(box)["count"] == 1
+        metrics = agent.get("/metrics")
+        assert "reconciler_reverts_total 1.0" in metrics, metrics
+        # not applied again while the files stay as they are
+        agent.proc.send_signal(signal.SIGHUP)
+        agent.wait_status(lambda d: "was reverted" in str((d.get("last_pass") or {})
+                                                          .get("error")), 20,
+                          what="the reverted revision held back")
+        assert not diff(state(box), before)
+        # the files change: applied (and confirmed later) again
+        box.run("iptables", "-t", "raw", "-D", "PREROUTING", *drop)
+        box.run("iptables", "-t", "raw", "-D", "OUTPUT", *drop)
+        (cfg / "hosts.yaml").write_text(open(b).read() + "# fixed\n")
+        agent.wait_status(lambda d: d.get("pending") is not None, 20, what="pending again")
+        assert diff(state(box), before)
+    finally:
+        box.run("iptables", "-t", "raw", "-D", "PREROUTING", *drop, check=False)
+        box.run("iptables", "-t", "raw", "-D", "OUTPUT", *drop, check=False)
+        agent.stop()
