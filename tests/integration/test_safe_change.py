@@ -417,6 +417,11 @@ def test_revert_trials(box: Netns, tmp_path: Any, request: pytest.FixtureRequest
 
 # -- watch --confirm-within --------------------------------------------------------------------
 
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
 def _agent(box: Netns, cfg_dir: str, window: str) -> Any:
     from tests.integration.test_watch import Agent
 
@@ -435,11 +440,11 @@ def test_watch_confirms_a_new_revision_whose_probes_hold(box: Netns, tmp_path: A
     a, b, before, _extra = _setup(box, tmp_path)
     cfg = tmp_path / "cfg"
     cfg.mkdir(mode=0o755)
-    (cfg / "hosts.yaml").write_text(open(a).read())
+    (cfg / "hosts.yaml").write_text(_read(a))
     agent = _agent(box, str(cfg), "3s")
     try:
         _settled(agent)
-        (cfg / "hosts.yaml").write_text(open(b).read())
+        (cfg / "hosts.yaml").write_text(_read(b))
         doc = agent.wait_status(lambda d: d.get("pending") is not None, 20,
                                 what="the new revision pending")
         assert doc["pending"]["revision"] and doc["pending"]["deadline"].endswith("Z")
@@ -469,7 +474,7 @@ def test_watch_reverts_a_revision_whose_probes_fail_and_keeps_it_out(box: Netns,
     a, b, before, _extra = _setup(box, tmp_path)
     cfg = tmp_path / "cfg"
     cfg.mkdir(mode=0o755)
-    (cfg / "hosts.yaml").write_text(open(a).read())
+    (cfg / "hosts.yaml").write_text(_read(a))
     agent = _agent(box, str(cfg), "30s")
     drop = ("-p", "tcp", "--dport", str(PORT_B), "-j", "DROP")
     try:
@@ -477,7 +482,7 @@ def test_watch_reverts_a_revision_whose_probes_fail_and_keeps_it_out(box: Netns,
         # the new revision's port map will not answer
         box.run("iptables", "-t", "raw", "-I", "PREROUTING", *drop)
         box.run("iptables", "-t", "raw", "-I", "OUTPUT", *drop)
-        (cfg / "hosts.yaml").write_text(open(b).read())
+        (cfg / "hosts.yaml").write_text(_read(b))
         doc = agent.wait_status(lambda d: d.get("reverted_revision") is not None, 40,
                                 what="the revision reverted")
         assert doc["pending"] is None
@@ -494,7 +499,7 @@ def test_watch_reverts_a_revision_whose_probes_fail_and_keeps_it_out(box: Netns,
         # the files change: applied (and confirmed later) again
         box.run("iptables", "-t", "raw", "-D", "PREROUTING", *drop)
         box.run("iptables", "-t", "raw", "-D", "OUTPUT", *drop)
-        (cfg / "hosts.yaml").write_text(open(b).read() + "# fixed\n")
+        (cfg / "hosts.yaml").write_text(_read(b) + "# fixed\n")
         agent.wait_status(lambda d: d.get("pending") is not None, 20, what="pending again")
         assert diff(state(box), before)
     finally:
