@@ -30,6 +30,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.engine import safechange
 from reconciler.engine.reconcile import ApplyResult, ProbeRequest, Reconciler, probe_failures
+from reconciler.planner.checkpoint import without_postponed
 
 log = logging.getLogger("reconciler.watch")
 
@@ -90,7 +91,9 @@ class SafeWatch:
                     p = None
                 elif p is not None and self._due(p):
                     if self._holds(rec, desired):
-                        safechange.confirm(p)
+                        for o in safechange.confirm(p, rec):
+                            if o.status == "failed":
+                                log.error("postponed %s: %s", o.change.address, o.error)
                         log.info("confirmed revision %s: its probes held for the whole "
                                  "window", p.revision)
                         self.own, self.confirm_at, p = None, None, None
@@ -112,22 +115,22 @@ class SafeWatch:
                     "files change")
         return None
 
-    def hook(self, rec: Reconciler, revision: str | None) -> Callable[[Plan], None] | None:
+    def hook(self, rec: Reconciler, revision: str | None) -> Callable[[Plan], Plan] | None:
         """What runs before the first op of this pass's change: with a window and a new
         revision, the checkpoint and the reverter."""
         if self.window is None or revision is None or revision == self.applied_revision:
             return None
         window = self.window
 
-        def before_changes(plan: Plan) -> None:
+        def before_changes(plan: Plan) -> Plan:
             pending = safechange.pending()
             if pending is not None:  # an operator's apply got in between
                 raise ReconcilerError(safechange.refusal(pending))
-            self.own = safechange.begin(rec.last_live, rec.observer.handles,
-                                        seconds=window + GRACE, files=plan.files,
-                                        probe=self.probe, hostname=self.hostname,
-                                        revision=revision)
+            self.own, plan = safechange.begin(rec.last_live, rec.observer.handles, plan,
+                                              seconds=window + GRACE, probe=self.probe,
+                                              hostname=self.hostname, revision=revision)
             self.publish(self.own, read=False)
+            return plan
 
         return before_changes
 
@@ -141,6 +144,9 @@ class SafeWatch:
             if result.ok:
                 self.applied_revision = revision
             return
+        if own.postponed and result.residual is not None:
+            result.residual = without_postponed(result.residual,
+                                                (c.name for c in own.postponed))
         if not result.ok:
             with lock():
                 current = safechange.still_pending(own.token)

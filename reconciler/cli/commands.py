@@ -172,6 +172,8 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                                    before_changes=window.before_changes if window else None)
         finally:
             rec.close_probes()
+    if window is not None:
+        window.adjust(result)
     if args.output == "json":
         json.dump({"plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,

@@ -19,6 +19,7 @@ from reconciler.domain.plan import Plan
 from reconciler.engine import safechange
 from reconciler.engine.lock import host_lock
 from reconciler.engine.reconcile import ApplyResult, ProbeRequest, Reconciler, probe_failures
+from reconciler.planner.checkpoint import without_postponed
 from reconciler.ui.render import EXIT_ERROR, EXIT_OK
 
 log = logging.getLogger("reconciler")
@@ -73,10 +74,17 @@ class Window:
         self.pending: safechange.Pending | None = None
         self.err = args.output == "json"
 
-    def before_changes(self, plan: Plan) -> None:
-        self.pending = safechange.begin(self.rec.last_live, self.rec.observer.handles,
-                                        seconds=self.seconds, files=plan.files,
-                                        probe=self.request, hostname=self.hostname)
+    def before_changes(self, plan: Plan) -> Plan:
+        self.pending, plan = safechange.begin(self.rec.last_live, self.rec.observer.handles,
+                                              plan, seconds=self.seconds, probe=self.request,
+                                              hostname=self.hostname)
+        return plan
+
+    def adjust(self, result: ApplyResult) -> None:
+        """The deletions postponed until the confirm are no residual."""
+        if self.pending is not None and self.pending.postponed and result.residual:
+            result.residual = without_postponed(result.residual,
+                                                (c.name for c in self.pending.postponed))
 
     def finish(self, result: ApplyResult, rc: int) -> int:
         p = self.pending
@@ -114,9 +122,15 @@ def cmd_confirm(args: argparse.Namespace) -> int:
                  err=True)
             _report(safechange.revert(rec, p, why=why), p, why)
             return EXIT_ERROR
-        safechange.confirm(p)
+        outcomes = safechange.confirm(p, rec)
     _say(f"Confirmed: the change applied at {safechange.iso(p.created)} stays.")
-    return EXIT_OK
+    failed = [o for o in outcomes if o.status == "failed"]
+    for o in outcomes:
+        if o.status == "applied":
+            _say(f"Made the postponed change: {o.change.kind} {o.change.name}: deleted.")
+    for o in failed:
+        _say(f"error: postponed {o.change.kind} {o.change.name}: {o.error}", err=True)
+    return EXIT_ERROR if failed else EXIT_OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:

@@ -119,12 +119,13 @@ class Reconciler:
               saved: Plan | None = None,
               on_outcome: Callable[[Outcome], None] | None = None,
               probe: ProbeRequest | None = None,
-              before_changes: Callable[[Plan], None] | None = None) -> ApplyResult:
+              before_changes: Callable[[Plan], Plan | None] | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         ``before_changes`` runs after the preflight checks and before the first op of a
         plan with changes (``engine/safechange`` records its checkpoint there: an error
-        it raises means nothing changed).
+        it raises means nothing changed); a plan it returns is run instead (irreversible
+        deletions postponed).
 
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
@@ -155,7 +156,8 @@ class Reconciler:
             return result
         preflight(plan, subnet_bridges(desired))
         if before_changes is not None:
-            before_changes(plan)
+            plan = before_changes(plan) or plan
+            result.plan = plan
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,

@@ -37,12 +37,12 @@ from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoi
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
-from reconciler.domain.plan import Plan
-from reconciler.drivers import statedir, sysctl
+from reconciler.domain.plan import Change, Plan
+from reconciler.drivers import netns, procfs, statedir, sysctl
 from reconciler.engine.executor import Executor, Outcome
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.observe import docker_scope
-from reconciler.planner.checkpoint import restore_plan, sysctl_keys, take
+from reconciler.planner.checkpoint import postpone, restore_plan, sysctl_keys, take
 
 log = logging.getLogger("reconciler")
 
@@ -83,6 +83,8 @@ class Pending:
     probe: dict[str, Any] | None = None
     reverter_pid: int | None = None
     applied: bool = False  # the apply finished (the reverter probes only then)
+    #: irreversible changes (deletions of namespaces processes hold) made at confirm
+    postponed: tuple[Change, ...] = ()
 
     @property
     def overdue(self) -> bool:
@@ -99,6 +101,7 @@ class Pending:
                 "files": [{"path": p, "sha256": h} for p, h in self.files],
                 "revision": self.revision, "probe": self.probe,
                 "reverter_pid": self.reverter_pid, "applied": self.applied,
+                "postponed": [c.to_json() for c in self.postponed],
                 "checkpoint": self.checkpoint.to_json()}
 
     @classmethod
@@ -111,7 +114,8 @@ class Pending:
                        Checkpoint.from_json(raw["checkpoint"]),
                        tuple((str(f["path"]), str(f["sha256"])) for f in raw["files"]),
                        raw.get("revision"), raw.get("probe"), raw.get("reverter_pid"),
-                       bool(raw.get("applied", False)))
+                       bool(raw.get("applied", False)),
+                       tuple(Change.from_json(c) for c in raw.get("postponed", [])))
         except (AttributeError, KeyError, TypeError, ValueError, CheckpointError) as exc:
             raise PreconditionError(f"{where} is not a pending change this version can read "
                                     f"({exc}); move it away to go on") from None
@@ -171,7 +175,8 @@ def uses_docker(live: LiveState) -> bool:
 
 def record(live: LiveState, handles: HostHandles, *, deadline: float,
            files: Iterable[tuple[str, str]] = (), revision: str | None = None,
-           probe: dict[str, Any] | None = None) -> Pending:
+           probe: dict[str, Any] | None = None,
+           postponed: tuple[Change, ...] = ()) -> Pending:
     """Write ``pending.json`` for a change about to be made on ``live``: before its first op.
 
     A record that cannot be written (ENOSPC, EROFS …) is one PreconditionError, and the
@@ -181,7 +186,7 @@ def record(live: LiveState, handles: HostHandles, *, deadline: float,
     directory = scope_dir(scope)
     cp = checkpoint_of(handles, live, docker=uses_docker(live))
     p = Pending(scope, secrets.token_hex(8), deadline, time.time(), current_boot_id(), cp,
-                tuple(files), revision, probe)
+                tuple(files), revision, probe, postponed=postponed)
     _write(directory, p)
     return p
 
@@ -203,9 +208,15 @@ def update(p: Pending, **changes: Any) -> Pending:
 
 # -- confirm and revert ---------------------------------------------------------------------
 
-def confirm(p: Pending) -> None:
-    """Keep the change: the record goes (the reverter sees that and exits)."""
+def confirm(p: Pending, rec: Any = None) -> list[Outcome]:
+    """Keep the change: the postponed changes are made (through ``rec``'s runner), then
+    the record goes (the reverter sees that and exits). The postponed changes' outcomes
+    (a failure is reported; the change stays confirmed, the next apply prunes again)."""
+    outcomes: list[Outcome] = []
+    if p.postponed and rec is not None:
+        outcomes = Executor(rec.runner).execute(Plan(p.postponed))
     statedir.remove_record(scope_dir(p.scope), PENDING)
+    return outcomes
 
 
 @dataclass
@@ -300,27 +311,46 @@ def spawn_reverter(p: Pending) -> int:
     return proc.pid
 
 
-def begin(live: LiveState | None, handles: HostHandles, *, seconds: float,
-          files: Iterable[tuple[str, str]], probe: Any = None, hostname: str | None = None,
-          revision: str | None = None) -> Pending:
-    """Before the first op of a change made under a window: record the checkpoint of
-    ``live`` (the plan's observation) and start the reverter. ``probe``: the
-    ``ProbeRequest`` the change is applied with (None: not probed). PreconditionError
-    (nothing changed, no record left) when either fails."""
+def held_namespaces(plan: Plan) -> set[str]:
+    """The allocation namespaces ``plan`` deletes that processes are in (not this one)."""
+    names = [c.name for c in plan.actionable if c.kind == "alloc" and c.action.value == "delete"]
+    if not names:
+        return set()
+    members = procfs.netns_members()
+    held = set()
+    for name in names:
+        try:
+            inode = netns.namespace_inode(name)
+        except OSError:
+            continue
+        if inode is not None and any(pid != os.getpid() for pid in members.get(inode, ())):
+            held.add(name)
+    return held
+
+
+def begin(live: LiveState | None, handles: HostHandles, plan: Plan, *, seconds: float,
+          probe: Any = None, hostname: str | None = None,
+          revision: str | None = None) -> tuple[Pending, Plan]:
+    """Before the first op of a change made under a window: postpone what cannot be
+    undone, record the checkpoint of ``live`` (the plan's observation) and start the
+    reverter; the record and the plan to run. ``probe``: the ``ProbeRequest`` the change
+    is applied with (None: not probed). PreconditionError (nothing changed, no record
+    left) when either fails."""
     if live is None:
         raise PreconditionError("no observation to checkpoint; nothing changed")
+    plan, postponed = postpone(plan, held_namespaces(plan))
     request = None if probe is None else {"external": bool(probe.external),
                                           "timeout": float(probe.timeout),
                                           "hostname": hostname}
-    p = record(live, handles, deadline=time.time() + seconds, files=files, probe=request,
-               revision=revision)
+    p = record(live, handles, deadline=time.time() + seconds, files=plan.files,
+               probe=request, revision=revision, postponed=postponed)
     try:
         pid = spawn_reverter(p)
     except OSError as exc:
         confirm(p)  # nothing changed yet: no record may stay behind
         raise PreconditionError(f"cannot start the reverter: {exc.strerror or exc}; "
                                 "nothing changed") from None
-    return update(p, reverter_pid=pid)
+    return update(p, reverter_pid=pid), plan
 
 
 def started(p: Pending, seconds: float) -> Pending:

@@ -18,6 +18,7 @@ apply writes, and with it go the conntrack entries the restored port maps leave 
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Iterable
 
@@ -319,3 +320,39 @@ def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Chan
                 [DockerRestore(network_to_json(net), have.id if have is not None else "")],
                 [AttrChange("containers", None if have is None else len(have.endpoints),
                             len(net.endpoints))])
+
+
+# -- irreversible changes ------------------------------------------------------------------
+
+def postpone(plan: Plan, held: Iterable[str]) -> tuple[Plan, tuple[Change, ...]]:
+    """``plan`` with the deletions of the allocation namespaces ``held`` (by processes: a
+    revert could not bring them back into a new namespace) taken out, and those changes.
+
+    Each becomes its veth set down: within the window the allocation is cut off (its
+    rules go with the firewall transaction of the same plan) and a revert brings the
+    veth up again; the deletion itself runs at confirm.
+    """
+    held = set(held)
+    kept: list[Change] = []
+    postponed: list[Change] = []
+    for c in plan.changes:
+        if c.kind == "alloc" and c.action is Action.DELETE and c.name in held:
+            postponed.append(c)
+            kept.append(dataclasses.replace(
+                c, reason=f"{c.reason}; held by processes: deleted at `reconcile confirm`, "
+                          "its veth down until then",
+                attrs=(*c.attrs, AttrChange("veth", "up", "down")),
+                ops=(encode(LinkSet(alloc_veth_name(c.name), up=False)),)))
+        else:
+            kept.append(c)
+    if not postponed:
+        return plan, ()
+    return dataclasses.replace(plan, changes=tuple(kept)), tuple(postponed)
+
+
+def without_postponed(residual: Plan, postponed: Iterable[str]) -> Plan:
+    """A verification's residual without the deletions that wait for the confirm."""
+    names = set(postponed)
+    return dataclasses.replace(residual, changes=tuple(
+        c for c in residual.changes
+        if not (c.kind == "alloc" and c.action is Action.DELETE and c.name in names)))

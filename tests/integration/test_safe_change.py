@@ -506,3 +506,47 @@ def test_watch_reverts_a_revision_whose_probes_fail_and_keeps_it_out(box: Netns,
         box.run("iptables", "-t", "raw", "-D", "PREROUTING", *drop, check=False)
         box.run("iptables", "-t", "raw", "-D", "OUTPUT", *drop, check=False)
         agent.stop()
+
+
+@pytest.mark.parametrize("then", ["confirm", "revert"])
+def test_deleting_a_namespace_processes_hold_waits_for_the_confirm(box: Netns, tmp_path: Any,
+                                                                   then: str) -> None:
+    """A namespace with a process in it cannot be deleted and brought back: within the
+    window its veth is down and its rules gone; confirm deletes it, a revert undoes the
+    rest."""
+    alloc, extra = unique("s"), unique("s")
+    NAMES[:] = [alloc, extra]
+    both = _after(tmp_path, alloc, extra)
+    only = write(tmp_path, "only.yaml", f"""version: 1
+bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
+subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
+allocs:
+  - id: {alloc}
+    subnet: safe
+    address: 10.221.0.9
+    ports: [{{host: {PORT_B}, to: 80}}]
+""")
+    _apply(box, both)
+    before = state(box)
+    holder = subprocess.Popen(["ip", "netns", "exec", extra, "sleep", "600"])
+    try:
+        r = _apply(box, only, "--confirm-within", "5m")
+        assert "deleted at `reconcile confirm`" in r.out, r.out
+        during = state(box)
+        veth = next(n for n in before["links"] if n not in during["links"] or
+                    during["links"][n]["up"] != before["links"][n]["up"])
+        assert during["links"][veth]["up"] is False, during["links"][veth]
+        assert extra in during["allocs"], "deleted although processes hold it"
+        assert not any(f"alloc={extra}" in ln for ln in during["rules"][4])
+        r = box.reconcile(then)
+        assert r.rc == 0, r.all
+        after = state(box)
+        if then == "confirm":
+            assert "Made the postponed change" in r.out, r.out
+            assert extra not in after["allocs"] and veth not in after["links"]
+            assert box.reconcile("plan", only, "--no-agent").rc == 0
+        else:
+            assert not diff(after, before), diff(after, before)
+    finally:
+        holder.kill()
+        holder.wait()
