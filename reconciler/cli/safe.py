@@ -180,8 +180,18 @@ def _reverter(token: str) -> int:
             log.warning("reverter: probe failed: %s %s", r.alloc, r.path)
         return not failed
 
+    rec = Reconciler()
+
+    def warm(p: safechange.Pending) -> None:
+        # read the host once while waiting: the sockets into the namespaces, the iptables
+        # and Docker clients are open and their imports done when the revert is due
+        try:
+            safechange.observe_for(rec, p.checkpoint)
+        except ReconcilerError as exc:
+            log.debug("reverter: warm-up observation: %s", exc)
+
     try:
-        p = safechange.wait(token, probe=holds)
+        p = safechange.wait(token, probe=holds, ready=warm)
     finally:
         prober.close_probes()
     if p is None:
@@ -190,8 +200,7 @@ def _reverter(token: str) -> int:
     why = "probes failed" if not p.overdue else (
         "applied before a reboot" if p.boot_id != safechange.current_boot_id()
         else f"its deadline {safechange.iso(p.deadline)} passed")
-    rec = Reconciler()
-    with host_lock(120.0):
+    with host_lock(120.0, poll=0.02):
         current = safechange.still_pending(token)
         if current is None:
             return EXIT_OK

@@ -361,11 +361,13 @@ def started(p: Pending, seconds: float) -> Pending:
 
 
 def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
+         ready: Callable[[Pending], None] | None = None,
          sleep: Callable[[float], None] = time.sleep) -> Pending | None:
     """Sleep until the pending change ``token`` is due: its deadline passed, or ``probe``
     (asked every ``PROBE_EVERY`` seconds once the apply finished) says the change does not
-    hold. The record then (to be reverted under the lock), or None when it was confirmed,
-    reverted or replaced meanwhile."""
+    hold. ``ready`` is called once when the apply has finished. The record then (to be
+    reverted under the lock), or None when it was confirmed, reverted or replaced
+    meanwhile."""
     next_probe = time.monotonic() + PROBE_EVERY
     while True:
         try:
@@ -377,6 +379,9 @@ def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
             return None
         if p.overdue:
             return p
+        if ready is not None and p.applied:
+            ready(p)
+            ready = None
         if probe is not None and p.applied and time.monotonic() >= next_probe:
             if not probe(p):
                 log.warning("reverter: the probes failed; reverting before the deadline")

@@ -46,11 +46,18 @@ def view(prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = docker("network", "ls", "--format", "{{.Name}}").split()
     for name in sorted(n for n in names if n.startswith(prefix)):
-        net = json.loads(docker("network", "inspect", name))[0]
+        found = json.loads(docker("network", "inspect", name, check=False) or "[]")
+        if not found:
+            continue  # removed meanwhile (a revert is under way)
+        net = found[0]
         containers = {}
         for cid, ep in sorted((net.get("Containers") or {}).items()):
-            c = json.loads(docker("inspect", cid))[0]
-            aliases = c["NetworkSettings"]["Networks"][name].get("Aliases") or []
+            got = json.loads(docker("inspect", cid, check=False) or "[]")
+            if not got:
+                continue
+            c = got[0]
+            attached = (c["NetworkSettings"]["Networks"] or {}).get(name) or {}
+            aliases = attached.get("Aliases") or []
             containers[ep["Name"]] = (ep["IPv4Address"], ep["IPv6Address"],
                                       sorted(a for a in aliases if a != cid[:12]))
         out[name] = {"driver": net["Driver"], "ipv6": net["EnableIPv6"],
@@ -94,16 +101,19 @@ def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
     assert rec is not None
     try:
         end = rec["deadline"] + 15
-        while _pending(host_ns) is not None:
-            assert time.time() < end, "not reverted"
-            time.sleep(0.1)
+        while view(scratch_img.prefix) != before:  # restored: what docker shows is as it was
+            assert time.time() < end, "not restored"
+            time.sleep(0.05)
         at = time.time()
+        while _pending(host_ns) is not None:  # then verified: the record goes
+            assert time.time() < end, "restored but not verified"
+            time.sleep(0.1)
     finally:
         if _pending(host_ns) is not None and rec.get("reverter_pid"):
             os.kill(rec["reverter_pid"], signal.SIGKILL)
             sh("rm", "-f", os.path.join(os.environ["RECONCILER_STATE_DIR"],
                                         f"netns-{host_ns.name}", "pending.json"))
-    assert at - rec["deadline"] <= 2.0, f"reverted at T+{at - rec['deadline']:.1f}s"
+    assert at - rec["deadline"] <= 2.0, f"restored at T+{at - rec['deadline']:.1f}s"
     assert view(scratch_img.prefix) == before
     # the old file plans nothing: the restored networks are what it made
     assert host_ns.reconcile("plan", before_file, "--no-agent").rc == 0
