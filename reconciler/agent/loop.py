@@ -645,8 +645,9 @@ class Agent:
         with self._host_lock():
             result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
                                probe=self.options.probe, **extra)
-        self.safe.after(rec, result, revision, self._host_lock,
-                        lambda why, delay: self.trigger.request(why, delay=delay))
+            # under the same lock: its reverter sees the window started, or the revert
+            self.safe.after(rec, result, revision,
+                            lambda why, delay: self.trigger.request(why, delay=delay))
         report.probes = list(result.probes)
         report.applied = sum(1 for o in result.outcomes if o.status == "applied")
         report.failed = len(result.failed)

@@ -135,10 +135,9 @@ class SafeWatch:
         return before_changes
 
     def after(self, rec: Reconciler, result: ApplyResult, revision: str | None,
-              lock: Callable[[], AbstractContextManager[None]],
               request: Callable[[str, float], None]) -> None:
-        """After this pass's apply: start the window (and ask for the pass that confirms),
-        or revert at once when the change did not hold."""
+        """After this pass's apply, still under its host lock: start the window (and ask
+        for the pass that confirms), or revert at once when the change did not hold."""
         own = self.own
         if own is None or self.confirm_at is not None:
             if result.ok:
@@ -147,16 +146,18 @@ class SafeWatch:
         if own.postponed and result.residual is not None:
             result.residual = without_postponed(result.residual,
                                                 (c.name for c in own.postponed))
-        if not result.ok:
-            with lock():
-                current = safechange.still_pending(own.token)
-                if current is not None:
-                    self._revert(rec, current, "the apply did not hold")
+        current = safechange.still_pending(own.token)
+        if current is None:  # its reverter was first (the apply outlasted the window)
             self.own = None
             self.publish()
             return
+        if not result.ok:
+            self.own = None
+            self._revert(rec, current, "the apply did not hold")
+            self.publish()
+            return
         assert self.window is not None
-        self.own = safechange.started(own, self.window + GRACE)
+        self.own = safechange.started(current, self.window + GRACE)
         self.confirm_at = self.wall() + self.window
         self.applied_revision = revision
         log.info("revision %s applied; confirming it at %s if its probes hold", revision,

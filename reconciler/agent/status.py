@@ -440,6 +440,14 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
             lines.append(f"  alloc {f.get('alloc')} path {f.get('path')} "
                          f"({f.get('proto')}{port}): {f.get('cause') or 'no cause found'} "
                          f"(since {_ago(f.get('since'), now)})")
+    pending = doc.get("pending")
+    if pending:
+        rev = f" of revision {pending['revision']}" if pending.get("revision") else ""
+        lines.append(f"pending: a change{rev} until {pending.get('deadline')} (`reconcile "
+                     "confirm` keeps it, `reconcile revert` undoes it)")
+    if doc.get("reverted_revision"):
+        lines.append(f"reverted: revision {doc['reverted_revision']} (not applied again "
+                     "until the files change)")
     overlaps = doc.get("address_overlaps") or []
     if overlaps:
         lines.append(f"address overlaps: {len(overlaps)} (foreign, left alone):")

@@ -170,10 +170,10 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                 safe.guard(rec)  # an overdue change is reverted first; a pending one refuses
                 result = rec.apply(desired, options, saved=saved, probe=request,
                                    before_changes=window.before_changes if window else None)
+                if window is not None:
+                    window.settle(result, stopped=bool(signals))
         finally:
             rec.close_probes()
-    if window is not None:
-        window.adjust(result)
     if args.output == "json":
         json.dump({"plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,

@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from reconciler.agent.revision import describe_revision, files_digest, git_revision
 from reconciler.config.load import load
 from reconciler.domain.errors import LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.plan import Plan
@@ -44,6 +45,16 @@ def _report(result: safechange.RevertResult, p: safechange.Pending, why: str) ->
     return False
 
 
+def _revision(files: list[str]) -> str | None:
+    """The revision of the files as the agent names it (a git commit, or their digest), so
+    that a revision reverted here is one the agent will not apply again either."""
+    if not files:
+        return None
+    rev = git_revision(files) or {}
+    rev["files_sha256"] = files_digest(files)
+    return describe_revision(rev)
+
+
 def guard(rec: Reconciler) -> None:
     """Under the host lock, before a change: revert an overdue pending change first; refuse
     while one is pending (PreconditionError, one line)."""
@@ -73,34 +84,54 @@ class Window:
         self.request = request
         self.pending: safechange.Pending | None = None
         self.err = args.output == "json"
+        #: what ``settle`` found: pending (the window runs), reverted, gone (the reverter
+        #: was first), None (not settled)
+        self.outcome: str | None = None
+        self.reverted: safechange.RevertResult | None = None
 
     def before_changes(self, plan: Plan) -> Plan:
         self.pending, plan = safechange.begin(self.rec.last_live, self.rec.observer.handles,
                                               plan, seconds=self.seconds, probe=self.request,
-                                              hostname=self.hostname)
+                                              hostname=self.hostname,
+                                              revision=_revision([p for p, _h in plan.files]))
         return plan
 
-    def adjust(self, result: ApplyResult) -> None:
-        """The deletions postponed until the confirm are no residual."""
+    def settle(self, result: ApplyResult, stopped: bool) -> None:
+        """Still under the apply's host lock: start the window of a change that held, or
+        revert at once one that did not. Under the same lock, so the reverter (waiting for
+        it since the record's own deadline, counted before the apply) sees either."""
+        p = self.pending
+        if p is None or stopped:  # stopped by a signal: the reverter reverts at its deadline
+            return
         if self.pending is not None and self.pending.postponed and result.residual:
             result.residual = without_postponed(result.residual,
                                                 (c.name for c in self.pending.postponed))
+        current = safechange.still_pending(p.token)
+        if current is None:
+            self.outcome = "gone"
+        elif not result.ok:
+            self.outcome = "reverted"
+            self.reverted = safechange.revert(self.rec, current, why="the apply did not hold")
+        else:
+            self.outcome = "pending"
+            self.pending = safechange.started(current, self.seconds)
 
     def finish(self, result: ApplyResult, rc: int) -> int:
         p = self.pending
         if p is None:
             _say("Nothing changed: nothing to confirm.", err=self.err)
             return rc
-        if not result.ok or rc != EXIT_OK:
-            why = "the apply did not hold"
-            _say(f"The change did not hold; reverting it now ({why}).", err=True)
-            current = safechange.still_pending(p.token)
-            if current is None:
-                return EXIT_ERROR
-            with host_lock(60.0):
-                _report(safechange.revert(self.rec, current, why=why), current, why)
+        if self.outcome == "gone":
+            _say("error: the pending change was reverted meanwhile (its deadline passed while "
+                 "it was being applied)", err=True)
             return EXIT_ERROR
-        p = self.pending = safechange.started(p, self.seconds)
+        if self.outcome == "reverted" and self.reverted is not None:
+            why = "the apply did not hold"
+            _say(f"The change did not hold; reverted it ({why}).", err=True)
+            _report(self.reverted, p, why)
+            return EXIT_ERROR
+        if self.outcome != "pending" or rc != EXIT_OK:
+            return EXIT_ERROR
         _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run `reconcile "
              "confirm` to keep the change; without it (or if the probes fail) it is reverted "
              "then (`reconcile revert` reverts now).", err=self.err)
@@ -191,20 +222,24 @@ def _reverter(token: str) -> int:
             log.debug("reverter: warm-up observation: %s", exc)
 
     try:
-        p = safechange.wait(token, probe=holds, ready=warm)
+        while True:
+            p = safechange.wait(token, probe=holds, ready=warm)
+            if p is None:
+                log.info("reverter: the change was confirmed (or reverted); exiting")
+                return EXIT_OK
+            why = "probes failed" if not p.overdue else (
+                "applied before a reboot" if p.boot_id != safechange.current_boot_id()
+                else f"its deadline {safechange.iso(p.deadline)} passed")
+            with host_lock(120.0, poll=0.02):
+                current = safechange.still_pending(token)
+                if current is None:
+                    return EXIT_OK
+                if p.overdue and not current.overdue:
+                    continue  # the apply finished meanwhile: its window starts now
+                result = safechange.revert(rec, current, why=why)
+                break
     finally:
         prober.close_probes()
-    if p is None:
-        log.info("reverter: the change was confirmed (or reverted); exiting")
-        return EXIT_OK
-    why = "probes failed" if not p.overdue else (
-        "applied before a reboot" if p.boot_id != safechange.current_boot_id()
-        else f"its deadline {safechange.iso(p.deadline)} passed")
-    with host_lock(120.0, poll=0.02):
-        current = safechange.still_pending(token)
-        if current is None:
-            return EXIT_OK
-        result = safechange.revert(rec, current, why=why)
     return EXIT_OK if _report(result, current, why) else EXIT_ERROR
 
 

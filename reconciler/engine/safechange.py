@@ -53,7 +53,7 @@ RECORD_VERSION = 1
 #: a test seam: the boot id a process believes in (a "reboot" is a new value)
 BOOT_ID_ENV = "RECONCILER_BOOT_ID"
 #: how often the reverter looks for a confirm, and how often it probes
-POLL = 0.2
+POLL = 0.1
 PROBE_EVERY = 3.0
 #: restore rounds before a revert gives up (a round re-plans from a fresh observation)
 RESTORE_ROUNDS = 3
@@ -369,12 +369,23 @@ def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
     reverted under the lock), or None when it was confirmed, reverted or replaced
     meanwhile."""
     next_probe = time.monotonic() + PROBE_EVERY
+    path = os.path.join(scope_dir(), PENDING)
+    seen: tuple[int, int, int] | None = None
+    p: Pending | None = None
     while True:
+        # read again only when the file changed (a big host's checkpoint is large)
         try:
-            p = pending()
-        except PreconditionError as exc:
-            log.error("reverter: %s", exc)
-            return None
+            st = os.stat(path)
+            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != seen or p is None:
+            try:
+                p = pending()
+            except PreconditionError as exc:
+                log.error("reverter: %s", exc)
+                return None
+            seen = stamp
         if p is None or p.token != token:
             return None
         if p.overdue:
