@@ -550,3 +550,42 @@ allocs:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_agent_waits_for_an_operators_pending_change_and_reverts_it_when_overdue(
+        box: Netns, tmp_path: Any) -> None:
+    """An operator's `apply --confirm-within` holds the agent back (its passes change
+    nothing, naming the deadline); once overdue (its reverter died with the machine's
+    load, say) the agent's next pass reverts it first, then converges on its files."""
+    a, b, before, _extra = _setup(box, tmp_path)
+    cfg = tmp_path / "cfg"
+    cfg.mkdir(mode=0o755)
+    (cfg / "hosts.yaml").write_text(_read(a))
+    from tests.integration.test_watch import Agent
+
+    agent = Agent(box, [str(cfg)], "--interval", "3600",  # type: ignore[arg-type]
+                  "--probe-interval", "off")
+    try:
+        agent.converged(30)
+        _apply(box, b, "--confirm-within", "4s")
+        rec = pending_record(box)
+        assert rec is not None
+        os.kill(rec["reverter_pid"], signal.SIGKILL)
+        assert wait_gone(rec["reverter_pid"])
+        changed = state(box)
+        agent.proc.send_signal(signal.SIGHUP)
+        doc = agent.wait_status(lambda d: (d.get("last_pass") or {}).get("result") == "pending"
+                                and d.get("pending"), 20, what="the agent held back")
+        assert "pending until" in doc["last_pass"]["error"], doc["last_pass"]
+        assert not diff(state(box), changed), "the agent changed the host of a pending change"
+        held = pending_record(box)
+        assert held is not None
+        time.sleep(max(0.0, held["deadline"] - time.time()) + 0.5)
+        agent.proc.send_signal(signal.SIGHUP)
+        agent.wait_status(lambda d: d.get("pending") is None and (d.get("last_pass") or {})
+                          .get("result") in ("ok", "applied"), 30, what="reverted, converged")
+        assert "reverting" in agent.log_text()
+        assert not diff(state(box), before), diff(state(box), before)
+        assert reverts(box)["count"] == 1 and pending_record(box) is None
+    finally:
+        agent.stop()
