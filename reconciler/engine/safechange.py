@@ -125,9 +125,19 @@ def scope_dir(scope: str | None = None) -> str:
     return statedir.scope_dir(scope or docker_scope())
 
 
+def _existing_dir(scope: str | None) -> str | None:
+    """The scope's state directory, checked, if there is one: reading makes nothing (an
+    apply without a window must not need a writable ``/var/lib``)."""
+    scope = scope or docker_scope()
+    path = os.path.join(statedir.state_root(), statedir.scope_dirname(scope))
+    return scope_dir(scope) if os.path.lexists(path) else None
+
+
 def pending(scope: str | None = None) -> Pending | None:
     """The change pending in ``scope`` (default: the one we act on), or None."""
-    directory = scope_dir(scope)
+    directory = _existing_dir(scope)
+    if directory is None:
+        return None
     raw = statedir.read_record(directory, PENDING)
     return None if raw is None else Pending.from_json(raw, os.path.join(directory, PENDING))
 
@@ -140,7 +150,8 @@ def refusal(p: Pending) -> str:
 def revert_count(scope: str | None = None) -> tuple[int, str | None]:
     """(reverts performed in ``scope``, the revision of the last one reverted)."""
     try:
-        raw = statedir.read_record(scope_dir(scope), REVERTS) or {}
+        directory = _existing_dir(scope)
+        raw = (statedir.read_record(directory, REVERTS) if directory else None) or {}
     except PreconditionError:
         return 0, None
     return int(raw.get("count", 0)), raw.get("last_revision")

@@ -245,3 +245,77 @@ def test_the_revert_unit_verifies(tmp_path: Any) -> None:
                        timeout=60)
     problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "reconciler-revert" in ln]
     assert p.returncode == 0 and not problems, p.stdout + p.stderr
+
+
+def test_reading_makes_no_state_directory(tmp_path: Any, monkeypatch: Any) -> None:
+    """An apply without a window asks whether something is pending: that must not need a
+    writable /var/lib (a read-only image), nor leave a directory behind."""
+    root = tmp_path / "state"
+    monkeypatch.setenv("RECONCILER_STATE_DIR", str(root))
+    assert safechange.pending("host") is None
+    assert safechange.revert_count("host") == (0, None)
+    assert not root.exists()
+
+
+class _Board:
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] = {}
+
+    def update(self, **fields: Any) -> None:
+        self.doc.update(fields)
+
+
+class _Gauge:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+    def inc(self, v: float = 1.0) -> None:
+        self.value += v
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.pending_change, self.reverts = _Gauge(), _Gauge()
+
+
+@pytest.fixture
+def watch(tmp_path: Any, monkeypatch: Any) -> Any:
+    from reconciler.agent.safewatch import SafeWatch
+
+    monkeypatch.setenv("RECONCILER_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(safechange, "docker_scope", lambda: "netns/x")
+    board, metrics = _Board(), _Metrics()
+    return SafeWatch(30.0, board, metrics, None, None), board, metrics
+
+
+def _lock() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_the_agent_is_held_back_by_an_operators_pending_change(watch: Any,
+                                                             monkeypatch: Any) -> None:
+    sw, board, metrics = watch
+    monkeypatch.setenv(safechange.BOOT_ID_ENV, "b")
+    assert board.doc == {"pending": None, "reverted_revision": None}
+    safechange._write(safechange.scope_dir("netns/x"), _pending(time.time() + 60, "b"))
+    held = sw.gate(None, None, "rev1", _lock)
+    assert held is not None and "pending until" in held
+    assert board.doc["pending"]["deadline"].endswith("Z") and metrics.pending_change.value == 1
+
+
+def test_a_reverted_revision_is_not_applied_again_until_the_files_change(watch: Any) -> None:
+    sw, board, metrics = watch
+    statedir_dir = safechange.scope_dir("netns/x")
+    from reconciler.drivers import statedir
+
+    statedir.write_record(statedir_dir, safechange.REVERTS,
+                          {"count": 1, "last_revision": "sha256:aaa"})
+    assert "was reverted" in str(sw.gate(None, None, "sha256:aaa", _lock))
+    assert sw.gate(None, None, "sha256:bbb", _lock) is None
+    sw.publish()
+    assert board.doc["reverted_revision"] == "sha256:aaa" and metrics.reverts.value == 1
