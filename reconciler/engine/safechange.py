@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import reconciler
 from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoint
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.live import LiveState
@@ -312,11 +313,15 @@ def spawn_reverter(p: Pending) -> int:
     directory = scope_dir(p.scope)
     fd = os.open(os.path.join(directory, REVERTER_LOG),
                  os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # the same code as this process, wherever it was imported from (a checkout, a venv)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(reconciler.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [here, *filter(None, [os.environ.get("PYTHONPATH")])]))
     try:
         proc = subprocess.Popen(  # noqa: S603 (our own interpreter and module)
             [sys.executable, "-m", "reconciler", "revert", "--wait", p.token],
             stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
-            close_fds=True, cwd="/")
+            close_fds=True, cwd="/", env=env)
     finally:
         os.close(fd)
     return proc.pid
