@@ -86,6 +86,9 @@ class Checkpoint:
     sysctls: dict[str, str] = field(default_factory=dict)
     #: None: Docker was not observed (not there, or nothing of ours): left as it is
     docker: tuple[NetworkPoint, ...] | None = None
+    #: names of what was there and not ours ("links", "netns", "docker"): a change that
+    #: adopted one (``--adopt``) made it ours, and a revert must never delete it
+    foreign: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +102,7 @@ class Checkpoint:
             "sysctls": dict(sorted(self.sysctls.items())),
             "docker": None if self.docker is None else [network_to_json(n)
                                                         for n in self.docker],
+            "foreign": {k: list(v) for k, v in sorted(self.foreign.items())},
         }
 
     @classmethod
@@ -115,8 +119,10 @@ class Checkpoint:
                         for fam, chains in raw["firewall"].items()}
             docker = None if raw["docker"] is None else tuple(
                 network_from_json(n) for n in raw["docker"])
+            foreign = {str(k): tuple(str(n) for n in v)
+                       for k, v in (raw.get("foreign") or {}).items()}
             return cls(str(raw["host_id"]), links, allocs, firewall,
-                       {str(k): str(v) for k, v in raw["sysctls"].items()}, docker)
+                       {str(k): str(v) for k, v in raw["sysctls"].items()}, docker, foreign)
         except CheckpointError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:

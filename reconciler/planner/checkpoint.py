@@ -120,8 +120,15 @@ def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Check
                           if k[1].startswith(CHAIN_PREFIX)}
     keys = sysctl_keys(live)
     sysctls = {k: live.sysctls[k] for k in keys if k in live.sysctls}
+    foreign = {
+        "links": tuple(sorted(n for n, lk in live.links.items() if not lk.owned)),
+        "netns": tuple(sorted(n for n, ns in live.netns.items() if not _owned_ns(live, ns))),
+        "docker": tuple(sorted({n.name for n in (live.docker.networks if live.docker else ())
+                                if not n.owned})),
+    }
     return Checkpoint(live.host_id, links, allocs, fw, sysctls,
-                      None if docker is None else tuple(sorted(docker, key=lambda n: n.name)))
+                      None if docker is None else tuple(sorted(docker, key=lambda n: n.name)),
+                      foreign)
 
 
 # -- the restore ---------------------------------------------------------------------------
@@ -159,19 +166,23 @@ def restore_plan(cp: Checkpoint, live: LiveState,
     _sysctls(cp, now, out)
     _firewall(cp, live, out)
     if cp.docker is not None and now.docker is not None:
-        _docker(cp.docker, now.docker, out)
+        _docker(cp.docker, now.docker, out, set(cp.foreign.get("docker", ())))
     return Plan(tuple(out.changes), fingerprint(now.to_json()))
 
 
 def _deletes(cp: Checkpoint, now: Checkpoint, live: LiveState, out: _Changes) -> None:
-    for name in sorted(set(now.allocs) - set(cp.allocs)):
+    foreign_ns = set(cp.foreign.get("netns", ()))
+    for name in sorted(set(now.allocs) - set(cp.allocs) - foreign_ns):
         veth = alloc_veth_name(name)
         # the veth first: a namespace something holds outlives its unmount, and so would it
         ops: list[TypedOp] = [LinkDelete(veth)] if veth in live.links else []
         out.add("alloc", name, Action.DELETE, "created by the change", [*ops, NetnsDelete(name)])
     going = {alloc_veth_name(n) for n in set(now.allocs) - set(cp.allocs)}
+    foreign = set(cp.foreign.get("links", ()))
     for name, point in sorted(now.links.items()):
         if name in cp.links or name in going:  # an allocation's veth goes with it
+            continue
+        if name in foreign:  # adopted by the change: ours now, never deleted by a revert
             continue
         out.add(point.kind or "link", name, Action.DELETE, "created by the change",
                 [LinkDelete(name)])
@@ -303,11 +314,12 @@ def _firewall(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
                 d.attrs)
 
 
-def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Changes) -> None:
+def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Changes,
+            foreign: set[str]) -> None:
     before = {n.name: n for n in was}
     current = {n.name: n for n in now}
     for name, net in sorted(current.items()):
-        if name not in before:
+        if name not in before and name not in foreign:
             out.add("docker_network", name, Action.DELETE, "created by the change",
                     [DockerRemove(net.id, name)])
     for name, net in sorted(before.items()):

@@ -319,3 +319,32 @@ def test_a_reverted_revision_is_not_applied_again_until_the_files_change(watch: 
     assert sw.gate(None, None, "sha256:bbb", _lock) is None
     sw.publish()
     assert board.doc["reverted_revision"] == "sha256:aaa" and metrics.reverts.value == 1
+
+
+def test_a_revert_never_deletes_what_the_change_adopted() -> None:
+    """--adopt made a foreign bridge, namespace and Docker network ours within the window:
+    the revert leaves them (it cannot give them back, and deleting them would destroy
+    someone else's objects)."""
+    from reconciler.domain.live import LiveDocker, LiveDockerNetwork
+
+    def net(owned: bool) -> LiveDockerNetwork:
+        labels = {"io.reconciler.managed": "true"} if owned else {}
+        return LiveDockerNetwork("9" * 64, "theirs", "bridge", labels, {}, False, False, (), 0)
+
+    live = _live()
+    links = dict(live.links)
+    links["theirs0"] = LiveLink("theirs0", 12, "bridge", 1500, True, False)
+    netns = dict(live.netns)
+    foreign_ns = _alloc("theirs-ns")
+    lo = dataclasses.replace(foreign_ns.links[0], alias=None)
+    netns["theirs-ns"] = dataclasses.replace(foreign_ns, links=(lo, *foreign_ns.links[1:]))
+    before = dataclasses.replace(live, links=links, netns=netns,
+                                 docker=LiveDocker(True, networks=(net(False),)))
+    cp = Checkpoint.from_json(take(before, ()).to_json())
+    assert cp.foreign["links"] == ("eth9", "theirs0") and cp.foreign["netns"] == ("theirs-ns",)
+    links["theirs0"] = dataclasses.replace(links["theirs0"], owned=True, alias=LINK_ALIAS)
+    netns["theirs-ns"] = foreign_ns
+    after = dataclasses.replace(live, links=links, netns=netns,
+                                docker=LiveDocker(True, networks=(net(True),)))
+    ops = _ops(restore_plan(cp, after, (NetworkPoint("theirs", "9" * 64),)))
+    assert not any(a.get("name") in ("theirs0", "theirs-ns", "theirs") for _n, a in ops), ops
