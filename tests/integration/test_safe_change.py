@@ -223,8 +223,10 @@ def test_confirm_within_the_window_keeps_the_change(box: Netns, tmp_path: Any) -
     assert pending_record(box) is None and reverts(box)["count"] == 0
     again = box.reconcile("confirm")
     assert again.rc == 1 and "nothing is pending" in again.err, again.all
-    # nothing pending: apply works again
+    # nothing pending: apply works again; with nothing to change there is nothing to confirm
     assert box.reconcile("apply", b).rc == 0
+    r = box.reconcile("apply", b, "--confirm-within", "1m")
+    assert r.rc == 0 and "nothing to confirm" in r.all and pending_record(box) is None, r.all
 
 
 def test_no_confirm_restores_the_old_state_within_two_seconds(box: Netns,
