@@ -348,3 +348,13 @@ def test_a_revert_never_deletes_what_the_change_adopted() -> None:
                                 docker=LiveDocker(True, networks=(net(True),)))
     ops = _ops(restore_plan(cp, after, (NetworkPoint("theirs", "9" * 64),)))
     assert not any(a.get("name") in ("theirs0", "theirs-ns", "theirs") for _n, a in ops), ops
+
+
+def test_status_says_what_is_pending_and_what_was_reverted() -> None:
+    from reconciler.agent.status import render
+
+    text = render({"pending": {"deadline": "2026-12-01T14:27:57Z", "revision": "abc123"},
+                   "reverted_revision": "sha256:0f0f", "paths": []})
+    assert "pending: a change of revision abc123 until 2026-12-01T14:27:57Z" in text
+    assert "reverted: revision sha256:0f0f" in text
+    assert "pending" not in render({"pending": None, "reverted_revision": None, "paths": []})
