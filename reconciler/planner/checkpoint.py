@@ -316,13 +316,16 @@ def _firewall(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
 
 def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Changes,
             foreign: set[str]) -> None:
+    """What the change created first (it may hold the subnet a restored network needs),
+    then networks with containers (they wait without a network until it is back), then
+    the rest."""
     before = {n.name: n for n in was}
     current = {n.name: n for n in now}
     for name, net in sorted(current.items()):
         if name not in before and name not in foreign:
             out.add("docker_network", name, Action.DELETE, "created by the change",
                     [DockerRemove(net.id, name)])
-    for name, net in sorted(before.items()):
+    for name, net in sorted(before.items(), key=lambda kv: (not kv[1].endpoints, kv[0])):
         have = current.get(name)
         if have == net:
             continue
