@@ -43,6 +43,7 @@ from reconciler.agent.revision import (
     files_digest,
     git_revision,
 )
+from reconciler.agent.safewatch import SafeWatch
 from reconciler.agent.schedule import Scheduler, Trigger
 from reconciler.agent.sources import (
     DockerWatcher,
@@ -107,13 +108,17 @@ class WatchOptions:
     expect_revision: str | None = None
     #: refuse a pass whose plan disrupts more items than this (``--max-disruption``)
     max_disruption: int | None = None
+    #: apply each new revision under a window of this many seconds (``agent/safewatch``)
+    confirm_within: float | None = None
 
 
 @dataclass
 class PassReport:
     number: int
     reasons: list[str]
-    result: str  # ok | applied | drift (--dry-run) | failed | config-error | interrupted
+    #: ok | applied | drift (--dry-run) | failed | config-error | interrupted | pending (a
+    #: change in its confirm window holds the agent back)
+    result: str
     started_at: float
     finished_at: float
     duration: float
@@ -224,6 +229,8 @@ class Agent:
         self._probe_labels: set[tuple[str, str]] = set()
         self._probe_took = 0.0
         self.board.update(probes=None)
+        self.safe = SafeWatch(options.confirm_within, self.board, self.metrics, options.probe,
+                              self.hostname, wall)
 
     # -- event sources -------------------------------------------------------
 
@@ -622,6 +629,12 @@ class Agent:
             # a change a killed run left half done: the plan alone may not see it
             with self._host_lock():
                 rec.finish_journals()
+        revision = describe_revision(self.good_revision) if self.good_revision else None
+        if not self.options.dry_run:
+            held = self.safe.gate(rec, desired, revision, self._host_lock)
+            if held is not None:  # a change in its window (ours or an operator's)
+                report.result, report.error = "pending", held
+                return
         plan = rec.plan(desired, self.options.plan)
         if plan.conflicts:
             report.errors = [{"resource": c.address, "error": "conflict: "
@@ -655,10 +668,16 @@ class Agent:
             if o.status == "applied":
                 self.metrics.changes.inc()
 
+        hook = self.safe.hook(rec, revision)
+        # only when there is one: the unit tests' fake reconcilers take no such argument
+        extra: dict[str, Any] = {} if hook is None else {"before_changes": hook}
         with self._host_lock():
             result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
                                probe=self.options.probe,
-                               max_disruption=self.options.max_disruption)
+                               max_disruption=self.options.max_disruption, **extra)
+            # under the same lock: its reverter sees the window started, or the revert
+            self.safe.after(rec, result, revision,
+                            lambda why, delay: self.trigger.request(why, delay=delay))
         report.probes = list(result.probes)
         report.applied = sum(1 for o in result.outcomes if o.status == "applied")
         report.failed = len(result.failed)

@@ -88,6 +88,11 @@ class Metrics:
                                    "Commit time (Unix) of the revision whose files the agent "
                                    "converges to; 0 when they are not in a git checkout",
                                    registry=r)
+        self.pending_change = Gauge("reconciler_pending_change",
+                                    "1 while a change applied under a confirm window is "
+                                    "pending (not confirmed, not reverted)", registry=r)
+        self.reverts = Counter("reconciler_reverts", "Pending changes reverted (deadline, "
+                               "failed probes, reboot, `reconcile revert`)", registry=r)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
@@ -463,6 +468,14 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
             lines.append(f"  alloc {f.get('alloc')} path {f.get('path')} "
                          f"({f.get('proto')}{port}): {f.get('cause') or 'no cause found'} "
                          f"(since {_ago(f.get('since'), now)})")
+    pending = doc.get("pending")
+    if pending:
+        rev = f" of revision {pending['revision']}" if pending.get("revision") else ""
+        lines.append(f"pending: a change{rev} until {pending.get('deadline')} (`reconcile "
+                     "confirm` keeps it, `reconcile revert` undoes it)")
+    if doc.get("reverted_revision"):
+        lines.append(f"reverted: revision {doc['reverted_revision']} (not applied again "
+                     "until the files change)")
     overlaps = doc.get("address_overlaps") or []
     if overlaps:
         lines.append(f"address overlaps: {len(overlaps)} (foreign, left alone):")

@@ -176,6 +176,7 @@ def _stopped(signals: list[int]) -> int:
 
 def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
            saved: Plan | None = None) -> int:
+    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.impact import DisruptionError, refusal  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
@@ -193,11 +194,16 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         return plan_exit(plan)
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
+    window = safe.attach(rec, args, request)
     with _stop_on_signals(rec.stop) as signals:
         try:
             with host_lock(args.lock_timeout):
+                safe.guard(rec)  # an overdue change is reverted first; a pending one refuses
                 result = rec.apply(desired, options, saved=saved, probe=request,
-                                   max_disruption=getattr(args, "max_disruption", None))
+                                   max_disruption=getattr(args, "max_disruption", None),
+                                   before_changes=window.before_changes if window else None)
+                if window is not None:
+                    window.settle(result, stopped=bool(signals))
         except DisruptionError as exc:  # what it would have disrupted, then the one line
             _print_plan(exc.plan, args)
             print(f"error: {exc}", file=sys.stderr)
@@ -234,7 +240,20 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
         return _stopped(signals)
-    return EXIT_OK if result.ok else EXIT_ERROR
+    rc = EXIT_OK if result.ok else EXIT_ERROR
+    return window.finish(result, rc) if window is not None else rc
+
+
+def cmd_confirm(args: argparse.Namespace) -> int:
+    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+
+    return safe.cmd_confirm(args)
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+
+    return safe.cmd_revert(args)
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -472,7 +491,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         hostname=args.hostname, docker_events=not args.no_docker_events,
         strict=not args.allow_insecure_config, plan_server=not args.no_plan_server,
         dry_run=args.dry_run, probe=probe_request(args), probe_interval=args.probe_interval,
-        expect_revision=expect, max_disruption=args.max_disruption)
+        expect_revision=expect, max_disruption=args.max_disruption,
+        confirm_within=args.confirm_within)
     return process.run(options, getattr(args, "status_socket", None))
 
 
@@ -499,7 +519,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "verify": cmd_verify,
     "destroy": cmd_destroy, "show": cmd_show, "watch": cmd_watch, "status": cmd_status,
-    "completion": cmd_completion, "gc": cmd_gc,
+    "completion": cmd_completion, "gc": cmd_gc, "confirm": cmd_confirm, "revert": cmd_revert,
 }
 #: what runs before --netns moves the process (the status socket binds on the host)
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from reconciler.domain.checkpoint import NetworkPoint, network_from_json
 from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
 from reconciler.domain.errors import ReconcilerError
 from reconciler.domain.live import IPInterface
@@ -360,6 +361,23 @@ class DockerRemove(_TypedOp):
     name: str
 
 
+@dataclass(frozen=True)
+class DockerRestore(_TypedOp):
+    """Re-create a network as a checkpoint recorded it, with its containers attached at
+    their addresses and aliases (a revert); first remove ``replace_id`` (the network the
+    change made in its place, its containers disconnected), if given."""
+
+    NAME: ClassVar[str] = "docker.restore"
+    network: dict[str, object] = field(hash=False)  # ``checkpoint.network_to_json``
+    replace_id: str = _omit("")
+
+    def point(self) -> NetworkPoint:
+        return network_from_json(self.network)
+
+    def check(self) -> None:
+        self.point()
+
+
 # -- conntrack (drivers.netlink.conntrack) ----------------------------------------------------
 
 @dataclass(frozen=True)
@@ -429,7 +447,7 @@ TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | Add
            | LinkSetMac | NeighReplace
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
            | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
-           | DockerRemove | ConntrackDelete)
+           | DockerRemove | DockerRestore | ConntrackDelete)
 
 #: every op, by its wire name
 OPS: Mapping[str, type[TypedOp]] = {cls.NAME: cls for cls in get_args(TypedOp)}

@@ -24,6 +24,7 @@ from reconciler.domain.ops import (
     DockerEnsure,
     DockerRemove,
     DockerReplace,
+    DockerRestore,
     FirewallRestore,
     LinkAddBridge,
     LinkDelete,
@@ -132,6 +133,8 @@ class HostOps:
                 self._docker_report(op.name, (), result.removed)
             case DockerRemove():
                 self.docker.remove(op.id)  # False when already gone: idempotent
+            case DockerRestore():
+                self._docker_restore(op)
             case ConntrackDelete():
                 self._conntrack_delete(op)
             case _:
@@ -260,3 +263,10 @@ class HostOps:
             raise
         steps.close()
         return result
+
+    def _docker_restore(self, op: DockerRestore) -> None:
+        point = op.point()
+        self.docker.restore_network(point, op.replace_id)
+        if point.endpoints:
+            log.info("docker network %s: restored with %s", point.name,
+                     ", ".join(e.name or e.container[:12] for e in point.endpoints))

@@ -124,8 +124,14 @@ class Reconciler:
               saved: Plan | None = None,
               on_outcome: Callable[[Outcome], None] | None = None,
               probe: ProbeRequest | None = None,
-              max_disruption: int | None = None) -> ApplyResult:
+              max_disruption: int | None = None,
+              before_changes: Callable[[Plan], Plan | None] | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
+
+        ``before_changes`` runs after the preflight checks and before the first op of a
+        plan with changes (``engine/safechange`` records its checkpoint there: an error
+        it raises means nothing changed); a plan it returns is run instead (irreversible
+        deletions postponed).
 
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
@@ -161,6 +167,9 @@ class Reconciler:
         if not plan.has_changes:
             return result
         preflight(plan, subnet_bridges(desired))
+        if before_changes is not None:
+            plan = before_changes(plan) or plan
+            result.plan = plan
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,

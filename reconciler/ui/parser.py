@@ -178,8 +178,32 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--force-replace", action="store_true",
                     help="allow replacing Docker networks that have containers attached "
                          "(they are disconnected and reconnected with the same addresses)")
+    sp.add_argument("--confirm-within", type=duration, metavar="DURATION",
+                    help="keep the change only if `reconcile confirm` comes within DURATION "
+                         "(90s, 5m, or seconds) and the probes hold; otherwise a detached "
+                         "reverter restores the owned state from before it "
+                         "(docs/safe-change.md)")
     _probe_options(sp, "do not probe after applying (the configuration is still verified)")
     _max_disruption(sp, "nothing is changed, exit 1")
+
+    sp = sub.add_parser(
+        "confirm", help="keep the change pending since `apply --confirm-within`",
+        description="Keep the pending change: its reverter stops. Exit 1 when nothing is "
+                    "pending or its deadline passed (the change is then reverted).")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+
+    sp = sub.add_parser(
+        "revert", help="undo the pending change now (restore the owned state before it)",
+        description="Restore the owned state recorded before the pending change (`apply "
+                    "--confirm-within`) and verify it. Exit 1 when nothing is pending. With "
+                    "--if-overdue (the boot-time unit), only a change whose deadline passed "
+                    "or that was applied before a reboot; nothing to do is exit 0.")
+    sp.add_argument("--if-overdue", action="store_true",
+                    help="only an overdue change (deadline passed, or a reboot since)")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
+    sp.add_argument("--wait", metavar="TOKEN", help=argparse.SUPPRESS)
 
     sp = sub.add_parser(
         "verify", help="check the host holds: config matches and packets flow (exit 0/1)",
@@ -282,6 +306,11 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                          "one is a new rollout")
     _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
     _max_disruption(sp, "the pass changes nothing and fails (logs and status say why)")
+    sp.add_argument("--confirm-within", type=duration, metavar="DURATION",
+                    help="apply each new revision of the files under a window: the agent "
+                         "confirms it itself when its probes held for DURATION and reverts "
+                         "it when they fail; a reverted revision is not applied again until "
+                         "the files change (docs/safe-change.md)")
     sp.set_defaults(prepare=True)
 
     sp = sub.add_parser(

@@ -20,6 +20,8 @@ import ipaddress
 import json
 from collections.abc import Iterator
 
+from reconciler.domain.checkpoint import Checkpoint, EndpointPoint, NetworkPoint
+from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.live import (
     LiveAddress,
     LiveDocker,
@@ -40,10 +42,16 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
+from reconciler.domain.ownership import (
+    DOCKER_LABEL,
+    DOCKER_LABEL_VALUE,
+    alloc_ns_alias,
+    alloc_veth_name,
+)
 from reconciler.domain.plan import Plan
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
+from reconciler.planner.checkpoint import restore_plan
 
 from .fakehost import HOST_ID, FakeHost, FakeNetns
 
@@ -184,6 +192,16 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     yield "docker, default MTU unknown", make_plan(
         DesiredState(docker_networks={"new": web}),  # type: ignore[dict-item]
         LiveState(docker=dataclasses.replace(docker, default_mtu=None, scope="netns/x")))
+
+    # a revert (planner/checkpoint): the network the checkpoint recorded is gone, another
+    # of its name was made in its place by the change
+    point = NetworkPoint("kind", "7" * 64, "bridge", (("com.docker.network.driver.mtu", "1400"),),
+                         ((DOCKER_LABEL, DOCKER_LABEL_VALUE), (SCOPE_LABEL, "host")), False,
+                         False, (("172.30.0.0/16", "172.30.0.1"),),
+                         (EndpointPoint("c" * 64, "web1", "172.30.0.5", None, ("web",)),))
+    now = dataclasses.replace(point, id="8" * 64, options=(), endpoints=())
+    yield "revert of a docker network", restore_plan(Checkpoint("1", docker=(point,)),
+                                                     LiveState(host_id="1"), [now])
 
 
 def plan_json(plan: Plan) -> str:

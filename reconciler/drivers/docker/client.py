@@ -35,6 +35,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import IPAMConfig, IPAMPool
 
+from reconciler.domain.checkpoint import NetworkPoint
 from reconciler.domain.docker import (
     IPV6_FALLBACK_LABEL,
     OPT_MASQUERADE,
@@ -53,6 +54,7 @@ from reconciler.domain.errors import ConflictError, DriverError, ReconcilerError
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork
 from reconciler.domain.model import DockerNetwork
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
+from reconciler.drivers.docker import snapshot
 from reconciler.drivers.docker.failures import (
     Unreachable,
     explanation,
@@ -718,6 +720,16 @@ class DockerDriver:
             driver_opt=dict(ep.driver_opts) or None,
         )
         return warnings
+
+    # -- checkpoints of pending changes (``snapshot``) -------------------------
+
+    def snapshot(self, scope: str) -> tuple[NetworkPoint, ...]:
+        """Our networks of ``scope`` with their attachments, as a checkpoint records them."""
+        return snapshot.snapshot(self._api, scope)
+
+    def restore_network(self, point: NetworkPoint, replace_id: str = "") -> str:
+        """Re-create a network a checkpoint recorded (a revert); its new ID."""
+        return snapshot.restore(self._api, point, replace_id)
 
 
 def _old_args(attrs: NetworkInspect) -> CreateArgs:

@@ -1,0 +1,189 @@
+"""The watch agent's side of safe change (SPEC §8): pending changes, overdue reverts and
+`watch --confirm-within`.
+
+Every pass asks :meth:`SafeWatch.gate` first. A change pending past its deadline (or
+from before a reboot) is reverted there, before anything else. A change an operator
+applied under a window (`apply --confirm-within`) holds the agent back until it is
+confirmed or reverted: the pass reports ``pending`` and changes nothing. With
+``--confirm-within`` the agent applies each new revision of its files the same way: the
+checkpoint and a detached reverter (``engine/safechange``) first, then the change; the
+reverter's probes revert it as soon as they fail, and when the window has passed with
+the change still pending the agent probes once more and confirms it itself. The
+reverter's own deadline is a grace period later, so an agent that died meanwhile leaves
+a change that is reverted, not one that stays unconfirmed. A reverted revision is not
+applied again until the files change.
+
+Published in the status document (``pending``, ``reverted_revision``) and the metrics
+``reconciler_pending_change`` and ``reconciler_reverts_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from reconciler.domain.errors import ReconcilerError
+from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Plan
+from reconciler.engine import safechange
+from reconciler.engine.reconcile import ApplyResult, ProbeRequest, Reconciler, probe_failures
+from reconciler.planner.checkpoint import without_postponed
+
+log = logging.getLogger("reconciler.watch")
+
+#: how much later than the agent's own confirm the reverter's deadline is
+GRACE = 10.0
+
+
+class SafeWatch:
+    def __init__(self, window: float | None, board: Any, metrics: Any,
+                 probe: ProbeRequest | None, hostname: str | None,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.window = window
+        self.board = board
+        self.metrics = metrics
+        self.probe = probe
+        self.hostname = hostname
+        self.wall = wall
+        #: the agent's own pending change: its token, and when the agent confirms it
+        self.own: safechange.Pending | None = None
+        self.confirm_at: float | None = None
+        #: the revision applied last (a new one is what a window is for)
+        self.applied_revision: str | None = None
+        self._counted = safechange.revert_count()[0]
+        self.publish()
+
+    # -- status ------------------------------------------------------------------------
+
+    def publish(self, p: safechange.Pending | None = None, *, read: bool = True) -> None:
+        if read:
+            try:
+                p = safechange.pending()
+            except ReconcilerError as exc:
+                log.error("pending change unreadable: %s", exc)
+                p = None
+        count, last = safechange.revert_count()
+        if count > self._counted:
+            self.metrics.reverts.inc(count - self._counted)
+            self._counted = count
+        self.metrics.pending_change.set(1 if p is not None else 0)
+        self.board.update(
+            pending=None if p is None else {"deadline": safechange.iso(p.deadline),
+                                            "revision": p.revision},
+            reverted_revision=last)
+
+    # -- each pass ---------------------------------------------------------------------
+
+    def gate(self, rec: Reconciler, desired: DesiredState, revision: str | None,
+             lock: Callable[[], AbstractContextManager[None]]) -> str | None:
+        """Before a pass plans: revert what is overdue, confirm the agent's own change when
+        its window has passed; a line saying why the pass must not change anything, or
+        None."""
+        p = safechange.pending()
+        if p is not None:
+            with lock():
+                p = safechange.pending()
+                if p is not None and p.overdue:
+                    self._revert(rec, p, "overdue")
+                    p = None
+                elif p is not None and self._due(p):
+                    if self._holds(rec, desired):
+                        for o in safechange.confirm(p, rec):
+                            if o.status == "failed":
+                                log.error("postponed %s: %s", o.change.address, o.error)
+                        log.info("confirmed revision %s: its probes held for the whole "
+                                 "window", p.revision)
+                        self.own, self.confirm_at, p = None, None, None
+                    else:
+                        self._revert(rec, p, "probes failed")
+                        p = None
+            self.publish()
+            if p is not None:
+                if self.own is not None and p.token == self.own.token:
+                    return (f"revision {p.revision} is in its confirm window until "
+                            f"{safechange.iso(self.confirm_at or p.deadline)}")
+                return safechange.refusal(p)
+        elif self.own is not None:
+            self.own = self.confirm_at = None  # confirmed or reverted by someone else
+            self.publish()
+        _count, last = safechange.revert_count()
+        if self.window is not None and revision is not None and revision == last:
+            return (f"revision {revision} was reverted; it is not applied again until the "
+                    "files change")
+        return None
+
+    def hook(self, rec: Reconciler, revision: str | None) -> Callable[[Plan], Plan] | None:
+        """What runs before the first op of this pass's change: with a window and a new
+        revision, the checkpoint and the reverter."""
+        if self.window is None or revision is None or revision == self.applied_revision:
+            return None
+        window = self.window
+
+        def before_changes(plan: Plan) -> Plan:
+            pending = safechange.pending()
+            if pending is not None:  # an operator's apply got in between
+                raise ReconcilerError(safechange.refusal(pending))
+            self.own, plan = safechange.begin(rec.last_live, rec.observer.handles, plan,
+                                              seconds=window + GRACE, probe=self.probe,
+                                              hostname=self.hostname, revision=revision)
+            self.publish(self.own, read=False)
+            return plan
+
+        return before_changes
+
+    def after(self, rec: Reconciler, result: ApplyResult, revision: str | None,
+              request: Callable[[str, float], None]) -> None:
+        """After this pass's apply, still under its host lock: start the window (and ask
+        for the pass that confirms), or revert at once when the change did not hold."""
+        own = self.own
+        if own is None or self.confirm_at is not None:
+            if result.ok:
+                self.applied_revision = revision
+            return
+        if own.postponed and result.residual is not None:
+            result.residual = without_postponed(result.residual,
+                                                (c.name for c in own.postponed))
+        current = safechange.still_pending(own.token)
+        if current is None:  # its reverter was first (the apply outlasted the window)
+            self.own = None
+            self.publish()
+            return
+        if not result.ok:
+            self.own = None
+            self._revert(rec, current, "the apply did not hold")
+            self.publish()
+            return
+        assert self.window is not None
+        self.own = safechange.started(current, self.window + GRACE)
+        self.confirm_at = self.wall() + self.window
+        self.applied_revision = revision
+        log.info("revision %s applied; confirming it at %s if its probes hold", revision,
+                 safechange.iso(self.confirm_at))
+        request("confirm window", self.window)
+        self.publish(self.own, read=False)
+
+    def _due(self, p: safechange.Pending) -> bool:
+        """``p`` is the agent's own change and its window has passed."""
+        return (self.own is not None and p.token == self.own.token
+                and self.confirm_at is not None and self.wall() >= self.confirm_at)
+
+    def _holds(self, rec: Reconciler, desired: DesiredState) -> bool:
+        if self.probe is None:
+            return True
+        return not probe_failures(rec.probe(desired, request=self.probe))
+
+    def _revert(self, rec: Reconciler, p: safechange.Pending, why: str) -> None:
+        log.warning("reverting %s (%s)", p.describe(), why)
+        result = safechange.revert(rec, p, why=why)
+        if result.ok:
+            log.info("reverted in %.2fs: %d change(s) restored", result.seconds, result.changed)
+        else:
+            detail = (safechange.residual_line(result.residual) if result.residual is not None
+                      and result.residual.has_changes else
+                      "; ".join(f"{o.change.address}: {o.error}" for o in result.failed[:3]))
+            raise ReconcilerError(f"the revert of {p.describe()} did not complete: {detail}")
+        if self.own is not None and p.token == self.own.token:
+            self.own = self.confirm_at = None

@@ -1,0 +1,250 @@
+"""`apply --confirm-within`, `reconcile confirm`, `reconcile revert` (SPEC §8): the command
+side of ``engine/safechange``.
+
+Every command that changes the host calls :func:`guard` under the host lock first: an
+overdue pending change is reverted before anything else happens, a pending one refuses
+the command with one line naming its deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from reconciler.agent.revision import describe_revision, files_digest, git_revision
+from reconciler.config.load import load
+from reconciler.domain.errors import LockedError, PreconditionError, ReconcilerError
+from reconciler.domain.plan import Plan
+from reconciler.engine import safechange
+from reconciler.engine.lock import host_lock
+from reconciler.engine.reconcile import ApplyResult, ProbeRequest, Reconciler, probe_failures
+from reconciler.planner.checkpoint import without_postponed
+from reconciler.ui.render import EXIT_ERROR, EXIT_OK
+
+log = logging.getLogger("reconciler")
+
+
+def _say(line: str, *, err: bool = False) -> None:
+    print(line, file=sys.stderr if err else sys.stdout)
+
+
+def _report(result: safechange.RevertResult, p: safechange.Pending, why: str) -> bool:
+    if result.ok:
+        _say(f"Reverted the change applied at {safechange.iso(p.created)} ({why}): "
+             f"{result.changed} change(s) restored in {result.seconds:.1f}s, nothing left "
+             "to restore.")
+        return True
+    for o in result.failed:
+        _say(f"error: revert: {o.change.kind} {o.change.name}: {o.error}", err=True)
+    if result.residual is not None and result.residual.has_changes:
+        _say(f"error: revert: {safechange.residual_line(result.residual)}", err=True)
+    _say("error: the revert did not complete; the change stays pending (overdue): "
+         "`reconcile revert` tries again", err=True)
+    return False
+
+
+def _revision(files: list[str]) -> str | None:
+    """The revision of the files as the agent names it (a git commit, or their digest), so
+    that a revision reverted here is one the agent will not apply again either."""
+    if not files:
+        return None
+    rev = git_revision(files) or {}
+    rev["files_sha256"] = files_digest(files)
+    return describe_revision(rev)
+
+
+def guard(rec: Reconciler) -> None:
+    """Under the host lock, before a change: revert an overdue pending change first; refuse
+    while one is pending (PreconditionError, one line)."""
+    p = safechange.pending()
+    if p is None:
+        return
+    if not p.overdue:
+        raise PreconditionError(safechange.refusal(p))
+    why = "overdue: " + ("applied before a reboot" if p.boot_id != safechange.current_boot_id()
+                         else f"its deadline {safechange.iso(p.deadline)} passed")
+    _say(f"A change is overdue; reverting it first ({why}).", err=True)
+    if not _report(safechange.revert(rec, p, why=why), p, why):
+        raise PreconditionError("the overdue change could not be reverted; nothing else "
+                                "was changed")
+
+
+class Window:
+    """One `apply --confirm-within`: records the checkpoint before the first op, starts
+    the reverter, and afterwards says what to do (or reverts at once when the change did
+    not hold)."""
+
+    def __init__(self, rec: Reconciler, args: argparse.Namespace,
+                 request: ProbeRequest | None) -> None:
+        self.rec = rec
+        self.seconds: float = args.confirm_within
+        self.hostname = getattr(args, "hostname", None)
+        self.request = request
+        self.pending: safechange.Pending | None = None
+        self.err = args.output == "json"
+        #: what ``settle`` found: pending (the window runs), reverted, gone (the reverter
+        #: was first), None (not settled)
+        self.outcome: str | None = None
+        self.reverted: safechange.RevertResult | None = None
+
+    def before_changes(self, plan: Plan) -> Plan:
+        self.pending, plan = safechange.begin(self.rec.last_live, self.rec.observer.handles,
+                                              plan, seconds=self.seconds, probe=self.request,
+                                              hostname=self.hostname,
+                                              revision=_revision([p for p, _h in plan.files]))
+        return plan
+
+    def settle(self, result: ApplyResult, stopped: bool) -> None:
+        """Still under the apply's host lock: start the window of a change that held, or
+        revert at once one that did not. Under the same lock, so the reverter (waiting for
+        it since the record's own deadline, counted before the apply) sees either."""
+        p = self.pending
+        if p is None or stopped:  # stopped by a signal: the reverter reverts at its deadline
+            return
+        if self.pending is not None and self.pending.postponed and result.residual:
+            result.residual = without_postponed(result.residual,
+                                                (c.name for c in self.pending.postponed))
+        current = safechange.still_pending(p.token)
+        if current is None:
+            self.outcome = "gone"
+        elif not result.ok:
+            self.outcome = "reverted"
+            self.reverted = safechange.revert(self.rec, current, why="the apply did not hold")
+        else:
+            self.outcome = "pending"
+            self.pending = safechange.started(current, self.seconds)
+
+    def finish(self, result: ApplyResult, rc: int) -> int:
+        p = self.pending
+        if p is None:
+            _say("Nothing changed: nothing to confirm.", err=self.err)
+            return rc
+        if self.outcome == "gone":
+            _say("error: the pending change was reverted meanwhile (its deadline passed while "
+                 "it was being applied)", err=True)
+            return EXIT_ERROR
+        if self.outcome == "reverted" and self.reverted is not None:
+            why = "the apply did not hold"
+            _say(f"The change did not hold; reverted it ({why}).", err=True)
+            _report(self.reverted, p, why)
+            return EXIT_ERROR
+        if self.outcome != "pending" or rc != EXIT_OK:
+            return EXIT_ERROR
+        _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run `reconcile "
+             "confirm` to keep the change; without it (or if the probes fail) it is reverted "
+             "then (`reconcile revert` reverts now).", err=self.err)
+        return rc
+
+
+def cmd_confirm(args: argparse.Namespace) -> int:
+    rec = Reconciler()
+    with host_lock(args.lock_timeout):
+        p = safechange.pending()
+        if p is None:
+            _say("error: nothing is pending: no change waits for a confirm", err=True)
+            return EXIT_ERROR
+        if p.overdue:
+            why = f"confirmed after its deadline {safechange.iso(p.deadline)}"
+            if p.boot_id != safechange.current_boot_id():
+                why = "applied before a reboot"
+            _say(f"error: too late: {p.describe()} and is overdue ({why}); reverting it",
+                 err=True)
+            _report(safechange.revert(rec, p, why=why), p, why)
+            return EXIT_ERROR
+        outcomes = safechange.confirm(p, rec)
+    _say(f"Confirmed: the change applied at {safechange.iso(p.created)} stays.")
+    failed = [o for o in outcomes if o.status == "failed"]
+    for o in outcomes:
+        if o.status == "applied":
+            _say(f"Made the postponed change: {o.change.kind} {o.change.name}: deleted.")
+    for o in failed:
+        _say(f"error: postponed {o.change.kind} {o.change.name}: {o.error}", err=True)
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    if args.wait:
+        return _reverter(args.wait)
+    rec = Reconciler()
+    with host_lock(args.lock_timeout):
+        p = safechange.pending()
+        if p is None:
+            if args.if_overdue:
+                return EXIT_OK
+            _say("error: nothing is pending: no change to revert", err=True)
+            return EXIT_ERROR
+        if args.if_overdue and not p.overdue:
+            _say(f"Not overdue: {p.describe()}.")
+            return EXIT_OK
+        why = "reconcile revert"
+        if p.boot_id != safechange.current_boot_id():
+            why = "applied before a reboot"
+        elif p.overdue:
+            why = f"its deadline {safechange.iso(p.deadline)} passed"
+        return EXIT_OK if _report(safechange.revert(rec, p, why=why), p, why) else EXIT_ERROR
+
+
+def _reverter(token: str) -> int:
+    """The detached reverter of one pending change (``spawn_reverter``)."""
+    logging.basicConfig(level=logging.INFO, force=True, stream=sys.stderr,
+                        format="%(asctime)s reverter %(levelname)s %(message)s")
+    prober = Reconciler()
+
+    def holds(p: safechange.Pending) -> bool:
+        if p.probe is None:
+            return True
+        try:
+            desired = load([path for path, _h in p.files], hostname=p.probe.get("hostname"))
+            with host_lock(0):
+                results = prober.probe(desired, request=ProbeRequest(
+                    external=bool(p.probe.get("external")),
+                    timeout=float(p.probe.get("timeout", 1.0))))
+        except LockedError:
+            return True  # someone is changing the host: probe on the next round
+        except ReconcilerError as exc:
+            log.warning("reverter: probes not run: %s", exc)
+            return True
+        failed = probe_failures(results)
+        for r in failed[:5]:
+            log.warning("reverter: probe failed: %s %s", r.alloc, r.path)
+        return not failed
+
+    rec = Reconciler()
+
+    def warm(p: safechange.Pending) -> None:
+        # read the host once while waiting: the sockets into the namespaces, the iptables
+        # and Docker clients are open and their imports done when the revert is due
+        try:
+            safechange.observe_for(rec, p.checkpoint)
+        except ReconcilerError as exc:
+            log.debug("reverter: warm-up observation: %s", exc)
+
+    try:
+        while True:
+            p = safechange.wait(token, probe=holds, ready=warm)
+            if p is None:
+                log.info("reverter: the change was confirmed (or reverted); exiting")
+                return EXIT_OK
+            why = "probes failed" if not p.overdue else (
+                "applied before a reboot" if p.boot_id != safechange.current_boot_id()
+                else f"its deadline {safechange.iso(p.deadline)} passed")
+            with host_lock(120.0, poll=0.02):
+                current = safechange.still_pending(token)
+                if current is None:
+                    return EXIT_OK
+                if p.overdue and not current.overdue:
+                    continue  # the apply finished meanwhile: its window starts now
+                result = safechange.revert(rec, current, why=why)
+                break
+    finally:
+        prober.close_probes()
+    return EXIT_OK if _report(result, current, why) else EXIT_ERROR
+
+
+def attach(rec: Reconciler, args: argparse.Namespace, request: Any) -> Window | None:
+    """The window of `apply --confirm-within`, or None."""
+    if getattr(args, "confirm_within", None) is None:
+        return None
+    return Window(rec, args, request)
