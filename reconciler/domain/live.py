@@ -92,6 +92,14 @@ class LiveChainSet:
 
 
 @dataclass(frozen=True)
+class DockerEndpoint:
+    """A container attached to a Docker network (``Containers`` of its inspect)."""
+
+    name: str
+    addresses: tuple[str, ...] = ()  # its IPv4Address / IPv6Address on the network, ``ip/len``
+
+
+@dataclass(frozen=True)
 class LiveDockerNetwork:
     id: str
     name: str
@@ -102,6 +110,9 @@ class LiveDockerNetwork:
     internal: bool
     subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
     containers: int
+    #: the attached containers by name (``reconcile show`` and ``graph``; the planner counts
+    #: ``containers``)
+    endpoints: tuple[DockerEndpoint, ...] = ()
 
     @property
     def owned(self) -> bool:

@@ -118,12 +118,14 @@ class Reconciler:
     def apply(self, desired: DesiredState, options: PlanOptions, *,
               saved: Plan | None = None,
               on_outcome: Callable[[Outcome], None] | None = None,
-              probe: ProbeRequest | None = None) -> ApplyResult:
+              probe: ProbeRequest | None = None,
+              on_plan: Callable[[Plan], None] | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         With ``probe``, a run that converged then probes the allocations its changes
         touched (``probe_targets``) against the verified observation: configuration
-        that matches is not yet traffic that flows.
+        that matches is not yet traffic that flows. ``on_plan`` hears the plan about to
+        be executed and ``on_outcome`` each change done (the CLI's progress line).
         """
         plan = self.plan(desired, options)
         if saved is not None:
@@ -151,6 +153,8 @@ class Reconciler:
         preflight(plan, subnet_bridges(desired))
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
+        if on_plan is not None:
+            on_plan(plan)
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome).execute(plan)
         if result.failed or self.stop.is_set():

@@ -69,7 +69,7 @@ def test_completion_scripts_mention_every_command_and_option():
 
 
 BASH_CASES = [
-    (["reconcile", ""], {"validate", "plan", "apply", "verify", "destroy", "show", "watch",
+    (["reconcile", ""], {"validate", "plan", "apply", "verify", "destroy", "show", "graph", "watch",
                          "status", "completion"}),
     (["reconcile", "verify", "--probe-e"], {"--probe-external"}),
     (["reconcile", "verify", "examples/quick"], {"examples/quickstart.yaml"}),

@@ -8,7 +8,7 @@ from typing import Any, TypedDict
 
 from reconciler.domain.docker import OPT_MTU, bridge_of
 from reconciler.domain.docker import parse_mtu as _parse_mtu
-from reconciler.domain.live import DockerNetworkUse, LiveDockerNetwork
+from reconciler.domain.live import DockerEndpoint, DockerNetworkUse, LiveDockerNetwork
 
 _DAEMON_PREFIX = "Error response from daemon: "
 
@@ -137,7 +137,18 @@ def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
         internal=bool(attrs.get("Internal", False)),
         subnets=subnets,
         containers=len(attrs.get("Containers") or {}),
+        endpoints=endpoints(attrs.get("Containers") or {}),
     )
+
+
+def endpoints(containers: Mapping[str, Any]) -> tuple[DockerEndpoint, ...]:
+    """The containers of an inspect payload, by name (the id's head when it has none)."""
+    out = []
+    for cid, ep in containers.items():
+        ep = ep if isinstance(ep, Mapping) else {}
+        addrs = tuple(str(ep[k]) for k in ("IPv4Address", "IPv6Address") if ep.get(k))
+        out.append(DockerEndpoint(str(ep.get("Name") or cid[:12]), addrs))
+    return tuple(sorted(out, key=lambda e: e.name))
 
 
 def network_use(attrs: Mapping[str, Any]) -> DockerNetworkUse:

@@ -1,0 +1,297 @@
+"""``reconcile graph``: the topology as Graphviz DOT (pure), the convention ``terraform
+graph`` set: ``reconcile graph PATH | dot -Tpng > topology.png``.
+
+One node per resource: a cluster per bridge holding it, the subnets it serves and
+their allocations (addresses, MAC, port maps), and one for Docker networks with their
+containers. What a node says comes from the host when the object is there
+(``ui.topology``: the host's truth), otherwise from the plan's own attributes (what
+apply would make: the addresses and host ports the planner picked), otherwise from
+the files. With files, nodes declared but not on the host yet are dashed and owned
+objects no file declares are dotted; with ``--plan`` each node is filled in its
+action's colour, its label starts with the plan's symbol (``+ ~ - -/+ !``), a
+legend spells them, and a note lists the changes that are not topology (firewall
+transactions, sysctls, orphan veths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Action, Change, Json, Plan
+from reconciler.ui.topology import Topology
+
+#: (fill, border) per action: the plan text's colours (``ui.render``), light enough to read on
+STYLE = {
+    Action.CREATE: ("#d8f5d0", "#2e7d32"),
+    Action.UPDATE: ("#fff1c2", "#a67c00"),
+    Action.REPLACE: ("#f4d9f7", "#8e24aa"),
+    Action.DELETE: ("#fad4d4", "#c62828"),
+    Action.CONFLICT: ("#ff9e9e", "#b00000"),
+}
+WORDS = {Action.CREATE: "create", Action.UPDATE: "update", Action.REPLACE: "replace",
+         Action.DELETE: "delete", Action.CONFLICT: "conflict (blocks apply)"}
+KINDS = ("bridge", "subnet", "alloc", "docker_network")
+SHAPES = {"bridge": "box3d", "subnet": "box", "alloc": "box", "docker_network": "cylinder",
+          "container": "component"}
+#: facts of a change's attributes that say nothing about the topology
+_QUIET_ATTRS = frozenset({"hairpin", "masquerade", "internal"})
+_BARE_ATTRS = frozenset({"address", "address6", "ports", "cidr", "cidr6"})
+
+
+def quote(text: str) -> str:
+    """A DOT quoted string (IDs and labels): backslashes and quotes escaped, no raw newline.
+
+    Labels join their lines with ``\\l`` (left-justified breaks) after quoting each line,
+    so nothing a name holds can end the string or add an escape of its own.
+    """
+    clean = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + clean.replace("\r", " ").replace("\n", " ") + '"'
+
+
+def _label(lines: Iterable[str]) -> str:
+    body = "".join(quote(line)[1:-1] + "\\l" for line in lines)
+    return f'"{body}"'
+
+
+def _fmt(value: Json) -> list[str]:
+    if value is None:
+        return ["(none)"]
+    if isinstance(value, bool):
+        return ["true" if value else "false"]
+    if isinstance(value, list):
+        return [str(v).replace("->", " → ") for v in value] or ["(none)"]
+    return [str(value).replace("->", " → ")]
+
+
+@dataclass
+class Node:
+    kind: str
+    name: str
+    facts: list[str] = field(default_factory=list)
+    #: on the host (owned), declared in the files
+    live: bool = False
+    declared: bool = False
+    action: Action = Action.NOOP
+    #: which bridge's cluster it sits in; parent node id for its edge
+    cluster: str | None = None
+    parent: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+
+@dataclass
+class Graph:
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    def node(self, kind: str, name: str) -> Node:
+        key = f"{kind}/{name}"
+        if key not in self.nodes:
+            self.nodes[key] = Node(kind, name)
+        return self.nodes[key]
+
+
+def _live_nodes(g: Graph, topo: Topology) -> None:
+    for b in topo.bridges.values():
+        n = g.node("bridge", b.name)
+        n.live, n.cluster = True, b.name
+        n.facts = [f"mtu {b.mtu}" + ("" if b.up else ", down"), f"mac {b.mac or '(none)'}"]
+    for s in topo.subnets.values():
+        n = g.node("subnet", s.name)
+        n.live, n.cluster = True, s.bridge
+        n.parent = f"bridge/{s.bridge}" if s.bridge else None
+        n.facts = [*s.cidrs, *(f"gateway {gw}" for gw in s.gateways)]
+    for a in topo.allocs.values():
+        n = g.node("alloc", a.id)
+        n.live, n.cluster = True, a.bridge
+        n.parent = (f"subnet/{a.subnet}" if a.subnet else
+                    f"bridge/{a.bridge}" if a.bridge else None)
+        n.facts = [*a.addresses, f"mac {a.mac or '(none)'}",
+                   *(p.text.replace("->", " → ") for p in a.ports)]
+        if a.veth is None:
+            n.facts.append("no veth")
+    for key, d in topo.docker_networks.items():
+        n = g.node("docker_network", key)
+        n.live, n.cluster = True, "docker"
+        n.facts = [f"id {d.id[:12]}", *d.subnets,
+                   f"{d.container_count} container{'s' if d.container_count != 1 else ''}"]
+        for c in d.containers:
+            cn = g.node("container", f"{key}/{c.name}")
+            cn.live, cn.cluster, cn.parent = True, "docker", n.id
+            cn.facts = list(c.addresses)
+
+
+def _declared_nodes(g: Graph, desired: DesiredState) -> None:
+    """What the files say, for what the host does not have (yet): facts only if empty."""
+    for b in desired.bridges.values():
+        n = g.node("bridge", b.name)
+        n.declared, n.cluster = True, b.name
+        if not n.live:
+            n.facts = [f"mtu {b.mtu}"] if b.mtu else []
+    for s in desired.subnets.values():
+        n = g.node("subnet", s.name)
+        n.declared, n.cluster, n.parent = True, s.bridge, f"bridge/{s.bridge}"
+        if not n.live:
+            n.facts = [str(p) for p in (s.prefix, s.prefix6) if p is not None]
+    for a in desired.allocs.values():
+        n = g.node("alloc", a.id)
+        sub = desired.subnets.get(a.subnet)
+        n.declared, n.parent = True, f"subnet/{a.subnet}"
+        n.cluster = sub.bridge if sub is not None else n.cluster
+        if not n.live:
+            n.facts = [str(x) for x in (a.address, a.address6) if x is not None]
+            n.facts += [f"{p.host or 'auto'}/{p.protocol} → {p.to}"
+                        + (f" @{p.host_ip}" if p.host_ip else "") for p in a.ports]
+    for d in desired.docker_networks.values():
+        n = g.node("docker_network", d.name)
+        n.declared, n.cluster = True, "docker"
+        if not n.live:
+            n.facts = [str(x) for x in (d.subnet or d.auto, d.subnet6 or d.auto6)
+                       if x is not None]
+
+
+def _plan_facts(g: Graph, plan: Plan) -> list[Change]:
+    """Each change on its node (the planned values where the host has none); the changes
+    that are no node."""
+    others = []
+    for c in plan.changes:
+        if c.kind not in KINDS:
+            if c.action is not Action.NOOP:
+                others.append(c)
+            continue
+        n = g.node(c.kind, c.name)
+        n.action = c.action
+        if c.kind == "docker_network":
+            n.cluster = "docker"
+        attrs = [a for a in c.attrs if a.field not in _QUIET_ATTRS]
+        if not n.live and c.action in (Action.CREATE, Action.REPLACE):
+            # where it sits the edge says; addresses, prefixes and port maps speak for
+            # themselves
+            n.facts = [v if a.field in _BARE_ATTRS else f"{a.field} {v}"
+                       for a in attrs if a.after is not None and a.field not in ("subnet",
+                                                                                 "bridge")
+                       for v in _fmt(a.after)]
+        elif c.action in (Action.UPDATE, Action.REPLACE):
+            n.facts += [f"{a.field}: {' '.join(_fmt(a.before))} → {' '.join(_fmt(a.after))}"
+                        for a in attrs]
+        elif c.action is Action.CONFLICT:
+            n.facts.append(c.reason)
+    return others
+
+
+def build(topo: Topology, desired: DesiredState | None = None,
+          plan: Plan | None = None) -> Graph:
+    """The nodes of the graph: the live topology, then the declared one over it, then
+    the plan's changes (where the plan says what the host will get)."""
+    g = Graph()
+    _live_nodes(g, topo)
+    if desired is not None:
+        _declared_nodes(g, desired)
+    if plan is not None:
+        _plan_facts(g, plan)
+    return g
+
+
+def _node_line(n: Node, *, with_plan: bool, with_files: bool) -> str:
+    kind = "docker network" if n.kind == "docker_network" else n.kind
+    name = n.name.split("/", 1)[1] if n.kind == "container" else n.name
+    head = f"{kind} {name}"
+    if with_plan and n.action is not Action.NOOP:
+        head = f"{n.action.symbol} {head}"
+    attrs = [f"shape={SHAPES[n.kind]}", f"label={_label([head, *n.facts])}"]
+    styles = ["rounded"] if SHAPES[n.kind] == "box" else []
+    if with_files and n.kind != "container":
+        if n.declared and not n.live:
+            styles.append("dashed")
+        elif n.live and not n.declared:
+            styles.append("dotted")
+    if with_plan and n.action in STYLE:
+        fill, border = STYLE[n.action]
+        styles.append("filled")
+        attrs += [f'fillcolor="{fill}"', f'color="{border}"', "penwidth=2"]
+    if styles:
+        attrs.append(f'style="{",".join(styles)}"')
+    return f"    {quote(n.id)} [{', '.join(attrs)}];"
+
+
+def _legend(plan: Plan | None, others: list[Change], *, with_files: bool) -> list[str]:
+    lines = ['  subgraph "cluster_legend" {', '    label="legend"; fontsize=10; color="#999999";',
+             '    node [shape=box, fontsize=9, style="rounded"];']
+    keys = []
+    if plan is not None:
+        for action in (Action.CREATE, Action.UPDATE, Action.REPLACE, Action.DELETE,
+                       Action.CONFLICT):
+            fill, border = STYLE[action]
+            key = f"legend/{action.value}"
+            keys.append(key)
+            lines.append(f"    {quote(key)} [label={quote(f'{action.symbol} {WORDS[action]}')}, "
+                         f'style="rounded,filled", fillcolor="{fill}", color="{border}", '
+                         "penwidth=2];")
+    if with_files:
+        for key, text, style in (("legend/declared", "declared, not on the host yet", "dashed"),
+                                 ("legend/undeclared", "on the host, in no file", "dotted")):
+            keys.append(key)
+            lines.append(f'    {quote(key)} [label={quote(text)}, style="rounded,{style}"];')
+    if plan is not None:
+        s = plan.summary()
+        summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
+                   f"{s['replace']} to replace, {s['delete']} to delete"
+                   + (f", {s['conflict']} conflict(s)" if s["conflict"] else "")
+                   + f" ({s['unchanged']} unchanged)")
+        notes = [summary] + [f"{c.action.symbol} {c.kind} {c.name}" for c in others[:12]]
+        if len(others) > 12:
+            notes.append(f"… and {len(others) - 12} more")
+        keys.append("legend/plan")
+        lines.append(f'    {quote("legend/plan")} [shape=note, style="", label={_label(notes)}];')
+    # one rank is one column left to right: the keys stacked
+    lines.append("    { rank=same; " + " ".join(quote(k) + ";" for k in keys) + " }")
+    lines.append("  }")
+    return lines if keys else []
+
+
+def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None = None, *,
+        actions: bool = False, title: str = "") -> str:
+    """The DOT text: ``desired`` adds the files' view (declared vs live), ``plan`` what
+    apply would give what is not on the host yet, and with ``actions`` the colours and
+    symbols of what it would change, with their legend."""
+    g = build(topo, desired, plan)
+    others = [c for c in (plan.changes if plan else ()) if c.kind not in KINDS
+              and c.action is not Action.NOOP]
+    with_files = desired is not None
+    shown = plan if actions else None
+    out = ["digraph reconciler {", "  rankdir=LR;", "  compound=true;",
+           '  graph [fontname="Helvetica", fontsize=12, labelloc=t'
+           + (f", label={quote(title)}" if title else "") + "];",
+           '  node [fontname="Helvetica", fontsize=10];',
+           '  edge [color="#555555", arrowsize=0.7];']
+    for parent in {n.parent for n in g.nodes.values()} - set(g.nodes) - {None}:
+        # named but neither on the host nor declared (a subnet whose bridge is gone, an
+        # alloc on a bridge we do not own): drawn bare, so the edge still says where
+        assert parent is not None
+        kind, _, name = parent.partition("/")
+        g.node(kind, name).cluster = name if kind == "bridge" else None
+    clusters: dict[str | None, list[Node]] = {}
+    for n in g.nodes.values():
+        clusters.setdefault(n.cluster, []).append(n)
+    for cluster in sorted(clusters, key=lambda c: (c is None, c == "docker", c or "")):
+        members = sorted(clusters[cluster], key=lambda n: (KINDS + ("container",)).index(n.kind))
+        if cluster is None:
+            out += [_node_line(n, with_plan=shown is not None, with_files=with_files)
+                    for n in members]
+            continue
+        label = "Docker" if cluster == "docker" else f"bridge {cluster}"
+        out.append(f"  subgraph {quote('cluster_' + cluster)} {{")
+        out.append(f'    label={quote(label)}; fontsize=10; color="#bbbbbb"; style="rounded";')
+        out += [_node_line(n, with_plan=shown is not None, with_files=with_files)
+                for n in members]
+        out.append("  }")
+    for n in g.nodes.values():
+        if n.parent is not None:
+            out.append(f"  {quote(n.parent)} -> {quote(n.id)};")
+    if shown is not None or with_files:
+        out += _legend(shown, others, with_files=with_files)
+    out.append("}")
+    return "\n".join(out) + "\n"
