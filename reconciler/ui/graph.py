@@ -15,6 +15,7 @@ transactions, sysctls, orphan veths).
 
 from __future__ import annotations
 
+import html
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,18 +42,31 @@ _BARE_ATTRS = frozenset({"address", "address6", "ports", "cidr", "cidr6"})
 
 
 def quote(text: str) -> str:
-    """A DOT quoted string (IDs and labels): backslashes and quotes escaped, no raw newline.
+    """A DOT ID as a quoted string: quotes escaped, no raw newline.
 
-    Labels join their lines with ``\\l`` (left-justified breaks) after quoting each line,
-    so nothing a name holds can end the string or add an escape of its own.
+    In an ID the lexer keeps every backslash that does not escape a quote, so none can
+    be written safely (a trailing one would escape the closing quote): IDs spell it
+    ``/``. No name the reconciler owns or Docker accepts has one; labels keep it.
     """
-    clean = text.replace("\\", "\\\\").replace('"', '\\"')
+    clean = text.replace("\\", "/").replace('"', '\\"')
     return '"' + clean.replace("\r", " ").replace("\n", " ") + '"'
 
 
+def _escaped(text: str) -> str:
+    """Text inside a label (an escString, where ``\\\\`` is one backslash and ``\\l`` a
+    break): nothing a name holds can end the string or add an escape of its own."""
+    return (text.replace("\\", "\\\\").replace('"', '\\"')
+            .replace("\r", " ").replace("\n", " "))
+
+
+def text_label(text: str) -> str:
+    """A one-line label."""
+    return f'"{_escaped(text)}"'
+
+
 def _label(lines: Iterable[str]) -> str:
-    body = "".join(quote(line)[1:-1] + "\\l" for line in lines)
-    return f'"{body}"'
+    """A label of left-justified lines."""
+    return '"' + "".join(_escaped(line) + "\\l" for line in lines) + '"'
 
 
 def _fmt(value: Json) -> list[str]:
@@ -217,39 +231,48 @@ def _node_line(n: Node, *, with_plan: bool, with_files: bool) -> str:
     return f"    {quote(n.id)} [{', '.join(attrs)}];"
 
 
+def _cell(text: str, attrs: str = "") -> str:
+    return f"<TD{attrs}>{html.escape(text)}</TD>"
+
+
 def _legend(plan: Plan | None, others: list[Change], *, with_files: bool) -> list[str]:
-    lines = ['  subgraph "cluster_legend" {', '    label="legend"; fontsize=10; color="#999999";',
-             '    node [shape=box, fontsize=9, style="rounded"];']
-    keys = []
+    """One node, an HTML-like table: a row of the plan's symbols in their colours, a row of
+    the borders (declared / undeclared), the plan's summary and the changes that are no
+    node (firewall transactions, sysctls, orphan veths)."""
+    rows = []
     if plan is not None:
-        for action in (Action.CREATE, Action.UPDATE, Action.REPLACE, Action.DELETE,
-                       Action.CONFLICT):
-            fill, border = STYLE[action]
-            key = f"legend/{action.value}"
-            keys.append(key)
-            lines.append(f"    {quote(key)} [label={quote(f'{action.symbol} {WORDS[action]}')}, "
-                         f'style="rounded,filled", fillcolor="{fill}", color="{border}", '
-                         "penwidth=2];")
+        rows.append("".join(
+            _cell(f"{a.symbol} {WORDS[a]}", f' BGCOLOR="{STYLE[a][0]}" COLOR="{STYLE[a][1]}"'
+                                              ' STYLE="rounded"')
+            for a in (Action.CREATE, Action.UPDATE, Action.REPLACE, Action.DELETE,
+                      Action.CONFLICT)))
     if with_files:
-        for key, text, style in (("legend/declared", "declared, not on the host yet", "dashed"),
-                                 ("legend/undeclared", "on the host, in no file", "dotted")):
-            keys.append(key)
-            lines.append(f'    {quote(key)} [label={quote(text)}, style="rounded,{style}"];')
+        rows.append(_cell("declared, not on the host yet", ' STYLE="dashed"')
+                    + _cell("on the host, in no file", ' STYLE="dotted"'))
     if plan is not None:
         s = plan.summary()
-        summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
-                   f"{s['replace']} to replace, {s['delete']} to delete"
-                   + (f", {s['conflict']} conflict(s)" if s["conflict"] else "")
-                   + f" ({s['unchanged']} unchanged)")
-        notes = [summary] + [f"{c.action.symbol} {c.kind} {c.name}" for c in others[:12]]
+        notes = [(f"Plan: {s['create']} to create, {s['update']} to update, "
+                  f"{s['replace']} to replace, {s['delete']} to delete"
+                  + (f", {s['conflict']} conflict(s)" if s["conflict"] else "")
+                  + f" ({s['unchanged']} unchanged)")]
+        notes += [f"{c.action.symbol} {c.kind} {c.name}" for c in others[:12]]
         if len(others) > 12:
             notes.append(f"… and {len(others) - 12} more")
-        keys.append("legend/plan")
-        lines.append(f'    {quote("legend/plan")} [shape=note, style="", label={_label(notes)}];')
-    # one rank is one column left to right: the keys stacked
-    lines.append("    { rank=same; " + " ".join(quote(k) + ";" for k in keys) + " }")
-    lines.append("  }")
-    return lines if keys else []
+        rows.append('<TD BORDER="0" ALIGN="LEFT" BALIGN="LEFT">'
+                    + "<BR/>".join(html.escape(n) for n in notes) + "</TD>")
+    if not rows:
+        return []
+    width = max(r.count("<TD") for r in rows)
+
+    def spanned(row: str) -> str:
+        """Every row spans the table: a row of fewer cells stretches its last one."""
+        n = row.count("<TD")
+        head, sep, last = row.rpartition("<TD")
+        return row if n == width else f'{head}{sep} COLSPAN="{width - n + 1}"{last}'
+
+    table = "".join(f"<TR>{spanned(r)}</TR>" for r in rows)
+    return [f'  "legend" [shape=plaintext, fontsize=9, label=<<TABLE BORDER="0" '
+            f'CELLBORDER="1" CELLSPACING="4" CELLPADDING="4">{table}</TABLE>>];']
 
 
 def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None = None, *,
@@ -264,7 +287,7 @@ def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None =
     shown = plan if actions else None
     out = ["digraph reconciler {", "  rankdir=LR;", "  compound=true;",
            '  graph [fontname="Helvetica", fontsize=12, labelloc=t'
-           + (f", label={quote(title)}" if title else "") + "];",
+           + (f", label={text_label(title)}" if title else "") + "];",
            '  node [fontname="Helvetica", fontsize=10];',
            '  edge [color="#555555", arrowsize=0.7];']
     for parent in {n.parent for n in g.nodes.values()} - set(g.nodes) - {None}:
@@ -284,7 +307,7 @@ def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None =
             continue
         label = "Docker" if cluster == "docker" else f"bridge {cluster}"
         out.append(f"  subgraph {quote('cluster_' + cluster)} {{")
-        out.append(f'    label={quote(label)}; fontsize=10; color="#bbbbbb"; style="rounded";')
+        out.append(f'    label={text_label(label)}; fontsize=10; color="#bbbbbb"; style="rounded";')
         out += [_node_line(n, with_plan=shown is not None, with_files=with_files)
                 for n in members]
         out.append("  }")
