@@ -235,10 +235,12 @@ def _cell(text: str, attrs: str = "") -> str:
     return f"<TD{attrs}>{html.escape(text)}</TD>"
 
 
-def _legend(plan: Plan | None, others: list[Change], *, with_files: bool) -> list[str]:
-    """One node, an HTML-like table: a row of the plan's symbols in their colours, a row of
-    the borders (declared / undeclared), the plan's summary and the changes that are no
-    node (firewall transactions, sysctls, orphan veths)."""
+def _legend(plan: Plan | None, others: list[Change], *, with_files: bool,
+            title: str = "") -> str | None:
+    """The graph's label, an HTML-like table (not a node, so the layout of the topology
+    does not make room for it): the title, a row of the plan's symbols in their colours,
+    a row of the borders (declared / undeclared), the plan's summary and the changes that
+    are no node (firewall transactions, sysctls, orphan veths). None: nothing to explain."""
     rows = []
     if plan is not None:
         rows.append("".join(
@@ -261,7 +263,9 @@ def _legend(plan: Plan | None, others: list[Change], *, with_files: bool) -> lis
         rows.append('<TD BORDER="0" ALIGN="LEFT" BALIGN="LEFT">'
                     + "<BR/>".join(html.escape(n) for n in notes) + "</TD>")
     if not rows:
-        return []
+        return None
+    if title:
+        rows.insert(0, f'<TD BORDER="0"><FONT POINT-SIZE="12">{html.escape(title)}</FONT></TD>')
     width = max(r.count("<TD") for r in rows)
 
     def spanned(row: str) -> str:
@@ -271,8 +275,8 @@ def _legend(plan: Plan | None, others: list[Change], *, with_files: bool) -> lis
         return row if n == width else f'{head}{sep} COLSPAN="{width - n + 1}"{last}'
 
     table = "".join(f"<TR>{spanned(r)}</TR>" for r in rows)
-    return [f'  "legend" [shape=plaintext, fontsize=9, label=<<TABLE BORDER="0" '
-            f'CELLBORDER="1" CELLSPACING="4" CELLPADDING="4">{table}</TABLE>>];']
+    return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="4" CELLPADDING="4">'
+            f'{table}</TABLE>>')
 
 
 def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None = None, *,
@@ -285,9 +289,11 @@ def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None =
               and c.action is not Action.NOOP]
     with_files = desired is not None
     shown = plan if actions else None
+    legend = _legend(shown, others, with_files=with_files, title=title)
+    label = legend or (text_label(title) if title else None)
     out = ["digraph reconciler {", "  rankdir=LR;", "  compound=true;",
-           '  graph [fontname="Helvetica", fontsize=12, labelloc=t'
-           + (f", label={text_label(title)}" if title else "") + "];",
+           '  graph [fontname="Helvetica", fontsize=9, labelloc=t, labeljust=l'
+           + (f", label={label}" if label else "") + "];",
            '  node [fontname="Helvetica", fontsize=10];',
            '  edge [color="#555555", arrowsize=0.7];']
     for parent in {n.parent for n in g.nodes.values()} - set(g.nodes) - {None}:
@@ -314,7 +320,5 @@ def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None =
     for n in g.nodes.values():
         if n.parent is not None:
             out.append(f"  {quote(n.parent)} -> {quote(n.id)};")
-    if shown is not None or with_files:
-        out += _legend(shown, others, with_files=with_files)
     out.append("}")
     return "\n".join(out) + "\n"

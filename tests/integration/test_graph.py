@@ -62,8 +62,14 @@ def render(dot_text: str) -> dict[str, ET.Element]:
     p = subprocess.run([exe, "-Tsvg"], input=dot_text, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and not p.stderr, p.stderr
-    return {t.text or "": g for g in ET.fromstring(p.stdout).iter(f"{SVG}g")
-            if g.get("class") == "node" and (t := g.find(f"{SVG}title")) is not None}
+    root = ET.fromstring(p.stdout)
+    nodes = {t.text or "": g for g in root.iter(f"{SVG}g")
+             if g.get("class") == "node" and (t := g.find(f"{SVG}title")) is not None}
+    # the graph's own label (title and legend): the top group's drawing, outside the nodes
+    (top,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "graph"]
+    nodes["legend"] = ET.Element("label")
+    nodes["legend"].extend(el for el in top if el.tag != f"{SVG}g")
+    return nodes
 
 
 def texts(g: ET.Element) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import os
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -36,7 +37,7 @@ from reconciler.planner import make_plan
 from reconciler.ui import graph, show
 from reconciler.ui.progress import Progress, wanted
 from reconciler.ui.topology import PortView, live_topology
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, REPO
 
 HOST = "4026532999"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -141,7 +142,17 @@ def svg_nodes(dot_text: str) -> dict[str, ET.Element]:
             title = g.find(f"{SVG}title")
             assert title is not None and title.text is not None
             out[title.text] = g
+    out["legend"] = graph_label(root)
     return out
+
+
+def graph_label(root: ET.Element) -> ET.Element:
+    """What the graph's own label drew (title and legend): the drawing elements of the
+    top-level group, outside every node, cluster and edge."""
+    (top,) = [g for g in root.iter(f"{SVG}g") if g.get("class") == "graph"]
+    label = ET.Element("label")
+    label.extend(el for el in top if el.tag != f"{SVG}g")
+    return label
 
 
 def texts(g: ET.Element) -> list[str]:
@@ -161,7 +172,7 @@ def test_dot_of_the_live_host_is_valid_graphviz_whatever_the_names():
                                            "8080/tcp → 80"]
     # IDs spell a backslash "/" (a trailing one would end the string), labels keep it
     assert texts(nodes['container/ki"nd/we/ird"name']) == ['container we\\ird"name']
-    assert "legend" not in nodes  # no plan, no files: no legend
+    assert texts(nodes["legend"]) == ['host "x"']  # no plan, no files: the title alone
 
 
 def declared(tmp_path, text: str):
@@ -321,6 +332,19 @@ def test_progress_only_on_a_terminal_with_text_output(monkeypatch):
 def test_quote_keeps_anything_inside_the_string(name):
     text = f"digraph g {{ {graph.quote(name)} [label={graph.text_label(name)}]; }}"
     nodes = svg_nodes(text)
-    (title,) = nodes
+    (title,) = set(nodes) - {"legend"}
     assert title == name.replace("\n", " ").replace("\\", "/")
     assert texts(nodes[title]) == [name.replace("\n", " ")]
+
+
+def test_docs_hold_the_rendered_example_graphs_and_the_command_that_made_them():
+    docs = os.path.join(REPO, "docs")
+    with open(os.path.join(docs, "graph.md")) as fh:
+        text = fh.read()
+    for name in ("graph-quickstart-plan.png", "graph-quickstart-host.png"):
+        assert f"]({name})" in text
+        with open(os.path.join(docs, name), "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(REPO, "scripts", "docs-graph.sh")) as fh:
+        script = fh.read()
+    assert "graph --plan examples/quickstart.yaml" in script and "dot -Tpng" in script
