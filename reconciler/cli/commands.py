@@ -165,13 +165,11 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     line = Progress() if progress_wanted(sys.stderr, args.output, args.verbose) else None
     with _stop_on_signals(rec.stop) as signals:
         try:
-            with host_lock(args.lock_timeout):
+            with host_lock(args.lock_timeout), line or contextlib.nullcontext():
                 result = rec.apply(desired, options, saved=saved, probe=request,
                                    on_plan=line.plan if line else None,
                                    on_outcome=line.outcome if line else None)
         finally:
-            if line is not None:
-                line.finish()
             rec.close_probes()
     if args.output == "json":
         json.dump({"plan": result.plan.to_json(),

@@ -11,10 +11,12 @@ the line is erased before the summary, so logs and pipes see none of it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
+from types import TracebackType
 from typing import TextIO
 
 from reconciler.domain.plan import Change, Plan
@@ -36,8 +38,14 @@ def wanted(stream: TextIO, output: str, verbose: int) -> bool:
         return False
 
 
-class Progress:
-    """The line itself; ``plan`` and ``outcome`` are the hooks of ``Reconciler.apply``."""
+class Progress(logging.Filter):
+    """The line itself; ``plan`` and ``outcome`` are the hooks of ``Reconciler.apply``.
+
+    As a context manager it also erases the line before any log record is written (a
+    warning of the executor's, a held namespace's holders) so the record starts on a
+    clean line, and the next change draws the line again below it; on exit it erases the
+    line for the summary.
+    """
 
     def __init__(self, stream: TextIO = sys.stderr, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -46,6 +54,7 @@ class Progress:
         self.clock = clock
         self.delay = delay
         self.interval = interval
+        super().__init__()
         self.start = clock()
         self.changes: tuple[Change, ...] = ()
         self.done = 0
@@ -91,6 +100,23 @@ class Progress:
             text = text[: max(columns - 2, 1)] + "…"
         self.stream.write(_ERASE + text)
         self.stream.flush()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Every handler of the root logger asks this before it writes a record: the line
+        goes first (and is drawn again at the next change, whatever the interval)."""
+        self.finish()
+        return True
+
+    def __enter__(self) -> Progress:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(self)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(self)
+        self.finish()
 
     def finish(self) -> None:
         """Erase the line (if it was ever drawn) so the summary starts on a clean line."""

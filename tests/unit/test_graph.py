@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import logging
 import os
 import shutil
 import subprocess
@@ -348,3 +349,23 @@ def test_docs_hold_the_rendered_example_graphs_and_the_command_that_made_them():
     with open(os.path.join(REPO, "scripts", "docs-graph.sh")) as fh:
         script = fh.read()
     assert "graph --plan examples/quickstart.yaml" in script and "dot -Tpng" in script
+
+
+def test_a_log_record_erases_the_line_first_and_the_next_change_draws_it_again():
+    out, clock = io.StringIO(), Clock()
+    handler = logging.StreamHandler(out)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        plan = changes(3)
+        with Progress(out, clock=clock, delay=0.0) as p:
+            p.plan(plan)
+            logging.getLogger("reconciler.executor").warning("link.add: busy; retrying")
+            clock.now += 0.001  # within the interval: drawn again all the same
+            p.outcome(Outcome(plan.changes[0], "applied"))
+        assert out.getvalue() == ("\r\033[K[0/3] + alloc a-0\r\033[K"
+                                  "link.add: busy; retrying\n"
+                                  "\r\033[K[1/3] + alloc a-1\r\033[K")
+        assert not handler.filters  # let go on exit
+    finally:
+        root.removeHandler(handler)
