@@ -16,6 +16,7 @@ transactions, sysctls, orphan veths).
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -167,14 +168,11 @@ def _declared_nodes(g: Graph, desired: DesiredState) -> None:
                        if x is not None]
 
 
-def _plan_facts(g: Graph, plan: Plan) -> list[Change]:
-    """Each change on its node (the planned values where the host has none); the changes
-    that are no node."""
-    others = []
+def _plan_facts(g: Graph, plan: Plan) -> None:
+    """Each change on its node: the planned values where the host has none, what an
+    update changes, why a conflict blocks (the legend lists the changes that are no node)."""
     for c in plan.changes:
         if c.kind not in KINDS:
-            if c.action is not Action.NOOP:
-                others.append(c)
             continue
         n = g.node(c.kind, c.name)
         n.action = c.action
@@ -192,8 +190,7 @@ def _plan_facts(g: Graph, plan: Plan) -> list[Change]:
             n.facts += [f"{a.field}: {' '.join(_fmt(a.before))} → {' '.join(_fmt(a.after))}"
                         for a in attrs]
         elif c.action is Action.CONFLICT:
-            n.facts.append(c.reason)
-    return others
+            n.facts += textwrap.wrap(c.reason, 60)
 
 
 def build(topo: Topology, desired: DesiredState | None = None,
