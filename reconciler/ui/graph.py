@@ -180,16 +180,18 @@ def _plan_facts(g: Graph, plan: Plan) -> None:
             n.cluster = "docker"
         attrs = [a for a in c.attrs if a.field not in _QUIET_ATTRS]
         if not n.live and c.action in (Action.CREATE, Action.REPLACE):
-            # where it sits the edge says; addresses, prefixes and port maps speak for
-            # themselves
+            # where an alloc or subnet sits the edge says; addresses, prefixes and port
+            # maps speak for themselves
+            edge = ("subnet", "bridge") if c.kind in ("alloc", "subnet") else ()
             n.facts = [v if a.field in _BARE_ATTRS else f"{a.field} {v}"
-                       for a in attrs if a.after is not None and a.field not in ("subnet",
-                                                                                 "bridge")
+                       for a in attrs if a.after is not None and a.field not in edge
                        for v in _fmt(a.after)]
         elif c.action in (Action.UPDATE, Action.REPLACE):
             n.facts += [f"{a.field}: {' '.join(_fmt(a.before))} → {' '.join(_fmt(a.after))}"
                         for a in attrs]
-        elif c.action is Action.CONFLICT:
+        elif c.action is Action.CONFLICT or (c.action is Action.NOOP and not n.live
+                                             and c.reason):
+            # why apply cannot (a conflict) or will not (blocked by one) touch it
             n.facts += textwrap.wrap(c.reason, 60)
 
 
@@ -214,7 +216,8 @@ def _node_line(n: Node, *, with_plan: bool, with_files: bool) -> str:
         head = f"{n.action.symbol} {head}"
     attrs = [f"shape={SHAPES[n.kind]}", f"label={_label([head, *n.facts])}"]
     styles = ["rounded"] if SHAPES[n.kind] == "box" else []
-    if with_files and n.kind != "container":
+    if with_files and n.kind != "container" and n.action is not Action.CONFLICT:
+        # (a conflict's object is on the host, only not ours)
         if n.declared and not n.live:
             styles.append("dashed")
         elif n.live and not n.declared:
