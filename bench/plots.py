@@ -82,26 +82,31 @@ def _series(doc: dict[str, Any], side: str, key: str, *,
     return xs, ys
 
 
-def _style(ax: Any, title: str, ylabel: str, sizes: Sequence[int] = ()) -> None:
+def _style(ax: Any, title: str, ylabel: str, sizes: Sequence[int] = (), *,
+           logy: bool = True) -> None:
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("allocations (N), 2 tcp port maps each")
     ax.set_ylabel(ylabel)
     ax.set_xscale("log")
-    ax.set_yscale("log")
     if sizes:  # the sizes measured, as plain numbers, not powers of ten
         ax.set_xticks(sorted(set(sizes)))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_formatter(ScalarFormatter())
+    if logy:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:  # from zero: a flat line looks flat
+        ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
 
 
 def _note(doc: dict[str, Any]) -> str:
     meta = doc.get("meta") or {}
-    parts = [f"{k}: {v}" for k, v in meta.items() if k in ("when", "code", "load")]
+    parts = [f"{k}: {v}" for k, v in meta.items() if k in ("when", "load")]
     return "; ".join(parts)
 
 
@@ -173,7 +178,7 @@ def apply_curve(doc: dict[str, Any], out: str) -> str:
     ax.plot(xs, [max(r["seconds"] - base, 0.0) / r["n"] * 1000 for r in rows], marker="s",
             color="tab:cyan", label=f"the same net of N=0 ({base:.2f} s)")
     _style(ax, "One apply of N allocations: cost per allocation"
-           + (f"\n{_note(doc)}" if _note(doc) else ""), "ms per allocation", xs)
+           + (f"\n{_note(doc)}" if _note(doc) else ""), "ms per allocation", xs, logy=False)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
