@@ -369,3 +369,35 @@ def test_a_log_record_erases_the_line_first_and_the_next_change_draws_it_again()
         assert not handler.filters  # let go on exit
     finally:
         root.removeHandler(handler)
+
+
+def test_apply_hands_the_plan_then_each_outcome_to_the_progress_hooks():
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.planner.context import PlanOptions
+    from tests.unit.fakehost import FakeHost
+
+    host = FakeHost()
+    desired = load([f"{EXAMPLES}/quickstart.yaml"])
+    heard: list[object] = []
+    rec = Reconciler(host, runner=host, sleep=lambda _s: None)  # type: ignore[arg-type]
+    result = rec.apply(desired, PlanOptions(), on_plan=heard.append,
+                       on_outcome=heard.append)
+    assert result.ok
+    assert heard[0] is result.plan  # the plan first, before any change ran
+    assert heard[1:] == result.outcomes and len(result.outcomes) == len(
+        result.plan.actionable)
+    heard.clear()
+    rec.apply(desired, PlanOptions(), on_plan=heard.append, on_outcome=heard.append)
+    assert heard == []  # nothing to do: no line at all
+
+
+def test_docker_inspect_containers_become_endpoints_by_name():
+    from reconciler.drivers.docker.payloads import parse_network
+
+    net = parse_network({"Id": "f" * 64, "Name": "n", "Containers": {
+        "b" * 64: {"Name": "web", "IPv4Address": "172.30.0.2/16",
+                   "IPv6Address": "fc00::2/64"},
+        "a" * 64: {"Name": "", "IPv4Address": "172.30.0.3/16", "IPv6Address": ""}}})
+    assert net.containers == 2
+    assert net.endpoints == (DockerEndpoint("aaaaaaaaaaaa", ("172.30.0.3/16",)),
+                             DockerEndpoint("web", ("172.30.0.2/16", "fc00::2/64")))
