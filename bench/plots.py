@@ -1,6 +1,8 @@
 """The benchmarks' figures as pictures, drawn from the JSON the benchmarks write.
 
-``python3 bench/plots.py FILE.json… [--out-dir bench/figures]``
+``python3 bench/plots.py FILE.json… [--out-dir bench/figures]`` (several compare.py
+files: the first one's run in full, the others faint beside it, so the spread of one
+afternoon's runs shows)
 
 Reads what ``bench/compare.py --json FILE`` writes (medians per N of ours and of the
 CNI chain, same run) and draws:
@@ -110,8 +112,37 @@ def _note(doc: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def scaling(doc: dict[str, Any], out: str) -> str:
-    """Set-up and teardown cost per allocation vs N: ours and the CNI chain's."""
+def _lines(ax: Any, docs: Sequence[dict[str, Any]], side: str, key: str, label: str,
+           colour: str, marker: str, *, per_alloc: bool) -> int:
+    """One series per run: the first run in full, the others faint and unlabelled (so the
+    spread between runs of one afternoon shows); how many runs had it."""
+    drawn = 0
+    for i, doc in enumerate(docs):
+        xs, ys = _series(doc, side, key, per_alloc=per_alloc)
+        if not xs:
+            continue
+        if i == 0:
+            ax.plot(xs, ys, marker=marker, color=colour, label=label)
+        else:
+            ax.plot(xs, ys, marker=marker, color=colour, alpha=0.3, linewidth=1,
+                    markersize=4)
+        drawn += 1
+    return drawn
+
+
+def _others(ax: Any, docs: Sequence[dict[str, Any]]) -> None:
+    if len(docs) > 1:  # one legend entry says what the faint lines are
+        ax.plot([], [], color="gray", alpha=0.3, linewidth=1,
+                label=f"faint: {len(docs) - 1} other run(s), same series")
+
+
+def _sizes(docs: Sequence[dict[str, Any]], *series: tuple[str, str]) -> list[int]:
+    return [n for d in docs for side, key in series for n in _series(d, side, key)[0]]
+
+
+def scaling(docs: Sequence[dict[str, Any]], out: str) -> str:
+    """Set-up and teardown cost per allocation vs N: ours and the CNI chain's, each line
+    from one run (the first of ``docs``; the others faint)."""
     plt = _pyplot()
     fig, (setup, teardown) = plt.subplots(1, 2, figsize=(11, 4.2))
     lines = [(setup, "ours", "apply", "reconcile apply --no-probe", "tab:blue", "o"),
@@ -120,44 +151,39 @@ def scaling(doc: dict[str, Any], out: str) -> str:
              (setup, "cni", "setup", "Nomad's CNI chain: ADD", "tab:red", "^"),
              (teardown, "ours", "teardown", "reconcile apply (prune)", "tab:blue", "o"),
              (teardown, "cni", "teardown", "Nomad's CNI chain: DEL", "tab:red", "^")]
-    drawn = 0
-    for ax, side, key, label, colour, marker in lines:
-        xs, ys = _series(doc, side, key, per_alloc=True)
-        if xs:
-            ax.plot(xs, ys, marker=marker, color=colour, label=label)
-            drawn += 1
+    drawn = sum(_lines(ax, docs, side, key, label, colour, marker, per_alloc=True)
+                for ax, side, key, label, colour, marker in lines)
     if not drawn:
         raise NotBenchJSON("no set-up figures to draw")
-    sizes = _series(doc, "ours", "apply")[0] + _series(doc, "cni", "setup")[0]
+    _others(setup, docs)
+    sizes = _sizes(docs, ("ours", "apply"), ("cni", "setup"))
     _style(setup, "set-up: time per allocation", "ms per allocation", sizes)
     _style(teardown, "teardown: time per allocation", "ms per allocation", sizes)
-    fig.suptitle("Per-allocation cost as N grows, same run (medians)"
-                 + (f"\n{_note(doc)}" if _note(doc) else ""), fontsize=11)
+    note = _note(docs[0])
+    fig.suptitle("Per-allocation cost as N grows: ours and the CNI chain in one run "
+                 "(medians)" + (f"\n{note}" if note else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def noop_plan(doc: dict[str, Any], out: str) -> str:
+def noop_plan(docs: Sequence[dict[str, Any]], out: str) -> str:
     """The no-op plan's wall time vs N, and the host dump it is measured against."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    drawn = 0
-    for key, label, colour, marker in (
-            ("agent_plan", "reconcile plan, answered by the agent", "tab:blue", "o"),
-            ("plan", "reconcile plan, in-process (no agent)", "tab:cyan", "s"),
-            ("agent_dump", "host dump: ip -j link, ip -j addr, iptables-save", "tab:gray",
-             "^")):
-        xs, ys = _series(doc, "ours", key)
-        if xs:
-            ax.plot(xs, ys, marker=marker, color=colour, label=label)
-            drawn += 1
+    drawn = sum(_lines(ax, docs, "ours", key, label, colour, marker, per_alloc=False)
+                for key, label, colour, marker in (
+                    ("agent_plan", "reconcile plan, answered by the agent", "tab:blue", "o"),
+                    ("plan", "reconcile plan, in-process (no agent)", "tab:cyan", "s"),
+                    ("agent_dump", "host dump: ip -j link, ip -j addr, iptables-save",
+                     "tab:gray", "^")))
     if not drawn:
         raise NotBenchJSON("no no-op plan figures to draw")
-    _style(ax, "No-op plan vs the host dump (medians)"
-           + (f"\n{_note(doc)}" if _note(doc) else ""), "wall time, ms",
-           _series(doc, "ours", "plan")[0])
+    _others(ax, docs)
+    note = _note(docs[0])
+    _style(ax, "No-op plan vs the host dump (medians)" + (f"\n{note}" if note else ""),
+           "wall time, ms", _sizes(docs, ("ours", "plan")))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -186,16 +212,21 @@ def apply_curve(doc: dict[str, Any], out: str) -> str:
 
 
 def draw(paths: Sequence[str], out_dir: str) -> list[str]:
-    """Every figure the given JSON files hold, into ``out_dir``; the paths written."""
+    """Every figure the given JSON files hold, into ``out_dir``; the paths written.
+
+    Several compare.py files make one pair of figures: the first file's run in full, the
+    others faint beside it. Several apply_curve.py files: the last one's curve.
+    """
     os.makedirs(out_dir, exist_ok=True)
+    docs = [read(p) for p in paths]
+    compares = [d for d in docs if d["kind"] == "compare"]
+    curves = [d for d in docs if d["kind"] == "apply_curve"]
     written = []
-    for path in paths:
-        doc = read(path)
-        if doc["kind"] == "compare":
-            written.append(scaling(doc, os.path.join(out_dir, SCALING)))
-            written.append(noop_plan(doc, os.path.join(out_dir, NOOP_PLAN)))
-        else:
-            written.append(apply_curve(doc, os.path.join(out_dir, APPLY_CURVE)))
+    if compares:
+        written.append(scaling(compares, os.path.join(out_dir, SCALING)))
+        written.append(noop_plan(compares, os.path.join(out_dir, NOOP_PLAN)))
+    if curves:
+        written.append(apply_curve(curves[-1], os.path.join(out_dir, APPLY_CURVE)))
     return written
 
 

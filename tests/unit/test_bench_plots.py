@@ -66,3 +66,15 @@ def test_a_file_that_is_no_benchmark_is_one_error_line(tmp_path, capsys):
     empty.write_text(json.dumps({"kind": "compare", "medians": {}}))
     assert plots.main([str(empty), "--out-dir", str(tmp_path)]) == 1
     assert "no set-up figures to draw" in capsys.readouterr().err
+
+
+def test_several_compare_runs_make_one_pair_of_figures(tmp_path):
+    paths = []
+    for i, per in enumerate((0.007, 0.011)):
+        path = str(tmp_path / f"c{i}.json")
+        compare.write_json(path, {}, {100: {"ours": ours(100, per), "cni": {"setup": 20.0,
+                                                                            "teardown": 25.0},
+                                            "runs": 1, "cni_runs": 1}}, None)
+        paths.append(path)
+    written = plots.draw(paths, str(tmp_path / "fig"))
+    assert [os.path.basename(p) for p in written] == [plots.SCALING, plots.NOOP_PLAN]
