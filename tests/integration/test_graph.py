@@ -9,6 +9,7 @@ progress line is read from a pseudo-terminal that the CLI has for stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -251,9 +253,28 @@ def on_a_terminal(host: Netns, *args: str, timeout: float = 300) -> tuple[int, s
         return rc, out_file.read().decode(), seen.decode(errors="replace")
 
 
-#: enough allocations that the apply, and the prune, take more than a second here
-MANY = 300
+MANY = 200
 LINE = re.compile(r"\r\x1b\[K\[ *(\d+)/(\d+)\]")
+#: how long another writer holds the host lock before each run on the terminal: the line
+#: appears once a command has run for a second, and how long 200 allocations take depends
+#: on the machine; the wait makes that second certain (the delay itself: unit tests)
+HOLD = 1.5
+
+
+@contextlib.contextmanager
+def lock_held(host: Netns, seconds: float = HOLD) -> Iterator[None]:
+    """Another writer holds the host lock for ``seconds`` (from when this yields)."""
+    holder = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{host.name}", sys.executable, "-c",
+         "import sys, time\nfrom reconciler.engine.lock import host_lock\n"
+         "with host_lock():\n    print('held', flush=True)\n"
+         f"    time.sleep({seconds})\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_progress_line_on_a_terminal_never_on_a_pipe_or_with_json(host_ns: Netns,
@@ -261,25 +282,30 @@ def test_progress_line_on_a_terminal_never_on_a_pipe_or_with_json(host_ns: Netns
     ids = [f"{unique('p')}" for _ in range(MANY)]
     path = config(tmp_path, [{"id": i} for i in ids], cidr="10.78.0.0/22")
     empty = config(tmp_path, [], name="empty.yaml", cidr="10.78.0.0/22")
-    rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", path)
+    with lock_held(host_ns):
+        rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", path)
     assert rc == 0, tty
     drawn = [(int(d), int(t)) for d, t in LINE.findall(tty)]
-    assert drawn, tty
+    assert len(drawn) >= 2, tty
     total = drawn[0][1]
     assert total >= MANY and all(t == total for _d, t in drawn)
     assert [d for d, _t in drawn] == sorted(d for d, _t in drawn)  # it only goes forward
-    assert tty.endswith("\r\x1b[K") or "\r\x1b[K" in tty.rsplit("]", 1)[-1]  # erased at the end
+    assert drawn[-1][0] == total and tty.endswith("\r\x1b[K")  # the last, then erased
     assert "\r" not in out and f"Apply: {total} applied, 0 failed, 0 skipped." in out
     # a pipe for stderr: no line, the same summary
-    r = host_ns.reconcile("apply", "--no-probe", empty)
+    with lock_held(host_ns):
+        r = host_ns.reconcile("apply", "--no-probe", empty)
     assert r.rc == 0 and "\r" not in r.all and "\x1b[" not in r.all, r.all
+    assert "Apply: " in r.out
     # recreate, then prune on the terminal: the prune has its line too
     assert host_ns.reconcile("apply", "--no-probe", path).rc == 0
-    rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", empty)
+    with lock_held(host_ns):
+        rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", empty)
     assert rc == 0 and LINE.search(tty), tty
     assert re.search(r"\[ *\d+/\d+\] - alloc ", tty), tty
     # --output json on the terminal: no line, the JSON alone on stdout
     assert host_ns.reconcile("apply", "--no-probe", path).rc == 0
-    rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", "--output", "json", empty)
+    with lock_held(host_ns):
+        rc, out, tty = on_a_terminal(host_ns, "apply", "--no-probe", "--output", "json", empty)
     assert rc == 0 and "\r" not in tty and "\x1b[" not in tty, tty
     assert json.loads(out)["ok"] is True
