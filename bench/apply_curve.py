@@ -32,6 +32,7 @@ file from the checkout to measure (the CLI runs with that checkout's code).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import statistics
@@ -170,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-census", action="store_true",
                     help="skip counting link-local addresses after each apply")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", metavar="FILE", help="also write the rows here (bench/plots.py)")
+    ap.add_argument("--plot", metavar="DIR",
+                    help="also draw apply-curve.png (needs matplotlib) into DIR; needs --json")
     opts = ap.parse_args(argv)
+    if opts.plot and not opts.json:
+        ap.error("--plot draws from the JSON: give --json FILE too")
     # killed (timeout, kill PID): leave through the sandboxes' clean-up, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted(set(opts.n))
@@ -207,7 +213,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{per / per0:>6.2f} {net:>12.2f} {net / net0:>6.2f} {x.multicast:>12} "
               f"{x.ll_allocs:>9} {x.ll_veths:>8} {x.ll_bridges:>10}  "
               f"{x.load_before} -> {x.load_after}")
+    if opts.json:
+        write_json(opts.json, rows, base, runs=opts.runs, ipv6=opts.ipv6, ports=opts.ports)
+    if opts.plot:
+        import plots
+        for path in plots.draw([opts.json], opts.plot):
+            print(f"drew {path}")
     return 0
+
+
+def write_json(path: str, rows: list[Run], base: float, **options: object) -> None:
+    """The medians per N, as bench/plots.py reads them back."""
+    from compare import meta
+    with open(path, "w") as fh:
+        json.dump({"kind": "apply_curve", "meta": meta(), "options": options,
+                   "base_seconds": base, "rows": [dataclasses.asdict(r) for r in rows]},
+                  fh, indent=1)
 
 
 if __name__ == "__main__":

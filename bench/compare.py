@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import statistics
 import subprocess
@@ -248,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-docker", action="store_true", help="skip (e)")
     ap.add_argument("--no-cni", action="store_true", help="ours only")
     ap.add_argument("--json", metavar="FILE", help="also write every raw figure here")
+    ap.add_argument("--plot", metavar="DIR",
+                    help="also draw the figures (bench/plots.py, needs matplotlib: the "
+                         "bench extra) from that JSON into DIR; needs --json")
     opts = ap.parse_args(argv)
+    if opts.plot and not opts.json:
+        ap.error("--plot draws from the JSON: give --json FILE too")
     why = cni_chain.check_installed()
     if why and not opts.no_cni:
         ap.error(why)
@@ -284,9 +290,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nleft behind: {len(left)} namespace(s) of ours under /run/netns"
           + (f": {left[:5]}" if left else ""))
     if opts.json:
-        with open(opts.json, "w") as fh:
-            json.dump({"raw": raw, "medians": results, "docker": docker_res}, fh, indent=1)
+        write_json(opts.json, raw, results, docker_res)
+    if opts.plot:
+        import plots
+        for path in plots.draw([opts.json], opts.plot):
+            print(f"drew {path}")
     return 1 if left else 0
+
+
+def write_json(path: str, raw: dict[int, Any], results: dict[int, dict[str, Any]],
+               docker_res: Any) -> None:
+    """Every figure, as bench/plots.py reads it back (``medians``: per N, ours and cni)."""
+    with open(path, "w") as fh:
+        json.dump({"kind": "compare", "meta": meta(), "raw": raw, "medians": results,
+                   "docker": docker_res}, fh, indent=1)
+
+
+def meta() -> dict[str, str]:
+    """When, which code (``git describe`` of the tree under test), the load at the end."""
+    src = os.environ.get("RECONCILER_BENCH_SRC", str(Path(__file__).resolve().parent.parent))
+    code = subprocess.run(["git", "-C", src, "describe", "--always", "--dirty"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    with open("/proc/loadavg") as fh:
+        load = " ".join(fh.read().split()[:3])
+    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "code": code or os.path.basename(src), "load": load}
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ if [ "${1:-}" = "--test" ]; then
   # promtool checks and unit-tests the shipped alert rules; a prometheus server of the
   # tests' own (127.0.0.1, its own port and storage) scrapes a sandboxed agent
   command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
+  # `reconcile graph`'s DOT is rendered by Graphviz's own dot in the tests
+  command -v dot >/dev/null || need+=(graphviz)
 fi
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ]; then
@@ -46,6 +48,7 @@ if [ ! -x "$VENV/bin/pip" ]; then
   python3 -m venv "$VENV"
 fi
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+# the tests also draw a small figure with bench/plots.py: matplotlib, the bench extra
+[ "${1:-}" = "--test" ] && extra="[test,bench]"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".${extra}"
 ln -sf "$VENV/bin/reconcile" /usr/local/bin/reconcile

@@ -28,10 +28,8 @@ from typing import Any
 
 from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
-from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.errors import ConfigError, ReconcilerError, StalePlanError
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ownership import CHAIN_PREFIX
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
@@ -182,6 +180,8 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui.options import probe_request  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.progress import Progress  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui.progress import wanted as progress_wanted  # noqa: PLC0415 (lazy: as above)
 
     rec = Reconciler()
     if args.dry_run:
@@ -195,13 +195,16 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
     window = safe.attach(rec, args, request)
+    line = Progress() if progress_wanted(sys.stderr, args.output, args.verbose) else None
     with _stop_on_signals(rec.stop) as signals:
         try:
-            with host_lock(args.lock_timeout):
+            with host_lock(args.lock_timeout), line or contextlib.nullcontext():
                 safe.guard(rec)  # an overdue change is reverted first; a pending one refuses
                 result = rec.apply(desired, options, saved=saved, probe=request,
                                    max_disruption=getattr(args, "max_disruption", None),
-                                   before_changes=window.before_changes if window else None)
+                                   before_changes=window.before_changes if window else None,
+                                   on_plan=line.plan if line else None,
+                                   on_outcome=line.outcome if line else None)
                 if window is not None:
                     window.settle(result, stopped=bool(signals))
         except DisruptionError as exc:  # what it would have disrupted, then the one line
@@ -419,44 +422,41 @@ def _confirm_destroy(args: argparse.Namespace, options: Any) -> Plan | None:
 def cmd_show(args: argparse.Namespace) -> int:
     from reconciler.engine.observe import Observer  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.probes import vantage_present  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui import show  # noqa: PLC0415 (lazy: as above)
 
     live = Observer().observe(DesiredState())
-    owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
-    view: dict[str, Any] = {
-        "links": [{"name": n, "kind": lk.kind, "mtu": lk.mtu, "up": lk.up, "master": lk.master,
-                   "addresses": [str(a.address) for a in lk.addresses if a.owned]}
-                  for n, lk in owned_links.items()],
-        "firewall": {f"ipv{fam}": {f"{t}/{c}": list(r) for (t, c), r in sorted(fw.chains.items())
-                                   if c.startswith(CHAIN_PREFIX)}
-                     for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
-        "netns": sorted(live.netns),
-        "probe_vantage": vantage_present(live.host_id),
-        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
-                             "scope": n.labels.get(SCOPE_LABEL)}
-                            for n in (live.docker.networks if live.docker else ()) if n.owned],
-    }
+    doc = show.view(live, vantage_present(live.host_id))
     if args.output == "json":
-        json.dump(view, sys.stdout, indent=2)
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return EXIT_OK
-    for lk in view["links"]:
-        addrs = " ".join(lk["addresses"])
-        master = f" master {lk['master']}" if lk["master"] else ""
-        print(f"{lk['kind'] or 'link'} {lk['name']}: mtu {lk['mtu']} "
-              f"{'up' if lk['up'] else 'down'}{master} {addrs}".rstrip())
-    for fam, chains in view["firewall"].items():
-        for chain, rules in chains.items():
-            print(f"{fam} {chain}: {len(rules)} rules")
-    for ns in view["netns"]:
-        print(f"netns {ns}")
-    if view["probe_vantage"]:
-        print(f"probe vantage netns {view['probe_vantage']}")
-    for dn in view["docker_networks"]:
-        scope = f" [scope {dn['scope']}]" if dn["scope"] else ""
-        print(f"docker network {dn['name']} ({dn['id']}) {' '.join(dn['subnets'])}{scope}")
-    if not any((view["links"], any(view["firewall"].values()), view["netns"],
-                view["docker_networks"], view["probe_vantage"])):
-        print("Nothing managed by the reconciler on this host.")
+    else:
+        sys.stdout.write(show.text(doc))
+    return EXIT_OK
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    """The topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
+    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui import graph, topology  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: as above)
+
+    if args.plan and not args.paths:
+        raise ConfigError("graph --plan needs the desired-state files: "
+                          "reconcile graph --plan PATH…")
+    rec = Reconciler()
+    desired = _load(args.paths, args) if args.paths else None
+    plan = rec.plan(desired, plan_options(args)) if desired is not None else None
+    live = rec.last_live if desired is not None else rec.observe(DesiredState())
+    assert live is not None
+    title = ("plan: the files against this host" if args.plan else
+             "the files and this host" if desired is not None else
+             "what the reconciler owns on this host")
+    sys.stdout.write(graph.dot(topology.live_topology(live), desired, plan,
+                               actions=args.plan, title=title))
+    for w in (plan.warnings if plan else ()):
+        print(f"warning: {w}", file=sys.stderr)
+    for e in (plan.errors if plan else ()):
+        print(f"error: {e}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -518,8 +518,9 @@ def cmd_completion(args: argparse.Namespace) -> int:
 #: what runs each command of ``ui.parser`` (by its name)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "verify": cmd_verify,
-    "destroy": cmd_destroy, "show": cmd_show, "watch": cmd_watch, "status": cmd_status,
-    "completion": cmd_completion, "gc": cmd_gc, "confirm": cmd_confirm, "revert": cmd_revert,
+    "destroy": cmd_destroy, "show": cmd_show, "graph": cmd_graph, "watch": cmd_watch,
+    "status": cmd_status, "completion": cmd_completion, "gc": cmd_gc, "confirm": cmd_confirm,
+    "revert": cmd_revert,
 }
 #: what runs before --netns moves the process (the status socket binds on the host)
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}

@@ -101,6 +101,9 @@ class LiveEndpoint:
     name: str
     ipv4: str | None = None  # the address without its prefix length
     ipv6: str | None = None
+    #: its IPv4Address / IPv6Address as the inspect gives them (``ip/len``): ``show``,
+    #: ``graph``
+    addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ class Reconciler:
               on_outcome: Callable[[Outcome], None] | None = None,
               probe: ProbeRequest | None = None,
               max_disruption: int | None = None,
-              before_changes: Callable[[Plan], Plan | None] | None = None) -> ApplyResult:
+              before_changes: Callable[[Plan], Plan | None] | None = None,
+              on_plan: Callable[[Plan], None] | None = None) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         ``before_changes`` runs after the preflight checks and before the first op of a
@@ -140,6 +141,8 @@ class Reconciler:
         (``engine.impact.DisruptionError``).
 
         A change a killed run left half done (its journal) is finished first.
+        ``on_plan`` hears the plan about to be executed and ``on_outcome`` each change
+        done (the CLI's progress line).
         """
         self.finish_journals()
         plan = self.plan(desired, options)
@@ -172,6 +175,8 @@ class Reconciler:
             result.plan = plan
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
+        if on_plan is not None:
+            on_plan(plan)
         result.outcomes = Executor(self.runner, stop=self.stop, sleep=self.sleep,
                                    on_outcome=on_outcome,
                                    journal=self._journal_of(options)).execute(plan)

@@ -263,6 +263,29 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     help="text for people (default) or json for programs")
 
     sp = sub.add_parser(
+        "graph", help="the topology as Graphviz DOT (pipe it to `dot -Tpng`)",
+        description="Print bridges, subnets, allocations (addresses, MAC, port maps) and "
+                    "Docker networks with their containers as a Graphviz DOT graph: "
+                    "`reconcile graph PATH | dot -Tpng > topology.png`. Without PATH: what "
+                    "the reconciler owns on this host; with PATH: the files and the host "
+                    "together (dashed: declared, not on the host yet; dotted: on the host, "
+                    "in no file). Changes nothing.")
+    files = sp.add_argument("paths", nargs="*", metavar="PATH",
+                            help="desired-state files or directories (none: the host only)")
+    mark(files, "files")
+    sp.add_argument("--plan", action="store_true",
+                    help="colour what apply would create, update, replace or delete, with "
+                         "the plan's symbols in a legend (needs PATH)")
+    sp.add_argument("--no-prune", action="store_true",
+                    help="plan as `apply --no-prune` would (owned objects no file declares "
+                         "are kept)")
+    sp.add_argument("--hostname", metavar="NAME",
+                    help="the name matched against files' hosts: patterns (default: this "
+                         "host's name)")
+    sp.add_argument("--adopt", action="append", metavar="KIND/NAME",
+                    help="plan as `apply --adopt KIND/NAME` would; repeatable")
+
+    sp = sub.add_parser(
         "watch", help="keep this host converged: follow file changes and drift",
         description="Run as an agent: reconcile now, then again whenever the files change "
                     "(debounced), on drift reported by netlink or Docker events, and every "

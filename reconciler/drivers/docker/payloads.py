@@ -150,7 +150,8 @@ def _bare(address: object) -> str | None:
 def endpoints(attrs: Mapping[str, Any]) -> tuple[LiveEndpoint, ...]:
     """The containers a network inspect lists (a list call lists none), by name."""
     found = [LiveEndpoint(str(ep.get("Name") or cid[:12]), _bare(ep.get("IPv4Address")),
-                          _bare(ep.get("IPv6Address")))
+                          _bare(ep.get("IPv6Address")),
+                          tuple(str(ep[k]) for k in ("IPv4Address", "IPv6Address") if ep.get(k)))
              for cid, ep in (attrs.get("Containers") or {}).items() if isinstance(ep, Mapping)]
     return tuple(sorted(found, key=lambda e: e.name))
 

@@ -1,0 +1,132 @@
+"""What ``reconcile show`` prints: the owned objects grouped by bridge and subnet (pure).
+
+One line per bridge, its subnets under it and their allocations under those, each
+allocation with its addresses, MAC, host veth and port maps; then what belongs to no
+bridge of ours, the owned firewall chains, leftover namespaces, the probes' vantage and
+Docker networks with their containers. ``--output json`` keeps the keys it always had
+(``links``, ``firewall``, ``netns``, ``probe_vantage``, ``docker_networks``: scripts
+read them) and adds ``bridges`` (the same tree as the text) and ``allocs`` (flat).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.live import LiveState
+from reconciler.domain.ownership import CHAIN_PREFIX
+from reconciler.ui.topology import AllocView, SubnetView, Topology, live_topology
+
+
+def _alloc_json(a: AllocView) -> dict[str, Any]:
+    return {"id": a.id, "bridge": a.bridge, "subnet": a.subnet,
+            "addresses": list(a.addresses), "mac": a.mac, "veth": a.veth,
+            "ports": [{"host": p.host, "protocol": p.protocol, "to": p.to,
+                       "host_ip": p.host_ip} for p in a.ports]}
+
+
+def _subnet_json(topo: Topology, s: SubnetView) -> dict[str, Any]:
+    return {"name": s.name, "cidrs": list(s.cidrs), "gateways": list(s.gateways),
+            "allocs": [_alloc_json(a) for a in topo.allocs_of(s.bridge, s.name)]}
+
+
+def view(live: LiveState, probe_vantage: str | None) -> dict[str, Any]:
+    """The JSON document of ``show`` (and what its text is printed from)."""
+    topo = live_topology(live, all_scopes=True)
+    owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
+    bridge_names = [*topo.bridges, *sorted({s.bridge for s in topo.subnets.values()
+                                            if s.bridge is not None} - set(topo.bridges))]
+    bridges = []
+    for name in bridge_names:
+        b = topo.bridges.get(name)
+        bridges.append({
+            "name": name, "owned": b is not None, "mtu": b.mtu if b else None,
+            "up": b.up if b else None, "mac": b.mac if b else None,
+            "addresses": list(b.addresses) if b else [],
+            "subnets": [_subnet_json(topo, s) for s in topo.subnets_of(name)],
+            "allocs": [_alloc_json(a) for a in topo.allocs_of(name, None)]})
+    elsewhere = [a for a in topo.allocs.values() if a.bridge not in topo.bridges
+                 and not any(s.bridge == a.bridge for s in topo.subnets.values())]
+    by_net = {n.id: n for n in (live.docker.networks if live.docker else ())}
+    return {
+        "links": [{"name": n, "kind": lk.kind, "mtu": lk.mtu, "up": lk.up, "master": lk.master,
+                   "addresses": [str(a.address) for a in lk.addresses if a.owned]}
+                  for n, lk in owned_links.items()],
+        "firewall": {f"ipv{fam}": {f"{t}/{c}": list(r) for (t, c), r in sorted(fw.chains.items())
+                                   if c.startswith(CHAIN_PREFIX)}
+                     for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
+        "netns": sorted(live.netns),
+        "probe_vantage": probe_vantage,
+        "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
+                             "scope": n.labels.get(SCOPE_LABEL),
+                             "containers": [{"name": e.name, "addresses": list(e.addresses)}
+                                            for e in by_net[n.id].endpoints]}
+                            for n in by_net.values() if n.owned],
+        "bridges": bridges,
+        "allocs": [_alloc_json(a) for a in [*topo.allocs.values()]],
+        "allocs_without_bridge": [a.id for a in elsewhere],
+    }
+
+
+def _alloc_lines(a: dict[str, Any], indent: str) -> list[str]:
+    head = " ".join([*a["addresses"], f"mac {a['mac'] or '(none)'}",
+                     f"veth {a['veth']}" if a["veth"] else "no veth"])
+    lines = [f"{indent}alloc {a['id']}: {head}"]
+    if a["ports"]:
+        ports = " ".join(f"{p['host']}/{p['protocol']}->{p['to']}"
+                         + (f"@{p['host_ip']}" if p["host_ip"] else "") for p in a["ports"])
+        lines.append(f"{indent}  ports {ports}")
+    return lines
+
+
+def text(doc: dict[str, Any]) -> str:
+    """The text of ``show``: the tree first, then everything that is in no tree."""
+    lines: list[str] = []
+    in_tree = {a["veth"] for a in doc["allocs"] if a["veth"]}
+    shown_ns = {a["id"] for a in doc["allocs"]}
+    for b in doc["bridges"]:
+        if b["owned"]:
+            addrs = " ".join(b["addresses"])
+            lines.append(f"bridge {b['name']}: mtu {b['mtu']} {'up' if b['up'] else 'down'} "
+                         f"mac {b['mac'] or '(none)'} {addrs}".rstrip())
+        else:
+            lines.append(f"bridge {b['name']}: not owned or gone")
+        for s in b["subnets"]:
+            gw = f", gateway {' '.join(s['gateways'])}" if s["gateways"] else ", no gateway"
+            lines.append(f"  subnet {s['name']}: {' '.join(s['cidrs'])}{gw}")
+            for a in s["allocs"]:
+                lines += _alloc_lines(a, "    ")
+        if b["allocs"]:
+            lines.append("  in no subnet of its rules:")
+            for a in b["allocs"]:
+                lines += _alloc_lines(a, "    ")
+    loose = [a for a in doc["allocs"] if a["id"] in doc["allocs_without_bridge"]]
+    if loose:
+        lines.append("allocations on no bridge of ours:")
+        for a in loose:
+            lines += _alloc_lines(a, "  ")
+    for lk in doc["links"]:
+        if lk["kind"] == "bridge" or lk["name"] in in_tree:
+            continue
+        addrs = " ".join(lk["addresses"])
+        master = f" master {lk['master']}" if lk["master"] else ""
+        lines.append(f"{lk['kind'] or 'link'} {lk['name']}: mtu {lk['mtu']} "
+                     f"{'up' if lk['up'] else 'down'}{master} {addrs}".rstrip())
+    for fam, chains in doc["firewall"].items():
+        for chain, rules in chains.items():
+            lines.append(f"{fam} {chain}: {len(rules)} rules")
+    for ns in doc["netns"]:
+        if ns not in shown_ns:
+            lines.append(f"netns {ns}")
+    if doc["probe_vantage"]:
+        lines.append(f"probe vantage netns {doc['probe_vantage']}")
+    for dn in doc["docker_networks"]:
+        scope = f" [scope {dn['scope']}]" if dn["scope"] else ""
+        lines.append(f"docker network {dn['name']} ({dn['id']}) "
+                     f"{' '.join(dn['subnets'])}{scope}")
+        for c in dn["containers"]:
+            lines.append(f"  container {c['name']} {' '.join(c['addresses'])}".rstrip())
+    if not any((doc["links"], any(doc["firewall"].values()), doc["netns"],
+                doc["docker_networks"], doc["probe_vantage"])):
+        lines.append("Nothing managed by the reconciler on this host.")
+    return "\n".join(lines) + "\n"
