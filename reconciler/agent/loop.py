@@ -11,13 +11,14 @@ An invalid edit never changes what we converge to: the last good desired state
 is kept and the error is shown in logs and status. The host lock is held only
 while applying, never between passes.
 
-Probes (SPEC §7) prove that packets flow: an apply probes what it changed, and
-every ``probe_interval`` (its own timer, apart from the resync) a pass is followed
-by probes of every allocation. A probe failure is drift: when its cause is one a
-pass owns (``ProbeResult.ours``) one pass is asked for to heal it, and the
-allocation is probed again after it; otherwise — or when that pass did not heal
-it — it is reported: a log line, ``probes`` in the status, the gauge
-``reconciler_probe_failures{alloc,path}``.
+Probes (SPEC §7) prove that packets flow: an apply probes what it changed (a pass
+that converges a revision the probe results are not of probes every allocation:
+readiness counts only the current revision's), and every ``probe_interval`` (its
+own timer, apart from the resync) a pass is followed by probes of every allocation.
+A probe failure is drift: when its cause is one a pass owns (``ProbeResult.ours``)
+one pass is asked for to heal it, and the allocation is probed again after it;
+otherwise — or when that pass did not heal it — it is reported: a log line,
+``probes`` in the status, the gauge ``reconciler_probe_failures{alloc,path}``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from reconciler import __version__
 from reconciler.agent.files import FileWatcher, watch_dirs
-from reconciler.agent.readiness import Verdict, judge
+from reconciler.agent.readiness import Verdict, judge, same_state
 from reconciler.agent.revision import (
     check_permissions,
     describe_revision,
@@ -129,6 +130,9 @@ class PassReport:
     errors: list[dict[str, str]] = field(default_factory=list)
     #: what the apply of this pass probed (the allocations it changed)
     probes: list[ProbeResult] = field(default_factory=list)
+    #: the revision whose desired state this pass converged to (None: none valid yet);
+    #: readiness counts a pass only at the current revision
+    revision: dict[str, Any] | None = None
 
     @property
     def converged(self) -> bool:
@@ -228,6 +232,8 @@ class Agent:
         self._heal_asked: set[ProbeKey] = set()
         self._probe_labels: set[tuple[str, str]] = set()
         self._probe_took = 0.0
+        #: the revision the probe results were taken at (readiness counts them only there)
+        self._probes_revision: dict[str, Any] | None = None
         self.board.update(probes=None)
         self.safe = SafeWatch(options.confirm_within, self.board, self.metrics, options.probe,
                               self.hostname, wall)
@@ -395,7 +401,11 @@ class Agent:
         if report.result not in ("ok", "applied", "drift"):
             return  # what failed is reported as such; probes wait for the next timer
         heal = PROBE_HEAL in reasons
-        if PROBE in reasons or "startup" in reasons:
+        # at a revision the results are not of (the first converged pass, new files) every
+        # allocation: what the apply probed, or nothing when it changed nothing, would leave
+        # the others' results of the old revision (or none), and readiness waits for these
+        fresh = not same_state(self._probes_revision, self.good_revision)
+        if PROBE in reasons or "startup" in reasons or fresh:
             results = self._probe(self.reconciler.last_live, None)
             if results is not None:
                 self.take_probes(results, everything=True, after_heal=heal)
@@ -491,8 +501,10 @@ class Agent:
             self.metrics.probe_failures.labels(alloc=alloc, path=path).set(n)
         self._probe_labels = set(counts)
         current = list(self.probe_results.values())
+        self._probes_revision = self.good_revision
         self.board.update(probes={
-            "at": now, "probed": len(results), "duration_seconds": round(self._probe_took, 4),
+            "at": now, "revision": self.good_revision, "probed": len(results),
+            "duration_seconds": round(self._probe_took, 4),
             "held": sum(1 for r in current if r.ok and not r.skipped),
             "failed": len(failing), "skipped": sum(1 for r in current if r.skipped),
             "failures": [{**self.probe_results[k].to_json(), "ours": self.probe_results[k].ours,
@@ -532,25 +544,37 @@ class Agent:
         with stack:
             yield
 
-    def _load(self) -> tuple[DesiredState | None, dict[str, Any], str | None]:
+    def _revision(self) -> dict[str, Any]:
+        """The checkout's commit (when in git) and the digest of the files as they are now."""
         rev = git_revision(self.options.paths) or {}
         try:
             files = expand_paths(self.options.paths)
         except ConfigError:
             files = []
         rev["files_sha256"] = files_digest(files)
-        if self.options.expect_revision is not None:
-            problem = expected_problem(rev, self.options.expect_revision)
-            if problem is not None:
-                return None, rev, problem
+        return rev
+
+    def _load(self) -> tuple[DesiredState | None, dict[str, Any], str | None]:
+        rev = self._revision()
         try:
             for _attempt in range(3):
+                if self.options.expect_revision is not None:
+                    problem = expected_problem(rev, self.options.expect_revision)
+                    if problem is not None:
+                        return None, rev, problem
                 before = check_permissions(self.options.paths) if self.options.strict else ()
                 desired = load(self.options.paths, hostname=self.hostname)
                 # a symlink that flipped while we read could have pointed the read elsewhere:
-                # what was checked before must be what is there after
-                if not self.options.strict or check_permissions(self.options.paths) == before:
+                # what was checked before must be what is there after; and what was read
+                # must be the revision read before it (a checkout under way between the two
+                # would label one commit's files with another's id, and slip them past
+                # --expect-revision)
+                after = self._revision()
+                if (not self.options.strict
+                        or check_permissions(self.options.paths) == before) \
+                        and same_state(after, rev):
                     break
+                rev = after
             else:
                 raise PreconditionError("the desired-state files kept moving while they were "
                                         "read (3 tries); trying again at the next pass")
@@ -595,6 +619,8 @@ class Agent:
             report.error = "no valid desired state yet"
             return self._finish(report, t0)
         self._update_sources(self.good)
+        # shown from now on; readiness waits for this report (its revision) to finish
+        report.revision = self.good_revision
         self.board.update(revision=self.good_revision, desired={
             "bridges": len(self.good.bridges), "subnets": len(self.good.subnets),
             "allocs": len(self.good.allocs), "docker_networks": len(self.good.docker_networks)})
@@ -726,7 +752,7 @@ class Agent:
             errors=report.errors if report.result != "config-error" else [],
             last_pass={"number": report.number, "reasons": report.reasons,
                        "result": report.result, "started_at": report.started_at,
-                       "finished_at": report.finished_at,
+                       "finished_at": report.finished_at, "revision": report.revision,
                        "duration_seconds": round(report.duration, 4),
                        "changes": {"applied": report.applied, "failed": report.failed,
                                    "skipped": report.skipped},

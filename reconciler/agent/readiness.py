@@ -5,14 +5,25 @@ revision it was given, so that the engine rolling a new revision out (a DaemonSe
 with ``maxUnavailable``, a Nomad system job with ``max_parallel``) takes the next host
 only after this one converged, and stops at the first host where it did not (SPEC
 §10). Ready means all of: the files at the current revision loaded (and are the
-revision ``--expect-revision`` names), the last pass converged and verified, every
-probe holds, no change waits for confirmation and the revision is not one this host
-reverted. Anything else is not ready, with one line that says why — the line an
-operator reads in ``kubectl describe pod`` or ``nomad alloc status``.
+revision ``--expect-revision`` names), the last pass that finished ran at that
+revision and converged and verified, the probes ran at that revision and every one
+holds, no change waits for confirmation and the revision is not one this host
+reverted. The loop shows a new revision as soon as a pass at it starts, while the
+last pass and the probes that finished are still the old revision's: each records
+the revision it ran at, and only records of the current one count (else a rollout
+would take the next host while this one is still applying, or about to fail).
+Anything else is not ready, with one line that says why — the line an operator reads
+in ``kubectl describe pod`` or ``nomad alloc status``.
 
 The verdict is a pure function of the status document (what ``reconcile status``
 shows) and two facts the document does not hold: whether the agent probes at all and
 whether its loop is alive, so a test can pin every reason without an agent.
+
+The seam with safe change (SPEC §8): ``pending`` and ``reverted_revision`` are keys
+that branch writes into the status document (absent = null until then). Their
+reasons are pinned on hand-made documents in tests/unit/test_readiness.py; once the
+agent writes them, a test must reach them through the agent's real document, as
+``test_status_shape`` does for every other key (its ``SEAM`` set goes away then).
 """
 
 from __future__ import annotations
@@ -55,6 +66,24 @@ def same_revision(rev: dict[str, Any] | None, name: str | None) -> bool:
     return bool(digest) and name in (digest, f"sha256:{digest}")
 
 
+#: what names a desired state: the other keys of a revision (its commit time, the
+#: checkout's directory) follow from these
+_IDENTITY = ("commit", "dirty", "files_sha256")
+
+
+def same_state(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two revision records (``revision``, ``last_pass.revision``,
+    ``probes.revision``) are the same files: the same commit, dirty flag and digest of the
+    files' names and contents (a local edit of a commit is another state)."""
+    if not a or not b:
+        return False
+    return all(a.get(k) == b.get(k) for k in _IDENTITY)
+
+
+def _describe(rev: dict[str, Any] | None) -> str:
+    return describe_revision(rev) if rev else "?"
+
+
 def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True, "ok")
           ) -> Verdict:
     """The readiness of the agent whose status document is ``doc``.
@@ -88,6 +117,11 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
     if state == "starting" or not last:
         return Verdict(False, "no pass has finished yet")
     n, result = last.get("number"), last.get("result")
+    if not same_state(last.get("revision"), rev):
+        # the pass at the current revision started (the loop showed its revision) and has
+        # not finished: what finished converged another revision
+        return Verdict(False, f"the pass at {_describe(rev)} has not finished yet "
+                              f"(pass #{n} was at {_describe(last.get('revision'))})")
     errors = doc.get("errors") or []
     if result == "drift":
         return Verdict(False, f"pass #{n} found {len(errors)} difference(s) and --dry-run "
@@ -102,6 +136,8 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
         e = errors[0]
         return Verdict(False, f"pass #{n}: {e.get('resource')}: {_first_line(e.get('error'))}")
     probes: dict[str, Any] = doc.get("probes") or {}
+    if not same_state(probes.get("revision"), rev):
+        probes = {}  # an older revision's probes say nothing about this one
     allocs = (doc.get("desired") or {}).get("allocs", 0)
     if probing and allocs and not probes:
         return Verdict(False, f"pass #{n} converged; its probes have not run yet")
@@ -110,4 +146,4 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
         return Verdict(False, f"{probes['failed']} probe(s) failing: alloc {f.get('alloc')} "
                               f"path {f.get('path')}: {f.get('cause') or 'no cause found'}")
     held = f", {probes['held']} probe(s) hold" if probes.get("held") else ""
-    return Verdict(True, f"ready: {describe_revision(rev or {})} converged in pass #{n}{held}")
+    return Verdict(True, f"ready: {_describe(rev)} converged in pass #{n}{held}")

@@ -18,6 +18,7 @@ agents are stopped in a finally, killed if they do not stop; all traffic is loop
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
@@ -449,6 +450,77 @@ def test_readyz_of_a_real_agent_follows_its_pinned_revision(host_ns: Netns, agen
     assert get(f"http://{agent.addr}/healthz") == (200, "ok\n")  # alive: no restart loop
     link = host_ns.link(br)
     assert link is not None and link["mtu"] == 1500  # the other commit's 1400 never applied
+    assert agent.stop() == 0
+
+
+def quiet(agent: Agent, still: float = 1.0, timeout: float = 20.0) -> None:
+    """Wait until the agent ran no pass for ``still`` seconds."""
+    seen = {"count": -1, "since": time.monotonic()}
+
+    def settled() -> bool:
+        count = (agent.status() or {}).get("pass_count")
+        if count != seen["count"]:
+            seen.update(count=count, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= still
+
+    wait_for(settled, timeout, every=0.1, what="the agent to be quiet")
+
+
+@pytest.mark.root
+def test_readyz_waits_for_the_pass_at_a_new_revision(host_ns: Netns, agents: Any,
+                                                     tmp_path: Any) -> None:
+    """The files move to a new commit while the host lock is held by someone else (the test),
+    so the agent's pass at that commit starts, shows the commit, and cannot finish: /readyz
+    must say 503 all that time (a rollout would otherwise move on to the next host), and 200
+    only once that pass converged — checked against the bridge's MTU as `ip -j` shows it."""
+    from reconciler.engine.lock import LOCK_DIR
+
+    repo = confdir(tmp_path)
+    subprocess.run([*GIT, "init", "-q", "-b", "main"], cwd=repo, check=True, timeout=30)
+    br, cidr = unique("b")[-12:], a_cidr()
+    one = commit(repo, {"net.yaml": bridge_file(br, cidr)}, "one")
+    two = commit(repo, {"net.yaml": bridge_file(br, cidr).replace(
+        f"name: {br}\n", f"name: {br}\n    mtu: 1400\n", 1)}, "two: mtu 1400")
+    checkout(repo, one)
+    agent = agents(host_ns, [repo], "--interval", "3600")
+    first = agent.converged()
+    wait_for(lambda: get(f"http://{agent.addr}/readyz")[0] == 200, 15, what="ready")
+    code, body = get(f"http://{agent.addr}/readyz")
+    assert body.startswith(f"ready: {one[:12]} converged in pass #"), body
+    link = host_ns.link(br)
+    assert link is not None and link["mtu"] == 1500
+    quiet(agent)  # the echoes of the first apply are done: the next pass is the checkout's
+
+    lock = os.path.join(LOCK_DIR, f"netns-{os.stat(f'/run/netns/{host_ns.name}').st_ino}.lock")
+    os.makedirs(LOCK_DIR, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        checkout(repo, two)
+        wait_for(lambda: any("waiting for the host lock" in str(r.get("msg"))
+                             for r in agent.logs()), 15, what="the pass at two to wait")
+        # (an echo of our own changes may have run a no-op pass at `one` after the first)
+        waiting = re.compile(rf"the pass at {two[:12]} has not finished yet \(pass #(\d+) "
+                             rf"was at {one[:12]}\)")
+        for _ in range(5):  # asked again and again while that pass waits: never ready
+            code, body = get(f"http://{agent.addr}/readyz")
+            m = waiting.fullmatch(body.strip())
+            assert code == 503 and m, (body, agent.status())
+            assert int(m.group(1)) >= first["last_pass"]["number"]
+            time.sleep(0.2)
+        doc = status_json(agent)
+        assert doc["ready"]["ready"] is False
+        assert doc["revision"]["commit"] == two, doc  # the pass at `two` runs ...
+        assert doc["last_pass"]["revision"]["commit"] == one, doc  # ... `one`'s finished
+        link = host_ns.link(br)
+        assert link is not None and link["mtu"] == 1500  # nothing of `two` applied yet
+    finally:
+        os.close(fd)  # releases the lock: the pass goes on
+    wait_for(lambda: get(f"http://{agent.addr}/readyz")[0] == 200, 30, what="ready at two")
+    code, body = get(f"http://{agent.addr}/readyz")
+    assert body.startswith(f"ready: {two[:12]} converged in pass #"), body
+    link = host_ns.link(br)
+    assert link is not None and link["mtu"] == 1400
     assert agent.stop() == 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from reconciler.agent import loop as loop_mod
 from reconciler.agent import status
 from reconciler.agent.loop import Agent, WatchOptions
 from reconciler.agent.readiness import judge, same_revision
@@ -28,11 +29,12 @@ from .test_probe_surface import _pass
 from .test_probe_surface import probing_agent as probing_agent  # noqa: F401 (a fixture)
 from .test_watch_logic import BR, FakeReconciler, _write
 
-GOOD = {"state": "running", "revision": {"commit": "a" * 40, "dirty": False,
-                                         "files_sha256": "f" * 64},
+REV_A = {"commit": "a" * 40, "dirty": False, "files_sha256": "f" * 64}
+REV_B = {"commit": "b" * 40, "dirty": False, "files_sha256": "e" * 64}
+GOOD = {"state": "running", "revision": REV_A,
         "config_error": None, "errors": [], "desired": {"allocs": 1},
-        "last_pass": {"number": 3, "result": "ok", "error": None},
-        "probes": {"held": 2, "failed": 0, "failures": []}}
+        "last_pass": {"number": 3, "result": "ok", "error": None, "revision": REV_A},
+        "probes": {"held": 2, "failed": 0, "failures": [], "revision": REV_A}}
 
 
 def _with(**changes: Any) -> dict[str, Any]:
@@ -50,21 +52,38 @@ def test_a_converged_probed_pass_is_ready() -> None:
     (_with(config_error={"message": "/etc/r/a.yaml:3:5: bad\nmore", "since": 1,
                          "revision": {"commit": "b" * 40}}),
      "desired state at bbbbbbbbbbbb not taken: /etc/r/a.yaml:3:5: bad"),
-    (_with(last_pass={"number": 4, "result": "failed", "error": "2 change(s) failed: x"}),
+    (_with(last_pass={"number": 4, "result": "failed", "error": "2 change(s) failed: x",
+                      "revision": REV_A}),
      "pass #4 failed: 2 change(s) failed: x"),
-    (_with(last_pass={"number": 4, "result": "failed", "error": "1 conflict(s) ..."},
+    (_with(last_pass={"number": 4, "result": "failed", "error": "1 conflict(s) ...",
+                      "revision": REV_A},
            errors=[{"resource": "subnet/net", "error": "conflict: 10.1.0.0/24 overlaps route "
                     "10.1.0.0/25 on tun0\nmore"}]),
      "pass #4 failed: subnet/net: conflict: 10.1.0.0/24 overlaps route 10.1.0.0/25 on tun0"),
-    (_with(last_pass={"number": 4, "result": "drift", "error": None},
+    (_with(last_pass={"number": 4, "result": "drift", "error": None, "revision": REV_A},
            errors=[{"resource": "bridge/br0", "error": "differs"}]),
      "pass #4 found 1 difference(s) and --dry-run changes nothing"),
-    (_with(last_pass={"number": 4, "result": "interrupted", "error": "stopped: 1 skipped"}),
+    (_with(last_pass={"number": 4, "result": "interrupted", "error": "stopped: 1 skipped",
+                      "revision": REV_A}),
      "pass #4 interrupted: stopped: 1 skipped"),
+    # the files moved on: the last pass that finished converged the old revision, and the
+    # one at the new revision is still running (the loop sets `revision` when it starts)
+    (_with(revision=REV_B),
+     "the pass at bbbbbbbbbbbb has not finished yet (pass #3 was at aaaaaaaaaaaa)"),
+    # a local edit of the same commit is another revision too (only the digest differs)
+    (_with(revision={**REV_A, "dirty": True, "files_sha256": "d" * 64}),
+     "the pass at aaaaaaaaaaaa-dirty has not finished yet (pass #3 was at aaaaaaaaaaaa)"),
+    (_with(last_pass={"number": 3, "result": "ok", "error": None}),  # at no known revision
+     "the pass at aaaaaaaaaaaa has not finished yet (pass #3 was at ?)"),
+    # converged at the new revision, the probes that hold are the old revision's
+    (_with(revision=REV_B, last_pass={"number": 4, "result": "ok", "revision": REV_B}),
+     "pass #4 converged; its probes have not run yet"),
+    (_with(probes={"held": 2, "failed": 0, "failures": []}),  # probes at no known revision
+     "pass #3 converged; its probes have not run yet"),
     (_with(errors=[{"resource": "plan", "error": "warning-turned-error"}]),
      "pass #3: plan: warning-turned-error"),
     (_with(probes=None), "pass #3 converged; its probes have not run yet"),
-    (_with(probes={"held": 1, "failed": 1, "failures": [
+    (_with(probes={"held": 1, "failed": 1, "revision": REV_A, "failures": [
         {"alloc": "web", "path": "gateway", "cause": "no route to 10.0.0.1"}]}),
      "1 probe(s) failing: alloc web path gateway: no route to 10.0.0.1"),
     # the seam with safe change (helper "revert"): these keys, absent = null
@@ -84,7 +103,18 @@ def test_what_does_not_make_it_unready() -> None:
     assert judge(_with(probes=None, desired={"allocs": 0}), probing=True).ready
     assert judge(_with(reverted_revision="c" * 40), probing=True).ready  # another revision
     assert judge(_with(pending=None, reverted_revision=None), probing=True).ready
-    assert judge(_with(last_pass={"number": 5, "result": "applied"}), probing=True).ready
+    assert judge(_with(last_pass={"number": 5, "result": "applied", "revision": REV_A}),
+                 probing=True).ready
+    # the same revision read again (a resync) is the same: compared by commit, dirty flag
+    # and the files' digest, not by the other keys
+    assert judge(_with(revision={**REV_A, "committed_at": 1700000000, "toplevel": "/r"}),
+                 probing=True).ready
+    # failures an old revision's probes found do not count once no allocation is declared
+    stale = {"held": 0, "failed": 1, "revision": REV_A,
+             "failures": [{"alloc": "gone", "path": "gateway", "cause": "x"}]}
+    assert judge(_with(revision=REV_B, desired={"allocs": 0}, probes=stale,
+                       last_pass={"number": 4, "result": "ok", "revision": REV_B}),
+                 probing=True).ready
     v = judge(GOOD, probing=True, alive=(False, "loop stuck for 300s"))
     assert not v.ready and v.reason == "the agent is not alive: loop stuck for 300s"
 
@@ -212,6 +242,113 @@ def test_expect_revision_outside_git_is_refused(tmp_path: Any,
     assert agent.run_pass(["startup"]).result == "config-error"
     assert "the files are not in a git checkout" in agent.ready().reason
     assert _metric(agent, "reconciler_revision_timestamp_seconds") == 0.0
+
+
+def test_not_ready_at_a_new_revision_until_a_pass_at_it_finished(repo_agent: Any) -> None:
+    """The loop shows the new revision when its pass starts; the pass that finished before
+    converged the old one, so /readyz must wait for this one (a rollout would otherwise
+    take the next host while this one is still applying, or about to fail)."""
+    build, repo, first, second, fakes = repo_agent
+    agent = build(probe=None)
+    agent.board.update(state="running")
+    assert agent.run_pass(["startup"]).result == "applied"
+    assert agent.ready().ready
+    rec = fakes[-1]
+    real = rec.apply
+    during: list[Any] = []
+
+    def apply(*args: Any, **kwargs: Any) -> Any:  # what /readyz answers while it applies
+        during.append((agent.ready(), agent.board.get("revision")["commit"]))
+        return real(*args, **kwargs)
+
+    rec.apply = apply  # type: ignore[method-assign]
+    _git(repo, "checkout", "-q", second)
+    assert agent.run_pass(["files changed"]).result == "applied"
+    assert rec.live_mtu == {"br0": 1450} and len(during) == 1
+    verdict, shown = during[0]
+    assert shown == second  # the status shows the revision being applied ...
+    assert not verdict.ready and verdict.reason == (  # ... and that it is not done yet
+        f"the pass at {second[:12]} has not finished yet (pass #1 was at {first[:12]})")
+    v = agent.ready()
+    assert v.ready and v.reason == f"ready: {second[:12]} converged in pass #2", v
+    assert agent.board.get("last_pass")["revision"]["commit"] == second
+    # a pass at the new revision that fails is not ready either, with its own reason
+    rec.fail_apply = True
+    _git(repo, "checkout", "-q", first)
+    agent.run_pass(["files changed"])
+    v = agent.ready()
+    assert not v.ready and v.reason == "pass #3 failed: bridge/br0: EPERM", v
+
+
+def _checkout_while_loading(monkeypatch: pytest.MonkeyPatch, repo: Any, rev: str) -> None:
+    """The agent's next read of HEAD is followed by a checkout of ``rev`` before it reads
+    the files: what a pass already under way (a drift echo, a resync) meets when git-sync
+    or a deploy tool checks another commit out at that moment."""
+    real = loop_mod.git_revision
+    done: list[bool] = []
+
+    def racing(paths: Any) -> Any:
+        head = real(paths)
+        if not done:
+            done.append(True)
+            _git(repo, "checkout", "-q", rev)
+        return head
+
+    monkeypatch.setattr(loop_mod, "git_revision", racing)
+
+
+def test_a_checkout_under_way_is_not_taken_as_the_old_commit(
+        repo_agent: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, repo, first, second, fakes = repo_agent
+    agent = build(probe=None)
+    agent.board.update(state="running")
+    assert agent.run_pass(["startup"]).result == "applied"
+    _checkout_while_loading(monkeypatch, repo, second)
+    assert agent.run_pass(["resync"]).result == "applied"
+    assert fakes[-1].live_mtu == {"br0": 1450}  # the second commit's files ...
+    doc = agent.board.snapshot()  # ... are shown as the second commit's
+    assert doc["revision"]["commit"] == doc["last_pass"]["revision"]["commit"] == second
+    assert agent.ready().reason == f"ready: {second[:12]} converged in pass #2"
+
+
+def test_a_checkout_under_way_does_not_slip_past_expect_revision(
+        repo_agent: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, repo, first, second, fakes = repo_agent
+    agent = build(probe=None, expect_revision=first[:12])
+    agent.board.update(state="running")
+    assert agent.run_pass(["startup"]).result == "applied" and agent.ready().ready
+    _checkout_while_loading(monkeypatch, repo, second)
+    agent.run_pass(["resync"])
+    assert fakes[-1].live_mtu == {"br0": 1400}  # never the other commit's files
+    v = agent.ready()
+    assert not v.ready and v.reason.startswith(
+        f"desired state at {second[:12]} not taken: revision {second[:12]} is not the "
+        f"expected {first[:12]}"), v
+
+
+def test_probes_of_an_older_revision_do_not_make_a_new_one_ready(
+        probing_agent: Any, tmp_path: Any) -> None:  # noqa: F811 (the fixture)
+    build, broken, prober = probing_agent
+    agent = build()
+    agent.board.update(state="running")
+    _pass(agent, "startup")
+    assert agent.ready().ready
+    files = tmp_path / "conf" / "a.yaml"  # probing_agent's files
+    files.write_text(files.read_text().replace("{name: br0}", "{name: br0, mtu: 1400}"))
+    report = agent.run_pass(["files changed"])  # converges, changes nothing, probes nothing
+    assert report.result == "ok"
+    v = agent.ready()
+    assert not v.ready and v.reason == "pass #2 converged; its probes have not run yet", v
+    calls = len(prober.calls)
+    agent.after_probes(["files changed"], report)
+    assert [c[0] for c in prober.calls[calls:]] == [None]  # every allocation, once
+    doc = agent.board.snapshot()
+    assert doc["probes"]["revision"] == doc["revision"] == doc["last_pass"]["revision"]
+    assert agent.ready().ready, agent.ready()
+    # at the same revision a pass probes only what its apply changed: here nothing
+    calls = len(prober.calls)
+    _pass(agent, "resync")
+    assert len(prober.calls) == calls and agent.ready().ready
 
 
 def test_probes_gate_readiness(probing_agent: Any) -> None:  # noqa: F811 (the fixture)

@@ -33,7 +33,7 @@ from .test_probe_surface import probing_agent as probing_agent  # noqa: F401 (a 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "fleet-with-watch.md")
 #: free-form or repeated objects: documented as one key, not flattened further
-OPAQUE = {"event_sources", "config_error.revision"}
+OPAQUE = {"event_sources", "config_error.revision", "last_pass.revision", "probes.revision"}
 #: keys of the safe-change seam (helper "revert"): documented, served once it is merged
 SEAM = {"pending", "pending.deadline", "pending.revision", "reverted_revision"}
 
