@@ -8,14 +8,16 @@ without ``eth0`` is "not ours". Each journal is carried to its end (or, for a
 replace whose new network cannot be made, undone) and removed, and one line says
 so. A journal that cannot be finished (a container gone, a namespace gone) says
 what was left and is removed too: the next run does not try it again. Only a
-temporary failure (the Docker daemon unreachable) keeps it for the run after.
+temporary failure (the Docker daemon unreachable, a container that could not be
+put back) or a ``StrandedError`` (containers off their network and another's
+network of that name in the way) keeps it for the run after.
 """
 
 from __future__ import annotations
 
 import logging
 
-from reconciler.domain.errors import ReconcilerError, TemporaryError
+from reconciler.domain.errors import ReconcilerError, StrandedError, TemporaryError
 from reconciler.domain.plan import Op
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.journal import ALLOC, DOCKER, BadJournal, Journal
@@ -50,9 +52,9 @@ def _finish_replace(ops: HostOps, journal: Journal) -> str:
     except (KeyError, TypeError, ValueError) as exc:
         return (f"journal: {journal.path}: not a replace this version can finish ({exc}); "
                 "left alone")
-    except TemporaryError as exc:
-        return (f"{what}: could not finish an interrupted replace yet: {_why(exc, what)}; "
-                "kept for the next run")
+    except (TemporaryError, StrandedError) as exc:
+        why = _why(exc, what).removesuffix(" (journal kept)")
+        return f"{what}: could not finish an interrupted replace yet: {why}; kept for the next run"
     except ReconcilerError as exc:
         return f"{what}: could not finish an interrupted replace: {_why(exc, what)}"
     for w in result.warnings:
