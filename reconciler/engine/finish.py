@@ -25,12 +25,22 @@ from reconciler.engine.journal import ALLOC, DOCKER, BadJournal, Journal
 log = logging.getLogger("reconciler")
 
 
+#: how the lines about a journal that was left alone (nothing done) begin
+LEFT_ALONE = "journal: "
+
+
+def touched_host(line: str) -> bool:
+    """Whether a line ``finish_journals`` said is about a journal it acted on (the host may
+    have changed), not one it left alone."""
+    return not line.startswith(LEFT_ALONE)
+
+
 def finish_journals(ops: HostOps) -> list[str]:
     """Finish every interrupted change of this scope; the lines said (also logged)."""
     lines = []
     for journal in ops.journals.pending():
         if isinstance(journal, BadJournal):
-            line = f"journal: {journal}"
+            line = f"{LEFT_ALONE}{journal}"
             log.error("%s", line)
             lines.append(line)
             continue
@@ -39,7 +49,7 @@ def finish_journals(ops: HostOps) -> list[str]:
         elif journal.kind == ALLOC:
             line = _finish_ops(ops, journal)
         else:
-            line = f"journal: {journal.path}: unknown kind {journal.kind!r}; left alone"
+            line = f"{LEFT_ALONE}{journal.path}: unknown kind {journal.kind!r}; left alone"
         log.warning("%s", line)
         lines.append(line)
     return lines
@@ -50,7 +60,7 @@ def _finish_replace(ops: HostOps, journal: Journal) -> str:
     try:
         result = ops.resume_docker_replace(journal)
     except (KeyError, TypeError, ValueError) as exc:
-        return (f"journal: {journal.path}: not a replace this version can finish ({exc}); "
+        return (f"{LEFT_ALONE}{journal.path}: not a replace this version can finish ({exc}); "
                 "left alone")
     except (TemporaryError, StrandedError) as exc:
         why = _why(exc, what).removesuffix(" (journal kept)")
@@ -75,7 +85,8 @@ def _finish_ops(ops: HostOps, journal: Journal) -> str:
         wire = [Op.from_json(raw) for raw in journal.body["ops"]]
         done = [int(s.split(":", 1)[1]) for s in journal.steps if s.startswith("op:")]
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        return f"journal: {journal.path}: not a change this version can finish ({exc}); left alone"
+        return (f"{LEFT_ALONE}{journal.path}: not a change this version can finish ({exc}); "
+                "left alone")
     start = max(done) + 1 if done else 0
     try:
         for i in range(start, len(wire)):
