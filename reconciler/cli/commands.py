@@ -316,8 +316,8 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     if not args.dry_run and not args.yes and _interactive():
         shown, finished = _confirm_destroy(args, options)
         if shown is None:
-            print("Destroy cancelled; " + ("nothing was destroyed (it finished an interrupted "
-                                           "change first: see above)." if finished else
+            print("Destroy cancelled; " + ("nothing was destroyed (an interrupted change was "
+                                           "carried on first: see above)." if finished else
                                            "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:

@@ -29,6 +29,16 @@ log = logging.getLogger("reconciler")
 LEFT_ALONE = "journal: "
 
 
+#: how the lines about a journal that was tried but not finished say so (after its name)
+NOT_FINISHED = ": could not finish an interrupted "
+
+
+def finished(line: str) -> bool:
+    """Whether a line ``finish_journals`` said reports a change carried to its end (or undone),
+    not one it could not finish."""
+    return touched_host(line) and NOT_FINISHED not in line
+
+
 def touched_host(line: str) -> bool:
     """Whether a line ``finish_journals`` said is about a journal it acted on (the host may
     have changed), not one it left alone."""
@@ -64,9 +74,9 @@ def _finish_replace(ops: HostOps, journal: Journal) -> str:
                 "left alone")
     except (TemporaryError, StrandedError) as exc:
         why = _why(exc, what).removesuffix(" (journal kept)")
-        return f"{what}: could not finish an interrupted replace yet: {why}; kept for the next run"
+        return f"{what}{NOT_FINISHED}replace yet: {why}; kept for the next run"
     except ReconcilerError as exc:
-        return f"{what}: could not finish an interrupted replace: {_why(exc, what)}"
+        return f"{what}{NOT_FINISHED}replace: {_why(exc, what)}"
     for w in result.warnings:
         log.warning("%s", w)
     names = ", ".join(result.reconnected)
@@ -93,12 +103,12 @@ def _finish_ops(ops: HostOps, journal: Journal) -> str:
             ops.run(wire[i])
             journal.done(f"op:{i}")
     except TemporaryError as exc:
-        return f"{what}: could not finish an interrupted {doing} yet: {exc}; kept for the next run"
+        return f"{what}{NOT_FINISHED}{doing} yet: {exc}; kept for the next run"
     except ReconcilerError as exc:
         journal.close()
         hint = f" (`apply --adopt {what.replace(' ', '/')}` takes it over)" if doing == "adopt" \
             else ""
-        return f"{what}: could not finish an interrupted {doing}: {exc}{hint}"
+        return f"{what}{NOT_FINISHED}{doing}: {exc}{hint}"
     journal.close()
     return (f"{what}: finished an interrupted {doing} (started by another run): "
             f"{len(wire) - start} of {len(wire)} step(s) left")

@@ -19,7 +19,7 @@ from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, Netn
 from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
-from reconciler.engine import impact
+from reconciler.engine import finish, impact
 from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
 from reconciler.engine.finish import finish_journals, touched_host
 from reconciler.engine.handles import HostHandles
@@ -273,8 +273,8 @@ def after_finishing(message: str, finished: Sequence[str]) -> str:
     ``finish_journals`` said) before planning: its "nothing changed" would be false."""
     first, nl, rest = message.partition("\n")
     more = f"; and {len(finished) - 1} more" if len(finished) > 1 else ""
-    said = ("nothing else changed, but it finished an interrupted change first "
-            f"({finished[0]}{more})")
+    done = "finished" if any(finish.finished(line) for line in finished) else "tried to finish"
+    said = f"nothing else changed, but it {done} an interrupted change first ({finished[0]}{more})"
     for claim in (", nothing changed", "; nothing changed"):
         if first.endswith(claim):
             first = first[: -len(claim)]

@@ -392,3 +392,13 @@ def test_a_conflict_refusal_after_finishing_keeps_its_lines() -> None:
         "refusing to apply: 1 conflict(s) with objects the reconciler does not own; nothing "
         "else changed, but it finished an interrupted change first (alloc a: finished an "
         "interrupted adopt; and 1 more)\nbridge b: exists, not ours")
+
+
+def test_a_refusal_after_a_journal_that_could_not_be_finished_says_it_tried() -> None:
+    from reconciler.engine.reconcile import after_finishing
+
+    line = ("docker network kind: could not finish an interrupted replace yet: 0123 of that "
+            "name belongs to another reconciler; kept for the next run")
+    assert after_finishing("refused, nothing changed", [line]) == (
+        f"refused; nothing else changed, but it tried to finish an interrupted change first "
+        f"({line})")
