@@ -336,9 +336,11 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     options = PlanOptions(prune=True)
     shown = None
     if not args.dry_run and not args.yes and _interactive():
-        shown = _confirm_destroy(args, options)
+        shown, finished = _confirm_destroy(args, options)
         if shown is None:
-            print("Destroy cancelled; nothing changed.", file=sys.stderr)
+            print("Destroy cancelled; " + ("nothing was destroyed (an interrupted change was "
+                                           "carried on first: see above)." if finished else
+                                           "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:
         rc = _apply(args, DesiredState(), options, shown)
@@ -395,28 +397,39 @@ DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler man
                     "  Enter a value: ")
 
 
-def _confirm_destroy(args: argparse.Namespace, options: Any) -> Plan | None:
-    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do).
+def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | None, bool]:
+    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do),
+    and whether interrupted changes were finished first.
 
     The plan shown is the one applied: ``apply`` checks it against the live state again
     under the lock (as a saved plan), so what changed meanwhile is refused, not removed.
+    A change a killed run left half done (its journal) is finished under the lock before
+    the plan is made, as ``apply`` would do first: a plan of the half-made state would be
+    what nobody can confirm (``apply`` then finds the host changed).
     """
+    from reconciler.engine.finish import touched_host  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
 
-    plan = Reconciler().plan(DesiredState(), options)
+    rec = Reconciler()
+    finished = False
+    if rec.journals_pending():
+        with host_lock(args.lock_timeout):
+            finished = any(touched_host(line) for line in rec.finish_journals())
+    plan = rec.plan(DesiredState(), options)
     if args.output == "json":  # stdout stays one JSON document (the result's)
         sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
     else:
         _print_plan(plan, args)
     if not plan.has_changes:
-        return plan
+        return plan, finished
     sys.stdout.flush()
     sys.stderr.write("\n" + DESTROY_QUESTION)
     sys.stderr.flush()
     answer = sys.stdin.readline()
     if not answer.endswith("\n"):
         sys.stderr.write("\n")  # end of input: no answer is no
-    return plan if answer.strip() == "yes" else None
+    return (plan if answer.strip() == "yes" else None), finished
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -50,6 +50,16 @@ class ConflictError(ReconcilerError):
     """An object we would manage exists but is not ours."""
 
 
+class StrandedError(ReconcilerError):
+    """A multi-step change had to stop with something still taken away (containers off their
+    network) that only its journal says how to put back: the journal stays, and the next
+    run tries again. Not a ``TemporaryError``: waiting a second does not help."""
+
+
+class StrandedConflict(StrandedError, ConflictError):
+    """A ``StrandedError`` because an object that is not ours is in the way."""
+
+
 class PreconditionError(ReconcilerError, RuntimeError):
     """The host cannot be reconciled as it is (missing tool, wrong namespace, ...)."""
 

@@ -8,14 +8,16 @@ without ``eth0`` is "not ours". Each journal is carried to its end (or, for a
 replace whose new network cannot be made, undone) and removed, and one line says
 so. A journal that cannot be finished (a container gone, a namespace gone) says
 what was left and is removed too: the next run does not try it again. Only a
-temporary failure (the Docker daemon unreachable) keeps it for the run after.
+temporary failure (the Docker daemon unreachable, a container that could not be
+put back) or a ``StrandedError`` (containers off their network and another's
+network of that name in the way) keeps it for the run after.
 """
 
 from __future__ import annotations
 
 import logging
 
-from reconciler.domain.errors import ReconcilerError, TemporaryError
+from reconciler.domain.errors import ReconcilerError, StrandedError, TemporaryError
 from reconciler.domain.plan import Op
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.journal import ALLOC, DOCKER, BadJournal, Journal
@@ -23,12 +25,32 @@ from reconciler.engine.journal import ALLOC, DOCKER, BadJournal, Journal
 log = logging.getLogger("reconciler")
 
 
+#: how the lines about a journal that was left alone (nothing done) begin
+LEFT_ALONE = "journal: "
+
+
+#: how the lines about a journal that was tried but not finished say so (after its name)
+NOT_FINISHED = ": could not finish an interrupted "
+
+
+def finished(line: str) -> bool:
+    """Whether a line ``finish_journals`` said reports a change carried to its end (or undone),
+    not one it could not finish."""
+    return touched_host(line) and NOT_FINISHED not in line
+
+
+def touched_host(line: str) -> bool:
+    """Whether a line ``finish_journals`` said is about a journal it acted on (the host may
+    have changed), not one it left alone."""
+    return not line.startswith(LEFT_ALONE)
+
+
 def finish_journals(ops: HostOps) -> list[str]:
     """Finish every interrupted change of this scope; the lines said (also logged)."""
     lines = []
     for journal in ops.journals.pending():
         if isinstance(journal, BadJournal):
-            line = f"journal: {journal}"
+            line = f"{LEFT_ALONE}{journal}"
             log.error("%s", line)
             lines.append(line)
             continue
@@ -37,7 +59,7 @@ def finish_journals(ops: HostOps) -> list[str]:
         elif journal.kind == ALLOC:
             line = _finish_ops(ops, journal)
         else:
-            line = f"journal: {journal.path}: unknown kind {journal.kind!r}; left alone"
+            line = f"{LEFT_ALONE}{journal.path}: unknown kind {journal.kind!r}; left alone"
         log.warning("%s", line)
         lines.append(line)
     return lines
@@ -48,13 +70,13 @@ def _finish_replace(ops: HostOps, journal: Journal) -> str:
     try:
         result = ops.resume_docker_replace(journal)
     except (KeyError, TypeError, ValueError) as exc:
-        return (f"journal: {journal.path}: not a replace this version can finish ({exc}); "
+        return (f"{LEFT_ALONE}{journal.path}: not a replace this version can finish ({exc}); "
                 "left alone")
-    except TemporaryError as exc:
-        return (f"{what}: could not finish an interrupted replace yet: {_why(exc, what)}; "
-                "kept for the next run")
+    except (TemporaryError, StrandedError) as exc:
+        why = _why(exc, what).removesuffix(" (journal kept)")
+        return f"{what}{NOT_FINISHED}replace yet: {why}; kept for the next run"
     except ReconcilerError as exc:
-        return f"{what}: could not finish an interrupted replace: {_why(exc, what)}"
+        return f"{what}{NOT_FINISHED}replace: {_why(exc, what)}"
     for w in result.warnings:
         log.warning("%s", w)
     names = ", ".join(result.reconnected)
@@ -73,19 +95,20 @@ def _finish_ops(ops: HostOps, journal: Journal) -> str:
         wire = [Op.from_json(raw) for raw in journal.body["ops"]]
         done = [int(s.split(":", 1)[1]) for s in journal.steps if s.startswith("op:")]
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        return f"journal: {journal.path}: not a change this version can finish ({exc}); left alone"
+        return (f"{LEFT_ALONE}{journal.path}: not a change this version can finish ({exc}); "
+                "left alone")
     start = max(done) + 1 if done else 0
     try:
         for i in range(start, len(wire)):
             ops.run(wire[i])
             journal.done(f"op:{i}")
     except TemporaryError as exc:
-        return f"{what}: could not finish an interrupted {doing} yet: {exc}; kept for the next run"
+        return f"{what}{NOT_FINISHED}{doing} yet: {exc}; kept for the next run"
     except ReconcilerError as exc:
         journal.close()
         hint = f" (`apply --adopt {what.replace(' ', '/')}` takes it over)" if doing == "adopt" \
             else ""
-        return f"{what}: could not finish an interrupted {doing}: {exc}{hint}"
+        return f"{what}{NOT_FINISHED}{doing}: {exc}{hint}"
     journal.close()
     return (f"{what}: finished an interrupted {doing} (started by another run): "
             f"{len(wire) - start} of {len(wire)} step(s) left")

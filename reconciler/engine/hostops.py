@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, assert_never
 
 from reconciler.domain import ownership
-from reconciler.domain.errors import ReconcilerError, TemporaryError
+from reconciler.domain.errors import DriverError, ReconcilerError, StrandedError, TemporaryError
 from reconciler.domain.live import LiveDockerNetwork
 from reconciler.domain.ops import (
     AddrAdd,
@@ -217,14 +217,20 @@ class HostOps:
 
         The journal is written before the first disconnect and removed once the
         replace reached its end (done, or undone and reported). It stays when the
-        daemon went away midway (a ``TemporaryError``): the executor's retry of this
-        op, or the next run, carries the same replace on from its last step rather
-        than starting a new one on a network that may be gone already.
+        daemon went away midway (a ``TemporaryError``: also a container that could
+        not be put back) or another's network of that name is in the way (a
+        ``StrandedError``): the executor's retry of this op, or the next run, carries
+        the same replace on from its last step rather than starting a new one on a
+        network that may be gone already.
         """
         spec = op.network()
         interrupted = self.journals.find(DOCKER, spec.name)
         if interrupted is not None:
             result = self.resume_docker_replace(interrupted)
+            if result.undone:  # ended, but not as this op asks: the change failed
+                raise DriverError(f"docker network {spec.name}: replace: given up; "
+                                  f"{len(result.reconnected)} container(s) back on the old "
+                                  "network")
         else:
             # replace() re-inspects the network by ID; only the ID and name matter here
             live = LiveDockerNetwork(id=op.id, name=spec.name, driver="", labels={},
@@ -234,7 +240,7 @@ class HostOps:
             try:
                 result = self.docker.replace(spec, live, op.default_mtu, op.reconnect,
                                              adopt=op.adopt, steps=steps)
-            except TemporaryError:
+            except (TemporaryError, StrandedError):  # containers may still be detached
                 raise
             except ReconcilerError:  # reached its end, reported: undone or failed for good
                 steps.close()
@@ -247,7 +253,8 @@ class HostOps:
 
     def resume_docker_replace(self, journal: Journal) -> EnsureResult:
         """Carry the interrupted replace ``journal`` describes to its end; the journal is
-        removed unless a ``TemporaryError`` (the daemon unreachable) stopped it again.
+        removed unless a ``TemporaryError`` (the daemon unreachable) or a ``StrandedError``
+        (another's network of that name in the way) stopped it again.
 
         ValueError (or KeyError, TypeError) when its body is not a replacement this
         version wrote; nothing is changed then.
@@ -256,7 +263,7 @@ class HostOps:
         steps = ReplaceSteps(self.journals, journal.name, journal)
         try:
             result = self.docker.resume_replace(replacement, frozenset(journal.steps), steps)
-        except TemporaryError:
+        except (TemporaryError, StrandedError):
             raise
         except ReconcilerError:
             steps.close()

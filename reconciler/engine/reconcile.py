@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,9 +19,9 @@ from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, Netn
 from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
-from reconciler.engine import impact
+from reconciler.engine import finish, impact
 from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
-from reconciler.engine.finish import finish_journals
+from reconciler.engine.finish import finish_journals, touched_host
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.journal import describe
@@ -140,36 +141,21 @@ class Reconciler:
         that disrupts more items than that is refused before any change
         (``engine.impact.DisruptionError``).
 
-        A change a killed run left half done (its journal) is finished first.
+        A change a killed run left half done (its journal) is finished first: the plan
+        reads the live state, and a half-made replace or adopt would plan wrong. So a
+        refusal after that (a stale saved plan, a conflict, ``max_disruption``, the
+        preflight) says that it finished one first, not that nothing changed.
         ``on_plan`` hears the plan about to be executed and ``on_outcome`` each change
         done (the CLI's progress line).
         """
-        self.finish_journals()
+        finished = [line for line in self.finish_journals() if touched_host(line)]
         plan = self.plan(desired, options)
-        if saved is not None:
-            if dict(saved.files) != dict(plan.files):
-                raise StalePlanError("the saved plan is stale: the desired-state files changed "
-                                     "since it was made; run plan again")
-            if not saved.same_work(plan):
-                if saved.live_fingerprint == plan.live_fingerprint:
-                    # the same files and the same live state: the planner that made it
-                    # decides otherwise (another version, e.g. before MACs were derived)
-                    raise StalePlanError("the saved plan is stale: it was made by another "
-                                         "version of the reconciler, which plans other work "
-                                         "for the same files and live state; run plan again")
-                raise StalePlanError("the saved plan is stale: the live state changed since it "
-                                     "was made; run plan again")
-        if plan.conflicts:
-            lines = [f"refusing to apply: {conflicts_line([c.reason for c in plan.conflicts])}"
-                     "; nothing changed"]
-            lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
-                      for c in plan.conflicts]
-            raise ConflictError("\n".join(lines))
-        impact.check(plan, max_disruption)
         result = ApplyResult(plan)
-        if not plan.has_changes:
-            return result
-        preflight(plan, subnet_bridges(desired))
+        with _refusals_after(finished):
+            refuse(plan, saved, max_disruption)
+            if not plan.has_changes:
+                return result
+            preflight(plan, subnet_bridges(desired))
         if before_changes is not None:
             plan = before_changes(plan) or plan
             result.plan = plan
@@ -253,6 +239,61 @@ class Reconciler:
             self.sleep(delay)
             residual = make_plan(desired, self.observe(desired), options)
         return residual
+
+
+def refuse(plan: Plan, saved: Plan | None, max_disruption: int | None) -> None:
+    """Refuse ``plan`` before any change: not the ``saved`` plan (stale), conflicts, more
+    disruption than ``max_disruption``."""
+    if saved is not None:
+        if dict(saved.files) != dict(plan.files):
+            raise StalePlanError("the saved plan is stale: the desired-state files changed "
+                                 "since it was made; run plan again")
+        if not saved.same_work(plan):
+            if saved.live_fingerprint == plan.live_fingerprint:
+                # the same files and the same live state: the planner that made it
+                # decides otherwise (another version, e.g. before MACs were derived)
+                raise StalePlanError("the saved plan is stale: it was made by another "
+                                     "version of the reconciler, which plans other work "
+                                     "for the same files and live state; run plan again")
+            raise StalePlanError("the saved plan is stale: the live state changed since it "
+                                 "was made; run plan again")
+    if plan.conflicts:
+        lines = [f"refusing to apply: {conflicts_line([c.reason for c in plan.conflicts])}"
+                 "; nothing changed"]
+        lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
+                  for c in plan.conflicts]
+        raise ConflictError("\n".join(lines))
+    impact.check(plan, max_disruption)
+
+
+@contextlib.contextmanager
+def _refusals_after(finished: Sequence[str]) -> Iterator[None]:
+    """Refusals (the errors ``refuse`` and ``preflight`` raise) worded for a run that
+    ``finished`` interrupted changes before it (``after_finishing``)."""
+    try:
+        yield
+    except impact.DisruptionError as exc:
+        if not finished:
+            raise
+        raise impact.DisruptionError(after_finishing(str(exc), finished), exc.plan) from None
+    except (StalePlanError, ConflictError, PreconditionError) as exc:
+        if not finished:
+            raise
+        raise type(exc)(after_finishing(str(exc), finished)) from None
+
+
+def after_finishing(message: str, finished: Sequence[str]) -> str:
+    """A refusal's ``message`` once this run ``finished`` interrupted changes (the lines
+    ``finish_journals`` said) before planning: its "nothing changed" would be false."""
+    first, nl, rest = message.partition("\n")
+    more = f"; and {len(finished) - 1} more" if len(finished) > 1 else ""
+    done = "finished" if any(finish.finished(line) for line in finished) else "tried to finish"
+    said = f"nothing else changed, but it {done} an interrupted change first ({finished[0]}{more})"
+    for claim in (", nothing changed", "; nothing changed"):
+        if first.endswith(claim):
+            first = first[: -len(claim)]
+            break
+    return f"{first}; {said}{nl}{rest}"
 
 
 def subnet_bridges(desired: DesiredState) -> list[str]:

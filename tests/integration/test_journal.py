@@ -246,3 +246,96 @@ def test_adopt_killed_after_deleting_the_foreign_eth0_is_finished(
     finally:
         host_ns.reconcile("destroy", "--lock-timeout", "20")
         sh("ip", "netns", "del", a, check=False)
+
+
+# -- review items 5 and 6: another's network in the way; refusals and destroy after finishing
+
+def destroy_on_a_terminal(ns: Netns, answer: str) -> Result:
+    """`reconcile destroy` with a terminal on stdin (so it shows the plan and asks), the
+    answer typed ahead."""
+    import pty  # noqa: PLC0415 (only this helper)
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "reconciler", "--netns", ns.name,
+                              "destroy", "--lock-timeout", "20"], stdin=slave,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=REPO)
+        os.close(slave)
+        slave = -1
+        os.write(master, answer.encode())
+        out, err = p.communicate(timeout=300)
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    return Result(p.returncode, out, err)
+
+
+@pytest.mark.docker
+def test_interactive_destroy_finishes_the_journal_before_it_shows_the_plan(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    """The plan shown must be of the host as apply will find it: made before the journal
+    was finished, apply then found the host changed and destroyed nothing."""
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    r = destroy_on_a_terminal(host_ns, "yes\n")
+    no_traceback(r)
+    assert "changed while destroy was waiting" not in r.all, r.all
+    assert r.rc == 0, r.all
+    assert "interrupted replace" in r.err and "not removed yet" in r.all, r.all
+    assert_all_reattached(name, before)
+    assert journals(host_ns) == []
+
+
+@pytest.mark.docker
+def test_a_refused_apply_after_finishing_a_journal_says_it_changed_that(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    again = write(tmp_path, "c.yaml", f"version: 1\ndocker_networks:\n"
+                                      f"  - {{name: {name}, ipv6: true, mtu: 1300}}\n")
+    r = host_ns.reconcile("apply", "--force-replace", "--max-disruption", "0", again)
+    no_traceback(r)
+    assert r.rc == 1, r.all
+    (line,) = [ln for ln in r.err.splitlines() if "--max-disruption 0" in ln]
+    assert "nothing changed" not in line and "finished an interrupted change first" in line \
+        and f"docker network {name}: finished an interrupted replace" in line, r.all
+    assert_all_reattached(name, before)  # the interrupted one, to the mtu 1400 network
+    attrs = json.loads(docker("network", "inspect", name))[0]
+    assert attrs["Options"]["com.docker.network.driver.mtu"] == "1400"
+    assert journals(host_ns) == []
+
+
+@pytest.mark.docker
+def test_resume_leaves_the_containers_off_another_scopes_network_and_keeps_the_journal(
+        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+    """Killed after the removal; another reconciler (another scope) makes a network of that
+    name meanwhile. The next run must not attach our containers to it, nor forget them:
+    once that network is gone, the run after finishes the replace."""
+    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
+    assert r.rc == -signal.SIGKILL, r.all
+    theirs = docker("network", "create", "--label", "io.reconciler.managed=true", "--label",
+                    f"io.reconciler.scope=netns/{scratch.name('other')}", name).strip()
+    try:
+        r = host_ns.reconcile("apply", changed)
+        no_traceback(r)
+        assert r.rc != 0, r.all
+        assert f"docker network {name}: could not finish an interrupted replace yet" in r.err \
+            and "belongs to another reconciler" in r.err and "kept for the next run" in r.err, \
+            r.all
+        on_theirs = [cid[:12] for cid in before
+                     if (attachment(cid, name) or {}).get("network_id") == theirs]
+        assert on_theirs == [], f"attached to another reconciler's network: {on_theirs}"
+        assert journals(host_ns) == [f"journal-docker_network-{name}.json"]
+    finally:
+        docker("network", "rm", theirs)
+    r = host_ns.reconcile("apply", changed)
+    no_traceback(r)
+    assert_all_reattached(name, before)
+    assert r.rc == 0, r.all
+    assert "finished an interrupted replace" in r.err, r.all
+    assert journals(host_ns) == []

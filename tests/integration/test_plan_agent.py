@@ -556,3 +556,28 @@ def test_a_kept_namespace_deleted_by_someone_else_is_let_go(host_ns: Netns, tmp_
                  what=f"{veth} gone with its namespace")
     finally:
         assert agent.stop() == 0
+
+
+def test_a_pending_journal_is_left_to_the_in_process_plan(plan_agent: PlanAgent,
+                                                          host_ns: Netns, tmp_path: Any) -> None:
+    """In-process `plan` notes a change a killed run left half done and exits 2; the agent
+    must not answer "No changes" (exit 0) then, but leave the plan to the CLI."""
+    from reconciler.engine.journal import ALLOC, Journals
+
+    path = write(tmp_path, "empty.yaml", "version: 1\n")
+    assert plan_agent.plan(path).rc == 0  # answered by the agent: nothing pending
+    # what an adopt killed after its first op leaves (the agent runs --dry-run: it does
+    # not finish journals)
+    journal = Journals(f"netns/{host_ns.name}").new(ALLOC, unique("a"))
+    journal.begin({"ops": [], "adopt": True})
+    try:
+        declined = plan_agent.counts().get("declined", 0)
+        r = plan_agent.plan(path, mode="auto")
+        assert r.rc == 2 and f"note: alloc {journal.name}: a change that a killed run" in r.err, \
+            r.all
+        assert plan_agent.counts().get("declined", 0) == declined + 1
+        r = plan_agent.plan(path)  # RECONCILER_AGENT=require: says the agent declined
+        assert r.rc == 1 and "half done" in r.err, r.all
+    finally:
+        journal.close()
+    assert plan_agent.plan(path).rc == 0

@@ -13,6 +13,7 @@ import pytest
 
 from reconciler.agent.loop import Agent, WatchOptions
 from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.errors import StalePlanError
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveEndpoint, LiveState
 from reconciler.domain.model import DesiredState, DockerNetwork, DockerNetworkName
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
@@ -347,3 +348,57 @@ def test_a_removed_network_names_its_containers_should_it_have_any() -> None:
         ("container", "web", "disconnected: docker network old is removed",
          ("172.30.0.2", "fd00::2"))]
     assert c.impact[0].match is not None  # scope "host": its flows are in this table
+
+
+FINISHED = ("docker network kind: finished an interrupted replace (started by another run): "
+            "4 container(s) attached (c1, c2, c3, c4)")
+
+
+def test_a_refusal_after_finishing_a_journal_does_not_say_nothing_changed() -> None:
+    """apply finishes interrupted changes before it plans (the plan reads the live state):
+    a refusal after that must not claim the host is untouched."""
+    host = FakeHost()
+    converge(host, two_allocs())
+    smaller = state(alloc("b", port(8081, 80), address="10.0.0.3"))
+    r = rec(host)
+    r.finish_journals = lambda: [FINISHED]  # type: ignore[method-assign]
+    with pytest.raises(DisruptionError) as err:
+        r.apply(smaller, PlanOptions(), max_disruption=1)
+    assert str(err.value) == (
+        "the plan disrupts 2 items (1 alloc, 1 port map), more than --max-disruption 1: "
+        "refused; nothing else changed, but it finished an interrupted change first "
+        f"({FINISHED})")
+    assert err.value.plan.impacted
+    saved = rec(host).plan(smaller, PlanOptions())
+    converge(host, state(alloc("a", port(8080, 80), address="10.0.0.2")))
+    with pytest.raises(StalePlanError) as stale:
+        r.apply(smaller, PlanOptions(), saved=saved)
+    assert str(stale.value).endswith(
+        "; run plan again; nothing else changed, but it finished an interrupted change "
+        f"first ({FINISHED})")
+    # a journal left alone (one this version cannot read) changed nothing: not said
+    r.finish_journals = lambda: ["journal: /x/journal-a.json: not a journal this "  # type: ignore[method-assign]
+                                 "version can finish (format 9); move it away to go on"]
+    with pytest.raises(DisruptionError, match=r"refused, nothing changed$"):
+        r.apply(smaller, PlanOptions(), max_disruption=0)
+
+
+def test_a_conflict_refusal_after_finishing_keeps_its_lines() -> None:
+    from reconciler.engine.reconcile import after_finishing
+
+    message = ("refusing to apply: 1 conflict(s) with objects the reconciler does not own; "
+               "nothing changed\nbridge b: exists, not ours")
+    assert after_finishing(message, ["alloc a: finished an interrupted adopt", "x"]) == (
+        "refusing to apply: 1 conflict(s) with objects the reconciler does not own; nothing "
+        "else changed, but it finished an interrupted change first (alloc a: finished an "
+        "interrupted adopt; and 1 more)\nbridge b: exists, not ours")
+
+
+def test_a_refusal_after_a_journal_that_could_not_be_finished_says_it_tried() -> None:
+    from reconciler.engine.reconcile import after_finishing
+
+    line = ("docker network kind: could not finish an interrupted replace yet: 0123 of that "
+            "name belongs to another reconciler; kept for the next run")
+    assert after_finishing("refused, nothing changed", [line]) == (
+        f"refused; nothing else changed, but it tried to finish an interrupted change first "
+        f"({line})")

@@ -393,3 +393,142 @@ def test_a_full_disk_refuses_the_change_at_begin_but_never_stops_it_halfway(
     assert again is not None and again.steps == []  # finishing from here is still right
     with pytest.raises(PreconditionError, match="cannot write its journal .*nothing changed"):
         state.new(DOCKER, "m").begin({})
+
+
+# -- a replace that cannot be put back, or finds another's network (review items 4 and 5) --
+
+class DaemonGoes(ContainerAPI):
+    """Disconnecting ``refuse`` fails for good (an APIError); with ``goes_away`` the daemon
+    is gone right after that refusal: every connect is a refused connection until ``gone``
+    is cleared (the put-back connect is what fails)."""
+
+    def __init__(self, refuse: str, *, goes_away: bool = True) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.goes_away = goes_away
+        self.gone = False
+
+    def disconnect_container_from_network(self, cid: str, net_id: str, force: bool = False
+                                          ) -> None:
+        if cid == self.refuse:
+            self.gone = self.goes_away  # the refusal is the daemon's last word
+            raise api_error("container sandbox is being torn down")
+        super().disconnect_container_from_network(cid, net_id, force)
+
+    def connect_container_to_network(self, cid: str, net_id: str, **kw: Any) -> None:
+        if self.gone:
+            import requests.exceptions  # noqa: PLC0415 (only these tests)
+            raise requests.exceptions.ConnectionError("Connection refused")
+        super().connect_container_to_network(cid, net_id, **kw)
+
+
+def _hostops(api: FakeAPI, journals: Journals) -> Any:
+    from reconciler.engine.handles import HostHandles  # noqa: PLC0415
+    from reconciler.engine.hostops import HostOps  # noqa: PLC0415
+    drv = DockerDriver(client=type("C", (), {"api": api, "close": lambda self: None})())
+    return HostOps(HostHandles(netlink=object(), docker=drv),  # type: ignore[arg-type]
+                   journals=journals)
+
+
+def _replace_op(api: ContainerAPI, old: str, scope: str = "host") -> Op:
+    from reconciler.domain.docker import spec_to_json  # noqa: PLC0415
+    from reconciler.domain.ops import DockerReplace  # noqa: PLC0415
+    return encode(DockerReplace(spec_to_json(spec("kind", ipv6=True, mtu=1400)), 1500, scope,
+                                old, True, False))
+
+
+def attached(api: ContainerAPI, cid: str) -> str | None:
+    """The ID of the network ``kind`` container ``cid`` is on, as the fake daemon has it."""
+    net = api.containers[cid]["NetworkSettings"]["Networks"].get("kind")
+    return None if net is None else str(net["NetworkID"])
+
+
+def test_a_put_back_that_fails_keeps_the_journal_and_the_next_run_puts_the_container_back(
+        state: Journals) -> None:
+    """c1 is off the network, disconnecting c2 is refused, and the daemon goes before c1 is
+    put back: the journal must stay (it alone knows c1 is detached) and the next run must
+    attach c1 to the network again."""
+    from reconciler.domain.errors import TemporaryError  # noqa: PLC0415
+
+    api = DaemonGoes(refuse="c2")
+    old = four(api)
+    before = endpoints(api)
+    ops = _hostops(api, state)
+    with pytest.raises(TemporaryError, match="could not put back c1"):
+        ops.run(_replace_op(api, old))
+    assert attached(api, "c1") is None  # detached, and the daemon is gone
+    assert state.names() == ["journal-docker_network-kind.json"]
+    api.gone = False  # the daemon is back; c2 can be disconnected again too
+    api.refuse = ""
+    (line,) = finish.finish_journals(ops)
+    assert line.startswith("docker network kind: undid an interrupted replace (started by "
+                           "another run): 4 container(s) attached"), line
+    assert {cid: attached(api, cid) for cid in CONTAINERS} == dict.fromkeys(CONTAINERS, old)
+    assert endpoints(api) == before
+    assert state.names() == []
+
+
+def test_a_put_back_that_works_ends_the_replace_and_its_journal(state: Journals) -> None:
+    api = DaemonGoes(refuse="c2", goes_away=False)
+    old = four(api)
+    before = endpoints(api)
+    ops = _hostops(api, state)
+    with pytest.raises(DriverError, match="container sandbox is being torn down"):
+        ops.run(_replace_op(api, old))
+    assert endpoints(api) == before and state.names() == []
+
+
+def test_resume_never_attaches_our_containers_to_another_scopes_network(
+        state: Journals) -> None:
+    """Killed after the removal; meanwhile another reconciler (another scope) made a network
+    of that name. The containers must not go there: a conflict that keeps the journal, and
+    once that network is gone the next run finishes the replace."""
+    from reconciler.domain.docker import SCOPE_LABEL  # noqa: PLC0415
+    from reconciler.domain.errors import ConflictError  # noqa: PLC0415
+
+    api = ContainerAPI()
+    old = four(api)
+    before = endpoints(api)
+    ops = _hostops(api, state)
+    api.kill_at = 5  # 4 disconnects, the removal
+    with pytest.raises(Killed):
+        ops.run(_replace_op(api, old))
+    api.kill_at = None
+    theirs = api.add("kind", labels={**OURS, SCOPE_LABEL: "netns/other"},
+                     subnets=("172.20.0.0/16",))
+    (line,) = finish.finish_journals(ops)
+    assert "belongs to another reconciler" in line and "kept for the next run" in line, line
+    assert all(attached(api, cid) is None for cid in CONTAINERS)
+    assert state.names() == ["journal-docker_network-kind.json"]
+    # the executor's retry path (the same op again) refuses the same way
+    with pytest.raises(ConflictError, match="netns/other"):
+        ops.run(_replace_op(api, old))
+    assert all(attached(api, cid) is None for cid in CONTAINERS)
+    assert state.names() == ["journal-docker_network-kind.json"]
+    # a network of that name nobody owns is no better
+    del api.nets[theirs]
+    foreign = api.add("kind", subnets=("172.20.0.0/16",))
+    (line,) = finish.finish_journals(ops)
+    assert "not managed by reconciler" in line and "kept for the next run" in line, line
+    assert all(attached(api, cid) is None for cid in CONTAINERS)
+    del api.nets[foreign]
+    (line,) = finish.finish_journals(ops)
+    assert line.startswith("docker network kind: finished an interrupted replace"), line
+    assert endpoints(api) == before and state.names() == []
+
+
+def test_resume_keeps_our_own_network_made_before_its_step_was_recorded(
+        state: Journals) -> None:
+    """The create happened but was not recorded: the network of that name is ours (our
+    scope) and the containers go onto it, as before."""
+    api = ContainerAPI()
+    old = four(api)
+    before = endpoints(api)
+    ops = _hostops(api, state)
+    api.kill_at = 6  # 4 disconnects, the removal, the create (not recorded yet)
+    with pytest.raises(Killed):
+        ops.run(_replace_op(api, old))
+    api.kill_at = None
+    (line,) = finish.finish_journals(ops)
+    assert line.startswith("docker network kind: finished an interrupted replace"), line
+    assert endpoints(api) == before and state.names() == []

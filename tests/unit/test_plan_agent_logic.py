@@ -608,3 +608,43 @@ def test_code_identity_is_rooted_at_the_package():
 
     assert os.path.isfile(os.path.join(protocol.PACKAGE_ROOT, "__main__.py"))
     assert "drivers/netlink/wire.py:" in protocol.code_id()
+
+
+def test_the_agent_leaves_a_plan_to_the_cli_while_a_journal_is_pending(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process `plan` prints a note per pending journal and exits 2; the agent's answer
+    must not be "No changes" (exit 0) then: it declines, and the CLI plans itself."""
+    import threading
+
+    from reconciler.agent.planview import server as server_mod
+    from reconciler.agent.planview.protocol import PROTOCOL, current_env, tool_paths
+    from reconciler.engine.journal import DOCKER, Journals
+
+    monkeypatch.setenv("RECONCILER_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(server_mod.firewalld, "running", lambda: False)
+    own = tmp_path / "own.yaml"
+    own.write_text("version: 1\nbridges: [{name: br0}]\n")
+    blob = own.read_bytes()
+
+    class EmptyView(RecordingView):
+        def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> Any:
+            return Plan(), "observed"
+
+    server = server_mod.PlanServer(threading.Event())
+    server.view = EmptyView()  # type: ignore[assignment]
+    server.tools = tool_paths()
+    request = {"protocol": PROTOCOL, "code": server.code, "mnt": server.mnt,
+               "net": server.net, "env": current_env(), "tools": tool_paths(),
+               "argv": [str(own)], "paths": [str(own)], "hostname": "h1",
+               "files": [[str(own), str(own), len(blob)]]}
+    assert server.answer(request, [blob])["rc"] == 0  # nothing pending: the agent answers
+    Journals().new(DOCKER, "kind").begin({"x": 1})
+    with pytest.raises(server_mod.Declined, match="half done"):
+        server.answer(request, [blob])
+
+
+def test_the_state_directory_is_part_of_the_agents_identity() -> None:
+    """The journals live there: an agent with another one would judge other journals."""
+    from reconciler.agent.planview.protocol import ENV_KEYS
+
+    assert "RECONCILER_STATE_DIR" in ENV_KEYS

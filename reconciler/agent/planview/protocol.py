@@ -26,8 +26,9 @@ PROTOCOL = 1
 
 
 
-#: environment the answer depends on: the agent must run with the same values
-ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")
+#: environment the answer depends on: the agent must run with the same values (the state
+#: directory holds the journals a pending change leaves, which the answer depends on too)
+ENV_KEYS = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH", "RECONCILER_STATE_DIR")
 
 
 _HEADER = struct.Struct("!I")

@@ -36,6 +36,7 @@ from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
 from reconciler.drivers import firewalld, rundir
 from reconciler.drivers.nsfs import current_inode, mount_ns_inode
+from reconciler.engine.journal import Journals
 from reconciler.planner.context import PlanOptions
 from reconciler.ui.options import plan_options
 from reconciler.ui.parser import build_parser
@@ -72,6 +73,8 @@ class PlanServer:
         self._warm: tuple[tuple[str, ...], str | None] | None = None
         self._warm_key: Any = None
         self.tools: dict[str, str | None] = {}
+        #: the journals of interrupted changes in this scope (only their names are read)
+        self.journals = Journals()
 
     def start(self) -> bool:
         """Bind and serve; False (logged) when another agent serves this namespace."""
@@ -203,6 +206,12 @@ class PlanServer:
             raise Declined("the agent finds other iptables tools (PATH)")
         if firewalld.running():  # the in-process plan asks firewalld about zones: it answers
             raise Declined("firewalld runs here")
+        try:  # the in-process plan notes each one and exits 2: a plan alone is not the truth
+            pending = self.journals.names()
+        except ReconcilerError as exc:
+            raise Declined(f"the CLI reports this error: {exc}") from None
+        if pending:
+            raise Declined("a killed run left a change half done (a journal): the CLI says so")
         if tools != self.tools:  # e.g. update-alternatives switched the iptables backend
             assert self.view is not None
             self.view.close()

@@ -50,7 +50,13 @@ from reconciler.domain.docker import (
 )
 from reconciler.domain.docker import flag as _flag
 from reconciler.domain.docker import split_subnets as _networks_of
-from reconciler.domain.errors import ConflictError, DriverError, ReconcilerError, TemporaryError
+from reconciler.domain.errors import (
+    ConflictError,
+    DriverError,
+    ReconcilerError,
+    StrandedConflict,
+    TemporaryError,
+)
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork
 from reconciler.domain.model import DockerNetwork
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
@@ -73,6 +79,7 @@ from reconciler.drivers.docker.payloads import (
     parse_network,
 )
 from reconciler.drivers.docker.replacement import (
+    ABANDON,
     NO_STEPS,
     CreateArgs,
     Endpoint,
@@ -563,24 +570,26 @@ class DockerDriver:
         name = rep.name
         what = f"docker network {name}: replace"
         old_attrs = None if "remove" in done else self._inspect(rep.old_id)
+        if old_attrs is not None and ABANDON in done:
+            # a run gave the replace up and died (or the daemon went) putting them back
+            return self._put_back(rep, steps, None)
         if old_attrs is not None:
-            detached: list[Endpoint] = []
             try:
                 for ep in rep.endpoints:
                     if f"disconnect:{ep.container_id}" not in done:
                         self._disconnect(name, rep.old_id, ep)
                         steps.done(f"disconnect:{ep.container_id}")
-                    detached.append(ep)
                 self._remove_ids(name, [rep.old_id])
+            except TemporaryError:
+                raise  # the daemon went away: the journal stays, the next try carries on
             except (ReconcilerError, docker.errors.APIError) as exc:
                 # e.g. a container joined meanwhile: put ours back where they were
-                left = self._put_back(rep.old_id, detached)
-                if isinstance(exc, docker.errors.APIError):
-                    raise DriverError(f"{what}: {one_line(explanation(exc))}"
-                                      + _left_over(left)) from None
-                if left:
-                    raise DriverError(f"{exc}{_left_over(left)}") from None
-                raise
+                steps.done(ABANDON)
+                self._put_back(rep, steps, f"{what}: {one_line(explanation(exc))}"
+                               if isinstance(exc, docker.errors.APIError) else str(exc))
+                if isinstance(exc, ReconcilerError):
+                    raise
+                raise DriverError(f"{what}: {one_line(explanation(exc))}") from None
             steps.done("remove")
         undoing = "undo" in done
         net_id = next((s.split(":", 1)[1] for s in done if s.startswith("create:")), None)
@@ -591,7 +600,8 @@ class DockerDriver:
             result = EnsureResult(name=name, network_id=net_id, created=True)
         else:
             others = [n for n in self._named(name) if n.id != rep.old_id]
-            if others:  # made before the step could be reported
+            if others:  # made before the step could be reported, or somebody else's
+                self._only_ours(rep, others)
                 result = self._kept(name, others)
             elif undoing:
                 result = EnsureResult(name=name, network_id=self._create(rep.old), created=True)
@@ -599,6 +609,10 @@ class DockerDriver:
                 try:
                     result = self._create_probing(rep.new, spec_from_json(rep.spec),
                                                   pinned6=rep.pinned6)
+                except TemporaryError:
+                    raise
+                except ConflictError as exc:  # somebody's network of that name came first
+                    raise StrandedConflict(_stranded(str(exc), rep)) from None
                 except (ReconcilerError, docker.errors.APIError) as exc:
                     # the new network cannot be made: bring the old one back instead
                     cause = (one_line(explanation(exc))
@@ -607,6 +621,8 @@ class DockerDriver:
                     undoing = True
                     result = EnsureResult(name=name, network_id=self._create(rep.old),
                                           created=True)
+                if not result.created:  # the same race, won by a network of ours or not
+                    self._only_ours(rep, [n for n in self._named(name) if n.id != rep.old_id])
             steps.done(f"create:{result.network_id}")
         reconnected, gone, failures, warnings = self._reattach(rep, result.network_id, done,
                                                                steps)
@@ -618,6 +634,23 @@ class DockerDriver:
                               f"{len(reconnected)} container(s)")
         return _with(result, reconnected=tuple(reconnected), gone=tuple(gone),
                      undone=undoing, warnings=result.warnings + tuple(warnings))
+
+    @staticmethod
+    def _only_ours(rep: Replacement, networks: Iterable[LiveDockerNetwork]) -> None:
+        """``StrandedConflict`` unless every one of ``networks`` is ours and of the scope the
+        replace was made in: the containers are off their network, and attaching them to
+        another reconciler's (or a foreign) network of that name is worse than waiting."""
+        mine = network_scope(rep.new.labels)
+        for n in networks:
+            if not n.owned:
+                why = (f"{n.id[:12]} of that name is not managed by reconciler (no label "
+                       f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE})")
+            elif network_scope(n.labels) != mine:
+                why = (f"{n.id[:12]} of that name belongs to another reconciler "
+                       f"({SCOPE_LABEL} {network_scope(n.labels)!r}, not {mine!r})")
+            else:
+                continue
+            raise StrandedConflict(_stranded(f"docker network {rep.name}: replace: {why}", rep))
 
     def _reattach(self, rep: Replacement, net_id: str, done: frozenset[str], steps: Steps
                   ) -> tuple[list[str], list[str], list[str], list[str]]:
@@ -675,17 +708,43 @@ class DockerDriver:
             return f"{ep.container_name}: {one_line(explanation(exc))}"
         return None
 
-    def _put_back(self, net_id: str, endpoints: Sequence[Endpoint]) -> list[str]:
-        """Reconnect ``endpoints`` to the network they were taken off; the names that could
-        not be (best effort: the caller reports the original failure)."""
-        net4, net6 = _networks_of(parse_network(self._inspect(net_id) or {}).subnets)
-        left = []
-        for ep in endpoints:
+    def _put_back(self, rep: Replacement, steps: Steps, cause: str | None) -> EnsureResult:
+        """Reconnect every container of ``rep`` that is off the old network to it (the replace
+        was given up: ``ABANDON`` is recorded first). ``cause`` is why, when this run gave it
+        up; None when finishing another run's.
+
+        A container that cannot be put back (the daemon went away meanwhile) must not be
+        forgotten: ``TemporaryError``, so the journal stays and the next try (the executor's
+        retry, the next run) puts it back. The result says who is attached again.
+        """
+        name = rep.old.name
+        net4, net6 = _networks_of(parse_network(self._inspect(rep.old_id) or {}).subnets)
+        back: list[str] = []
+        gone: list[str] = []
+        left: list[str] = []
+        for ep in rep.endpoints:
             try:
-                self._connect(net_id, "", ep, net4, net6)
-            except (docker.errors.DockerException, requests.exceptions.RequestException):
-                left.append(ep.container_name)
-        return left
+                on = self._attached_to(ep.container_id, name)
+                if on is None:
+                    gone.append(ep.container_name)
+                    continue
+                if on != rep.old_id:
+                    self._connect(rep.old_id, name, ep, net4, net6)
+                    steps.done(f"put-back:{ep.container_id}")
+            except (docker.errors.DockerException, requests.exceptions.RequestException,
+                    OSError) as exc:
+                why = (unreachable_reason(exc) if is_connection_failure(exc) else
+                       one_line(explanation(exc)) if isinstance(exc, docker.errors.APIError)
+                       else f"{type(exc).__name__}: {exc}")
+                left.append(f"{ep.container_name} ({why})")
+                continue
+            back.append(ep.container_name)
+        if left:
+            first = cause or f"docker network {rep.name}: replace: given up by another run"
+            raise TemporaryError(f"{first}; could not put back {', '.join(left)}: the next "
+                                 "run puts them back (journal kept)", delay=1.0)
+        return EnsureResult(name=name, network_id=rep.old_id, created=False,
+                            reconnected=tuple(back), gone=tuple(gone), undone=True)
 
     def _disconnect(self, name: str, net_id: str, ep: Endpoint) -> None:
         try:
@@ -744,8 +803,9 @@ def _old_args(attrs: NetworkInspect) -> CreateArgs:
                       gateway6=gateways.get(v6[0]) if v6 and old.enable_ipv6 else None)
 
 
-def _left_over(names: Sequence[str]) -> str:
-    return f" (could not put back {', '.join(names)})" if names else ""
+def _stranded(message: str, rep: Replacement) -> str:
+    return (f"{message}; {len(rep.endpoints)} container(s) stay off the network until it is "
+            "gone (journal kept)")
 
 def _name_filters(name: str) -> dict[str, str] | None:
     """An anchored name filter (the daemon matches a Go regexp), as kind uses.

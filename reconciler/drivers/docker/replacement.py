@@ -11,8 +11,10 @@ the driver reports each step as it completes, and ``DockerDriver.resume_replace`
 carries a stored one on from whatever it did.
 
 Step names: ``disconnect:<container id>``, ``remove``, ``create:<network id>``,
-``connect:<container id>``, and ``undo`` (the new network could not be made: the
-old settings are being restored instead).
+``connect:<container id>``, ``undo`` (the new network could not be made: the
+old settings are being restored instead), and ``abandon`` (a step before the
+removal failed for good: every container goes back onto the old network, each
+``put-back:<container id>``; a run that finds it finishes that, not the replace).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+#: the step that gives a replace up before the old network was removed (see the docstring)
+ABANDON = "abandon"
 
 #: bumped when a field changes meaning: a journal of another version is refused, not guessed
 FORMAT = 1
