@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 
@@ -98,7 +99,9 @@ def namespace_inode(path_or_name: str) -> int | None:
 def list_names() -> list[str]:
     """Names under /run/netns, sorted (usable or not; see :func:`is_namespace_mount`)."""
     try:
-        return sorted(os.listdir(NETNS_RUN_DIR))
+        # not a namespace file being made (``_new_file``): it has its real name at once
+        return sorted(n for n in os.listdir(NETNS_RUN_DIR)
+                      if not (n.startswith(TEMP_PREFIX) and n.endswith(TEMP_SUFFIX)))
     except FileNotFoundError:
         return []
 
@@ -291,12 +294,7 @@ def create(name: str, *, replace_stale: bool = False,
     path = path_of(name)
     _ensure_rundir()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
-        try:
-            if file_mark is not None:
-                set_file_mark(fd, file_mark)
-        finally:
-            os.close(fd)
+        _new_file(path, name, file_mark)
     except FileExistsError:
         try:
             if is_namespace_mount(path):
@@ -333,6 +331,33 @@ def create(name: str, *, replace_stale: bool = False,
     finally:
         os.close(home)
     return True
+
+
+#: a namespace file being made: marked under this name, then linked to its own
+TEMP_PREFIX, TEMP_SUFFIX = ".", ".new"
+
+
+def _new_file(path: str, name: str, file_mark: str | None) -> None:
+    """Create the empty file ``path`` (FileExistsError if there is one), carrying
+    ``file_mark`` from the first instant it has its name: the mark goes on a temporary
+    (``.NAME.<random>.new``), which is then hard-linked to ``path`` (link(2) never
+    replaces) and unlinked. Made and marked in place, a kill between the two left an
+    unmarked file that the planner must leave alone as someone else's, refusing the
+    allocation until ``--adopt``."""
+    if file_mark is None:
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+        return
+    tmp = os.path.join(os.path.dirname(path),
+                       f"{TEMP_PREFIX}{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+    try:
+        try:
+            set_file_mark(fd, file_mark)
+        finally:
+            os.close(fd)
+        os.link(tmp, path)
+    finally:
+        _unlink_quiet(tmp)
 
 
 def _unlink_quiet(path: str) -> None:

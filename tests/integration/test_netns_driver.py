@@ -106,6 +106,29 @@ def test_create_and_delete_like_ip_netns(sandbox: Sandbox) -> None:
     assert netns.delete(name) is False
 
 
+def test_a_namespace_file_is_marked_before_it_has_its_name(
+        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/run/netns/ID`` appears with its ownership mark already on it: a run killed
+    between creating the file and marking it (simulated: the mark fails) leaves no
+    unmarked file under the name — which the planner must then leave alone as foreign,
+    so the next apply refused that allocation for ever."""
+    name = sandbox.ns("m")
+    before = set(os.listdir("/run/netns"))
+
+    def killed(fd: int, mark: str) -> None:
+        raise OSError(errno.EINTR, "killed here")
+
+    monkeypatch.setattr(netns, "set_file_mark", killed)
+    with pytest.raises((DriverError, OSError)):
+        netns.create(name, file_mark="host-1")
+    assert set(os.listdir("/run/netns")) == before  # neither the name nor a temporary
+    monkeypatch.undo()
+    assert netns.create(name, file_mark="host-1") is True
+    assert netns.is_namespace_mount(name) and name in netns.list_names()
+    assert not [n for n in os.listdir("/run/netns") if n.startswith(f".{name}.")]
+    assert netns.delete(name) is True
+
+
 def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> None:
     name = sandbox.ns("stale")
     with open(f"/run/netns/{name}", "w"):
