@@ -44,7 +44,7 @@ from reconciler.agent.revision import (
     files_digest,
     git_revision,
 )
-from reconciler.agent.safewatch import SafeWatch
+from reconciler.agent.safewatch import HeldBack, SafeWatch
 from reconciler.agent.schedule import Scheduler, Trigger
 from reconciler.agent.sources import (
     DockerWatcher,
@@ -694,13 +694,18 @@ class Agent:
             if o.status == "applied":
                 self.metrics.changes.inc()
 
-        hook = self.safe.hook(rec, revision)
-        # only when there is one: the unit tests' fake reconcilers take no such argument
-        extra: dict[str, Any] = {} if hook is None else {"before_changes": hook}
+        # every apply checks again, under its lock, that no change went pending since the
+        # gate (an operator's `apply --confirm-within` while this pass planned)
+        hook = self.safe.hook(rec, revision, desired)
         with self._host_lock():
-            result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
-                               probe=self.options.probe,
-                               max_disruption=self.options.max_disruption, **extra)
+            try:
+                result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
+                                   probe=self.options.probe,
+                                   max_disruption=self.options.max_disruption,
+                                   before_changes=hook)
+            except HeldBack as exc:
+                report.result, report.error = "pending", str(exc)
+                return
             # under the same lock: its reverter sees the window started, or the revert
             self.safe.after(rec, result, revision,
                             lambda why, delay: self.trigger.request(why, delay=delay))

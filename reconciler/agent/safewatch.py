@@ -13,6 +13,18 @@ reverter's own deadline is a grace period later, so an agent that died meanwhile
 a change that is reverted, not one that stays unconfirmed. A reverted revision is not
 applied again until the files change.
 
+The gate is asked before the pass plans, without the host lock held across planning; an
+operator's `apply --confirm-within` can take the lock and make its change in between. So
+every apply of the agent, window or not, checks again under its own lock, just before its
+first op (``hook``): a change pending then holds the pass back (``HeldBack``, the pass
+reports ``pending``) and nothing is changed over it.
+
+The confirm probes what the agent applied (the desired state it kept from that pass), never
+the files as they are when the window ends (a newer revision the host does not have yet),
+and only when that state's files are the ones the record names (their sha256): otherwise
+nothing is probed, the log says so, the agent does not confirm and the reverter's deadline
+decides.
+
 Published in the status document (``pending``, ``reverted_revision``) and the metrics
 ``reconciler_pending_change`` and ``reconciler_reverts_total``.
 """
@@ -38,6 +50,11 @@ log = logging.getLogger("reconciler.watch")
 GRACE = 10.0
 
 
+class HeldBack(ReconcilerError):
+    """A change pending (its window open) when the agent's apply was about to make its
+    first change: nothing was changed, the pass is ``pending``."""
+
+
 class SafeWatch:
     def __init__(self, window: float | None, board: Any, metrics: Any,
                  probe: ProbeRequest | None, hostname: str | None,
@@ -51,6 +68,10 @@ class SafeWatch:
         #: the agent's own pending change: its token, and when the agent confirms it
         self.own: safechange.Pending | None = None
         self.confirm_at: float | None = None
+        #: the desired state the agent's own pending change applied (what its confirm probes)
+        self.own_desired: DesiredState | None = None
+        #: the tokens whose confirm was skipped (files not the record's): said once each
+        self._unprobed: set[str] = set()
         #: the revision applied last (a new one is what a window is for)
         self.applied_revision: str | None = None
         self._counted = safechange.revert_count()[0]
@@ -90,13 +111,17 @@ class SafeWatch:
                     self._revert(rec, p, "overdue")
                     p = None
                 elif p is not None and self._due(p):
-                    if self._holds(rec, desired):
+                    holds = self._holds(rec, p)
+                    if holds is None:
+                        pass  # not probed (logged): left to the reverter's deadline
+                    elif holds:
                         for o in safechange.confirm(p, rec):
                             if o.status == "failed":
                                 log.error("postponed %s: %s", o.change.address, o.error)
                         log.info("confirmed revision %s: its probes held for the whole "
                                  "window", p.revision)
                         self.own, self.confirm_at, p = None, None, None
+                        self.own_desired = None
                     else:
                         self._revert(rec, p, "probes failed")
                         p = None
@@ -108,6 +133,7 @@ class SafeWatch:
                 return safechange.refusal(p)
         elif self.own is not None:
             self.own = self.confirm_at = None  # confirmed or reverted by someone else
+            self.own_desired = None
             self.publish()
         _count, last = safechange.revert_count()
         if self.window is not None and revision is not None and revision == last:
@@ -115,20 +141,27 @@ class SafeWatch:
                     "files change")
         return None
 
-    def hook(self, rec: Reconciler, revision: str | None) -> Callable[[Plan], Plan] | None:
-        """What runs before the first op of this pass's change: with a window and a new
-        revision, the checkpoint and the reverter."""
-        if self.window is None or revision is None or revision == self.applied_revision:
-            return None
+    def hook(self, rec: Reconciler, revision: str | None,
+             desired: DesiredState) -> Callable[[Plan], Plan]:
+        """What runs before the first op of this pass's change, under the apply's host lock:
+        the check that no change is pending (one may have started since ``gate``), then,
+        with a window and a new revision, the checkpoint and the reverter."""
         window = self.window
+        begin = window is not None and revision is not None \
+            and revision != self.applied_revision
 
         def before_changes(plan: Plan) -> Plan:
             pending = safechange.pending()
             if pending is not None:  # an operator's apply got in between
-                raise ReconcilerError(safechange.refusal(pending))
+                self.publish(pending, read=False)
+                raise HeldBack(safechange.refusal(pending))
+            if not begin:
+                return plan
+            assert window is not None
             self.own, plan = safechange.begin(rec.last_live, rec.observer.handles, plan,
                                               seconds=window + GRACE, probe=self.probe,
                                               hostname=self.hostname, revision=revision)
+            self.own_desired = desired
             self.publish(self.own, read=False)
             return plan
 
@@ -148,11 +181,11 @@ class SafeWatch:
                                                 (c.name for c in own.postponed))
         current = safechange.still_pending(own.token)
         if current is None:  # its reverter was first (the apply outlasted the window)
-            self.own = None
+            self.own = self.own_desired = None
             self.publish()
             return
         if not result.ok:
-            self.own = None
+            self.own = self.own_desired = None
             self._revert(rec, current, "the apply did not hold")
             self.publish()
             return
@@ -170,9 +203,19 @@ class SafeWatch:
         return (self.own is not None and p.token == self.own.token
                 and self.confirm_at is not None and self.wall() >= self.confirm_at)
 
-    def _holds(self, rec: Reconciler, desired: DesiredState) -> bool:
+    def _holds(self, rec: Reconciler, p: safechange.Pending) -> bool | None:
+        """Whether the probes of what the pending change ``p`` applied hold; None when they
+        cannot be run on it: the state the agent kept is not of the record's files."""
         if self.probe is None:
             return True
+        desired = self.own_desired
+        if desired is None or tuple(desired.file_hashes) != tuple(p.files):
+            if p.token not in self._unprobed:
+                self._unprobed.add(p.token)
+                log.warning("%s: not probed and not confirmed: the files it was applied "
+                            "from are not the ones its record names (sha256); its "
+                            "reverter's deadline decides", p.describe())
+            return None
         return not probe_failures(rec.probe(desired, request=self.probe))
 
     def _revert(self, rec: Reconciler, p: safechange.Pending, why: str) -> None:
@@ -187,3 +230,4 @@ class SafeWatch:
             raise ReconcilerError(f"the revert of {p.describe()} did not complete: {detail}")
         if self.own is not None and p.token == self.own.token:
             self.own = self.confirm_at = None
+            self.own_desired = None

@@ -423,10 +423,13 @@ class FakeReconciler:
         pass
 
     def apply(self, desired: Any, options: Any, on_outcome: Any = None,
-              probe: Any = None, max_disruption: Any = None) -> ApplyResult:
+              probe: Any = None, max_disruption: Any = None,
+              before_changes: Any = None) -> ApplyResult:
         from reconciler.engine.executor import Outcome
 
         plan = self._plan(desired)
+        if plan.has_changes and before_changes is not None:
+            before_changes(plan)  # as the engine does: before the first op
         res = ApplyResult(plan)
         for c in plan.actionable:
             if self.fail_apply:
