@@ -77,6 +77,8 @@ log = logging.getLogger("reconciler.watch")
 
 #: the pass reasons of the probe timer, and of a pass asked for by a probe failure we own
 PROBE, PROBE_HEAL = "probe", "probe failure"
+#: the pass reason of a pending change's deadline (it is reverted then if still pending)
+DEADLINE = "pending deadline"
 #: reasons whose no-op passes are logged at debug level only
 QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift",
                            "nftables drift", PROBE})
@@ -659,7 +661,7 @@ class Agent:
         if not self.options.dry_run:
             held = self.safe.gate(rec, desired, revision, self._host_lock)
             if held is not None:  # a change in its window (ours or an operator's)
-                report.result, report.error = "pending", held
+                self._held(report, held)
                 return
         plan = rec.plan(desired, self.options.plan)
         if plan.conflicts:
@@ -704,7 +706,7 @@ class Agent:
                                    max_disruption=self.options.max_disruption,
                                    before_changes=hook)
             except HeldBack as exc:
-                report.result, report.error = "pending", str(exc)
+                self._held(report, str(exc))
                 return
             # under the same lock: its reverter sees the window started, or the revert
             self.safe.after(rec, result, revision,
@@ -727,6 +729,15 @@ class Agent:
         if result.plan.errors:
             raise ReconcilerError(result.plan.errors[0])
         report.result = "applied" if report.applied else "ok"
+
+    def _held(self, report: PassReport, why: str) -> None:
+        """The pass is held back by a pending change; one that is not the agent's own is
+        reverted at its deadline (the pass asked for then), not at the next resync."""
+        report.result, report.error = "pending", why
+        until = self.safe.held_until
+        if until is not None:
+            self.trigger.request(DEADLINE, delay=max(0.0, until - time.time()) + 0.5,
+                                 bypass_backoff=True)
 
     def _finish(self, report: PassReport, t0: float) -> PassReport:
         report.duration = self.clock() - t0

@@ -25,6 +25,10 @@ and only when that state's files are the ones the record names (their sha256): o
 nothing is probed, the log says so, the agent does not confirm and the reverter's deadline
 decides.
 
+A change the agent does not own (an operator's, or its own from before a restart: a stop
+of the unit kills the reverter with the agent, see examples/systemd/reconciler.service)
+is reverted by the agent's first pass past its deadline: a held pass asks for one then.
+
 Published in the status document (``pending``, ``reverted_revision``) and the metrics
 ``reconciler_pending_change`` and ``reconciler_reverts_total``.
 """
@@ -70,6 +74,9 @@ class SafeWatch:
         self.confirm_at: float | None = None
         #: the desired state the agent's own pending change applied (what its confirm probes)
         self.own_desired: DesiredState | None = None
+        #: the deadline (epoch) of the change that held the last pass back, when it is not
+        #: the agent's own: the agent asks for a pass then, to revert it if still pending
+        self.held_until: float | None = None
         #: the tokens whose confirm was skipped (files not the record's): said once each
         self._unprobed: set[str] = set()
         #: the revision applied last (a new one is what a window is for)
@@ -103,6 +110,7 @@ class SafeWatch:
         """Before a pass plans: revert what is overdue, confirm the agent's own change when
         its window has passed; a line saying why the pass must not change anything, or
         None."""
+        self.held_until = None
         p = safechange.pending()
         if p is not None:
             with lock():
@@ -130,6 +138,7 @@ class SafeWatch:
                 if self.own is not None and p.token == self.own.token:
                     return (f"revision {p.revision} is in its confirm window until "
                             f"{safechange.iso(self.confirm_at or p.deadline)}")
+                self.held_until = p.deadline
                 return safechange.refusal(p)
         elif self.own is not None:
             self.own = self.confirm_at = None  # confirmed or reverted by someone else
@@ -154,6 +163,7 @@ class SafeWatch:
             pending = safechange.pending()
             if pending is not None:  # an operator's apply got in between
                 self.publish(pending, read=False)
+                self.held_until = pending.deadline
                 raise HeldBack(safechange.refusal(pending))
             if not begin:
                 return plan

@@ -171,3 +171,28 @@ def test_a_pending_change_whose_files_are_not_the_agents_is_not_probed(
     assert rec.probed == [] and report.result == "pending"
     assert safechange.pending() is not None  # not confirmed
     assert "not probed" in caplog.text
+
+
+def test_a_pass_held_by_a_change_asks_for_a_pass_at_its_deadline(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent held back by a change it does not own (an operator's, or its own from before
+    a restart: a stop of the unit kills its reverter) reverts it at its deadline, not at the
+    next resync (an hour later with --interval 3600)."""
+    make, conf = env
+    monkeypatch.setattr(safechange, "begin", _begin)
+    for where in ("gate", "apply"):
+        agent, rec, _wall = make(interval=3600.0)
+        asked: list[tuple[str, float]] = []
+        monkeypatch.setattr(agent.trigger, "request",
+                            lambda why, delay=0.0, asked=asked, **_kw: asked.append((why, delay)))
+        _write(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+        if where == "gate":
+            _record("before-restart", 5.0)
+        else:
+            rec.during_plan = lambda: _record("operator", 5.0)
+        assert agent.run_pass(["startup"]).result == "pending", where
+        p = safechange.pending()
+        assert p is not None
+        due = [d for _why, d in asked if 0 < d - (p.deadline - time.time()) < 5]
+        assert due, (where, asked)
+        safechange.confirm(p)

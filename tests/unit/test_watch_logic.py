@@ -635,6 +635,16 @@ def test_systemd_unit_runs_a_valid_watch_command() -> None:
         assert not any(ln.startswith(opt + "=") for ln in _unit_lines()), opt
 
 
+def test_systemd_unit_starts_the_agent_whatever_the_record_and_lets_it_see_holders() -> None:
+    """A corrupt or unrevertable pending record must not keep the agent from starting (it
+    reports the record itself, in its status and at every pass); and a namespace held by a
+    process of another user is found only with CAP_SYS_PTRACE (/proc/PID/ns/net)."""
+    pre = [ln for ln in _unit_lines() if ln.startswith("ExecStartPre=")]
+    assert pre and all(ln.removeprefix("ExecStartPre=").startswith("-") for ln in pre), pre
+    caps = [ln for ln in _unit_lines() if ln.startswith("CapabilityBoundingSet=")]
+    assert len(caps) == 1 and "CAP_SYS_PTRACE" in caps[0].split("=", 1)[1].split()
+
+
 def test_systemd_unit_verifies(tmp_path: Any) -> None:
     import shutil
     import subprocess
