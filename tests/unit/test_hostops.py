@@ -34,6 +34,7 @@ class Result:
     removed_duplicates: tuple[str, ...] = ()
     reconnected: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()  # docker.restore
 
     def __len__(self) -> int:  # nothing deleted (conntrack entries)
         return 0
