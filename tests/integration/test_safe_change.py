@@ -591,3 +591,38 @@ def test_the_agent_waits_for_an_operators_pending_change_and_reverts_it_when_ove
         assert reverts(box)["count"] == 1 and pending_record(box) is None
     finally:
         agent.stop()
+
+
+def _gen(host: Netns) -> dict[str, Any]:
+    """The bridge's IPv6 address generation and its link-local addresses (ip -j)."""
+    conf = f"/proc/sys/net/ipv6/conf/{BRIDGE}"
+    link = host.ip_json("addr", "show", "dev", BRIDGE)[0]
+    return {k: host.run("cat", f"{conf}/{k}").stdout.strip()
+            for k in ("addr_gen_mode", "accept_dad")} | {
+        "link_local": sorted(a["local"] for a in link["addr_info"]
+                             if a.get("family") == "inet6" and a.get("scope") == "link")}
+
+
+def test_a_revert_takes_back_the_ipv6_an_ipv6_gateway_turned_on(box: Netns,
+                                                                 tmp_path: Any) -> None:
+    """The change gives an existing bridge an IPv6 gateway: the apply turns its address
+    generation on without DAD and the kernel makes a link-local address; the revert sets
+    both sysctls back and the link-local address goes too (review 2, item 4)."""
+    alloc = unique("s")
+    NAMES[:] = [alloc]
+    v4 = f"""version: 1
+bridges: [{{name: {BRIDGE}}}]
+subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24{{v6}}}}]
+allocs: [{{id: {alloc}, subnet: safe}}]
+"""
+    _apply(box, write(tmp_path, "a.yaml", v4.replace("{v6}", "")))
+    before, gen = state(box), _gen(box)
+    assert gen == {"addr_gen_mode": "1", "accept_dad": "1", "link_local": []}, gen
+    _apply(box, write(tmp_path, "b.yaml", v4.replace("{v6}", ', cidr6: "fd00:221::/64"')),
+           "--confirm-within", "5m")
+    changed = _gen(box)
+    assert changed["addr_gen_mode"] != "1" and changed["link_local"], changed
+    r = box.reconcile("revert")
+    assert r.rc == 0 and "Reverted" in r.out, r.all
+    assert _gen(box) == gen
+    assert not diff(state(box), before), diff(state(box), before)
