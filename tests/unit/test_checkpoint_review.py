@@ -149,6 +149,17 @@ def test_a_foreign_link_with_the_veth_name_is_a_conflict_not_deleted() -> None:
     assert ops[0] == ("link.delete", {"name": VETH}) and ops[1][0] == "netns.create"
 
 
+def test_a_foreign_link_in_place_of_a_live_allocations_veth_is_a_conflict() -> None:
+    """The allocation is there but its veth is gone and someone's veth has its name."""
+    cp = take(_live())
+    now = _live()
+    now.links[VETH] = LiveLink(VETH, 7, "veth", 1500, True, False, peer_netnsid=None)
+    plan = restore_plan(cp, now)
+    assert not any(n == "link.delete" and a.get("name") == VETH for n, a in _ops(plan))
+    assert not any(a.get("name") == VETH for _n, a in _ops(plan))  # not set either
+    assert [c.name for c in plan.conflicts] == ["a1"]
+
+
 def test_an_unmarked_file_under_run_netns_is_a_conflict_not_replaced() -> None:
     cp = take(_live())
     unmarked = {"a1": LiveNetns("a1", False)}
