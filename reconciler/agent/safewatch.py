@@ -235,7 +235,7 @@ class SafeWatch:
             log.info("reverted in %.2fs: %d change(s) restored", result.seconds, result.changed)
         else:
             detail = (safechange.residual_line(result.residual) if result.residual is not None
-                      and result.residual.has_changes else
+                      and (result.residual.has_changes or result.residual.conflicts) else
                       "; ".join(f"{o.change.address}: {o.error}" for o in result.failed[:3]))
             raise ReconcilerError(f"the revert of {p.describe()} did not complete: {detail}")
         if self.own is not None and p.token == self.own.token:

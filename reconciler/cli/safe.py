@@ -38,7 +38,8 @@ def _report(result: safechange.RevertResult, p: safechange.Pending, why: str) ->
         return True
     for o in result.failed:
         _say(f"error: revert: {o.change.kind} {o.change.name}: {o.error}", err=True)
-    if result.residual is not None and result.residual.has_changes:
+    if result.residual is not None and (result.residual.has_changes
+                                         or result.residual.conflicts):
         _say(f"error: revert: {safechange.residual_line(result.residual)}", err=True)
     _say("error: the revert did not complete; the change stays pending (overdue): "
          "`reconcile revert` tries again", err=True)

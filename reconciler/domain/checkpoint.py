@@ -72,7 +72,14 @@ class NetworkPoint:
     ipv6: bool = False
     internal: bool = False
     pools: tuple[tuple[str, str | None], ...] = ()  # (subnet, gateway)
+    #: the containers attached when the checkpoint was taken: whom a rebuild re-attaches,
+    #: never what a restore compares (containers come and go without the reconciler)
     endpoints: tuple[EndpointPoint, ...] = ()
+
+    def settings(self) -> tuple[object, ...]:
+        """What a change can alter and a revert puts back: all but ID and attachments."""
+        return (self.name, self.driver, self.options, self.labels, self.ipv6,
+                self.internal, self.pools)
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,10 @@ class Checkpoint:
     host_id: str
     links: dict[str, LinkPoint] = field(default_factory=dict)
     allocs: dict[str, AllocPoint] = field(default_factory=dict)
-    #: family -> ("table", "chain") -> rules of our chains, and our jumps in built-in chains;
-    #: a family missing: its firewall could not be read (left as it is)
+    #: family -> ("table", "chain") -> rules of our chains (only those: not our jumps in
+    #: the built-in chains, which the restore writes as every apply does, so a jump an
+    #: operator moved goes back to the first position, not to where it was); a family
+    #: missing: its firewall could not be read (left as it is)
     firewall: dict[int, dict[tuple[str, str], tuple[str, ...]]] = field(default_factory=dict)
     sysctls: dict[str, str] = field(default_factory=dict)
     #: None: Docker was not observed (not there, or nothing of ours): left as it is

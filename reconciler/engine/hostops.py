@@ -121,7 +121,7 @@ class HostOps:
                 self.netlink.configure_inside(op.netns, op.interfaces(), op.gateway_ips(),
                                               mtu=op.mtu, mark=op.mark, announce=op.announce)
             case SysctlSet():
-                sysctl.write(op.key, op.value)
+                self._set_sysctl(op)
             case FirewallRestore():
                 self.iptables(op.family).restore(op.script)
             case DockerEnsure():
@@ -159,6 +159,17 @@ class HostOps:
                 sysctl.write(f"{conf}/addr_gen_mode", default if default not in
                              (None, "1") else "0")
         self.netlink.add_address(op.link, iface, ns=op.netns)
+
+    def _set_sysctl(self, op: SysctlSet) -> None:
+        sysctl.write(op.key, op.value)
+        parts = op.key.split("/")
+        if (len(parts) == 5 and parts[:3] == ["net", "ipv6", "conf"]
+                and parts[4] == "addr_gen_mode" and op.value == "1"
+                and parts[3] not in ("all", "default")):
+            # a revert turning a bridge's address generation back off (``_add_address``
+            # turned it on): the kernel keeps the link-local address it made, which the
+            # bridge did not have before
+            self.netlink.del_link_local_addresses(parts[3])
 
     def _delete_netns(self, name: str) -> None:
         """``ip netns del``; a namespace processes still hold also loses its veth, now.
@@ -273,7 +284,11 @@ class HostOps:
 
     def _docker_restore(self, op: DockerRestore) -> None:
         point = op.point()
-        self.docker.restore_network(point, op.replace_id)
-        if point.endpoints:
-            log.info("docker network %s: restored with %s", point.name,
-                     ", ".join(e.name or e.container[:12] for e in point.endpoints))
+        gone = self.docker.restore_network(point, op.replace_id).gone
+        back = [e.name or e.container[:12] for e in point.endpoints
+                if (e.name or e.container[:12]) not in gone]
+        if back:
+            log.info("docker network %s: restored with %s", point.name, ", ".join(back))
+        if gone:
+            log.warning("docker network %s: restored; not re-attached, removed since the "
+                        "checkpoint: %s", point.name, ", ".join(gone))

@@ -244,7 +244,9 @@ class RevertResult:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and self.residual is not None and not self.residual.has_changes
+        # a conflict (something not ours in the way: planner/checkpoint) is never done
+        return (not self.failed and self.residual is not None
+                and not self.residual.has_changes and not self.residual.conflicts)
 
     @property
     def changed(self) -> int:
@@ -300,7 +302,7 @@ def revert(rec: Any, p: Pending, *, why: str,
 
 
 def residual_line(plan: Plan) -> str:
-    parts = [f"{c.kind} {c.name}: {c.reason}" for c in plan.actionable][:5]
+    parts = [f"{c.kind} {c.name}: {c.reason}" for c in (*plan.conflicts, *plan.actionable)][:5]
     return "the restored state still differs from the checkpoint: " + "; ".join(parts)
 
 

@@ -73,11 +73,21 @@ def route_localnet_key(bridge: str) -> str:
     return f"net/ipv4/conf/{bridge}/route_localnet"
 
 
+def bridge_sysctl_keys(bridge: str) -> tuple[str, ...]:
+    """The per-bridge sysctls an apply may set: route_localnet (port maps from loopback)
+    and the IPv6 address generation an IPv6 gateway turns on (``engine.hostops``: the
+    kernel then makes a link-local address, which goes again when generation is set back
+    to none)."""
+    return (route_localnet_key(bridge), f"net/ipv6/conf/{bridge}/addr_gen_mode",
+            f"net/ipv6/conf/{bridge}/accept_dad")
+
+
 def sysctl_keys(live: LiveState) -> list[str]:
     """The sysctls a checkpoint of ``live`` records (the engine reads the per-bridge ones
     that the observation did not)."""
-    return [*HOST_SYSCTLS, *(route_localnet_key(n) for n, lk in sorted(live.links.items())
-                             if _recorded_link(lk) and lk.kind == "bridge")]
+    return [*HOST_SYSCTLS, *(k for n, lk in sorted(live.links.items())
+                             if _recorded_link(lk) and lk.kind == "bridge"
+                             for k in bridge_sysctl_keys(n))]
 
 
 def _recorded_link(lk: LiveLink) -> bool:
@@ -88,6 +98,30 @@ def _recorded_link(lk: LiveLink) -> bool:
 def _owned_ns(live: LiveState, ns: LiveNetns) -> bool:
     lo = next((lk for lk in ns.links if lk.name == "lo"), None)
     return ns.usable and lo is not None and lo.alias == alloc_ns_alias(live.host_id)
+
+
+def _veth_ours(live: LiveState, name: str) -> bool:
+    """May a revert delete the host link ``name`` (an allocation's veth name)? As the
+    planner decides (``planner.allocs``): its name proves nothing, only our mark or a
+    peer inside an owned allocation namespace does (a crash before its marking)."""
+    lk = live.links.get(name)
+    if lk is None or lk.kind != "veth":
+        return False
+    if lk.owned:
+        return True
+    return lk.peer_netnsid is not None and any(
+        ns.nsid == lk.peer_netnsid and _owned_ns(live, ns) for ns in live.netns.values())
+
+
+def _foreign_link(live: LiveState, name: str) -> str | None:
+    """The one-line description of a link called ``name`` that is there and not ours
+    (a revert must not delete, re-create over or set it), None if there is none."""
+    lk = live.links.get(name)
+    if lk is None or _recorded_link(lk) or _veth_ours(live, name):
+        return None
+    return (f"host link {name} exists but is not the reconciler's ({lk.kind or 'link'}, "
+            "no mark): it is left alone and the revert cannot complete (remove or rename "
+            "it, then revert again)")
 
 
 def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Checkpoint:
@@ -136,12 +170,19 @@ def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Check
 class _Changes:
     def __init__(self) -> None:
         self.changes: list[Change] = []
+        self.blocked: set[str] = set()  # links a conflict leaves alone
 
     def add(self, kind: str, name: str, action: Action, reason: str,
             ops: Iterable[TypedOp], attrs: Iterable[AttrChange] = ()) -> None:
         encoded = tuple(encode(op) for op in ops)
         if encoded:
             self.changes.append(Change(kind, name, action, reason, tuple(attrs), encoded))
+
+    def conflict(self, kind: str, name: str, reason: str, *links: str) -> None:
+        """Something in the way that is not ours: no ops, and the revert is not done
+        (``engine.safechange``: a residual conflict fails it with this one line)."""
+        self.changes.append(Change(kind, name, Action.CONFLICT, reason))
+        self.blocked.update(links)
 
 
 def restore_plan(cp: Checkpoint, live: LiveState,
@@ -158,11 +199,12 @@ def restore_plan(cp: Checkpoint, live: LiveState,
     _deletes(cp, now, live, out)
     for name, point in sorted(cp.links.items()):
         if point.kind == "bridge":
-            _bridge(point, now.links.get(name), out)
+            _bridge(point, now.links.get(name), live, out)
     for alloc in (cp.allocs[n] for n in sorted(cp.allocs)):
         _alloc(cp, alloc, now, live, out)
     for name, point in sorted(cp.links.items()):
-        _settings(point, now.links.get(name), out)
+        if name not in out.blocked:
+            _settings(point, now.links.get(name), out)
     _sysctls(cp, now, out)
     _firewall(cp, live, out)
     if cp.docker is not None and now.docker is not None:
@@ -175,7 +217,7 @@ def _deletes(cp: Checkpoint, now: Checkpoint, live: LiveState, out: _Changes) ->
     for name in sorted(set(now.allocs) - set(cp.allocs) - foreign_ns):
         veth = alloc_veth_name(name)
         # the veth first: a namespace something holds outlives its unmount, and so would it
-        ops: list[TypedOp] = [LinkDelete(veth)] if veth in live.links else []
+        ops: list[TypedOp] = [LinkDelete(veth)] if _veth_ours(live, veth) else []
         out.add("alloc", name, Action.DELETE, "created by the change", [*ops, NetnsDelete(name)])
     going = {alloc_veth_name(n) for n in set(now.allocs) - set(cp.allocs)}
     foreign = set(cp.foreign.get("links", ()))
@@ -188,7 +230,11 @@ def _deletes(cp: Checkpoint, now: Checkpoint, live: LiveState, out: _Changes) ->
                 [LinkDelete(name)])
 
 
-def _bridge(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
+def _bridge(point: LinkPoint, have: LinkPoint | None, live: LiveState,
+            out: _Changes) -> None:
+    if have is None and (foreign := _foreign_link(live, point.name)) is not None:
+        out.conflict("bridge", point.name, foreign, point.name)
+        return
     if have is None or have.kind != "bridge":
         ops: list[TypedOp] = [LinkDelete(point.name)] if have is not None else []
         mac = point.mac if point.mac not in (None, ZERO_MAC) else None
@@ -223,8 +269,23 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
                   AllocConfigure(point.name, point.addresses, point.gateways, mtu, v6,
                                  mark, announce=True)]
     if have is None:
+        foreign = _foreign_link(live, veth_name)
+        if foreign is not None:
+            out.conflict("alloc", point.name, foreign, veth_name)
+            return
+        stale = live.netns.get(point.name)
+        if stale is not None and (stale.usable or stale.file_mark != mark):
+            # a live namespace not ours, or an empty file without our xattr: someone's
+            # (``ip netns add`` between its create and its mount, a tool keeping the name)
+            what = ("is a network namespace that is not the reconciler's" if stale.usable
+                    else "exists, is not a live namespace and was not made by the "
+                    "reconciler (no mark on the file)")
+            out.conflict("alloc", point.name,
+                         f"/run/netns/{point.name} {what}: it is left alone and the revert "
+                         "cannot complete (remove it, then revert again)", veth_name)
+            return
         ops: list[TypedOp] = [LinkDelete(veth_name)] if live_veth is not None else []
-        ops.append(NetnsCreate(point.name, point.name in live.netns, mark))
+        ops.append(NetnsCreate(point.name, stale is not None, mark))
         out.add("alloc", point.name, Action.CREATE, "deleted by the change", [*ops, *attach],
                 [AttrChange("addresses", None, list(point.addresses))])
         return
@@ -233,6 +294,10 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
     if eth0_gone or veth_gone or have.eth0_mac != point.eth0_mac:
         ops = [LinkDelete(ALLOC_IFNAME, netns=point.name)] if have.eth0_mtu is not None else []
         if live_veth is not None:
+            foreign = _foreign_link(live, veth_name)
+            if foreign is not None:
+                out.conflict("alloc", point.name, foreign, veth_name)
+                return
             ops.append(LinkDelete(veth_name))
         out.add("alloc", point.name, Action.REPLACE, "its link was changed by the change",
                 [*ops, *attach])
@@ -318,7 +383,11 @@ def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Chan
             foreign: set[str]) -> None:
     """What the change created first (it may hold the subnet a restored network needs),
     then networks with containers (they wait without a network until it is back), then
-    the rest."""
+    the rest.
+
+    A network is restored when it is gone or its settings differ, never because its
+    containers did: they start, stop and are attached by others in the window, and a
+    change makes no attachment (a replace by an apply carries the containers over)."""
     before = {n.name: n for n in was}
     current = {n.name: n for n in now}
     for name, net in sorted(current.items()):
@@ -327,7 +396,7 @@ def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Chan
                     [DockerRemove(net.id, name)])
     for name, net in sorted(before.items(), key=lambda kv: (not kv[1].endpoints, kv[0])):
         have = current.get(name)
-        if have == net:
+        if have is not None and have.settings() == net.settings():
             continue
         action = Action.CREATE if have is None else Action.REPLACE
         out.add("docker_network", name, action,

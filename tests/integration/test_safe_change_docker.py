@@ -158,3 +158,41 @@ def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
     assert view(scratch_img.prefix) == before  # and the docker CLI agrees
     # the old file plans nothing: the restored networks are what it made
     assert host_ns.reconcile("plan", before_file, "--no-agent").rc == 0
+
+
+def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
+        host_ns: Netns, scratch_img: Scratch, tmp_path: Any) -> None:
+    """The change only adds a bridge; in the window a recorded container is removed and
+    someone attaches another one to our network: the revert completes and the network is
+    the same one, with whoever is attached now (review 2, item 1: it was rebuilt, the
+    newcomer detached, and the removed container made the revert fail)."""
+    web = scratch_img.name("web")
+    before_file = networks_file(tmp_path, f"{{name: {web}}}")
+    assert host_ns.reconcile("apply", before_file).rc == 0
+    c1, c2 = scratch_img.container("c1"), scratch_img.container("c2")
+    scratch_img.attach(c1, web)
+    scratch_img.attach(c2, web)
+    bridge = unique("b")
+    after_file = networks_file(tmp_path, f"{{name: {web}}}", name="after.yaml",
+                               extra=f"bridges: [{{name: {bridge}}}]\n")
+    r = host_ns.reconcile("apply", "--confirm-within", "5m", after_file)
+    assert r.rc == 0 and "Pending until" in r.out, r.all
+    rec = _pending(host_ns)
+    assert rec is not None
+    net_id = json.loads(docker_cli("network", "inspect", web))[0]["Id"]
+    try:
+        scratch_img.client.api.remove_container(c2.id, force=True)
+        newcomer = scratch_img.container("new")
+        scratch_img.attach(newcomer, web)
+        r = host_ns.reconcile("revert")
+        assert r.rc == 0 and "Reverted" in r.out, r.all
+    finally:
+        if _pending(host_ns) is not None and rec.get("reverter_pid"):
+            os.kill(rec["reverter_pid"], signal.SIGKILL)
+            sh("rm", "-f", os.path.join(os.environ["RECONCILER_STATE_DIR"],
+                                        f"netns-{host_ns.name}", "pending.json"))
+    after = json.loads(docker_cli("network", "inspect", web))[0]
+    assert after["Id"] == net_id
+    assert sorted(c["Name"] for c in after["Containers"].values()) == sorted(
+        [c1.name, newcomer.name])
+    assert host_ns.link(bridge) is None

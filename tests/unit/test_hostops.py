@@ -34,6 +34,7 @@ class Result:
     removed_duplicates: tuple[str, ...] = ()
     reconnected: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()  # docker.restore
 
     def __len__(self) -> int:  # nothing deleted (conntrack entries)
         return 0
@@ -141,6 +142,20 @@ def test_an_ipv6_address_on_a_link_with_address_generation_on_changes_no_sysctl(
     ops.run(Op("addr.add", {"link": "br0", "address": "fd00::1/64"}))
     assert log == [("netlink", "add_address", ("br0", ipaddress.ip_interface("fd00::1/64")),
                     {"ns": None})]
+
+
+def test_a_revert_turning_address_generation_off_drops_the_link_local_it_left(
+        calls: Calls) -> None:
+    """Setting a bridge's addr_gen_mode back to none leaves the kernel's link-local
+    address: it goes too; other values and other keys are only written."""
+    ops, log = calls
+    ops.run(Op("sysctl.set", {"key": "net/ipv6/conf/br0/addr_gen_mode", "value": "1"}))
+    assert log == [("sysctl", "write", ("net/ipv6/conf/br0/addr_gen_mode", "1"), {}),
+                   ("netlink", "del_link_local_addresses", ("br0",), {})]
+    log.clear()
+    ops.run(Op("sysctl.set", {"key": "net/ipv6/conf/br0/addr_gen_mode", "value": "0"}))
+    ops.run(Op("sysctl.set", {"key": "net/ipv6/conf/default/addr_gen_mode", "value": "1"}))
+    assert [c[1] for c in log] == ["write", "write"]
 
 
 def test_an_op_that_does_not_decode_reaches_no_driver(calls: Calls) -> None:

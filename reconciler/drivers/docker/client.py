@@ -87,6 +87,7 @@ from reconciler.drivers.docker.replacement import (
     Steps,
 )
 from reconciler.drivers.docker.results import DedupeResult, EnsureResult
+from reconciler.drivers.docker.snapshot import Restored
 
 #: kind's probing budget: attempt 0 plus four more derived subnets.
 MAX_ATTEMPTS = 5
@@ -786,8 +787,10 @@ class DockerDriver:
         """Our networks of ``scope`` with their attachments, as a checkpoint records them."""
         return snapshot.snapshot(self._api, scope)
 
-    def restore_network(self, point: NetworkPoint, replace_id: str = "") -> str:
-        """Re-create a network a checkpoint recorded (a revert); its new ID."""
+    def restore_network(self, point: NetworkPoint,
+                        replace_id: str = "") -> Restored:
+        """Re-create a network a checkpoint recorded (a revert); its new ID and the
+        recorded containers that are gone (not re-attached)."""
         return snapshot.restore(self._api, point, replace_id)
 
 

@@ -3,9 +3,12 @@
 ``snapshot`` reads our networks of one scope with what a revert needs to rebuild them
 exactly: driver options, labels, IPAM pools with their gateways, and each attached
 container's addresses and aliases (the container's own view: the network's lists no
-aliases). ``restore`` re-creates one such network and re-attaches its containers at
-their addresses; given the network a change made in its place, it first disconnects
-that one's containers and removes it.
+aliases). ``restore`` re-creates one such network and re-attaches the recorded
+containers that still exist at their addresses (one removed meanwhile is gone: named,
+not a failure); given the network a change made in its place, it first disconnects
+that one's containers and removes it, and refuses when a container the checkpoint does
+not list is attached to it (someone attached it in the window: a revert never takes a
+network away from a container it did not record).
 
 In its own module so that ``client`` (kind's semantics for declared networks) stays as
 it is: ``DockerDriver.snapshot`` and ``DockerDriver.restore_network`` hand it their SDK
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import docker.errors
@@ -97,9 +101,19 @@ def snapshot(api: Any, scope: str) -> tuple[NetworkPoint, ...]:
     return tuple(sorted(found, key=lambda n: (n.name, n.id)))
 
 
-def restore(api: Any, point: NetworkPoint, replace_id: str = "") -> str:
-    """Re-create ``point`` and attach its containers; first remove ``replace_id`` (ours)
-    after disconnecting its containers. The new network's ID."""
+@dataclass(frozen=True)
+class Restored:
+    """A re-created network: its new ID and the recorded containers that were gone."""
+
+    id: str
+    gone: tuple[str, ...] = ()
+
+
+def restore(api: Any, point: NetworkPoint, replace_id: str = "") -> Restored:
+    """Re-create ``point`` and attach its recorded containers that still exist; first
+    remove ``replace_id`` (ours) after disconnecting its containers, all of which the
+    checkpoint must list. The new network's ID, and the recorded containers that are
+    gone (not re-attached)."""
     what = f"docker network {point.name}: restore"
     if point.name in PROTECTED_NETWORKS:
         raise ConflictError(f"{what}: refusing to touch Docker's own network")
@@ -108,34 +122,52 @@ def restore(api: Any, point: NetworkPoint, replace_id: str = "") -> str:
         raise ConflictError(f"{what}: the checkpoint's network is not ours")
     with _errors(what):
         if replace_id:
-            try:
-                current = api.inspect_network(replace_id)
-            except docker.errors.APIError as exc:
-                if not is_no_such_network(explanation(exc)):
-                    raise
-                current = None
-            if current is not None:
-                if (current.get("Labels") or {}).get(DOCKER_LABEL) != DOCKER_LABEL_VALUE:
-                    raise ConflictError(f"{what}: {replace_id[:12]} is not ours")
-                for cid in sorted(current.get("Containers") or {}):
-                    api.disconnect_container_from_network(cid, replace_id, force=True)
-                api.remove_network(replace_id)
-        v6 = point.ipv6
+            _remove_replaced(api, point, replace_id, what)
         result = api.create_network(
             point.name, driver=point.driver or "bridge", options=dict(point.options),
             ipam=IPAMConfig(pool_configs=[IPAMPool(subnet=s, gateway=g) for s, g in point.pools])
             if point.pools else None,
-            check_duplicate=True, internal=point.internal, labels=labels, enable_ipv6=v6)
+            check_duplicate=True, internal=point.internal, labels=labels,
+            enable_ipv6=point.ipv6)
         net_id = str(result.get("Id", ""))
-        failures = []
+        failures: list[str] = []
+        gone: list[str] = []
         for ep in point.endpoints:
+            label = ep.name or ep.container[:12]
             try:
+                api.inspect_container(ep.container)
                 api.connect_container_to_network(
                     ep.container, net_id, ipv4_address=ep.ipv4, ipv6_address=ep.ipv6,
                     aliases=list(ep.aliases) or None)
+            except docker.errors.NotFound:
+                gone.append(label)  # removed in the window: nothing to give it back to
             except docker.errors.APIError as exc:
-                failures.append(f"{ep.name or ep.container[:12]}: {one_line(explanation(exc))}")
+                failures.append(f"{label}: {one_line(explanation(exc))}")
         if failures:
             raise DriverError(f"{what}: re-created, but could not re-attach "
                               + "; ".join(failures))
-    return net_id
+    return Restored(net_id, tuple(gone))
+
+
+def _remove_replaced(api: Any, point: NetworkPoint, replace_id: str, what: str) -> None:
+    try:
+        current = api.inspect_network(replace_id)
+    except docker.errors.APIError as exc:
+        if not is_no_such_network(explanation(exc)):
+            raise
+        return
+    if (current.get("Labels") or {}).get(DOCKER_LABEL) != DOCKER_LABEL_VALUE:
+        raise ConflictError(f"{what}: {replace_id[:12]} is not ours")
+    attached = current.get("Containers") or {}
+    recorded = {ep.container for ep in point.endpoints}
+    others = sorted(cid for cid in attached if cid not in recorded)
+    if others:
+        names = ", ".join(str((attached[c] or {}).get("Name") or "") or c[:12]
+                          for c in others)
+        raise ConflictError(
+            f"{what}: its settings changed, but containers attached since the checkpoint "
+            f"are on it ({names}, {', '.join(c[:12] for c in others)}): not disconnected, "
+            "so it is not rebuilt (disconnect them, then revert again)")
+    for cid in sorted(attached):
+        api.disconnect_container_from_network(cid, replace_id, force=True)
+    api.remove_network(replace_id)

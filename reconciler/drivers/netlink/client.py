@@ -46,6 +46,8 @@ from reconciler.drivers.netlink.wire import (
     AF_BRIDGE,
     BR_STATE_FORWARDING,
     I32,
+    IFA_ADDRESS,
+    IFA_LOCAL,
     IFF_UP,
     IFLA_ADDRESS,
     IFLA_BRPORT_MODE,
@@ -437,6 +439,24 @@ class Netlink(NetlinkReader):
                 return False
             raise
         return True
+
+    def del_link_local_addresses(self, link: str) -> int:
+        """Remove the IPv6 link-local addresses of host link ``link`` (the kernel made
+        them when its address generation was on; setting that back to none leaves them).
+        How many went."""
+        index = self.link_index(link, None)
+        if index is None:
+            return 0
+        gone = 0
+        for msg in self.addr_messages():
+            family, prefixlen, _flags, _scope, msg_index = msg.header
+            raw = msg.attrs.get(IFA_LOCAL) or msg.attrs.get(IFA_ADDRESS)
+            if family != socket.AF_INET6 or msg_index != index or raw is None:
+                continue
+            iface = ipaddress.IPv6Interface((raw, prefixlen))
+            if iface.ip.is_link_local and self.del_address(link, iface):
+                gone += 1
+        return gone
 
     def _route_body(self, gateway: ipaddress.IPv4Address | ipaddress.IPv6Address,
                     oif: int, proto: int) -> bytes:
