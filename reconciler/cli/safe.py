@@ -146,7 +146,10 @@ class Window:
         """The apply was stopped by a signal: the change stays pending, partly made, until
         the record's deadline (counted from before the apply); say so."""
         p = self.pending
-        if p is None or safechange.still_pending(p.token) is None:
+        try:
+            if p is None or safechange.still_pending(p.token) is None:
+                return
+        except ReconcilerError:
             return
         _say(f"The stopped change is pending until {safechange.iso(p.deadline)}: it is "
              "reverted then (it cannot be confirmed; `reconcile revert` reverts it now).",
@@ -184,11 +187,14 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         with host_lock(args.lock_timeout):
             return _confirm(rec, seen)
     except LockedError:
-        if seen is not None and seen.overdue:
-            _say(f"error: too late: {seen.describe()} and is overdue; it is being reverted",
-                 err=True)
-            return EXIT_ERROR
-        raise
+        if seen is None:
+            raise
+        if not seen.applied and not seen.overdue:
+            _say(f"error: {seen.describe()}, but its apply is still running: confirm it once "
+                 "the apply has finished", err=True)
+        else:  # what holds the lock that long over a pending change is its revert
+            _say(f"error: too late: {seen.describe()} and it is being reverted", err=True)
+        return EXIT_ERROR
 
 
 def _confirm(rec: Reconciler, seen: safechange.Pending | None) -> int:
@@ -248,36 +254,46 @@ def cmd_revert(args: argparse.Namespace) -> int:
         return EXIT_OK if _report(safechange.revert(rec, p, why=why), p, why) else EXIT_ERROR
 
 
+def _holds(prober: Reconciler, p: safechange.Pending, said: set[str]) -> bool:
+    """The reverter's probes of ``p``: False when they fail. Only the change's own files
+    are probed: files whose hashes differ from the record's (edited since, or a newer
+    revision) are not the pending change, and are skipped (said once in the log; the
+    deadline still reverts)."""
+    if p.probe is None:
+        return True
+    try:
+        desired = load([path for path, _h in p.files], hostname=p.probe.get("hostname"))
+        if sorted(desired.file_hashes) != sorted(p.files):
+            if "files" not in said:
+                said.add("files")
+                log.warning("reverter: the files changed since the change was applied; "
+                            "their probes are skipped (the deadline still reverts)")
+            return True
+        with host_lock(0):
+            results = prober.probe(desired, request=ProbeRequest(
+                external=bool(p.probe.get("external")),
+                timeout=float(p.probe.get("timeout", 1.0))))
+    except LockedError:
+        return True  # someone is changing the host: probe on the next round
+    except ReconcilerError as exc:
+        log.warning("reverter: probes not run: %s", exc)
+        return True
+    failed = probe_failures(results)
+    for r in failed[:5]:
+        log.warning("reverter: probe failed: %s %s", r.alloc, r.path)
+    return not failed
+
+
 def _reverter(token: str) -> int:
     """The detached reverter of one pending change (``spawn_reverter``)."""
     logging.basicConfig(level=logging.INFO, force=True, stream=sys.stderr,
                         format="%(asctime)s reverter %(levelname)s %(message)s")
     prober = Reconciler()
 
+    said: set[str] = set()
+
     def holds(p: safechange.Pending) -> bool:
-        if p.probe is None:
-            return True
-        try:
-            desired = load([path for path, _h in p.files], hostname=p.probe.get("hostname"))
-            if sorted(desired.file_hashes) != sorted(p.files):
-                # other files than the change's (edited, or a newer revision): what they
-                # would probe is not the pending change
-                log.warning("reverter: the files changed since the change was applied; "
-                            "probes skipped (the deadline still reverts)")
-                return True
-            with host_lock(0):
-                results = prober.probe(desired, request=ProbeRequest(
-                    external=bool(p.probe.get("external")),
-                    timeout=float(p.probe.get("timeout", 1.0))))
-        except LockedError:
-            return True  # someone is changing the host: probe on the next round
-        except ReconcilerError as exc:
-            log.warning("reverter: probes not run: %s", exc)
-            return True
-        failed = probe_failures(results)
-        for r in failed[:5]:
-            log.warning("reverter: probe failed: %s %s", r.alloc, r.path)
-        return not failed
+        return _holds(prober, p, said)
 
     rec = Reconciler()
 

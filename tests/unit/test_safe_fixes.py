@@ -392,3 +392,30 @@ def test_gc_is_refused_while_a_change_is_pending(state: str, monkeypatch: Any) -
     with pytest.raises(PreconditionError, match="pending until"):
         commands.cmd_gc(args)
     assert collected == []
+
+
+# -- item 9, the reverter's side: only the change's own files are probed ----------------------
+
+def test_the_reverter_probes_only_the_files_of_the_change(state: str, tmp_path: Any) -> None:
+    from reconciler.config.load import load
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("version: 1\n")
+    desired = load([str(cfg)], hostname="h")
+    probed: list[int] = []
+
+    class _Prober:
+        def probe(self, _desired: Any, request: Any = None) -> list[Any]:
+            probed.append(1)
+            return []
+
+    p = safechange.Pending(SCOPE, "t", time.time() + 60, time.time(), "b",
+                           take(LiveState(host_id="1")), files=desired.file_hashes,
+                           probe={"external": False, "timeout": 1.0, "hostname": "h"},
+                           applied=True)
+    said: set[str] = set()
+    prober: Any = _Prober()
+    assert safe._holds(prober, p, said) and probed == [1]
+    cfg.write_text("version: 1\n# a newer revision\n")
+    assert safe._holds(prober, p, said) and probed == [1], "probed other files"
+    assert said == {"files"}
