@@ -117,3 +117,31 @@ def test_confirm_refuses_a_change_whose_apply_was_killed(box: Netns, tmp_path: A
     assert r.rc == 0, r.all
     assert not diff(state(box), before), diff(state(box), before)
     assert wait_gone(rec["reverter_pid"], 5.0)
+
+
+def test_a_stopped_apply_says_until_when_its_change_is_pending(box: Netns,
+                                                               tmp_path: Any) -> None:
+    """SIGTERM once the checkpoint is recorded: the apply stops between ops, says until
+    when the partial change is pending, and that change cannot be confirmed."""
+    _a, b, before, _extra = _setup(box, tmp_path)
+    cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", b,
+           "--confirm-within", "2m"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 30
+        while (rec := pending_record(box)) is None or not rec.get("reverter_pid"):
+            assert time.monotonic() < end and proc.poll() is None, "no pending record"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert "stopped by SIGTERM" in err and "pending until 20" in err, err
+    assert "cannot be confirmed" in err, err
+    c = box.reconcile("confirm")
+    assert c.rc == 1 and "not finished" in c.err, c.all
+    assert box.reconcile("revert").rc == 0
+    assert not diff(state(box), before), diff(state(box), before)
