@@ -167,7 +167,7 @@ class Window:
         if self.outcome == "reverted" and self.reverted is not None:
             why = "the apply did not hold"
             _say(f"The change did not hold; reverted it ({why}).", err=True)
-            _report(self.reverted, p, why)
+            _report(self.reverted, p, why, err=self.err)
             return EXIT_ERROR
         if self.outcome != "pending" or rc != EXIT_OK:
             return EXIT_ERROR
