@@ -194,12 +194,13 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         return plan_exit(plan)
     # destroy has no probe options: it leaves nothing to probe
     request = probe_request(args) if hasattr(args, "no_probe") else None
-    window = safe.attach(rec, args, request)
+    window = safe.attach(rec, args, request, options)
     line = Progress() if progress_wanted(sys.stderr, args.output, args.verbose) else None
     with _stop_on_signals(rec.stop) as signals:
         try:
             with host_lock(args.lock_timeout), line or contextlib.nullcontext():
-                safe.guard(rec)  # an overdue change is reverted first; a pending one refuses
+                # an overdue change is reverted first; a pending one refuses
+                safe.guard(rec, err=args.output == "json")
                 result = rec.apply(desired, options, saved=saved, probe=request,
                                    max_disruption=getattr(args, "max_disruption", None),
                                    before_changes=window.before_changes if window else None,
@@ -242,6 +243,8 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     for r in result.probe_failures:
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
+        if window is not None:
+            window.stopped()
         return _stopped(signals)
     rc = EXIT_OK if result.ok else EXIT_ERROR
     return window.finish(result, rc) if window is not None else rc
@@ -363,8 +366,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.dry_run:
         result = collector.report(desired)
     else:
+        from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+        from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: as above)
+
+        def guard() -> None:  # as apply: an overdue change is reverted first, a pending refuses
+            safe.guard(Reconciler(collector.observer, runner=collector.runner),
+                       err=args.output == "json")
+
         with _stop_on_signals(collector.stop) as signals:
-            result = collector.collect(desired, args.lock_timeout)
+            result = collector.collect(desired, args.lock_timeout, before=guard)
         if signals:
             return _stopped(signals)
     if args.output == "json":

@@ -175,9 +175,14 @@ class Collector:
         return GcResult(plan, self._files(), vantage=self._vantage(self.host_id),
                         notes=self._journals.journal_notes())
 
-    def collect(self, desired: DesiredState | None, lock_timeout: float = 60.0) -> GcResult:
-        """Remove what :meth:`plan` finds, under the host lock; then the stale files."""
+    def collect(self, desired: DesiredState | None, lock_timeout: float = 60.0, *,
+                before: Callable[[], None] | None = None) -> GcResult:
+        """Remove what :meth:`plan` finds, under the host lock; then the stale files.
+        ``before`` runs first under the lock (the CLI's safe-change guard: gc during a
+        pending window is refused, an overdue change reverted first)."""
         with host_lock(lock_timeout):
+            if before is not None:
+                before()
             finished = self._journals.finish_journals()
             pending = self._journals.journal_notes()
             if pending:  # its halves are not leaks: gc waits for it, as nothing else would

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import subprocess
@@ -65,7 +66,22 @@ def current_boot_id() -> str:
 
 
 def iso(epoch: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+    """``epoch`` as UTC ISO 8601; total: a time no ``time_t`` holds (a record an older
+    version wrote with a huge window, or edited) is named, not an OverflowError that every
+    later command would die of."""
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+    except (OverflowError, ValueError, OSError):
+        return f"(no time: {epoch!r})"
+
+
+def _time(value: Any, what: str) -> float:
+    """A record's epoch seconds: a finite number, else ValueError (the record is refused
+    in one line)."""
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{what} {value!r} is not a time")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -110,8 +126,8 @@ class Pending:
         try:
             if raw.get("version") != RECORD_VERSION:
                 raise ValueError(f"record version {raw.get('version')!r}")
-            return cls(str(raw["scope"]), str(raw["token"]), float(raw["deadline"]),
-                       float(raw["created"]), str(raw["boot_id"]),
+            return cls(str(raw["scope"]), str(raw["token"]), _time(raw["deadline"], "deadline"),
+                       _time(raw["created"], "created"), str(raw["boot_id"]),
                        Checkpoint.from_json(raw["checkpoint"]),
                        tuple((str(f["path"]), str(f["sha256"])) for f in raw["files"]),
                        raw.get("revision"), raw.get("probe"), raw.get("reverter_pid"),
@@ -272,6 +288,11 @@ def revert(rec: Any, p: Pending, *, why: str,
     t0 = time.monotonic()
     result = RevertResult()
     cp = p.checkpoint
+    # a killed change's journals first: restored from a half-made state they would
+    # survive the revert, and the next run's finish_journals would carry part of the
+    # reverted change to its end again
+    for line in rec.finish_journals():
+        log.warning("revert: %s", line)
     live, nets = observe_for(rec, cp)
     plan = restore_plan(cp, live, nets)
     for _round in range(RESTORE_ROUNDS):
@@ -286,7 +307,13 @@ def revert(rec: Any, p: Pending, *, why: str,
         plan = restore_plan(cp, live, nets)
     result.residual = plan
     result.seconds = time.monotonic() - t0
-    if result.ok:
+    if result.ok and not result.changed:
+        # nothing to restore (killed before its first op): the record goes, but it was no
+        # revert of the revision (``watch`` would refuse a revision that never ran)
+        statedir.remove_record(scope_dir(p.scope), PENDING)
+        log.info("the change applied at %s had changed nothing: nothing to restore (%s)",
+                 iso(p.created), why)
+    elif result.ok:
         directory = scope_dir(p.scope)
         statedir.remove_record(directory, PENDING)
         count, _last = revert_count(p.scope)
@@ -417,6 +444,40 @@ def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
                 return p
             next_probe = time.monotonic() + PROBE_EVERY
         sleep(max(0.01, min(POLL, p.deadline - time.time())))
+
+
+def reverter_alive(p: Pending) -> bool:
+    """Whether ``p``'s reverter runs: its pid is a live process (not a zombie) whose
+    command line names ``p``'s token (a pid reused by another process is not it)."""
+    if not p.reverter_pid:
+        return False
+    try:
+        pid = int(p.reverter_pid)
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rpartition(b") ")[2][:1]
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except (OSError, ValueError):
+        return False
+    if state in (b"Z", b"X", b""):
+        return False
+    # an empty command line: the process is still being exec'd (just spawned)
+    return argv == [b""] or p.token.encode() in argv
+
+
+def respawn_if_dead(p: Pending) -> Pending:
+    """``p``, with a new reverter if its own is gone (killed, crashed): without one nothing
+    reverts on a host no agent watches."""
+    if reverter_alive(p):
+        return p
+    log.warning("the reverter (pid %s) of the pending change is gone; starting a new one",
+                p.reverter_pid)
+    try:
+        pid = spawn_reverter(p)
+    except OSError as exc:
+        log.error("cannot start a reverter: %s", exc.strerror or exc)
+        return p
+    return update(p, reverter_pid=pid)
 
 
 def still_pending(token: str) -> Pending | None:

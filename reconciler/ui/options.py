@@ -24,15 +24,32 @@ def adopt_problem(address: object) -> str | None:
     return None
 
 
+#: why a window (``--confirm-within``) refuses ``--adopt`` (docs/safe-change.md)
+ADOPT_UNDER_WINDOW = (
+    "--adopt cannot be used with --confirm-within: a revert cannot give adopted objects back "
+    "(they would stay ours, and what the change replaced inside them would stay gone); "
+    "adopt first, then change under a window; nothing changed")
+
+
+def refuse_adopt_under_window(options: PlanOptions, window: float | None) -> None:
+    """``--adopt`` (given, or in a saved plan's options) with a window: one ConfigError
+    line before anything runs."""
+    if window is not None and options.adopt:
+        raise ConfigError(ADOPT_UNDER_WINDOW)
+
+
 def plan_options(args: argparse.Namespace) -> PlanOptions:
-    """The options `plan`, `apply` and `watch` were given (``--adopt`` checked here)."""
+    """The options `plan`, `apply` and `watch` were given (``--adopt`` checked here, and
+    refused under ``--confirm-within``)."""
     adopt = frozenset(args.adopt or ())
     for a in sorted(adopt):
         problem = adopt_problem(a)
         if problem is not None:
             raise ConfigError(f"--adopt {a}: {problem}")
-    return PlanOptions(prune=not args.no_prune, adopt=adopt,
-                       force_replace=getattr(args, "force_replace", False))
+    options = PlanOptions(prune=not args.no_prune, adopt=adopt,
+                          force_replace=getattr(args, "force_replace", False))
+    refuse_adopt_under_window(options, getattr(args, "confirm_within", None))
+    return options
 
 
 def probe_request(args: argparse.Namespace) -> ProbeRequest | None:

@@ -46,6 +46,21 @@ def duration(text: str) -> float:
     return seconds
 
 
+#: the longest confirm window: a deadline must stay a time (``iso``, ``time_t``) and a
+#: window longer than a week is a forgotten change, not a safety net
+MAX_WINDOW = 7 * 86400.0
+
+
+def window(text: str) -> float:
+    """``--confirm-within``: a :func:`duration` of at most :data:`MAX_WINDOW` (a usage
+    error beyond: ``1e20`` once made every later apply crash formatting its deadline)."""
+    seconds = duration(text)
+    if seconds > MAX_WINDOW:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too long a window: at most 7 days (168h)")
+    return seconds
+
+
 def _interval_or_off(text: str) -> float | None:
     return None if text.strip().lower() in ("off", "0") else duration(text)
 
@@ -178,7 +193,7 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--force-replace", action="store_true",
                     help="allow replacing Docker networks that have containers attached "
                          "(they are disconnected and reconnected with the same addresses)")
-    sp.add_argument("--confirm-within", type=duration, metavar="DURATION",
+    sp.add_argument("--confirm-within", type=window, metavar="DURATION",
                     help="keep the change only if `reconcile confirm` comes within DURATION "
                          "(90s, 5m, or seconds) and the probes hold; otherwise a detached "
                          "reverter restores the owned state from before it "
@@ -329,7 +344,7 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                          "one is a new rollout")
     _probe_options(sp, "never probe: neither after applying nor every --probe-interval")
     _max_disruption(sp, "the pass changes nothing and fails (logs and status say why)")
-    sp.add_argument("--confirm-within", type=duration, metavar="DURATION",
+    sp.add_argument("--confirm-within", type=window, metavar="DURATION",
                     help="apply each new revision of the files under a window: the agent "
                          "confirms it itself when its probes held for DURATION and reverts "
                          "it when they fail; a reverted revision is not applied again until "

@@ -321,10 +321,12 @@ def test_a_reverted_revision_is_not_applied_again_until_the_files_change(watch: 
     assert board.doc["reverted_revision"] == "sha256:aaa" and metrics.reverts.value == 1
 
 
-def test_a_revert_never_deletes_what_the_change_adopted() -> None:
-    """--adopt made a foreign bridge, namespace and Docker network ours within the window:
-    the revert leaves them (it cannot give them back, and deleting them would destroy
-    someone else's objects)."""
+def test_a_revert_never_deletes_what_was_foreign_at_the_checkpoint() -> None:
+    """A foreign bridge, namespace and Docker network became ours within the window (the
+    CLI refuses ``--adopt`` under a window, tests/unit/test_safe_fixes.py; this is the
+    restore plan's own guarantee, for a record from an older version or an agent that
+    adopted): the revert never deletes them (deleting them would destroy someone else's
+    objects). It cannot give them back either: that is why a window refuses --adopt."""
     from reconciler.domain.live import LiveDocker, LiveDockerNetwork
 
     def net(owned: bool) -> LiveDockerNetwork:
