@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 
@@ -36,6 +35,7 @@ _libc.unshare.argtypes = [ctypes.c_int]
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_void_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 
 _rundir_lock = threading.Lock()
 _rundir_ready = False
@@ -99,9 +99,7 @@ def namespace_inode(path_or_name: str) -> int | None:
 def list_names() -> list[str]:
     """Names under /run/netns, sorted (usable or not; see :func:`is_namespace_mount`)."""
     try:
-        # not a namespace file being made (``_new_file``): it has its real name at once
-        return sorted(n for n in os.listdir(NETNS_RUN_DIR)
-                      if not (n.startswith(TEMP_PREFIX) and n.endswith(TEMP_SUFFIX)))
+        return sorted(os.listdir(NETNS_RUN_DIR))
     except FileNotFoundError:
         return []
 
@@ -294,7 +292,7 @@ def create(name: str, *, replace_stale: bool = False,
     path = path_of(name)
     _ensure_rundir()
     try:
-        _new_file(path, name, file_mark)
+        _new_file(path, file_mark)
     except FileExistsError:
         try:
             if is_namespace_mount(path):
@@ -333,31 +331,29 @@ def create(name: str, *, replace_stale: bool = False,
     return True
 
 
-#: a namespace file being made: marked under this name, then linked to its own
-TEMP_PREFIX, TEMP_SUFFIX = ".", ".new"
+AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
 
 
-def _new_file(path: str, name: str, file_mark: str | None) -> None:
+def _new_file(path: str, file_mark: str | None) -> None:
     """Create the empty file ``path`` (FileExistsError if there is one), carrying
-    ``file_mark`` from the first instant it has its name: the mark goes on a temporary
-    (``.NAME.<random>.new``), which is then hard-linked to ``path`` (link(2) never
-    replaces) and unlinked. Made and marked in place, a kill between the two left an
-    unmarked file that the planner must leave alone as someone else's, refusing the
-    allocation until ``--adopt``."""
+    ``file_mark`` from the first instant it has its name: the mark goes on an unnamed
+    file of the directory (O_TMPFILE), which is then linked to ``path`` (link(2) never
+    replaces). Made and marked in place, a kill between the two left an unmarked file
+    that the planner must leave alone as someone else's, refusing the allocation until
+    ``--adopt``; an unnamed file a kill leaves behind is gone with the process (a named
+    temporary was not: the kill -9 tests left ``.ID.<random>.new`` files)."""
     if file_mark is None:
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
         return
-    tmp = os.path.join(os.path.dirname(path),
-                       f"{TEMP_PREFIX}{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+    fd = os.open(os.path.dirname(path), os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0)
     try:
-        try:
-            set_file_mark(fd, file_mark)
-        finally:
-            os.close(fd)
-        os.link(tmp, path)
+        set_file_mark(fd, file_mark)
+        # linkat(fd, "", AT_EMPTY_PATH): the /proc/self/fd/N way fails with EXDEV where
+        # /run/netns is a bind mount (as `ip netns` makes it)
+        if _libc.linkat(fd, b"", AT_FDCWD, os.fsencode(path), AT_EMPTY_PATH) != 0:
+            raise _oserror(f"link {path}")
     finally:
-        _unlink_quiet(tmp)
+        os.close(fd)
 
 
 def _unlink_quiet(path: str) -> None:

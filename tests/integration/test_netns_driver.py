@@ -125,8 +125,30 @@ def test_a_namespace_file_is_marked_before_it_has_its_name(
     monkeypatch.undo()
     assert netns.create(name, file_mark="host-1") is True
     assert netns.is_namespace_mount(name) and name in netns.list_names()
-    assert not [n for n in os.listdir("/run/netns") if n.startswith(f".{name}.")]
     assert netns.delete(name) is True
+
+
+def test_a_creator_killed_before_the_file_has_its_name_leaves_nothing(
+        sandbox: Sandbox) -> None:
+    """SIGKILL of a process in ``netns.create`` after the file was made and marked but
+    before it has its name: nothing is left under /run/netns (a named temporary was, in
+    the kill -9 tests)."""
+    name = sandbox.ns("k")
+    before = set(os.listdir("/run/netns"))
+    child = textwrap.dedent(f"""
+        import os, signal
+        from reconciler.drivers import netns
+        mark = netns.set_file_mark
+        def killed(fd, value):
+            mark(fd, value)
+            os.kill(os.getpid(), signal.SIGKILL)
+        netns.set_file_mark = killed
+        netns.create({name!r}, file_mark="host-1")
+    """)
+    p = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True,
+                       timeout=60)
+    assert p.returncode == -9, p.stderr
+    assert set(os.listdir("/run/netns")) == before
 
 
 def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> None:
