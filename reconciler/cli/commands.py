@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -549,7 +550,27 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+#: allocations between young-generation collections in a one-shot command (CPython: 700)
+ONE_SHOT_GC_THRESHOLD = 20_000
+
+
+def _one_shot_gc() -> None:
+    """Fewer cycle collections for a command that runs once and exits.
+
+    What the imports made lives as long as the process: frozen, no collection walks it
+    again. A bulk apply builds tens of thousands of small objects that are not garbage
+    (ops, observations); at CPython's threshold of 700 allocations they were walked by
+    ~160 collections, ~37 ms of an apply of 500. Cycles are still collected, less often.
+    ``watch`` keeps the defaults: it runs for months.
+    """
+    gc.freeze()
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(ONE_SHOT_GC_THRESHOLD, second, third)
+
+
+def main(argv: Sequence[str] | None = None, *, process: bool = False) -> int:
+    """The CLI; ``process``: this is the ``reconcile`` process itself (the entry point),
+    not a caller that runs commands in its own process (tests, benchmarks)."""
     args_list = normalise_argv(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(args_list)
@@ -560,6 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
+    if process and args.command != "watch":
+        _one_shot_gc()
     try:
         if getattr(args, "prepare", False):
             PREPARE[args.command](args)

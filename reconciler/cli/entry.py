@@ -237,5 +237,5 @@ def main() -> int:
     from reconciler.cli.commands import main as cli_main  # noqa: PLC0415 (the one back edge: it loads
     # everything (~0.1 s of imports) and only what the agent does not answer needs it
 
-    return cli_main(argv)
+    return cli_main(argv, process=True)
 

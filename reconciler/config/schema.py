@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import jsonschema
 
 import difflib
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -43,10 +44,12 @@ def _fast_check() -> Callable[[Any], bool]:
     Valid documents, the common case, never reach jsonschema; an invalid one is
     validated again by jsonschema, which words the errors.
     """
-    try:
-        compiled = fastjsonschema.compile(schema())
-    except Exception:  # an unsupported keyword: keep the slow, exact path
-        return lambda _data: False
+    compiled = _pregenerated()
+    if compiled is None:
+        try:
+            compiled = fastjsonschema.compile(schema())
+        except Exception:  # an unsupported keyword: keep the slow, exact path
+            return lambda _data: False
 
     def check(data: Any) -> bool:
         try:
@@ -56,6 +59,24 @@ def _fast_check() -> Callable[[Any], bool]:
         return True
 
     return check
+
+
+def _pregenerated() -> Callable[[Any], Any] | None:
+    """The check ``scripts/gen-schema-check.py`` generated (``config/schema_check.py``),
+    while it is of this schema: compiling the schema costs ~50 ms of every run.
+
+    None when it is stale (the schema changed since) or will not import (another
+    fastjsonschema): then the schema is compiled as before.
+    """
+    try:
+        from reconciler.config import schema_check  # noqa: PLC0415 (only when needed)
+    except Exception:
+        return None
+    raw = resources.files("reconciler").joinpath("schemas/reconciler.schema.json").read_bytes()
+    if hashlib.sha256(raw).hexdigest() != schema_check.SCHEMA_SHA256:
+        return None
+    validate: Callable[[Any], Any] = schema_check.validate
+    return validate
 
 
 def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigError:

@@ -134,7 +134,7 @@ def derived_mac(prefix: bytes, name: str) -> str:
     """
     raw = bytearray(hashlib.sha256(prefix + name.encode()).digest()[:6])
     raw[0] = (raw[0] & 0xFC) | 0x02
-    return ":".join(f"{b:02x}" for b in raw)
+    return raw.hex(":")
 
 
 def alloc_mac(alloc_id: str) -> str:

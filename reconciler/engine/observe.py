@@ -44,19 +44,23 @@ class Observer:
         self._pinned: set[tuple[str, int, str | None]] = set()
 
     def observe(self, desired: DesiredState) -> LiveState:
-        links = self.observe_links(desired)
-        host_id = str(current_inode())
-        fields: dict[str, Any] = {
-            "host_id": host_id,
-            "links": links,
-            "neighbours": self.observe_neighbours(desired, links),
-            "firewall4": self.handles.iptables(4).observe(),
-            "firewall6": self.handles.iptables(6).observe(),
-            "netns": self.observe_allocs(desired, host_id),
-            "routes": self.observe_routes(desired),
-            **self.observe_docker_parts(desired),
-            **self.observe_unannounced(desired),
-        }
+        # the two rule saves run in their own processes while the kernel is read here
+        saves = [self.handles.iptables(family).start_observe() for family in (4, 6)]
+        try:
+            links = self.observe_links(desired)
+            host_id = str(current_inode())
+            fields: dict[str, Any] = {
+                "host_id": host_id,
+                "links": links,
+                "neighbours": self.observe_neighbours(desired, links),
+                "netns": self.observe_allocs(desired, host_id),
+                "routes": self.observe_routes(desired),
+                **self.observe_docker_parts(desired),
+                **self.observe_unannounced(desired),
+            }
+        finally:
+            firewall = [finish() for finish in saves]  # each waits for its save
+        fields["firewall4"], fields["firewall6"] = firewall
         return dataclasses.replace(LiveState(), **fields)
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:

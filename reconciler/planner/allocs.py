@@ -336,8 +336,8 @@ def _neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr 
     attrs: list[AttrChange] = []
     ops: list[Op] = []
     want = {str(x) for x in addrs if x is not None}
-    for n in ctx.live.neighbours:
-        if n.index != link.index or n.address not in want or n.mac == mac:
+    for n in ctx.neighbours_of(link.index, want):
+        if n.mac == mac:
             continue
         if n.permanent:
             ctx.warnings.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from reconciler.domain.live import LiveState
+from reconciler.domain.live import LiveNeighbour, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.planner import firewall
 from reconciler.planner.firewall import RuleSet
@@ -46,6 +46,7 @@ class PlanContext:
     #: "kind/name" -> {field: pool} of the prefixes picked for ``auto``
     picked: dict[str, dict[str, str]] = field(default_factory=dict)
     _live_rules: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
+    _neighbours: dict[tuple[int, str], list[tuple[int, LiveNeighbour]]] | None = None
 
     def live_rules(self, family: int) -> dict[str, list[tuple[str, str]]]:
         """Live rules by owner (``alloc=ID``), indexed once per plan: every kind asks."""
@@ -53,6 +54,17 @@ class PlanContext:
             live = self.live.firewall4 if family == 4 else self.live.firewall6
             self._live_rules[family] = firewall.live_by_owner(live)
         return self._live_rules[family]
+
+    def neighbours_of(self, index: int, addresses: set[str]) -> list[LiveNeighbour]:
+        """The live neighbour entries on link ``index`` for ``addresses``, in observation
+        order; indexed once per plan (every allocation asks: a scan of the whole table for
+        each was quadratic, ~30 ms of a plan of 500 and growing fourfold per doubling)."""
+        if self._neighbours is None:
+            self._neighbours = {}
+            for position, n in enumerate(self.live.neighbours):
+                self._neighbours.setdefault((n.index, n.address), []).append((position, n))
+        found = sorted(entry for a in addresses for entry in self._neighbours.get((index, a), ()))
+        return [n for _, n in found]
 
     def adopted(self, kind: str, name: str) -> bool:
         return f"{kind}/{name}" in self.options.adopt

@@ -118,14 +118,43 @@ def test_a_namespace_file_is_marked_before_it_has_its_name(
     def killed(fd: int, mark: str) -> None:
         raise OSError(errno.EINTR, "killed here")
 
+    mark = f"host-{name}"  # a mark of its own: no shared marked file of it exists yet
     monkeypatch.setattr(netns, "set_file_mark", killed)
     with pytest.raises((DriverError, OSError)):
-        netns.create(name, file_mark="host-1")
+        netns.create(name, file_mark=mark)
     assert set(os.listdir("/run/netns")) == before  # neither the name nor a temporary
     monkeypatch.undo()
-    assert netns.create(name, file_mark="host-1") is True
+    assert netns.create(name, file_mark=mark) is True
     assert netns.is_namespace_mount(name) and name in netns.list_names()
     assert netns.delete(name) is True
+
+
+def test_marked_namespace_files_share_one_inode_and_each_takes_its_own_mount(
+        sandbox: Sandbox) -> None:
+    """The namespace files a process makes with one mark are names of one marked inode
+    (no inode allocated per namespace): each name still holds its own namespace, an
+    unmounted name shows the mark, and once every name is gone the next create makes a
+    fresh marked file (the old one can no longer be linked)."""
+    mark = f"host-{sandbox.ns('i')}"
+    a, b, c = sandbox.ns("ia"), sandbox.ns("ib"), sandbox.ns("ic")
+    assert netns.create(a, file_mark=mark) and netns.create(b, file_mark=mark)
+    assert netns.namespace_inode(a) != netns.namespace_inode(b)  # two namespaces
+    # ip's own view: both are namespaces, one link made in a is not in b
+    subprocess.run(["ip", "-n", a, "link", "add", "rbshare0", "type", "veth", "peer", "name", "rbshare1"], check=True)
+    shown = subprocess.run(["ip", "-n", b, "-j", "link"], capture_output=True, text=True,
+                           check=True).stdout
+    assert "rbshare0" not in shown
+    under_b = os.stat(f"/run/netns/{b}").st_ino
+    assert netns._libc.umount2(f"/run/netns/{a}".encode(), netns.MNT_DETACH) == 0
+    st = os.stat(f"/run/netns/{a}")  # the file under a's mount
+    assert st.st_nlink >= 2 and netns.file_mark(a) == mark
+    assert netns.is_namespace_mount(b) and os.stat(f"/run/netns/{b}").st_ino == under_b
+    assert netns.delete(a) is True and netns.delete(b) is True
+    assert netns.create(c, file_mark=mark) is True  # every name gone: a fresh file
+    assert netns.is_namespace_mount(c)
+    assert netns._libc.umount2(f"/run/netns/{c}".encode(), netns.MNT_DETACH) == 0
+    assert os.stat(f"/run/netns/{c}").st_nlink == 1 and netns.file_mark(c) == mark
+    assert netns.delete(c) is True
 
 
 def test_a_creator_killed_before_the_file_has_its_name_leaves_nothing(

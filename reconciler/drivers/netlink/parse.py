@@ -69,7 +69,7 @@ from reconciler.drivers.netlink.wire import (
 
 def mac_text(raw: bytes) -> str | None:
     """``aa:bb:..`` (lower case, as ``ip`` prints it) of a link-layer address; None if empty."""
-    return ":".join(f"{b:02x}" for b in raw) if raw else None
+    return raw.hex(":") if raw else None
 
 
 def parse_link(msg: NlMsg, names_by_index: dict[int, str],
