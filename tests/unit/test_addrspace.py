@@ -741,3 +741,45 @@ def test_a_stopped_daemon_is_not_asked_again_through_the_sdk(tmp_path, monkeypat
         assert live.error == f"docker daemon unreachable at unix://{path}: connection refused"
     finally:
         left.close()
+
+
+@pytest.mark.parametrize(("answer", "networks", "error"), [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"3\r\n[{}\r\n4;x=y\r\n, {}\r\n1\r\n]\r\n0\r\n\r\n", 2, None),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 9\r\n\r\n[{}]", None, "cut short"),
+    (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}", None, "HTTP 500"),
+    (b"SSH-2.0-OpenSSH\r\n", None, "no HTTP answer"),
+])
+def test_the_probe_reads_what_a_daemon_may_answer(tmp_path, monkeypatch, answer, networks,
+                                                   error):
+    """The probe's own HTTP/1.0 reading: a chunked body, a body cut short, an error status,
+    something that is not HTTP."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "docker.sock")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    asked: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        asked.append(conn.recv(65536))
+        conn.sendall(answer)
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        listing = probe.list_networks()
+    finally:
+        t.join(5)
+        server.close()
+    assert asked and asked[0].startswith(b"GET /networks HTTP/1.0\r\n")
+    assert listing is not None
+    if networks is not None:
+        assert listing.answered and len(listing.networks) == networks
+    else:
+        assert not listing.answered and error in (listing.error or ""), listing.error

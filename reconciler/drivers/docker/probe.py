@@ -10,7 +10,6 @@ pools come from its configuration file: the API does not report them.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
@@ -29,20 +28,67 @@ DEFAULT_SOCKET = "/var/run/docker.sock"
 DAEMON_CONFIG = "/etc/docker/daemon.json"
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
+class _BadAnswer(Exception):
+    """Not an HTTP answer we can read."""
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
+
+#: the most of an answer read (a host with thousands of networks lists a few MB)
+MAX_ANSWER = 64 << 20
+
+
+def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
+    """(status, body) of one ``GET target`` over the unix socket ``path``, HTTP/1.0.
+
+    Not ``http.client``: it imports ``ssl`` and ``email`` (~12 ms of every run) for one
+    request whose answer is a status line, a few headers and a body the daemon ends by
+    closing (an HTTP/1.0 request is never answered with a persistent connection; a
+    chunked body is decoded all the same).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        sock.sendall(f"GET {target} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        parts: list[bytes] = []
+        size = 0
+        while chunk := sock.recv(1 << 16):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER:
+                raise _BadAnswer(f"answer larger than {MAX_ANSWER} bytes")
+    finally:
+        sock.close()
+    head, sep, body = b"".join(parts).partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = lines[0].split(None, 2)
+    if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") \
+            or not status[1].isdigit():
+        raise _BadAnswer("no HTTP answer")
+    headers = {k.strip().lower(): v.strip() for k, _, v in
+               (line.partition(b":") for line in lines[1:])}
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _unchunk(body)
+    elif (length := headers.get(b"content-length", b"")).isdigit():
+        if len(body) < int(length):
+            raise _BadAnswer("answer cut short")
+        body = body[:int(length)]
+    return int(status[1]), body
+
+
+def _unchunk(data: bytes) -> bytes:
+    out: list[bytes] = []
+    while True:
+        size_line, sep, data = data.partition(b"\r\n")
         try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+            size = int(size_line.split(b";", 1)[0], 16)
+        except ValueError:
+            raise _BadAnswer("bad chunk size") from None
+        if not sep or len(data) < size:
+            raise _BadAnswer("answer cut short")
+        if size == 0:
+            return b"".join(out)
+        out.append(data[:size])
+        data = data[size + 2:]
 
 
 def socket_path() -> str | None:
@@ -76,24 +122,19 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
     path = socket_path()
     if path is None or not os.path.exists(path):
         return None
-    conn = _UnixConnection(path, timeout)
     try:
-        conn.request("GET", "/networks")
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            return Listing(False, error=f"docker: listing networks failed: HTTP {resp.status}")
+        status, body = _get(path, "/networks", timeout)
+        if status != 200:
+            return Listing(False, error=f"docker: listing networks failed: HTTP {status}")
         listed = json.loads(body)
     except ConnectionRefusedError:
         # worded as the SDK words it (DockerDriver.observe), which is then not asked
         where = os.environ.get("DOCKER_HOST") or f"unix://{DEFAULT_SOCKET}"
         return Listing(False, error=f"docker daemon unreachable at {where}: connection refused",
                        refused=True)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
+    except (OSError, _BadAnswer, ValueError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return Listing(False, error=f"docker daemon unreachable at {path}: {why}")
-    finally:
-        conn.close()
     if not isinstance(listed, list):
         return Listing(False, error="docker: listing networks: unexpected answer")
     return Listing(True, tuple(n for n in listed if isinstance(n, dict)))
