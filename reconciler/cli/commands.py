@@ -40,6 +40,7 @@ from reconciler.ui.render import (
     EXIT_ERROR,
     EXIT_OK,
     colour,
+    emit_json,
     plan_exit,
     plan_text,
     render_text,
@@ -216,15 +217,14 @@ def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         finally:
             rec.close_probes()
     if args.output == "json":
-        json.dump({"plan": result.plan.to_json(),
+        emit_json({"plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,
                                  "action": o.change.action.value, "status": o.status,
                                  "error": o.error} for o in result.outcomes],
                    "residual": result.residual.to_json() if result.residual else None,
                    "probes": probe_view.to_json(result.probes),
                    "probe_seconds": round(result.probe_seconds, 4),
-                   "ok": result.ok}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+                   "ok": result.ok})
     else:
         sys.stdout.write(render_text(result.plan, colour=colour(args),
                                      verbose=args.verbose > 0))
@@ -309,12 +309,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failures = probe_failures(results)
     ok = config_ok and not failures
     if args.output == "json":
-        json.dump({"ok": ok,
+        emit_json({"ok": ok,
                    "config": {"ok": config_ok,
                               "changes": [c.to_json() for c in (*plan.actionable,
                                                                 *plan.conflicts)]},
-                   "probes": probe_view.to_json(results)}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+                   "probes": probe_view.to_json(results)})
         for e in plan.errors:  # not a change: said where people look, the JSON stays as it is
             print(f"error: {e}", file=sys.stderr)
         return EXIT_OK if ok else EXIT_ERROR
@@ -451,8 +450,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     live = Observer().observe(DesiredState())
     doc = show.view(live, vantage_present(live.host_id))
     if args.output == "json":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        emit_json(doc)
     else:
         sys.stdout.write(show.text(doc))
     return EXIT_OK
@@ -525,8 +523,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     doc = status.fetch(args.addr)
     if args.output == "json":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        emit_json(doc)
     else:
         sys.stdout.write(status.render(doc))
     return EXIT_OK if status.healthy_doc(doc) else EXIT_ERROR

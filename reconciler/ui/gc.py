@@ -7,13 +7,12 @@ reason; ``-v`` adds the ops); the vantage and stale files follow as
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import TextIO
 
 from reconciler.domain.plan import Plan
 from reconciler.engine.gc import GcResult
-from reconciler.ui.render import EXIT_CHANGES, EXIT_ERROR, EXIT_OK, render_text
+from reconciler.ui.render import EXIT_CHANGES, EXIT_ERROR, EXIT_OK, emit_json, render_text
 
 
 def exit_code(result: GcResult) -> int:
@@ -86,5 +85,4 @@ def to_json(result: GcResult) -> dict[str, object]:
 
 
 def write_json(result: GcResult, out: TextIO) -> None:
-    json.dump(to_json(result), out, indent=2)
-    out.write("\n")
+    emit_json(to_json(result), out)
