@@ -133,3 +133,20 @@ def test_foreign_look_alikes_are_never_deleted(host_ns: Netns, tmp_path):
         assert now["lladdr"] == entry["lladdr"] and extern_learn(now) == extern_learn(entry)
     r = host_ns.reconcile("plan", path)
     assert r.rc == 0 and "No changes." in r.out, r.all
+
+
+def test_an_entry_the_plan_replaces_becomes_ours_and_goes_with_its_allocation(host_ns: Netns,
+                                                                             tmp_path):
+    keep, gone = ids(2)
+    apply_ok(host_ns, config(tmp_path, [{"id": keep}, {"id": gone}]))
+    ip = v4_of(gone)
+    # someone's plain entry with another MAC: the plan points it at the allocation's
+    host_ns.run("ip", "neigh", "replace", ip, "lladdr", "02:00:5e:10:00:01", "dev", BRIDGE,
+                "nud", "stale")
+    assert not extern_learn(table(host_ns.name, BRIDGE)[ip])
+    apply_ok(host_ns, config(tmp_path, [{"id": keep}, {"id": gone}]))
+    entry = table(host_ns.name, BRIDGE)[ip]
+    assert entry["lladdr"] == alloc_mac(gone) and extern_learn(entry), entry
+    assert entry.get("protocol") == OUR_PROTO, entry
+    apply_ok(host_ns, config(tmp_path, [{"id": keep}], "one.yaml"))
+    assert ip not in table(host_ns.name, BRIDGE)
