@@ -62,6 +62,10 @@ class LiveNeighbour:
     address: str  # the IP address, as ``ipaddress`` prints it
     mac: str
     permanent: bool  # NUD_PERMANENT: someone pinned it (``ip neigh add ... permanent``)
+    #: NTF_EXT_LEARNED: made by a control plane (``extern_learn``), exempt from the kernel's
+    #: GC, so never collected by it; ours carry it (and ``protocol``)
+    extern_learn: bool = False
+    protocol: int = 0  # NDA_PROTOCOL (0: none), ``ownership.NEIGH_PROTO`` on ours
 
 
 @dataclass(frozen=True)

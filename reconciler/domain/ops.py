@@ -169,6 +169,22 @@ class NeighReplace(_TypedOp):
 
 
 @dataclass(frozen=True)
+class NeighDelete(_TypedOp):
+    """Delete the neighbour entry of ``address`` on ``link`` (one of ours the kernel never
+    collects); gone already is fine."""
+
+    NAME: ClassVar[str] = "neigh.delete"
+    link: str
+    address: str  # an IP address, no prefix
+
+    def ip(self) -> IPAddress:
+        return ipaddress.ip_address(self.address)
+
+    def check(self) -> None:
+        self.ip()
+
+
+@dataclass(frozen=True)
 class _AddressOp(_TypedOp):
     """An address on ``link`` (here, or inside ``netns``): what adding and removing share."""
 
@@ -445,7 +461,7 @@ class ConntrackDelete(_TypedOp):
 
 
 TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
-           | LinkSetMac | NeighReplace
+           | LinkSetMac | NeighReplace | NeighDelete
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
            | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
            | DockerRemove | DockerRestore | ConntrackDelete)

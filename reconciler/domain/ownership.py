@@ -19,6 +19,12 @@ ADDR_PROTO = 0x52
 #: rtm_protocol of every route we add inside allocation namespaces.
 ROUTE_PROTO = 0x52
 
+#: NDA_PROTOCOL of every neighbour entry we make (seeded for a new allocation, or
+#: replaced; kernel >= 5.2 keeps it, ``ip neigh`` shows ``proto 82``). With the
+#: ``extern_learn`` flag they carry too, the mark that lets a plan delete one whose
+#: allocation is gone (``planner.allocs.own_neighbour``).
+NEIGH_PROTO = 0x52
+
 #: Docker label on every network we create.
 DOCKER_LABEL = "io.reconciler.managed"
 DOCKER_LABEL_VALUE = "true"
@@ -135,6 +141,17 @@ def derived_mac(prefix: bytes, name: str) -> str:
     raw = bytearray(hashlib.sha256(prefix + name.encode()).digest()[:6])
     raw[0] = (raw[0] & 0xFC) | 0x02
     return raw.hex(":")
+
+
+def in_derived_format(mac: str) -> bool:
+    """A MAC of :func:`derived_mac`'s format: locally administered, unicast (the first
+    octet's two low bits ``10``). Not a proof by itself: the kernel's random MACs have
+    that format too; never a vendor's (universally administered) address."""
+    try:
+        first = int(mac.split(":", 1)[0], 16)
+    except ValueError:
+        return False
+    return len(mac) == 17 and first & 0x03 == 0x02
 
 
 def alloc_mac(alloc_id: str) -> str:

@@ -31,6 +31,7 @@ from reconciler.domain.ops import (
     LinkSet,
     LinkSetHairpin,
     LinkSetMac,
+    NeighDelete,
     NeighReplace,
     NetnsCreate,
     NetnsDelete,
@@ -102,6 +103,8 @@ class HostOps:
                 self.netlink.set_mac(op.name, op.mac)
             case NeighReplace():
                 self.netlink.replace_neighbour(op.link, op.ip(), op.mac)
+            case NeighDelete():
+                self.netlink.delete_neighbour(op.link, op.ip())
             case AddrAdd():
                 self._add_address(op)
             case AddrDel():

@@ -97,14 +97,14 @@ class Observer:
 
     def observe_neighbours(self, desired: DesiredState,
                            links: dict[str, LiveLink]) -> tuple[LiveNeighbour, ...]:
-        """Neighbour entries on the declared bridges, when allocations are declared: an entry
-        for an allocation's address that names another MAC than its ``eth0`` is stale.
+        """Neighbour entries on the declared bridges: an entry for an allocation's address
+        that names another MAC than its ``eth0`` is stale, and one of ours for an address
+        no allocation has any more is deleted (the kernel never collects ours). Read with
+        no allocation declared too: the last ones pruned leave theirs.
 
         Not announced to the plan agent (no neighbour events are heard): it reads them
-        on every request, one dump.
+        on every request, one dump (none without a declared bridge).
         """
-        if not desired.allocs:
-            return ()
         return self.handles.netlink.dump_neighbours(
             lk.index for name in desired.bridges
             if (lk := links.get(name)) is not None and lk.kind == "bridge")

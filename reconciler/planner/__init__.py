@@ -77,8 +77,8 @@ def undeclared_adoptions(desired: DesiredState, options: PlanOptions) -> list[st
 
 # Docker networks come last: a daemon refusing one (pool overlap, ...) stops the run,
 # and must not leave the host's allocations without their sysctls and rules.
-_ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "sysctl", "firewall",
-                                      "docker_network"))}
+_ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "neighbour",
+                                      "sysctl", "firewall", "docker_network"))}
 
 
 def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | None = None,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from reconciler.domain import ownership
-from reconciler.domain.live import LiveLink, LiveNetns
+from reconciler.domain.live import LiveLink, LiveNeighbour, LiveNetns
 from reconciler.domain.model import Alloc, BridgeName, Subnet, SubnetName
 from reconciler.domain.ops import (
     AddrDel,
@@ -23,6 +23,7 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    NeighDelete,
     NeighReplace,
     NetnsCreate,
     NetnsDelete,
@@ -322,19 +323,20 @@ def mac_clashes(ctx: PlanContext) -> dict[str, str]:
 
 
 def _neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr | None, ...],
-                   mac: str | None) -> tuple[list[AttrChange], list[Op]]:
+                   mac: str | None, gone: Sequence[StaleNeighbour] = ()
+                   ) -> tuple[list[AttrChange], list[Op]]:
     """Entries of the bridge's neighbour table for the allocation's addresses that name
-    another MAC than ``mac`` (eth0's: live, or the derived one it is (re)created with).
+    another MAC than ``mac`` (eth0's: live, or the derived one it is (re)created with),
+    and ``gone``: ours of its MAC for addresses it no longer has (:func:`stale_neighbours`).
 
     Replaced, not waited out: the kernel would keep sending to the old MAC until
     the entry went stale and its probes failed (40 s and more). A permanent entry
     is someone's on purpose: a warning names it, it is left alone.
     """
+    attrs, ops = _deletions(ctx, gone)
     link = ctx.live.links.get(bridge)
     if mac is None or link is None or link.kind != "bridge":
-        return [], []
-    attrs: list[AttrChange] = []
-    ops: list[Op] = []
+        return attrs, ops
     want = {str(x) for x in addrs if x is not None}
     for n in ctx.neighbours_of(link.index, want):
         if n.mac == mac:
@@ -348,6 +350,95 @@ def _neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr 
         attrs.append(AttrChange("neighbour", f"{n.address} at {n.mac}", mac))
         ops.append(encode(NeighReplace(bridge, n.address, mac)))
     return attrs, ops
+
+
+@dataclass(frozen=True)
+class StaleNeighbour:
+    """One of our neighbour entries on a bridge for an address no allocation has there now."""
+
+    bridge: str
+    entry: LiveNeighbour
+    #: the allocation whose eth0 MAC it names (declared, or a live namespace of ours);
+    #: None when there is none any more (an orphan)
+    owner: str | None
+
+
+def own_neighbour(link: LiveLink, n: LiveNeighbour) -> bool:
+    """Did we make neighbour entry ``n``, on ``link``? Only if all of this holds, on the
+    object itself: ``link`` is a bridge of ours (our alias) and the entry is on it; it is
+    exempt from the kernel's GC (``extern_learn``: the kernel never collects it) and
+    carries our protocol (``ownership.NEIGH_PROTO``: what ``Netlink`` seeds and replaces
+    with); it is not permanent (someone's pin); its MAC has our derivation's format
+    (locally administered unicast: never a vendor's card behind the bridge).
+    """
+    return (link.kind == "bridge" and link.owned and n.index == link.index and n.extern_learn
+            and n.protocol == ownership.NEIGH_PROTO and not n.permanent
+            and ownership.in_derived_format(n.mac))
+
+
+def stale_neighbours(ctx: PlanContext, addrs: Mapping[str, tuple[IPAddr | None, IPAddr | None]]
+                     ) -> list[StaleNeighbour]:
+    """Our entries (:func:`own_neighbour`) on the declared bridges for addresses no
+    allocation has there: of one pruned, re-addressed or moved to another bridge.
+
+    The kernel never collects them (exempt from its GC), so the plan deletes them: with
+    the change of the allocation whose MAC they name (its eth0's, or derived from its id),
+    or on their own when that allocation is gone (``owner`` None). Kept: an address of a
+    declared allocation on that bridge (a wrong MAC there is :func:`_neighbour_ops`'s),
+    any address an undeclared namespace of ours still has when nothing is pruned.
+    """
+    wanted: set[tuple[str, str]] = set()
+    macs: dict[str, str] = {}
+    for aid, a in ctx.desired.allocs.items():
+        bridge = ctx.desired.subnets[a.subnet].bridge
+        wanted.update((bridge, str(x)) for x in addrs.get(aid, ()) if x is not None)
+        macs[ownership.alloc_mac(aid)] = aid
+    kept: set[str] = set()
+    for name, ns in sorted(ctx.live.netns.items()):
+        if not _owned_ns(ctx, ns):
+            continue
+        eth0 = _inner(ns, ALLOC_IFNAME)
+        if eth0 is not None and eth0.mac is not None:
+            macs.setdefault(eth0.mac, name)
+        macs.setdefault(ownership.alloc_mac(name), name)
+        if name not in ctx.desired.allocs and not ctx.options.prune:
+            kept.update(str(x.address.ip) for x in (eth0.addresses if eth0 else ()))
+    out = []
+    for bname in sorted(ctx.desired.bridges):
+        link = ctx.live.links.get(bname)
+        if link is None or f"bridge/{bname}" in ctx.blocked:
+            continue
+        out += [StaleNeighbour(bname, n, macs.get(n.mac)) for n in ctx.live.neighbours
+                if own_neighbour(link, n) and (bname, n.address) not in wanted
+                and n.address not in kept]
+    return out
+
+
+def _deletions(ctx: PlanContext, gone: Sequence[StaleNeighbour]
+               ) -> tuple[list[AttrChange], list[Op]]:
+    """The attributes and ops that delete ``gone`` (recorded as observed: a saved plan is
+    applied only while they are as it saw them)."""
+    attrs: list[AttrChange] = []
+    ops: list[Op] = []
+    for g in gone:
+        ctx.observed[f"neighbour/{g.bridge}/{g.entry.address}"] = g.entry.mac
+        attrs.append(AttrChange("neighbour", f"{g.entry.address} at {g.entry.mac}", None))
+        ops.append(encode(NeighDelete(g.bridge, g.entry.address)))
+    return attrs, ops
+
+
+def plan_orphan_neighbours(ctx: PlanContext, gone: Sequence[StaleNeighbour]) -> list[Change]:
+    """Our entries whose allocation is gone (no namespace, nothing declared of that MAC):
+    a crash between a prune and its deletions, or a namespace deleted by hand. Deleted
+    whether pruning or not, like an orphan veth: nothing is left that could use them."""
+    changes = []
+    for g in gone:
+        attrs, ops = _deletions(ctx, (g,))
+        changes.append(Change("neighbour", f"{g.bridge}/{g.entry.address}", Action.DELETE,
+                              f"orphan: ours (extern_learn, proto {ownership.NEIGH_PROTO}), "
+                              "no allocation has this address or MAC", tuple(attrs),
+                              tuple(ops)))
+    return changes
 
 
 def seen_addresses(ctx: PlanContext) -> frozenset[tuple[int | None, str]]:
@@ -407,8 +498,10 @@ def _view(ctx: PlanContext, aid: str) -> object:
 
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
                maps: list[Mapped], clash: str | None = None,
-               seen: frozenset[tuple[int | None, str]] = frozenset()) -> Change:
-    """The change of one declared allocation. ``seen``: :func:`seen_addresses`."""
+               seen: frozenset[tuple[int | None, str]] = frozenset(),
+               left: Sequence[StaleNeighbour] = ()) -> Change:
+    """The change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
+    our neighbour entries of its MAC for addresses it no longer has (deleted)."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
@@ -470,7 +563,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                  *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
                  *((AttrChange("ports", None, ports),) if ports else ()),
                  AttrChange("mac", None, derived_mac))
-        neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, derived_mac)
+        neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, derived_mac, left)
         attrs += tuple(neigh_attrs)
         made = (*stale_veth, encode(NetnsCreate(a.id, ns is not None, mark)), encode(attach),
                 encode(configure), *neigh_ops)
@@ -576,7 +669,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         if not inside_ok:
             ops.append(encode(configure))
         eth0_mac = eth0.mac  # kept, whatever it is: no churn of allocations made before
-    neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, eth0_mac)
+    neigh_attrs, neigh_ops = _neighbour_ops(ctx, a, b.name, addrs, eth0_mac, left)
     attrs_l += neigh_attrs
     ops += neigh_ops
     if not ops:
@@ -586,8 +679,10 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                   tuple(attrs_l), tuple(ops), src)
 
 
-def plan_pruned(ctx: PlanContext) -> list[Change]:
-    """Owned namespaces no file declares, and owned veths whose namespace is gone."""
+def plan_pruned(ctx: PlanContext,
+                gone: Mapping[str, Sequence[StaleNeighbour]] | None = None) -> list[Change]:
+    """Owned namespaces no file declares, and owned veths whose namespace is gone.
+    ``gone``: our bridge-side neighbour entries of each (by name), deleted with it."""
     changes: list[Change] = []
     veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
     veth_of.update({alloc_veth_name(a): a for a in ctx.desired.allocs})
@@ -607,8 +702,9 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
             continue
         ctx.observed[f"alloc/{name}"] = _view(ctx, name)
         if ctx.options.prune:
-            changes.append(Change("alloc", name, Action.DELETE, "no longer declared", (),
-                                  (encode(NetnsDelete(name)),)))
+            attrs, neigh_ops = _deletions(ctx, (gone or {}).get(name, ()))
+            changes.append(Change("alloc", name, Action.DELETE, "no longer declared",
+                                  tuple(attrs), (encode(NetnsDelete(name)), *neigh_ops)))
     for lname, lk in sorted(ctx.live.links.items()):
         if lk.kind != "veth" or not lk.owned or lname in veth_of:
             continue
@@ -621,35 +717,58 @@ def plan_pruned(ctx: PlanContext) -> list[Change]:
     return changes
 
 
-#: neighbour entries an allocation needs: its gateway's inside, its own on the bridge
-NEIGHBOURS_PER_ALLOC = 2
+def counted_neighbours(ctx: PlanContext) -> dict[int, int]:
+    """IP version -> how many entries of the declared bridges for addresses of their
+    subnets count toward the kernel's limit (neither ``extern_learn`` nor permanent)."""
+    served: dict[int, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {}
+    for s in ctx.desired.subnets.values():
+        link = ctx.live.links.get(s.bridge)
+        if link is not None and link.kind == "bridge":
+            served.setdefault(link.index, []).extend(
+                net for net in (s.cidr, s.cidr6) if net is not None)
+    out = {4: 0, 6: 0}
+    for n in ctx.live.neighbours:
+        if n.extern_learn or n.permanent:
+            continue
+        ip = ipaddress.ip_address(n.address)
+        if any(ip.version == net.version and ip in net for net in served.get(n.index, ())):
+            out[ip.version] += 1
+    return out
 
 
 def neighbour_table_warnings(ctx: PlanContext) -> None:
-    """Warn when the allocations need more neighbour entries than the kernel keeps.
+    """Warn when our allocations' neighbour entries that the kernel counts may pass its limit.
 
     The ARP and NDISC tables are one each for every namespace of the machine, and
-    ``gc_thresh3`` is a hard limit: past it, resolving a new neighbour fails
-    ("neighbour table overflow") and the packets waiting for it are dropped, so some
-    allocations are unreachable however right their configuration is (the probes of
-    1000 allocations found it: 3,431 failures at the default 1024).
+    ``gc_thresh3`` is a hard limit on the entries that count: past it, resolving a new
+    neighbour fails ("neighbour table overflow") and the packets waiting for it are
+    dropped, so some allocations are unreachable however right their configuration is
+    (the probes of 1000 allocations found it: 3,416 failures at the default 1024).
+
+    The entries this version seeds for a new allocation (its addresses on the bridge,
+    its gateways inside) are exempt (``extern_learn``, kernel >= 5.0) and do not count:
+    a first apply of any number of allocations warns of nothing. What still counts is
+    what the plan can see on the declared bridges: plain entries for the subnets'
+    addresses, seeded by an older version (whose allocations then have a plain gateway
+    entry inside too: counted twice, an upper bound) or learnt by the kernel (an address
+    added to a live allocation is not seeded). Entries inside the namespaces for one
+    another (allocations talking directly) count too and are not seen here.
     """
-    n = len(ctx.desired.allocs)
+    counted = counted_neighbours(ctx)
     for family, key in ((4, "net/ipv4/neigh/default/gc_thresh3"),
                         (6, "net/ipv6/neigh/default/gc_thresh3")):
         raw = ctx.live.sysctls.get(key)
-        if family == 6 and not any(ctx.desired.subnets[a.subnet].cidr6 is not None
-                                   for a in ctx.desired.allocs.values()):
+        if raw is None or not raw.strip().isdigit() or not counted[family]:
             continue
-        if raw is None or not raw.strip().isdigit():
-            continue
-        limit, need = int(raw), NEIGHBOURS_PER_ALLOC * n
+        limit, need = int(raw), 2 * counted[family]
         if need > limit:
             ctx.warnings.append(
-                f"{n} allocations need about {need} IPv{family} neighbour entries (one each "
-                f"side of every veth) but the kernel keeps at most {limit} for all namespaces "
-                f"({key.replace('/', '.')}): past it, traffic to some allocations is dropped "
-                f"(neighbour table overflow); raise it (and gc_thresh2) above {need}")
+                f"{counted[family]} IPv{family} neighbour entries of the allocations' bridges "
+                f"are not exempt from the kernel's GC (made by an older version, or learnt): "
+                f"with their gateways' inside up to {need}, but the kernel keeps at most "
+                f"{limit} for all namespaces ({key.replace('/', '.')}): past it, traffic to "
+                f"some allocations is dropped (neighbour table overflow); raise it (and "
+                f"gc_thresh2) above {need}")
 
 
 def plan_allocs(ctx: PlanContext) -> list[Change]:
@@ -662,9 +781,13 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     with_ports: set[SubnetName] = set()
     clashes = mac_clashes(ctx)
     seen = seen_addresses(ctx)
+    gone: dict[str | None, list[StaleNeighbour]] = {}
+    for g in stale_neighbours(ctx, addrs):
+        gone.setdefault(g.owner, []).append(g)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen)
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen,
+                            gone.get(aid, ()))
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall
@@ -673,5 +796,6 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
             with_ports.add(a.subnet)
     for sname in sorted(with_ports):
         subnet_port_rules(ctx, ctx.desired.subnets[sname])
-    changes += plan_pruned(ctx)
+    changes += plan_pruned(ctx, {k: v for k, v in gone.items() if k is not None})
+    changes += plan_orphan_neighbours(ctx, gone.get(None, ()))
     return changes

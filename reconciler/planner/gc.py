@@ -2,13 +2,16 @@
 
 Without files it collects *broken halves*, things that are garbage whatever the
 files say: an owned veth whose allocation namespace is gone, an owned allocation
-namespace that lost its veth pair, the marked empty file of a deleted namespace.
+namespace that lost its veth pair, the marked empty file of a deleted namespace
+(our neighbour entries, which the kernel never collects, are read on declared
+bridges only: without files there are none to look at).
 The firewall rules of allocations whose namespace is gone are not among them: the
 files may still declare those allocations (a namespace deleted by hand), and the
 rules hold their ``auto`` host ports; a warning names them. With files it also
 collects what a prune would remove: owned objects nothing declares any more (of this
 scope: Docker networks of another scope are never ours to remove), their rules
-included.
+and their bridge-side neighbour entries included, and our neighbour entries on the
+declared bridges whose allocation is gone.
 
 It does not carry its own copy of the ownership rules: the removals are the
 planner's own (``make_plan`` with nothing declared and pruning off gives the
@@ -40,6 +43,7 @@ from reconciler.domain.ops import (
     FirewallRestore,
     LinkDelete,
     LinkSet,
+    NeighDelete,
     NetnsDelete,
     decode,
     encode,
@@ -47,7 +51,7 @@ from reconciler.domain.ops import (
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import change_order, firewall, make_plan
-from reconciler.planner.allocs import owned_ns, veth_pair_ok
+from reconciler.planner.allocs import own_neighbour, owned_ns, veth_pair_ok
 from reconciler.planner.context import PlanOptions
 from reconciler.planner.hostlinks import KEEPS_MTU_REASON, interrupted_creation
 
@@ -115,6 +119,24 @@ def _declared_alloc(c: Change, declared: Collection[str]) -> bool:
 
 def _marked(c: Change, live: LiveState) -> bool:
     """The object ``c`` removes carries our mark itself (not only our kind of name)."""
+    return _marked_neighbours(c, live) and _marked_object(c, live)
+
+
+def _marked_neighbours(c: Change, live: LiveState) -> bool:
+    """Each neighbour entry ``c`` deletes (an orphan's, or a pruned allocation's with it)
+    is one of ours as the planner tells them (``allocs.own_neighbour``)."""
+    for op in (decode(raw) for raw in c.ops if raw.name == NeighDelete.NAME):
+        assert isinstance(op, NeighDelete)
+        link = live.links.get(op.link)
+        if link is None or not any(n.address == op.address and own_neighbour(link, n)
+                                   for n in live.neighbours):
+            return False
+    return True
+
+
+def _marked_object(c: Change, live: LiveState) -> bool:
+    if c.kind == "neighbour":
+        return bool(c.ops) and all(op.name == NeighDelete.NAME for op in c.ops)
     if c.kind == "alloc":
         ns = live.netns.get(c.name)
         return ns is not None and (owned_ns(live.host_id, ns) or
@@ -244,7 +266,8 @@ def _rules_without(family: int, live: LiveChainSet, drop: set[str],
 
 
 #: the ops a gc plan may hold
-_REMOVALS = (LinkDelete, NetnsDelete, AddrDel, DockerRemove, FirewallRestore, LinkSet)
+_REMOVALS = (LinkDelete, NetnsDelete, AddrDel, DockerRemove, FirewallRestore, LinkSet,
+             NeighDelete)
 
 
 def only_removals(plan: Plan, live: LiveState) -> None:

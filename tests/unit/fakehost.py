@@ -30,6 +30,7 @@ from reconciler.domain.ops import (
     LinkSet,
     LinkSetHairpin,
     LinkSetMac,
+    NeighDelete,
     NeighReplace,
     NetnsCreate,
     NetnsDelete,
@@ -38,7 +39,7 @@ from reconciler.domain.ops import (
     TypedOp,
     decode,
 )
-from reconciler.domain.ownership import LINK_ALIAS, alloc_ns_alias
+from reconciler.domain.ownership import LINK_ALIAS, NEIGH_PROTO, alloc_ns_alias
 from reconciler.domain.plan import Op
 from reconciler.drivers.netlink.conntrack import PROTOCOLS, Entry, IPAddress
 
@@ -147,6 +148,9 @@ class FakeHost:
         self.conntrack_deleted: list[tuple[int, str]] = []
         #: neighbour entries of the host's links
         self.neighbours: list[LiveNeighbour] = []
+        #: namespace -> the bridge of the veth pair just made into it: its configure seeds
+        #: the bridge-side neighbour entries (``Netlink.configure_inside``)
+        self._fresh: dict[str, str] = {}
         self.conntrack = FakeConntrack()
 
     # Observer interface
@@ -165,9 +169,7 @@ class FakeHost:
                          neighbours=self._neighbours(desired))
 
     def _neighbours(self, desired: DesiredState) -> tuple[LiveNeighbour, ...]:
-        """Like the real observer: entries on the declared bridges, when allocs are declared."""
-        if not desired.allocs:
-            return ()
+        """Like the real observer: entries on the declared bridges."""
         bridges = {lk.index for name, lk in self.links.items()
                    if name in desired.bridges and lk.kind == "bridge"}
         return tuple(n for n in self.neighbours if n.index in bridges)
@@ -221,7 +223,13 @@ class FakeHost:
                 index = self.links[op.link].index
                 self.neighbours = [n for n in self.neighbours
                                    if (n.index, n.address) != (index, op.address)]
-                self.neighbours.append(LiveNeighbour(index, op.address, op.mac, False))
+                self.neighbours.append(LiveNeighbour(index, op.address, op.mac, False,
+                                                     extern_learn=True,
+                                                     protocol=NEIGH_PROTO))
+            case NeighDelete():
+                link = self.links.get(op.link)
+                self.neighbours = [n for n in self.neighbours if link is None
+                                   or (n.index, n.address) != (link.index, op.address)]
             case LinkSetHairpin():
                 link = self.links[op.name]
                 assert link.master is not None, "hairpin of a link that is no bridge port"
@@ -278,6 +286,8 @@ class FakeHost:
     def _delete_link(self, name: str, netns: str | None) -> None:
         if netns is None:
             link = self.links.pop(name, None)
+            if link is not None:  # like the kernel: its neighbour entries go with it
+                self.neighbours = [n for n in self.neighbours if n.index != link.index]
             if link is not None and link.kind == "veth":  # the peer goes too
                 for ns in self.netns.values():
                     if ns.nsid == link.peer_netnsid:
@@ -301,6 +311,7 @@ class FakeHost:
             self._next_index += 1
             ns.links["eth0"] = LiveLink("eth0", 2, "veth", mtu or 1500, False, False,
                                         mac=mac or self._random_mac())
+            self._fresh[netns] = bridge
         self._next_index += 1
         self.links[veth] = LiveLink(veth, self._next_index, "veth", mtu or 1500, True, True,
                                     alias=LINK_ALIAS, master=bridge, hairpin=hairpin,
@@ -308,6 +319,14 @@ class FakeHost:
 
     def _configure(self, op: AllocConfigure) -> None:
         ns = self.netns[op.netns]
+        bridge = self.links.get(self._fresh.pop(op.netns, ""))
+        mac = ns.links["eth0"].mac
+        if bridge is not None and mac is not None:
+            # like the kernel: created, never replaced; exempt from GC and marked ours
+            have = {(n.index, n.address) for n in self.neighbours}
+            self.neighbours += [LiveNeighbour(bridge.index, str(i.ip), mac, False,
+                                              extern_learn=True, protocol=NEIGH_PROTO)
+                                for i in op.interfaces() if (bridge.index, str(i.ip)) not in have]
         ns.links["lo"] = dataclasses.replace(ns.links["lo"], up=True, alias=op.mark)
         eth0 = ns.links["eth0"]
         addrs = list(eth0.addresses)

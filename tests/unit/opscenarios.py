@@ -7,7 +7,8 @@ that change, branch ``scale18``) and for issue 14 (the firewall scripts, and the
 live fingerprints they feed, of subnet isolation and the loopback guard), and for
 issue 13 (stable MACs: bridges and eth0 made with a MAC, pins, neighbour entries;
 ``plans-before-stable-macs.json`` keeps the plans before it, which must still
-decode); ``test_ops`` checks that today's planner prints the same bytes and that every
+decode), and for issue 13 item 6 (our neighbour entries, exempt from the kernel's GC,
+deleted with their allocation or as orphans: ``neigh.delete``); ``test_ops`` checks that today's planner prints the same bytes and that every
 op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
 ``python -m tests.unit.opscenarios > tests/unit/fixtures/ops/plans.json``.
@@ -171,10 +172,17 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     host = _converged(want)
     index = host.links["br0"].index
     address = str(host.netns["a"].links["eth0"].addresses[0].address.ip)
+    host.neighbours = [n for n in host.neighbours if n.address != address]
     host.neighbours.append(LiveNeighbour(index, address, "aa:00:00:00:00:02", False))
     yield "stale neighbour entry", _plan(host, want)
     del host.links[veth]
     yield "veth gone, stale neighbour entry", _plan(host, want)
+
+    # our entries (seeded exempt from the kernel's GC) of an allocation that went by hand
+    host = _converged(want)
+    host.netns.pop("b")
+    host.links.pop(alloc_veth_name("b"))
+    yield "orphan neighbour entries", _plan(host, _state(allocs=("a",)))
 
     kind = DockerNetwork(name=DockerNetworkName("kind"), mtu=1400, labels=(("team", "x"),))
     web = DockerNetwork(name=DockerNetworkName("web"), ipv6=True,

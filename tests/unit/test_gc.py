@@ -77,9 +77,15 @@ def test_broken_halves_are_collected_whole_allocations_are_not():
     # with files that declare c only, they go too
     only_c = state(alloc("c", port(8082, 80)))
     p = gc_plan(host.observe(only_c), only_c)
+    # b's bridge-side neighbour entry (exempt from the kernel's GC) names no live allocation
     assert addresses(p) == {"alloc/a": Action.DELETE,
                             f"veth/{alloc_veth_name('b')}": Action.DELETE,
+                            "neighbour/br0/10.0.0.3": Action.DELETE,
                             "firewall/ipv4": Action.UPDATE}
+    # a's goes with its namespace
+    (gone,) = [c for c in p.actionable if c.address == "alloc/a"]
+    assert [(o.name, o.args.get("address")) for o in gone.ops][-1] == ("neigh.delete",
+                                                                       "10.0.0.2")
     fw = next(c for c in p.actionable if c.kind == "firewall")
     assert "alloc=a" in fw.reason and "alloc=b" in fw.reason and "alloc=c" not in fw.reason
 
@@ -225,7 +231,8 @@ def test_text_and_exit_codes():
     out = gc_view.text(report)
     assert f"  - veth {alloc_veth_name('b')}: orphan" in out
     assert "  - file /run/reconciler/netns-1.lock: a lock nobody holds" in out
-    assert "Gc: 2 objects (1 firewall, 1 veth) and 1 file to collect." in out
+    assert "  - neighbour br0/10.0.0.3: orphan: ours (extern_learn, proto 82)" in out
+    assert "Gc: 3 objects (1 firewall, 1 neighbour, 1 veth) and 1 file to collect." in out
     assert gc_view.exit_code(report) == 2
     assert gc_view.exit_code(GcResult(Plan(), [])) == 0
     assert gc_view.text(GcResult(Plan(), [])) == "Nothing to collect.\n"
@@ -319,8 +326,11 @@ def test_ipv6_rules_of_a_vanished_alloc_go_too(tmp_path, monkeypatch):
     host.links.pop(alloc_veth_name("b"))
     kept = state(alloc("a", port(8080, 80)), sub=subnet(cidr6="fd00::/64"))
     p = gc_plan(host.observe(kept), kept)
-    assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE}
+    assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE,
+                            "neighbour/br0/10.0.0.3": Action.DELETE,
+                            "neighbour/br0/fd00::3": Action.DELETE}
     assert collect(host, kept, tmp_path, monkeypatch).ok
+    assert sorted(n.address for n in host.neighbours) == ["10.0.0.2", "fd00::2"]
     for family in (4, 6):
         rules = host.fw[family].chains[("nat", firewall.DNAT)]
         assert not [r for r in rules if "alloc=b" in r] and [r for r in rules if "alloc=a" in r]

@@ -237,9 +237,11 @@ def test_the_last_ports_of_a_bridge_go_first_and_its_mtu_is_set_again() -> None:
     plan = make_plan(empty, host.observe(empty), PlanOptions())
     ops = [(c.kind, c.name, o.name) for c in plan.actionable for o in c.ops]
     veth_a, veth_b = alloc_veth_name("a"), alloc_veth_name("b")
-    assert ops[:5] == [("alloc", "a", "link.set"), ("alloc", "a", "netns.delete"),
+    # (with each namespace, its bridge-side neighbour entry: the kernel never collects it)
+    assert ops[:7] == [("alloc", "a", "link.set"), ("alloc", "a", "netns.delete"),
+                       ("alloc", "a", "neigh.delete"),
                        ("alloc", "b", "link.set"), ("alloc", "b", "netns.delete"),
-                       ("bridge", "br0", "link.set")]
+                       ("alloc", "b", "neigh.delete"), ("bridge", "br0", "link.set")]
     bridge = next(c for c in plan.changes if c.kind == "bridge")
     assert bridge.action is Action.UPDATE and bridge.ops[0].args == {"name": "br0", "mtu": 9000}
     assert [c.ops[0].args for c in plan.changes if c.kind == "alloc"] == [
@@ -256,8 +258,8 @@ def test_a_bridge_that_keeps_a_port_or_has_the_kernel_default_is_left_alone(case
     after = _desired((_alloc("a"),) if case == "one alloc stays" else (), mtu)
     plan = make_plan(after, host.observe(after), PlanOptions())
     assert all(c.action is not Action.UPDATE for c in plan.changes if c.kind == "bridge")
-    assert all(o.name == "netns.delete" for c in plan.changes if c.kind == "alloc"
-               for o in c.ops)
+    assert all(o.name in ("netns.delete", "neigh.delete") for c in plan.changes
+               if c.kind == "alloc" for o in c.ops)
 
 
 # ------------------------------------------------------------------ holders in /proc

@@ -40,10 +40,12 @@ from reconciler.drivers.netlink.wire import (
     IFLA_MTU,
     NDA_DST,
     NDA_LLADDR,
+    NDA_PROTOCOL,
     NFGENMSG,
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_NEWGEN,
     NFTA_TABLE,
+    NTF_EXT_LEARNED,
     NUD_NOARP,
     NUD_PERMANENT,
     RT_TABLE_MAIN,
@@ -204,7 +206,9 @@ def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:
     index, address, mac, state = entry
     if state & NUD_NOARP or mac is None:
         return None
-    return LiveNeighbour(index, address, mac, bool(state & NUD_PERMANENT))
+    proto = msg.attrs.get(NDA_PROTOCOL) or b"\0"
+    return LiveNeighbour(index, address, mac, bool(state & NUD_PERMANENT),
+                         extern_learn=bool(msg.header[3] & NTF_EXT_LEARNED), protocol=proto[0])
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:

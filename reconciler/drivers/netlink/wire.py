@@ -212,6 +212,9 @@ NDA_DST = 1
 NDA_LLADDR = 2
 
 
+NDA_PROTOCOL = 12  # u8: who made the entry (kernel >= 5.2 keeps it, ``ip neigh`` "proto")
+
+
 NUD_REACHABLE = 0x02
 
 
@@ -234,6 +237,17 @@ AF_BRIDGE = 7
 
 
 NTF_MASTER = 0x04  # ndmsg flag: an fdb entry of the bridge the port belongs to
+
+
+#: ndmsg flag (``ip neigh ... extern_learn``): the entry was learnt by a control plane, not
+#: by the kernel. Created from netlink with it, an entry is exempt from the neighbour GC
+#: (``neigh_add`` -> ``___neigh_create(..., exempt_from_gc)``, kernel >= 5.0): it does not
+#: count toward gc_thresh1/2/3 (one table per family for every namespace: 1000 allocations'
+#: entries alone passed the default 1024, so every creation ran the forced GC and lookups
+#: failed with "neighbour table overflow") and the periodic GC never removes it, while its
+#: states (STALE, DELAY, PROBE, REACHABLE) and lladdr updates from ARP/ND run as usual.
+#: What the kernel never collects we must: see ``planner.allocs`` (stale neighbours).
+NTF_EXT_LEARNED = 0x10
 
 
 #: nf_tables over NETLINK_NETFILTER: message type = (subsystem << 8) | message
