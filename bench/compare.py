@@ -171,7 +171,7 @@ def _verdict(ok: bool) -> str:
 
 
 def report(results: dict[int, dict[str, Any]], docker_res: Any, opts: argparse.Namespace) -> None:
-    w = (34, 14, 16, 9, 24)
+    w = (40, 14, 16, 9, 24)
     head = ("measure", "reconciler", "reference", "ratio", "target")
 
     def row(*cells: str) -> None:
