@@ -230,5 +230,10 @@ def test_a_declared_prefix_on_the_reserved_ipv6_pair_is_a_conflict(
     assert (f"! subnet clash: cidr6 fd18:d6bc:22af::/64 overlaps {V6_NET}, reserved for the "
             "probes' external vantage link") in r.out, r.out
     assert f"# {cfg}:4" in r.out, r.out
-    assert "conflict(s) with the prefix reserved for the probes' vantage" in r.all, r.all
     assert "Traceback" not in r.all
+    r = host_ns.reconcile("apply", cfg)
+    assert r.rc == 1, r.all
+    assert "refusing to apply: 1 conflict(s) with the prefix reserved for the probes' " \
+        "vantage" in r.err, r.all
+    assert "Traceback" not in r.all
+    assert host_ns.link("rv6r0") is None  # nothing was made
