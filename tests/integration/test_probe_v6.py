@@ -237,3 +237,25 @@ def test_a_declared_prefix_on_the_reserved_ipv6_pair_is_a_conflict(
         "vantage" in r.err, r.all
     assert "Traceback" not in r.all
     assert host_ns.link("rv6r0") is None  # nothing was made
+
+
+def test_a_vantage_link_without_ipv6_keeps_its_ipv4_paths_and_says_why_v6_is_skipped(
+        host_ns: Netns, tmp_path: object) -> None:
+    """IPv6 disabled on new links of the host (``default.disable_ipv6=1``, after the apply):
+    the vantage link cannot have its pair. The IPv4 external paths still hold, the IPv6
+    ones are skipped with the reason, none fails."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    _ns, link = _vantage(host_ns)
+    host_ns.run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+    try:
+        results = run_probes(host_ns, path, external=True, allocs={a0})
+    finally:
+        host_ns.run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=0")
+    assert failures(results) == []
+    v4, v6 = by_path(results, 4), by_path(results, 6)
+    assert v4[("external", "tcp", 18080)].ok and not v4[("external", "tcp", 18080)].skipped
+    why = f"IPv6 is disabled on the external vantage link (net.ipv6.conf.{link}.disable_ipv6=1)"
+    for key in (("external", "tcp", 18080), ("external", "udp", 15353),
+                ("direct", "tcp", 80), ("direct", "udp", 53)):
+        assert v6[key].skipped and v6[key].cause == why, v6[key]
+    assert not v6[("host", "tcp", 18080)].skipped and v6[("host", "tcp", 18080)].ok

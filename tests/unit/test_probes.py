@@ -8,6 +8,7 @@ same DNAT rules and eth0 addresses the real host would show.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import socket
 import struct
@@ -406,9 +407,9 @@ docker_networks: [{name: dn, subnet: 10.9.0.0/24, subnet6: %s}]
 
 
 def test_the_vantage_ipv6_pair_is_a_stable_ula_126_and_reserved_like_the_30():
-    import hashlib
     gid = hashlib.sha1(b"reconciler probe vantage").digest()[:5]
-    assert VANTAGE_NET6 == ipaddress.IPv6Network((b"\xfd" + gid + bytes(10), 126))
+    derived = ipaddress.IPv6Network((b"\xfd" + gid + bytes(10), 126))
+    assert derived == VANTAGE_NET6
     assert VANTAGE_NET6.is_private and not VANTAGE_NET6.is_link_local
     assert (VANTAGE6_HOST, VANTAGE6_PEER) == ("fd18:d6bc:22af::1", "fd18:d6bc:22af::2")
     want = "fd18:d6bc:22af::/126, reserved for the probes' external vantage link"
