@@ -145,7 +145,7 @@ def vantage_lock_path(host_id: str) -> str:
 class VantageLease:
     """A share of the host's external vantage, held for a prober's lifetime.
 
-    One vantage per host (its /30 can be routed on one link only), used by every prober
+    One vantage per host (its /30 and /126 route on one link only), used by every prober
     of the host at once — a ``watch`` agent's and a CLI ``verify``'s — through an
     ``flock`` on ``/run/reconciler/probe-vantage-<host>.lock``: each user holds it shared
     while it may probe; it is made, mended or removed only under the exclusive lock, which
