@@ -261,3 +261,23 @@ def test_a_vantage_link_without_ipv6_keeps_its_ipv4_paths_and_says_why_v6_is_ski
                 ("direct", "tcp", 80), ("direct", "udp", 53)):
         assert v6[key].skipped and v6[key].cause == why, v6[key]
     assert not v6[("host", "tcp", 18080)].skipped and v6[("host", "tcp", 18080)].ok
+
+
+def test_a_foreign_ip6tables_raw_drop_is_named_on_the_ipv6_external_path(
+        host_ns: Netns, tmp_path: object) -> None:
+    """raw/PREROUTING, before conntrack and the DNAT: the IPv6 external TCP probe fails
+    naming the rule; the IPv4 one and the UDP one hold, direct (held back anyway) holds."""
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    rule = ("PREROUTING", "-s", V6_PEER, "-p", "tcp", "-j", "DROP")
+    host_ns.run("ip6tables", "-t", "raw", "-I", *rule)
+    try:
+        assert f"-A PREROUTING -s {V6_PEER}/128 -p tcp -j DROP" in \
+            host_ns.run("ip6tables-save", "-t", "raw").stdout
+        results = run_probes(host_ns, path, external=True, allocs={a0})
+    finally:
+        host_ns.run("ip6tables", "-t", "raw", "-D", *rule)
+    failed = {(r.path, r.proto, r.family): r.cause for r in results if not r.ok and not r.skipped}
+    assert set(failed) == {("external", "tcp", 6)}, failed
+    assert failed[("external", "tcp", 6)] == (
+        f"a foreign rule drops it: ip6tables raw/PREROUTING: -A PREROUTING -s {V6_PEER}/128 "
+        "-p tcp -j DROP")
