@@ -757,9 +757,10 @@ def create_vantage(ns: str, link: str) -> None:
     and a default route through the host, so its connections arrive the way another
     host's do (PREROUTING, FORWARD); the same in IPv6 with the /126 ``VANTAGE_NET6``
     (``_add_ipv6``). Neither end makes addresses of its own (``addrgenmode none``: no
-    link-local address, so no DAD, MLD or router solicitation of it), the pair is
-    ``nodad`` (usable at once) and the neighbours are permanent entries, so nothing but
-    the probes crosses the link. Made with ``ip -batch`` runs: it is opt-in and
+    link-local address, so no DAD or router solicitation), the pair is ``nodad``
+    (usable at once) and the neighbours are permanent entries: apart from the probes,
+    only the kernel's MLD reports (from ``::``, for the pair's solicited-node groups)
+    cross the link. Made with ``ip -batch`` runs: it is opt-in and
     made once per host, where the netlink driver has no veth without a bridge (its veths
     are made attached, as an allocation's, and this driver may not call it). The caller
     holds the vantage's lock exclusively and removed what was there (``remove_vantage``);
