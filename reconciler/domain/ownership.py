@@ -71,8 +71,9 @@ def probe_vantage_names(host_id: str) -> tuple[str, str]:
 
     Per host (the network namespace we act on), so the host and its sandboxes each have
     their own and a crash's leftover is found again by the next run of the same host.
-    One per host, not one per prober: the link's /30 (``domain.probes.VANTAGE_NET``) can be
-    routed on one link only; several probers of a host share it under a lock
+    One per host, not one per prober: the link's /30 and /126
+    (``domain.probes.VANTAGE_NETS``) can be routed on one link only; several probers of a
+    host share it under a lock
     (``engine.probes.VantageLease``).
     """
     return (f"rcprobe-{host_id}",

@@ -40,6 +40,20 @@ VANTAGE_HOST = str(VANTAGE_NET.network_address + 1)
 VANTAGE_PEER = str(VANTAGE_NET.network_address + 2)
 #: what a declared prefix that overlaps ``VANTAGE_NET`` is told it overlaps
 VANTAGE_RESERVED = f"{VANTAGE_NET}, reserved for the probes' external vantage link"
+#: the vantage link's IPv6 pair, so IPv6 maps are probed from outside too: host ::1, vantage
+#: ::2 of a /126 (::0, the subnet-router anycast, is not used, as .0 of the /30 is not).
+#: Link-local fe80::/10 cannot stand in for another host: the kernel refuses to forward a
+#: packet with a link-local source (and NAT to one), so it would never reach an allocation.
+#: A unique-local (RFC 4193) prefix whose 40-bit global ID is the first 40 bits of
+#: SHA-1("reconciler probe vantage") instead: fixed, so every host and plan reserves the
+#: same prefix with no state, and random-looking, so it meets nobody's ULA by accident.
+VANTAGE_NET6 = ipaddress.IPv6Network("fd18:d6bc:22af::/126")
+VANTAGE6_HOST = str(VANTAGE_NET6.network_address + 1)
+VANTAGE6_PEER = str(VANTAGE_NET6.network_address + 2)
+VANTAGE6_RESERVED = f"{VANTAGE_NET6}, reserved for the probes' external vantage link"
+#: both, for the address space (the same reservation per family)
+VANTAGE_NETS: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = (
+    (VANTAGE_NET, VANTAGE_RESERVED), (VANTAGE_NET6, VANTAGE6_RESERVED))
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,11 @@ from reconciler.domain.errors import DriverError
 from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS, alloc_veth_name
 from reconciler.domain.probes import (
     PROBE_PORTS,
+    VANTAGE6_HOST,
+    VANTAGE6_PEER,
     VANTAGE_HOST,
     VANTAGE_NET,
+    VANTAGE_NET6,
     VANTAGE_PEER,
     ProbeSpec,
 )
@@ -752,8 +755,12 @@ def create_vantage(ns: str, link: str) -> None:
 
     The host end has ``VANTAGE_HOST``/30, the namespace's ``eth0`` ``VANTAGE_PEER``/30
     and a default route through the host, so its connections arrive the way another
-    host's do (PREROUTING, FORWARD). Neither end makes IPv6 addresses (nothing on the
-    wire the files do not declare). Made with ``ip -batch`` runs: it is opt-in and
+    host's do (PREROUTING, FORWARD); the same in IPv6 with the /126 ``VANTAGE_NET6``
+    (``_add_ipv6``). Neither end makes addresses of its own (``addrgenmode none``: no
+    link-local address, so no DAD or router solicitation), the pair is ``nodad``
+    (usable at once) and the neighbours are permanent entries: apart from the probes,
+    only the kernel's MLD reports (from ``::``, for the pair's solicited-node groups)
+    cross the link. Made with ``ip -batch`` runs: it is opt-in and
     made once per host, where the netlink driver has no veth without a bridge (its veths
     are made attached, as an allocation's, and this driver may not call it). The caller
     holds the vantage's lock exclusively and removed what was there (``remove_vantage``);
@@ -785,10 +792,47 @@ def create_vantage(ns: str, link: str) -> None:
     except DriverError:
         remove_vantage(ns, link)
         raise
+    with contextlib.suppress(DriverError):
+        _add_ipv6(ns, link)
 
 
-def _alias(*args: str) -> str | None:
-    """``ifalias`` of one link (``ip -j link show``), "" when it has none, None if absent."""
+def _add_ipv6(ns: str, link: str) -> None:
+    """The vantage link's IPv6 pair, after its IPv4 side: a host without IPv6 (or with it
+    disabled on new links) keeps an IPv4 vantage, and its IPv6 maps' external paths say
+    why they are skipped (``vantage_ipv6_missing``) instead of every external probe failing."""
+    if not os.path.isdir("/proc/sys/net/ipv6"):
+        return
+    _ip(batch="\n".join((
+        f"addr add {VANTAGE6_HOST}/{VANTAGE_NET6.prefixlen} dev {link} nodad",
+        f"neigh replace {VANTAGE6_PEER} lladdr {VANTAGE_PEER_MAC} dev {link} nud permanent",
+        "")))
+    _ip("-n", ns, batch="\n".join((
+        f"addr add {VANTAGE6_PEER}/{VANTAGE_NET6.prefixlen} dev eth0 nodad",
+        f"neigh replace {VANTAGE6_HOST} lladdr {VANTAGE_HOST_MAC} dev eth0 nud permanent",
+        f"route add default via {VANTAGE6_HOST}", "")))
+
+
+def vantage_ipv6_missing(link: str) -> str | None:
+    """Why the vantage has no IPv6 pair to probe from, or None when it has: its host end
+    carries ``VANTAGE6_HOST`` (one ``ip -j`` call; the namespace's end failing shows as
+    the probes' own failure, "network unreachable")."""
+    if not os.path.isdir("/proc/sys/net/ipv6"):
+        return "no IPv6 in this kernel (the external vantage link has no IPv6 pair)"
+    try:
+        with open(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6", encoding="ascii") as fh:
+            if fh.read().strip() == "1":
+                return (f"IPv6 is disabled on the external vantage link "
+                        f"(net.ipv6.conf.{link}.disable_ipv6=1)")
+    except OSError:
+        pass  # the link went meanwhile: the look below says so
+    here = _json("-j", "-6", "addr", "show", "dev", link) or []
+    if not any(a.get("local") == VANTAGE6_HOST for lk in here for a in lk.get("addr_info", ())):
+        return f"the external vantage link has no IPv6 address ({VANTAGE6_HOST} is not on {link})"
+    return None
+
+
+def _json(*args: str) -> list[dict[str, Any]] | None:
+    """What ``ip ARGS`` (with ``-j``) prints, parsed; None when it fails."""
     try:
         p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
                            check=False)
@@ -797,8 +841,16 @@ def _alias(*args: str) -> str | None:
     if p.returncode != 0:
         return None
     try:
-        links = json.loads(p.stdout or "[]")
+        out = json.loads(p.stdout or "[]")
     except ValueError:
+        return None
+    return out if isinstance(out, list) else None
+
+
+def _alias(*args: str) -> str | None:
+    """``ifalias`` of one link (``ip -j link show``), "" when it has none, None if absent."""
+    links = _json(*args)
+    if links is None:
         return None
     return str(links[0].get("ifalias", "")) if links else None
 

@@ -24,6 +24,8 @@ from reconciler.domain.model import AllocId, DesiredState
 from reconciler.domain.ownership import ALLOC_IFNAME, alloc_veth_name, probe_vantage_names
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import (
+    VANTAGE6_HOST,
+    VANTAGE6_PEER,
     VANTAGE_HOST,
     VANTAGE_PEER,
     ProbeResult,
@@ -65,9 +67,9 @@ class Prober:
         vantage, unusable = None, None
         if external:
             try:
-                vantage = self._ensure_vantage(live.host_id)
+                vantage = self._ensure_vantage(live.host_id, plan_probes.has_ipv6_maps(live))
             except DriverError as e:  # its probes fail with the reason; the others run
-                vantage, unusable = Vantage("", VANTAGE_HOST), str(e)
+                vantage, unusable = Vantage("", VANTAGE_HOST, VANTAGE6_HOST), str(e)
         exclude = () if self._lease is None else (self._lease.link,)
         specs = plan_probes.probe_specs(desired, live, allocs=allocs, vantage=vantage,
                                         host_exclude=exclude, br_netfilter=_br_netfilter())
@@ -99,15 +101,21 @@ class Prober:
             f"no external vantage namespace: {unusable}"), family=s.family) for s in lost]
         return sorted(results, key=sort_key)
 
-    def _ensure_vantage(self, host_id: str) -> Vantage:
+    def _ensure_vantage(self, host_id: str, ipv6: bool) -> Vantage:
         """Our share of the host's vantage, checked at every run: one that somebody removed
-        (or half removed) since is made again."""
+        (or half removed) since is made again. ``ipv6``: there are IPv6 maps to probe, so
+        look whether its link has its IPv6 pair (one ``ip`` call; none without them)."""
         if self._lease is None or self._lease.host_id != host_id:
             if self._lease is not None:
                 self._lease.release()
             self._lease = VantageLease(host_id)
         self._lease.ensure()
-        return Vantage(self._lease.ns, VANTAGE_HOST)
+        if not ipv6:
+            return Vantage(self._lease.ns, VANTAGE_HOST)
+        why = driver.vantage_ipv6_missing(self._lease.link)
+        if why is not None:
+            return Vantage(self._lease.ns, VANTAGE_HOST, None, no6=why)
+        return Vantage(self._lease.ns, VANTAGE_HOST, VANTAGE6_HOST)
 
     def _result(self, s: ProbeSpec, o: driver.Outcome, cause: Cause | None) -> ProbeResult:
         seen = _sighting(o)
@@ -137,7 +145,7 @@ def vantage_lock_path(host_id: str) -> str:
 class VantageLease:
     """A share of the host's external vantage, held for a prober's lifetime.
 
-    One vantage per host (its /30 can be routed on one link only), used by every prober
+    One vantage per host (its /30 and /126 route on one link only), used by every prober
     of the host at once — a ``watch`` agent's and a CLI ``verify``'s — through an
     ``flock`` on ``/run/reconciler/probe-vantage-<host>.lock``: each user holds it shared
     while it may probe; it is made, mended or removed only under the exclusive lock, which
@@ -374,8 +382,9 @@ class Diagnosis:
             r.dst == "default" and r.gateway is not None and (":" in r.gateway) == (s.family == 6)
             for r in ns.routes)
         route_back = None
-        if s.vantage == "external" and (back := self._route(VANTAGE_PEER)) is not None:
-            route_back = (VANTAGE_PEER, back[0])
+        peer = VANTAGE_PEER if s.family == 4 else VANTAGE6_PEER
+        if s.vantage == "external" and (back := self._route(peer)) is not None:
+            route_back = (peer, back[0])
         return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
                      route_back=route_back,
                      bridge_hairpin=declared.hairpin if declared is not None else True,

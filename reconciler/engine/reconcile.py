@@ -17,7 +17,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.plan import Change, Plan
-from reconciler.domain.probes import VANTAGE_RESERVED, ProbeResult
+from reconciler.domain.probes import VANTAGE_NETS, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns
 from reconciler.engine import finish, impact
 from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
@@ -351,9 +351,10 @@ def kernel_problem(release: str) -> str | None:
 
 def conflicts_line(reasons: Sequence[str]) -> str:
     """``N conflict(s) with …``: objects the reconciler does not own, or — when every one
-    is a prefix on the probes' reserved /30 and nothing else — that reservation (nothing
-    foreign is in the way then, and saying so would send people looking for it)."""
+    is a prefix on the probes' reserved /30 or /126 and nothing else — that reservation
+    (nothing foreign is in the way then, and saying so would send people looking for it)."""
     parts = [p for r in reasons for p in r.split("; ")]
-    if parts and all(p.endswith("overlaps " + VANTAGE_RESERVED) for p in parts):
+    if parts and all(any(p.endswith("overlaps " + why) for _net, why in VANTAGE_NETS)
+                     for p in parts):
         return f"{len(reasons)} conflict(s) with the prefix reserved for the probes' vantage"
     return f"{len(reasons)} conflict(s) with objects the reconciler does not own"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from reconciler.domain.docker import sort_duplicates
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
-from reconciler.domain.probes import VANTAGE_NET, VANTAGE_RESERVED
+from reconciler.domain.probes import VANTAGE_NETS
 from reconciler.planner import firewall
 from reconciler.planner.hostspace import (
     IPAddr,
@@ -224,7 +224,8 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         taken.add(span_of(occ.net))
     for pr in unassigned_pools(live):
         taken.add((pr.version, pr.first, pr.last))
-    taken.add(span_of(VANTAGE_NET))  # the probes' external vantage link
+    for vnet, _why in VANTAGE_NETS:  # the probes' external vantage link (its /30, /126)
+        taken.add(span_of(vnet))
     for lk in live.links.values():  # owned prefixes, also of subnets being pruned (--no-prune)
         for a in lk.addresses:
             if a.owned and lk.owned:
@@ -352,8 +353,8 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     for address, name, field, net, is_docker in _declared(desired):
         span = span_of(net)
         hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
-        if net.version == 4 and net.overlaps(VANTAGE_NET):
-            hits.append(VANTAGE_RESERVED)
+        hits += [why for vnet, why in VANTAGE_NETS
+                 if vnet.version == net.version and net.overlaps(vnet)]
         auto = " (auto)" if field in picked.get(address, {}) else ""
         if hits:
             reasons.setdefault(address, []).append(

@@ -24,13 +24,14 @@ is none: the gateway is local too, and the DNAT rules match any local
 destination); skipped for a 127.0.0.1-only map. ``external`` (opt-in): a
 namespace of ours through the host address on its link (or ``host_ip``);
 ``direct``: that namespace straight to the allocation's address and container
-port, expected reached only with ``isolation: open``.
+port, expected reached only with ``isolation: open``. Both for IPv4 and IPv6
+maps: the link has a /30 and a /126 (``domain.probes.VANTAGE_NET6``).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveNetns, LiveState
@@ -47,10 +48,16 @@ IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 @dataclass(frozen=True)
 class Vantage:
-    """The external vantage namespace: its name and the host's address on its link."""
+    """The external vantage namespace: its name and the host's addresses on its link.
+
+    ``host6`` is None when the link has no IPv6 pair (a host without IPv6, or the link's
+    ``disable_ipv6``): the IPv6 maps' external paths are then skipped with ``no6``.
+    """
 
     netns: str
     host4: str
+    host6: str | None = None
+    no6: str = "the external vantage link has no IPv6 address"
 
 
 # ------------------------------------------------------------------ targets from live state
@@ -237,17 +244,38 @@ def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
     else:
         out.append(spec("hairpin", "alloc", host_dst or _gateway(desired, a, family),
                         expect=hairpin))
-    if vantage is not None and family == 4:
-        if loopback_only:
-            out.append(spec("external", "external", None, skipped=only))
-        else:
-            out.append(spec("external", "external",
-                            str(m.host_ip) if m.host_ip is not None else vantage.host4))
-        s = desired.subnets.get(a.subnet)
-        if s is not None:
-            out.append(spec("direct", "external", addrs.get(4), dport=m.to,
-                            expect=s.isolation == "open"))
+    if vantage is not None:
+        out += _external_specs(desired, a, family, m, addrs, vantage, spec)
     return out
+
+
+def _external_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
+                    addrs: dict[int, str], vantage: Vantage,
+                    spec: Callable[..., ProbeSpec]) -> list[ProbeSpec]:
+    """``external`` through the map and ``direct`` to the allocation's own address, from the
+    vantage's address of the map's family (its /30 or its /126): the same paths and
+    expectations for IPv4 and IPv6."""
+    out: list[ProbeSpec] = []
+    host = vantage.host4 if family == 4 else vantage.host6
+    s = desired.subnets.get(a.subnet)
+    if m.host_ip is not None and m.host_ip.is_loopback:
+        out.append(spec("external", "external", None, skipped=f"published on {m.host_ip} only"))
+    elif host is None:
+        out.append(spec("external", "external", None, skipped=vantage.no6))
+    else:
+        out.append(spec("external", "external",
+                        str(m.host_ip) if m.host_ip is not None else host))
+    if s is not None:
+        out.append(spec("direct", "external", addrs.get(family), dport=m.to,
+                        skipped=vantage.no6 if host is None else None,
+                        expect=s.isolation == "open"))
+    return out
+
+
+def has_ipv6_maps(live: LiveState) -> bool:
+    """Some allocation has an IPv6 port map (a DNAT rule of ours in ip6tables): only then
+    does the vantage's IPv6 pair need looking at."""
+    return bool(live.firewall6.chains.get(("nat", firewall.DNAT)))
 
 
 # ------------------------------------------------------------------ causes

@@ -143,14 +143,16 @@ def test_every_path_is_reached_after_a_good_apply(host_ns: Netns, tmp_path: obje
         ("host", "udp", 4, 15353), ("localhost", "udp", 4, 15353), ("hairpin", "udp", 4, 15353),
         ("external", "udp", 4, 15353), ("direct", "udp", 4, 53),
         ("host", "tcp", 6, 18080), ("hairpin", "tcp", 6, 18080),
+        ("external", "tcp", 6, 18080), ("direct", "tcp", 6, 80),  # the vantage's /126
         ("host", "udp", 6, 15353), ("hairpin", "udp", 6, 15353),
+        ("external", "udp", 6, 15353), ("direct", "udp", 6, 53),
         ("localhost", "tcp", 4, 18443), ("direct", "tcp", 4, 443)}
     assert {(r.alloc, r.path) for r in results if r.alloc == a1} == {(a1, "gateway")}
     # the listeners saw each probe that claims to have arrived, from a reserved source port;
     # the direct probes (isolation: ports) did not arrive, and the probe: false map saw nothing
     counts = {(proto, port): sum(1 for p, q, _ in seen if (p, q) == (proto, port))
               for proto, port in (("tcp", 80), ("udp", 53), ("tcp", 443), ("tcp", 81))}
-    assert counts == {("tcp", 80): 6, ("udp", 53): 6, ("tcp", 443): 1, ("tcp", 81): 0}, seen
+    assert counts == {("tcp", 80): 7, ("udp", 53): 7, ("tcp", 443): 1, ("tcp", 81): 0}, seen
     assert all(PROBE_PORTS[0] <= peer <= PROBE_PORTS[1] for _p, _q, peer in seen), seen
 
 
@@ -180,9 +182,10 @@ def test_a_path_that_must_not_arrive_but_does_is_caught(host_ns: Netns,
        "tcp", "--dport", "80", "-j", "ACCEPT")
     with recording(a0, "tcp:80") as seen:
         results = probe(host_ns, path, external=True, allocs={a0})
-    direct = {(r.proto, r.port): r for r in results if r.path == "direct"}
-    assert not direct["tcp", 80].ok and not direct["tcp", 80].skipped, direct
-    assert direct["udp", 53].ok and direct["tcp", 443].ok, direct  # still held back
+    direct = {(r.proto, r.port, r.family): r for r in results if r.path == "direct"}
+    assert not direct["tcp", 80, 4].ok and not direct["tcp", 80, 4].skipped, direct
+    assert direct["udp", 53, 4].ok and direct["tcp", 443, 4].ok, direct  # still held back
+    assert direct["tcp", 80, 6].ok and direct["udp", 53, 6].ok, direct  # the rule is IPv4
     assert ("tcp", 80) in {(p, q) for p, q, _ in seen}  # it did arrive: the alloc saw it
     others = [r for r in results if r.path != "direct" and not r.ok and not r.skipped]
     assert others == []
@@ -199,7 +202,7 @@ def test_probes_that_share_a_source_port_are_still_told_apart(
     masqueraded to the gateway (hairpin, localhost), made the same conntrack reply tuple:
     the kernel moved the second one to another source port. Forced here at two
     allocations: five ports, as many as one map has probes (host, localhost, hairpin,
-    external, direct)."""
+    external, direct; an IPv6 map has four: no localhost)."""
     path, (a0, _a1) = setup(host_ns, tmp_path)
     monkeypatch.setattr(driver, "PROBE_PORTS", (61000, 61004))
     with recording(a0, "tcp:80", "udp:53", "tcp:443") as seen:
@@ -208,7 +211,7 @@ def test_probes_that_share_a_source_port_are_still_told_apart(
     # every probe arrived once, from the source port it was sent from (none moved by NAT)
     counts = {(proto, port): sum(1 for p, q, _ in seen if (p, q) == (proto, port))
               for proto, port in (("tcp", 80), ("udp", 53), ("tcp", 443))}
-    assert counts == {("tcp", 80): 6, ("udp", 53): 6, ("tcp", 443): 1}, seen
+    assert counts == {("tcp", 80): 7, ("udp", 53): 7, ("tcp", 443): 1}, seen
     assert all(61000 <= peer <= 61004 for _p, _q, peer in seen), seen
 
 

@@ -8,6 +8,7 @@ same DNAT rules and eth0 addresses the real host would show.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import socket
 import struct
@@ -31,7 +32,10 @@ from reconciler.domain.plan import Action, Change, Op, Plan
 from reconciler.domain.probes import (
     PATHS,
     PROBE_PORTS,
+    VANTAGE6_HOST,
+    VANTAGE6_PEER,
     VANTAGE_HOST,
+    VANTAGE_NET6,
     ProbeResult,
     ProbeSpec,
     sort_key,
@@ -40,6 +44,7 @@ from reconciler.drivers import probe as driver
 from reconciler.drivers.netlink import conntrack
 from reconciler.drivers.netlink.wire import parse_attrs
 from reconciler.engine import probes as probes_engine
+from reconciler.engine.reconcile import conflicts_line
 from reconciler.planner import addrspace
 from reconciler.planner.probes import (
     Facts,
@@ -163,6 +168,66 @@ def test_external_paths_follow_the_isolation():
                if s.vantage == "external"]
         assert ext == [("external", "external", VANTAGE_HOST, 8080, True),
                        ("direct", "external", "10.0.0.2", 80, reached)]
+
+
+def test_ipv6_maps_are_probed_from_outside_with_the_ipv4_semantics():
+    """external and direct for an IPv6 map too, from the vantage's /126: through the map
+    to the host's end of the link, and straight to eth0's IPv6 address (reached only with
+    isolation: open); the IPv4 ones are unchanged."""
+    for isolation, reached in (("ports", False), ("open", True)):
+        d = desired(alloc("a", pm(8080, 80), pm(5353, 53, "udp")), isolation=isolation)
+        live = applied(d).observe(d)
+        specs = probe_specs(d, live, vantage=Vantage("v", VANTAGE_HOST, VANTAGE6_HOST))
+        ext = [(s.path, s.proto, s.family, s.dst, s.dport, s.to, s.expect, s.skipped)
+               for s in specs if s.vantage == "external"]
+        assert ext == [
+            ("external", "tcp", 4, VANTAGE_HOST, 8080, 80, True, None),
+            ("direct", "tcp", 4, "10.0.0.2", 80, 80, reached, None),
+            ("external", "udp", 4, VANTAGE_HOST, 5353, 53, True, None),
+            ("direct", "udp", 4, "10.0.0.2", 53, 53, reached, None),
+            ("external", "tcp", 6, VANTAGE6_HOST, 8080, 80, True, None),
+            ("direct", "tcp", 6, "fd00::2", 80, 80, reached, None),
+            ("external", "udp", 6, VANTAGE6_HOST, 5353, 53, True, None),
+            ("direct", "udp", 6, "fd00::2", 53, 53, reached, None),
+        ]
+
+
+def test_an_ipv6_map_on_one_host_address_is_probed_from_outside_on_it():
+    d = desired(alloc("a", pm(8080, 80, host_ip="2001:db8::10")))
+    specs = probe_specs(d, applied(d).observe(d), vantage=Vantage("v", VANTAGE_HOST,
+                                                                  VANTAGE6_HOST))
+    assert [(s.path, s.family, s.dst) for s in specs if s.vantage == "external"] == [
+        ("external", 6, "2001:db8::10"), ("direct", 6, "fd00::2")]
+
+
+def test_without_an_ipv6_pair_the_ipv6_external_paths_say_why_they_are_skipped():
+    d = desired(alloc("a", pm(8080, 80)))
+    why = "IPv6 is disabled on the external vantage link (net.ipv6.conf.x.disable_ipv6=1)"
+    specs = probe_specs(d, applied(d).observe(d), vantage=Vantage("v", VANTAGE_HOST, None,
+                                                                  no6=why))
+    ext = [(s.path, s.family, s.skipped) for s in specs if s.vantage == "external"]
+    assert ext == [("external", 4, None), ("direct", 4, None),
+                   ("external", 6, why), ("direct", 6, why)]
+
+
+def test_an_ipv6_external_probe_is_classified_as_the_ipv4_one():
+    d = desired(alloc("a", pm(8080, 80)))
+    specs = probe_specs(d, applied(d).observe(d), vantage=Vantage("v", VANTAGE_HOST,
+                                                                  VANTAGE6_HOST))
+    ext6 = next(s for s in specs if s.path == "external" and s.family == 6)
+    never = Sighting(reached=False, answer="timeout")
+    off = Facts(sysctls={"net/ipv6/conf/all/forwarding": "0", "net/ipv4/ip_forward": "1"})
+    assert classify(ext6, never, off).line == \
+        "forwarding is off (net.ipv6.conf.all.forwarding=0)"
+    hit = RuleHit(6, "filter", "FORWARD", f"-A FORWARD -s {VANTAGE6_PEER}/128 -j DROP")
+    assert classify(ext6, never, Facts(hits=(hit,))).line == (
+        f"a foreign rule drops it: ip6tables filter/FORWARD: -A FORWARD -s {VANTAGE6_PEER}/128"
+        " -j DROP")
+    assert classify(ext6, never, Facts(route=(None, "unreachable"))).line == \
+        "no route to the allocation's address (unreachable)"
+    # an IPv4 rule's hit does not name an IPv6 probe's cause
+    v4 = RuleHit(4, "filter", "FORWARD", "-A FORWARD -j DROP")
+    assert "never arrived" in classify(ext6, never, Facts(hits=(v4,))).line
 
 
 def test_only_the_allocs_asked_for():
@@ -332,6 +397,42 @@ def test_the_vantage_link_is_reserved_and_so_is_its_prefix():
     d = load_text(BASE % ("169.254.250.0/29", "{host: 80, to: 80}"))
     found = addrspace.check(d, FakeHost().observe(d))
     assert "reserved for the probes' external vantage link" in found.conflicts["subnet/net"]
+
+
+BASE6 = """version: 1
+bridges: [{name: br0}]
+subnets: [{name: net, bridge: br0, cidr: 10.0.0.0/24, cidr6: %s}]
+docker_networks: [{name: dn, subnet: 10.9.0.0/24, subnet6: %s}]
+"""
+
+
+def test_the_vantage_ipv6_pair_is_a_stable_ula_126_and_reserved_like_the_30():
+    gid = hashlib.sha1(b"reconciler probe vantage").digest()[:5]
+    derived = ipaddress.IPv6Network((b"\xfd" + gid + bytes(10), 126))
+    assert derived == VANTAGE_NET6
+    assert VANTAGE_NET6.is_private and not VANTAGE_NET6.is_link_local
+    assert (VANTAGE6_HOST, VANTAGE6_PEER) == ("fd18:d6bc:22af::1", "fd18:d6bc:22af::2")
+    want = "fd18:d6bc:22af::/126, reserved for the probes' external vantage link"
+    d = load_text(BASE6 % ("fd18:d6bc:22af::/64", "fd00:9::/64"))
+    found = addrspace.check(d, FakeHost().observe(d))
+    assert found.conflicts == {"subnet/net": f"cidr6 fd18:d6bc:22af::/64 overlaps {want}"}
+    d = load_text(BASE6 % ("fd00:8::/64", "fd18:d6bc:22af::/120"))
+    found2 = addrspace.check(d, FakeHost().observe(d))
+    assert found2.conflicts == {
+        "docker_network/dn": f"subnet6 fd18:d6bc:22af::/120 overlaps {want}"}
+    reasons = [*found.conflicts.values(), *found2.conflicts.values()]
+    assert conflicts_line(reasons) == \
+        "2 conflict(s) with the prefix reserved for the probes' vantage"
+    assert conflicts_line([*reasons, "cidr 10.0.0.0/24 overlaps address 10.0.0.9/24 on eth1"]) \
+        == "3 conflict(s) with objects the reconciler does not own"
+    # an auto pick steps over it, as over the /30
+    d = load_text("version: 1\nbridges: [{name: br0}]\nsubnets: [{name: net, bridge: br0, "
+                  "cidr: 10.0.0.0/24, cidr6: auto, pool6: 'fd18:d6bc:22af::/64', size6: 120}]\n")
+    picked = addrspace.resolve(d, FakeHost().observe(d)).desired.subnets[SubnetName("net")]
+    assert str(picked.cidr6) == "fd18:d6bc:22af::100/120"
+    # next to it is free
+    d = load_text(BASE6 % ("fd18:d6bc:22af:1::/64", "fd18:d6bc:22af::100/120"))
+    assert addrspace.check(d, FakeHost().observe(d)).conflicts == {}
 
 
 # ------------------------------------------------------------------ wire formats
