@@ -389,7 +389,10 @@ def _link_marked(directory: str, file_mark: str, path: str) -> None:
     except BaseException:
         os.close(fd)
         raise
-    _templates[key] = fd
+    if _mark_of(fd) == file_mark:
+        _templates[key] = fd
+    else:  # the mark is best effort: one that did not take is not shared with later files
+        os.close(fd)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -404,6 +407,13 @@ def set_file_mark(fd: int, mark: str) -> None:
     """Tag a /run/netns file (tmpfs keeps trusted.* xattrs); best effort elsewhere."""
     with contextlib.suppress(OSError):
         os.setxattr(fd, FILE_MARK_XATTR, mark.encode())
+
+
+def _mark_of(fd: int) -> str | None:
+    try:
+        return os.getxattr(fd, FILE_MARK_XATTR).decode(errors="replace")
+    except OSError:
+        return None
 
 
 def file_mark(name: str) -> str | None:

@@ -157,6 +157,21 @@ def test_marked_namespace_files_share_one_inode_and_each_takes_its_own_mount(
     assert netns.delete(c) is True
 
 
+def test_a_mark_that_did_not_take_is_not_shared_with_the_next_file(
+        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mark is best effort (an xattr): a file it did not take on must not become the
+    one the next namespaces of this process share, or all of them would be unmarked."""
+    mark = f"host-{sandbox.ns('u')}"
+    a, b = sandbox.ns("ua"), sandbox.ns("ub")
+    monkeypatch.setattr(netns, "set_file_mark", lambda fd, value: None)
+    assert netns.create(a, file_mark=mark) is True
+    monkeypatch.undo()
+    assert netns.create(b, file_mark=mark) is True
+    assert netns._libc.umount2(f"/run/netns/{b}".encode(), netns.MNT_DETACH) == 0
+    assert netns.file_mark(b) == mark
+    assert netns.delete(a) is True and netns.delete(b) is True
+
+
 def test_a_creator_killed_before_the_file_has_its_name_leaves_nothing(
         sandbox: Sandbox) -> None:
     """SIGKILL of a process in ``netns.create`` after the file was made and marked but
