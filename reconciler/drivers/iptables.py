@@ -115,8 +115,11 @@ class IptablesDriver:
             unavailable = LiveChainSet(available=False, error=f"{self.save_cmd} is not installed")
             return lambda: unavailable
         try:
+            # surrogateescape: someone's rule comment need not be UTF-8 (it is written
+            # back byte for byte by restore, which encodes the same way)
             proc = subprocess.Popen([self.save_cmd], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    errors="surrogateescape")
         except OSError as exc:
             failed = LiveChainSet(available=False, error=f"{self.save_cmd}: {exc}")
             return lambda: failed
@@ -139,7 +142,8 @@ class IptablesDriver:
         """Apply a ``--noflush`` restore script as one transaction."""
         try:
             out = subprocess.run([self.restore_cmd, "--noflush", "--wait", RESTORE_WAIT_SECONDS],
-                                 input=script, capture_output=True, text=True, timeout=60)
+                                 input=script, capture_output=True, text=True,
+                                 errors="surrogateescape", timeout=60)
         except FileNotFoundError:
             raise PreconditionError(f"{self.restore_cmd} is not installed") from None
         except subprocess.TimeoutExpired:
@@ -213,7 +217,8 @@ def check_backend_mismatch(family: int = 4) -> str | None:
     if shutil.which(other_save) is None:
         return None
     try:
-        out = subprocess.run([other_save], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([other_save], capture_output=True, text=True,
+                             errors="surrogateescape", timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:

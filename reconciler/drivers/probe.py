@@ -702,7 +702,7 @@ def save_counters(family: int) -> str | None:
     cmd = "iptables-save" if family == 4 else "ip6tables-save"
     try:
         p = subprocess.run([cmd, "-c"], capture_output=True, text=True, timeout=30,
-                           check=False)
+                           errors="surrogateescape", check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return p.stdout if p.returncode == 0 else None

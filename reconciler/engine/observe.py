@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -58,9 +59,12 @@ class Observer:
                 **self.observe_docker_parts(desired),
                 **self.observe_unannounced(desired),
             }
-        finally:
-            firewall = [finish() for finish in saves]  # each waits for its save
-        fields["firewall4"], fields["firewall6"] = firewall
+        except BaseException:
+            for finish in saves:  # no save left running or unreaped behind the error
+                with contextlib.suppress(Exception):
+                    finish()
+            raise
+        fields["firewall4"], fields["firewall6"] = (finish() for finish in saves)
         return dataclasses.replace(LiveState(), **fields)
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:

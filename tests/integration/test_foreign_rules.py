@@ -1,0 +1,42 @@
+"""Someone else's rules are read and written back byte for byte, whatever their bytes."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import Netns, unique, write
+
+
+def _save(ns: Netns) -> bytes:
+    return subprocess.run(["ip", "netns", "exec", ns.name, "iptables-save"],
+                          capture_output=True, check=True, timeout=60).stdout
+
+
+def test_a_foreign_rule_comment_that_is_not_utf8_is_no_internal_error(host_ns: Netns,
+                                                                       tmp_path) -> None:
+    """A rule comment of bytes that are not UTF-8 (``iptables -m comment --comment
+    $'caf\\xe9'``) made every observation an "internal error: UnicodeDecodeError"; now
+    plan and apply work around it and leave it as it was (``iptables-save``'s bytes)."""
+    comment = b"caf\xe9 by another tool"
+    subprocess.run([b"ip", b"netns", b"exec", host_ns.name.encode(), b"iptables", b"-A",
+                    b"FORWARD", b"-m", b"comment", b"--comment", comment, b"-j", b"ACCEPT"],
+                   check=True, timeout=60)
+    before = _save(host_ns)
+    assert comment in before
+    alloc, bridge = unique("f"), unique("fb")[:15]
+    cfg = write(tmp_path, "f.yaml", f"""version: 1
+bridges: [{{name: {bridge}}}]
+subnets: [{{name: fr, bridge: {bridge}, cidr: 10.219.0.0/24}}]
+allocs:
+  - {{id: {alloc}, subnet: fr, ports: [{{host: 18080, to: 80}}]}}
+""")
+    plan = host_ns.reconcile("plan", cfg, "--no-agent")
+    assert plan.rc == 2 and "internal error" not in plan.all, plan.all
+    applied = host_ns.reconcile("apply", cfg, "--no-probe")
+    assert applied.rc == 0, applied.all
+    after = _save(host_ns)
+    foreign = [line for line in before.splitlines() if comment in line]
+    assert foreign and all(line in after.splitlines() for line in foreign)
+    again = host_ns.reconcile("plan", cfg, "--no-agent")
+    assert again.rc == 0, again.all
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
