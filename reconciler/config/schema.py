@@ -65,15 +65,16 @@ def _pregenerated() -> Callable[[Any], Any] | None:
     """The check ``scripts/gen-schema-check.py`` generated (``config/schema_check.py``),
     while it is of this schema: compiling the schema costs ~50 ms of every run.
 
-    None when it is stale (the schema changed since) or will not import (another
-    fastjsonschema): then the schema is compiled as before.
+    None when it is stale (the schema changed since), made by another fastjsonschema
+    than the one installed, or will not import: then the schema is compiled as before.
     """
     try:
         from reconciler.config import schema_check  # noqa: PLC0415 (only when needed)
     except Exception:
         return None
     raw = resources.files("reconciler").joinpath("schemas/reconciler.schema.json").read_bytes()
-    if hashlib.sha256(raw).hexdigest() != schema_check.SCHEMA_SHA256:
+    if (hashlib.sha256(raw).hexdigest() != schema_check.SCHEMA_SHA256
+            or getattr(schema_check, "VERSION", None) != fastjsonschema.VERSION):
         return None
     validate: Callable[[Any], Any] = schema_check.validate
     return validate
