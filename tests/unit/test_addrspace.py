@@ -783,3 +783,40 @@ def test_the_probe_reads_what_a_daemon_may_answer(tmp_path, monkeypatch, answer,
         assert listing.answered and len(listing.networks) == networks
     else:
         assert not listing.answered and error in (listing.error or ""), listing.error
+
+
+def test_the_probe_does_not_wait_for_a_daemon_that_keeps_the_connection(tmp_path, monkeypatch):
+    """A complete answer (its Content-Length) is enough: a daemon that keeps the
+    connection open must not cost the timeout and read as unreachable."""
+    import socket
+    import threading
+    import time
+
+    path = str(tmp_path / "docker.sock")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        body = b'[{"Name": "x"}]'
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        done.wait(10)  # kept open
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        listing = probe.list_networks(timeout=5.0)
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        t.join(5)
+        server.close()
+    assert listing is not None and listing.answered, listing
+    assert [n["Name"] for n in listing.networks] == ["x"]
+    assert took < 4.0  # not the timeout (a bound, not a speed figure)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,28 +38,50 @@ MAX_ANSWER = 64 << 20
 
 
 def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
-    """(status, body) of one ``GET target`` over the unix socket ``path``, HTTP/1.0.
+    """(status, body) of one ``GET target`` over the unix socket ``path``, HTTP/1.0,
+    within ``timeout`` seconds in all.
 
     Not ``http.client``: it imports ``ssl`` and ``email`` (~12 ms of every run) for one
-    request whose answer is a status line, a few headers and a body the daemon ends by
-    closing (an HTTP/1.0 request is never answered with a persistent connection; a
-    chunked body is decoded all the same).
+    request whose answer is a status line, a few headers and a body. Read until the body
+    is complete (its Content-Length, or the last chunk of a chunked one) or the daemon
+    closes (an HTTP/1.0 request is answered without a persistent connection, but one
+    kept open must not cost the timeout).
     """
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
+        sock.settimeout(timeout)
         sock.connect(path)
         sock.sendall(f"GET {target} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
-        parts: list[bytes] = []
-        size = 0
-        while chunk := sock.recv(1 << 16):
-            parts.append(chunk)
-            size += len(chunk)
-            if size > MAX_ANSWER:
+        data = bytearray()
+        while not _complete(data):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_ANSWER:
                 raise _BadAnswer(f"answer larger than {MAX_ANSWER} bytes")
     finally:
         sock.close()
-    head, sep, body = b"".join(parts).partition(b"\r\n\r\n")
+    if not data:  # hung up before a word: a daemon going away
+        raise ConnectionResetError("closed the connection without an answer")
+    status, headers, body = _split(bytes(data))
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _unchunk(body)
+    elif (length := headers.get(b"content-length", b"")).isdigit():
+        if len(body) < int(length):
+            raise _BadAnswer("answer cut short")
+        body = body[:int(length)]
+    return status, body
+
+
+def _split(data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """(status, headers by lower-case name, body) of an answer; _BadAnswer if it is none."""
+    head, sep, body = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     status = lines[0].split(None, 2)
     if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") \
@@ -66,13 +89,27 @@ def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
         raise _BadAnswer("no HTTP answer")
     headers = {k.strip().lower(): v.strip() for k, _, v in
                (line.partition(b":") for line in lines[1:])}
+    return int(status[1]), headers, body
+
+
+def _complete(data: bytearray) -> bool:
+    """Whether ``data`` holds a whole answer already (else: read on, or to the end)."""
+    if b"\r\n\r\n" not in data:
+        return False
+    try:
+        _status, headers, body = _split(bytes(data))
+    except _BadAnswer:
+        return False
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-        body = _unchunk(body)
-    elif (length := headers.get(b"content-length", b"")).isdigit():
-        if len(body) < int(length):
-            raise _BadAnswer("answer cut short")
-        body = body[:int(length)]
-    return int(status[1]), body
+        if not body.endswith(b"0\r\n\r\n"):
+            return False
+        try:
+            _unchunk(body)
+        except _BadAnswer:
+            return False
+        return True
+    length = headers.get(b"content-length", b"")
+    return length.isdigit() and len(body) >= int(length)
 
 
 def _unchunk(data: bytes) -> bytes:
@@ -132,7 +169,9 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
         where = os.environ.get("DOCKER_HOST") or f"unix://{DEFAULT_SOCKET}"
         return Listing(False, error=f"docker daemon unreachable at {where}: connection refused",
                        refused=True)
-    except (OSError, _BadAnswer, ValueError) as exc:
+    except _BadAnswer as exc:
+        return Listing(False, error=f"docker: listing networks: bad answer from {path}: {exc}")
+    except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return Listing(False, error=f"docker daemon unreachable at {path}: {why}")
     if not isinstance(listed, list):
