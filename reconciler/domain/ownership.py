@@ -144,17 +144,6 @@ def derived_mac(prefix: bytes, name: str) -> str:
     return raw.hex(":")
 
 
-def in_derived_format(mac: str) -> bool:
-    """A MAC of :func:`derived_mac`'s format: locally administered, unicast (the first
-    octet's two low bits ``10``). Not a proof by itself: the kernel's random MACs have
-    that format too; never a vendor's (universally administered) address."""
-    try:
-        first = int(mac.split(":", 1)[0], 16)
-    except ValueError:
-        return False
-    return len(mac) == 17 and first & 0x03 == 0x02
-
-
 def alloc_mac(alloc_id: str) -> str:
     """The MAC of an allocation's ``eth0``: whoever caches it (the bridge's neighbour
     entry, a client's) stays right when ``eth0`` is re-created."""

@@ -368,12 +368,15 @@ def own_neighbour(link: LiveLink, n: LiveNeighbour) -> bool:
     object itself: ``link`` is a bridge of ours (our alias) and the entry is on it; it is
     exempt from the kernel's GC (``extern_learn``: the kernel never collects it) and
     carries our protocol (``ownership.NEIGH_PROTO``: what ``Netlink`` seeds and replaces
-    with); it is not permanent (someone's pin); its MAC has our derivation's format
-    (locally administered unicast: never a vendor's card behind the bridge).
+    with; no other control plane uses 82); it is not permanent (someone's pin).
+
+    Not its MAC: the kernel updates an entry's lladdr from ARP and NDP and keeps its
+    flags and protocol, so an allocation whose eth0 took another MAC (a vendor's, say)
+    would otherwise leave an entry nobody collects (the review saw it outlive a prune).
+    The MAC only says whose change deletes it (:func:`stale_neighbours`).
     """
     return (link.kind == "bridge" and link.owned and n.index == link.index and n.extern_learn
-            and n.protocol == ownership.NEIGH_PROTO and not n.permanent
-            and ownership.in_derived_format(n.mac))
+            and n.protocol == ownership.NEIGH_PROTO and not n.permanent)
 
 
 def stale_neighbours(ctx: PlanContext, addrs: Mapping[str, tuple[IPAddr | None, IPAddr | None]]

@@ -31,11 +31,11 @@ are kept for it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from reconciler.domain.docker import network_scope
 from reconciler.domain.errors import PlanError
-from reconciler.domain.live import LiveChainSet, LiveState
+from reconciler.domain.live import LiveChainSet, LiveNeighbour, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import (
     AddrDel,
@@ -78,8 +78,10 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
     errors: list[str] = []
     # what the planner removes whatever is declared: its warnings are about declared things
     always = make_plan(DesiredState(), live, PlanOptions(prune=False))
+    entries = _entries_by_address(live)
     for c in always.changes:
-        if c.action is Action.DELETE and _marked(c, live) and not _declared_alloc(c, declared):
+        if (c.action is Action.DELETE and _marked(c, live, entries)
+                and not _declared_alloc(c, declared)):
             found[c.address] = c
     if desired is None:
         for c in _namespaces_without_veth(live, holders or {}, warnings):
@@ -96,7 +98,8 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
         for c in pruned.changes:
             if c.kind == "firewall":
                 continue  # its transaction also adds what is declared: by owner below
-            if (c.action is Action.DELETE and _marked(c, live)) or _keeps_mtu(c, live):
+            if (c.action is Action.DELETE and _marked(c, live, entries)) \
+                    or _keeps_mtu(c, live):
                 found[c.address] = c
         drop = _undeclared_owners(live, desired)
     for family, chains in ((4, live.firewall4), (6, live.firewall6)):
@@ -117,19 +120,30 @@ def _declared_alloc(c: Change, declared: Collection[str]) -> bool:
     return c.kind == "veth" and c.name in {alloc_veth_name(a) for a in declared}
 
 
-def _marked(c: Change, live: LiveState) -> bool:
+def _marked(c: Change, live: LiveState,
+            entries: Mapping[tuple[int, str], Sequence[LiveNeighbour]]) -> bool:
     """The object ``c`` removes carries our mark itself (not only our kind of name)."""
-    return _marked_neighbours(c, live) and _marked_object(c, live)
+    return _marked_neighbours(c, live, entries) and _marked_object(c, live)
 
 
-def _marked_neighbours(c: Change, live: LiveState) -> bool:
+def _entries_by_address(live: LiveState) -> dict[tuple[int, str], list[LiveNeighbour]]:
+    """The neighbour entries by (link index, address), once per gc: a look through all of
+    them for each deletion was quadratic (0.38 s for 2000 pruned allocations)."""
+    out: dict[tuple[int, str], list[LiveNeighbour]] = {}
+    for n in live.neighbours:
+        out.setdefault((n.index, n.address), []).append(n)
+    return out
+
+
+def _marked_neighbours(c: Change, live: LiveState,
+                       entries: Mapping[tuple[int, str], Sequence[LiveNeighbour]]) -> bool:
     """Each neighbour entry ``c`` deletes (an orphan's, or a pruned allocation's with it)
     is one of ours as the planner tells them (``allocs.own_neighbour``)."""
     for op in (decode(raw) for raw in c.ops if raw.name == NeighDelete.NAME):
         assert isinstance(op, NeighDelete)
         link = live.links.get(op.link)
-        if link is None or not any(n.address == op.address and own_neighbour(link, n)
-                                   for n in live.neighbours):
+        if link is None or not any(own_neighbour(link, n)
+                                   for n in entries.get((link.index, op.address), ())):
             return False
     return True
 

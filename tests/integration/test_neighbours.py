@@ -10,6 +10,8 @@ prints ``"extern_learn": null`` and ``"protocol"`` for such entries).
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -94,6 +96,34 @@ def test_a_readdressed_allocs_old_entry_goes(host_ns: Netns, tmp_path):
     assert r.rc == 0 and "No changes." in r.out, r.all
 
 
+def test_an_entry_arp_moved_to_another_mac_still_goes_with_its_allocation(host_ns: Netns,
+                                                                          tmp_path):
+    """The kernel updates our entry's lladdr from ARP and keeps its flags and protocol: an
+    allocation whose eth0 took a vendor's MAC left, after its prune, an entry exempt from
+    the kernel's GC that no plan or gc saw as ours (the review found it)."""
+    keep, gone = ids(2)
+    apply_ok(host_ns, config(tmp_path, [{"id": keep}, {"id": gone}]))
+    vendor = "00:16:3e:aa:bb:cc"
+    sh("ip", "-n", gone, "link", "set", "eth0", "address", vendor)
+    ip = v4_of(gone)
+    send = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            "s.sendto(b'x', ('10.78.0.1', 9))")
+    for _ in range(50):  # the gateway's ARP answer path updates the entry of the sender
+        sh("ip", "netns", "exec", gone, sys.executable, "-c", send)
+        entry = table(host_ns.name, BRIDGE).get(ip)
+        if entry is not None and entry["lladdr"] == vendor:
+            break
+        time.sleep(0.1)
+    assert entry is not None and entry["lladdr"] == vendor, entry
+    assert extern_learn(entry) and entry.get("protocol") == OUR_PROTO, entry
+    path = config(tmp_path, [{"id": keep}], "one.yaml")
+    r = host_ns.reconcile("apply", path)
+    assert r.rc == 0, r.all
+    assert ip not in table(host_ns.name, BRIDGE), table(host_ns.name, BRIDGE)
+    r = host_ns.reconcile("plan", path)
+    assert r.rc == 0 and "No changes." in r.out, r.all
+
+
 def test_foreign_look_alikes_are_never_deleted(host_ns: Netns, tmp_path):
     keep, gone = ids(2)
     apply_ok(host_ns, config(tmp_path, [{"id": keep}, {"id": gone}]))
@@ -106,9 +136,9 @@ def test_foreign_look_alikes_are_never_deleted(host_ns: Netns, tmp_path):
         (BRIDGE, "10.78.0.200"): ("lladdr", ours_format, "nud", "permanent"),
         # a plain entry (the kernel's own kind) for an address nothing declares
         (BRIDGE, "10.78.0.201"): ("lladdr", ours_format, "nud", "stale"),
-        # extern_learn, our protocol, but a vendor's (universally administered) MAC
+        # extern_learn, a vendor's MAC, another control plane's protocol (zebra's)
         (BRIDGE, "10.78.0.202"): ("lladdr", "00:16:3e:00:00:02", "nud", "stale",
-                                  "extern_learn", "protocol", OUR_PROTO),
+                                  "extern_learn", "protocol", "zebra"),
         # extern_learn, our MACs' format, but not our protocol
         (BRIDGE, "10.78.0.203"): ("lladdr", ours_format, "nud", "stale", "extern_learn"),
         # the MAC of the allocation being pruned, but permanent

@@ -15,7 +15,7 @@ from reconciler.domain.ops import NeighDelete, NeighReplace, decode, encode
 from reconciler.domain.ownership import NEIGH_PROTO, alloc_mac, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner.allocs import own_neighbour
-from reconciler.planner.gc import _marked, gc_plan, only_removals
+from reconciler.planner.gc import _entries_by_address, _marked, gc_plan, only_removals
 
 from .fakehost import FakeHost
 from .test_allocs_planner import alloc, converge, plan, state, subnet
@@ -124,7 +124,7 @@ def test_foreign_look_alikes_are_never_deleted():
     foreign = [
         ours(host, "10.0.0.200", la, extern_learn=False),  # the kernel's own kind
         ours(host, "10.0.0.201", la, protocol=0),  # extern_learn, not our protocol
-        ours(host, "10.0.0.202", "00:16:3e:00:00:02"),  # a vendor's MAC
+        ours(host, "10.0.0.202", "00:16:3e:00:00:02", protocol=11),  # a vendor's, zebra's
         dataclasses.replace(ours(host, "10.0.0.203", la), permanent=True),  # pinned
         ours(host, "10.0.0.204", la, protocol=3),  # another control plane's
     ]
@@ -164,7 +164,8 @@ def test_gc_with_files_collects_orphans_and_checks_the_mark_again():
     host.neighbours = [dataclasses.replace(n, extern_learn=False) for n in host.neighbours]
     forged = Change("neighbour", "br0/10.0.0.2", Action.DELETE,
                     ops=(encode(NeighDelete("br0", "10.0.0.2")),))
-    assert not _marked(forged, host.observe(files))
+    seen = host.observe(files)
+    assert not _marked(forged, seen, _entries_by_address(seen))
     only_removals(Plan((forged,)), live)  # a deletion, so it is a removal
 
 
