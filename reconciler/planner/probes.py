@@ -38,7 +38,7 @@ from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
 from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX, alloc_ns_alias
 from reconciler.domain.plan import Plan
-from reconciler.domain.probes import Path, ProbeProto, ProbeSpec
+from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
 from reconciler.planner import addrspace, firewall
 from reconciler.planner.allocs import Mapped
@@ -105,7 +105,11 @@ def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
 
 
 def _usable_host_address(ip: IPAddr) -> bool:
-    return not (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified)
+    """Not loopback, link-local, multicast or unspecified, and not the external vantage's
+    pair (``VANTAGE_NETS``: whoever holds it, another prober's vantage is no address of
+    the host; the IPv4 /30 is link-local anyway, the IPv6 /126 is not)."""
+    return not (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified
+                or any(ip in net for net, _ in VANTAGE_NETS))
 
 
 def host_addresses(live: LiveState, desired: DesiredState,
@@ -467,7 +471,7 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
             exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
                        "bridge to it)")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
-    if f.rp_filter_drops > 0:
+    if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")
         where = f" (rp_filter=1 on {', '.join(strict)})" if strict else ""

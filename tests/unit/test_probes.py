@@ -230,6 +230,31 @@ def test_an_ipv6_external_probe_is_classified_as_the_ipv4_one():
     assert "never arrived" in classify(ext6, never, Facts(hits=(v4,))).line
 
 
+def test_an_ipv6_probe_is_never_named_rp_filter() -> None:
+    """``IPReversePathFilter`` is IPv4's (a host-wide counter): an IPv4 drop seen during an
+    IPv6 probe's re-run must not name it (IPv6 has no rp_filter)."""
+    d = desired(alloc("a", pm(8080, 80)))
+    specs = probe_specs(d, applied(d).observe(d), vantage=Vantage("v", VANTAGE_HOST,
+                                                                  VANTAGE6_HOST))
+    ext6 = next(s for s in specs if s.path == "external" and s.family == 6)
+    ext4 = next(s for s in specs if s.path == "external" and s.family == 4)
+    never = Sighting(reached=False, answer="timeout")
+    assert "reverse-path" not in classify(ext6, never, Facts(rp_filter_drops=2)).line
+    assert "reverse-path" in classify(ext4, never, Facts(rp_filter_drops=2)).line
+
+
+def test_another_probers_vantage_pair_is_no_host_address() -> None:
+    """The IPv6 /126 of a vantage someone else holds is not the host's address (the /30
+    is link-local, left out anyway): host and hairpin probes must not go through it."""
+    d = desired(alloc("a", pm(8080, 80)))
+    host = applied(d, host_address=False)
+    host.add_link("rcprobe1", "", addresses=(f"{VANTAGE_HOST}/30", f"{VANTAGE6_HOST}/126"))
+    specs = probe_specs(d, host.observe(d))
+    via = {(s.path, s.family): (s.dst, s.skipped) for s in specs if s.path in ("host", "hairpin")}
+    assert via[("host", 6)][1] == "no host address", via
+    assert all(VANTAGE6_HOST not in dst for dst, _ in via.values()), via
+
+
 def test_only_the_allocs_asked_for():
     d = desired(alloc("a", pm(8080, 80)), alloc("b"), cidr6=None)
     live = applied(d).observe(d)
