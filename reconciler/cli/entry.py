@@ -223,6 +223,12 @@ def answer(argv: list[str]) -> int | None:
 
 
 def main() -> int:
+    # someone's rule or name we quote need not be UTF-8 (read with surrogateescape): said
+    # as \x escapes, never an error, whatever encoding the locale gives stdout
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     argv = normalise_argv(sys.argv[1:])
     if "plan" in argv:
         try:

@@ -40,3 +40,25 @@ allocs:
     again = host_ns.reconcile("plan", cfg, "--no-agent")
     assert again.rc == 0, again.all
     assert host_ns.reconcile("destroy", "--yes").rc == 0
+
+
+def test_a_foreign_rule_that_is_not_utf8_named_as_a_probes_cause_is_said(host_ns: Netns,
+                                                                          tmp_path) -> None:
+    """Named as the cause of a failed probe, such a rule is printed (escaped) whatever
+    the locale's stdout encoding: it was an internal error (UnicodeEncodeError) with a
+    strict one (any UTF-8 locale but C.UTF-8)."""
+    alloc, bridge = unique("f"), unique("fb")[:15]
+    cfg = write(tmp_path, "f.yaml", f"""version: 1
+bridges: [{{name: {bridge}}}]
+subnets: [{{name: fr, bridge: {bridge}, cidr: 10.219.0.0/24}}]
+allocs:
+  - {{id: {alloc}, subnet: fr, ports: [{{host: 18080, to: 80}}]}}
+""")
+    assert host_ns.reconcile("apply", cfg, "--no-probe").rc == 0
+    subprocess.run([b"ip", b"netns", b"exec", host_ns.name.encode(), b"iptables", b"-I",
+                    b"FORWARD", b"-d", b"10.219.0.0/24", b"-m", b"comment", b"--comment",
+                    b"caf\xe9", b"-j", b"DROP"], check=True, timeout=60)
+    r = host_ns.reconcile("verify", cfg, env={"PYTHONIOENCODING": "utf-8:strict"})
+    assert r.rc == 1 and "internal error" not in r.all, r.all
+    assert "probe failed" in r.all and "caf" in r.all, r.all
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
