@@ -820,3 +820,42 @@ def test_the_probe_does_not_wait_for_a_daemon_that_keeps_the_connection(tmp_path
     assert listing is not None and listing.answered, listing
     assert [n["Name"] for n in listing.networks] == ["x"]
     assert took < 4.0  # not the timeout (a bound, not a speed figure)
+
+
+def test_the_probe_reads_a_big_answer_without_reading_it_again_at_each_receive(tmp_path,
+                                                                               monkeypatch):
+    """A host with thousands of networks lists megabytes: the whole buffer parsed again
+    after each receive was quadratic (32 MB took ~9 s, past the timeout: "unreachable").
+    Counted, not timed: the headers are parsed a bounded number of times."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "docker.sock")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    body = json.dumps([{"Name": f"n{i}", "Pad": "x" * 200} for i in range(20_000)]).encode()
+    splits = []
+    real_split = probe._split
+    monkeypatch.setattr(probe, "_split", lambda data: splits.append(len(data))
+                        or real_split(data))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+        for at in range(0, len(head + body), 4096):  # in small pieces, as a busy daemon
+            conn.sendall((head + body)[at:at + 4096])
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        listing = probe.list_networks(timeout=10.0)
+    finally:
+        t.join(10)
+        server.close()
+    assert listing is not None and listing.answered, listing.error
+    assert len(listing.networks) == 20_000
+    assert len(splits) <= 3, f"{len(splits)} parses of the answer"

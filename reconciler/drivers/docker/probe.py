@@ -54,7 +54,9 @@ def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
         sock.connect(path)
         sock.sendall(f"GET {target} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
         data = bytearray()
-        while not _complete(data):
+        body_at: int | None = None  # where the body starts, once the headers are in
+        need: int | None = None  # the whole answer's length, when a Content-Length says
+        while not _complete(data, body_at, need):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("timed out")
@@ -65,6 +67,14 @@ def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
             data += chunk
             if len(data) > MAX_ANSWER:
                 raise _BadAnswer(f"answer larger than {MAX_ANSWER} bytes")
+            if body_at is None and (end := data.find(b"\r\n\r\n")) >= 0:
+                body_at = end + 4
+                _status, headers, _ = _split(bytes(data[:body_at]))
+                length = headers.get(b"content-length", b"")
+                if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+                    need = -1
+                elif length.isdigit():
+                    need = body_at + int(length)
     finally:
         sock.close()
     if not data:  # hung up before a word: a daemon going away
@@ -92,24 +102,22 @@ def _split(data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
     return int(status[1]), headers, body
 
 
-def _complete(data: bytearray) -> bool:
-    """Whether ``data`` holds a whole answer already (else: read on, or to the end)."""
-    if b"\r\n\r\n" not in data:
+def _complete(data: bytearray, body_at: int | None, need: int | None) -> bool:
+    """Whether ``data`` holds a whole answer already (else: read on, or to the end):
+    ``need`` its length from Content-Length, -1 for a chunked body (complete once its last
+    chunk is in), None to read until the daemon closes. Nothing here re-reads what came
+    before (a big answer read again at each receive was quadratic)."""
+    if body_at is None or need is None:
+        return False
+    if need >= 0:
+        return len(data) >= need
+    if not data.endswith(b"0\r\n\r\n"):
         return False
     try:
-        _status, headers, body = _split(bytes(data))
+        _unchunk(bytes(data[body_at:]))
     except _BadAnswer:
         return False
-    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-        if not body.endswith(b"0\r\n\r\n"):
-            return False
-        try:
-            _unchunk(body)
-        except _BadAnswer:
-            return False
-        return True
-    length = headers.get(b"content-length", b"")
-    return length.isdigit() and len(body) >= int(length)
+    return True
 
 
 def _unchunk(data: bytes) -> bytes:
@@ -163,7 +171,10 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
         status, body = _get(path, "/networks", timeout)
         if status != 200:
             return Listing(False, error=f"docker: listing networks failed: HTTP {status}")
-        listed = json.loads(body)
+        try:
+            listed = json.loads(body)
+        except ValueError as exc:
+            raise _BadAnswer(f"not JSON ({exc})") from None
     except ConnectionRefusedError:
         # worded as the SDK words it (DockerDriver.observe), which is then not asked
         where = os.environ.get("DOCKER_HOST") or f"unix://{DEFAULT_SOCKET}"
