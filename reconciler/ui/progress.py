@@ -47,10 +47,10 @@ class Progress(logging.Filter):
     line for the summary.
     """
 
-    def __init__(self, stream: TextIO = sys.stderr, *,
+    def __init__(self, stream: TextIO | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  delay: float = DELAY, interval: float = INTERVAL) -> None:
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr  # the one of the moment
         self.clock = clock
         self.delay = delay
         self.interval = interval

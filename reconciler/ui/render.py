@@ -114,7 +114,7 @@ def emit_json(doc: object, out: TextIO | None = None) -> None:
     """``doc`` as indented JSON and a newline, in one write (``json.dump`` writes each
     token on its own: 340,000 writes, ~0.25 s, for an apply of 500 with its probes), to
     ``out`` or the ``sys.stdout`` of the moment (a redirected one too)."""
-    (out or sys.stdout).write(json.dumps(doc, indent=2) + "\n")
+    (out if out is not None else sys.stdout).write(json.dumps(doc, indent=2) + "\n")
 
 
 def write_json(plan: Plan, out: TextIO | None = None) -> None:
