@@ -816,6 +816,21 @@ def vantage_ipv6_missing(link: str) -> str | None:
     """Why the vantage has no IPv6 pair to probe from, or None when it has: its host end
     carries ``VANTAGE6_HOST`` (one ``ip -j`` call; the namespace's end failing shows as
     the probes' own failure, "network unreachable")."""
+    why = _ipv6_unavailable(link)
+    if why is not None:
+        return why
+    if not _has_ipv6_pair(link):
+        return f"the external vantage link has no IPv6 address ({VANTAGE6_HOST} is not on {link})"
+    return None
+
+
+def vantage_lacks_ipv6_pair(link: str) -> bool:
+    """The link could carry the IPv6 pair and does not: a vantage made by a version before
+    the pair, or one whose pair someone removed (made again, see ``VantageLease``)."""
+    return _ipv6_unavailable(link) is None and not _has_ipv6_pair(link)
+
+
+def _ipv6_unavailable(link: str) -> str | None:
     if not os.path.isdir("/proc/sys/net/ipv6"):
         return "no IPv6 in this kernel (the external vantage link has no IPv6 pair)"
     try:
@@ -824,11 +839,13 @@ def vantage_ipv6_missing(link: str) -> str | None:
                 return (f"IPv6 is disabled on the external vantage link "
                         f"(net.ipv6.conf.{link}.disable_ipv6=1)")
     except OSError:
-        pass  # the link went meanwhile: the look below says so
-    here = _json("-j", "-6", "addr", "show", "dev", link) or []
-    if not any(a.get("local") == VANTAGE6_HOST for lk in here for a in lk.get("addr_info", ())):
-        return f"the external vantage link has no IPv6 address ({VANTAGE6_HOST} is not on {link})"
+        pass  # the link went meanwhile: the look for the pair says so
     return None
+
+
+def _has_ipv6_pair(link: str) -> bool:
+    here = _json("-j", "-6", "addr", "show", "dev", link) or []
+    return any(a.get("local") == VANTAGE6_HOST for lk in here for a in lk.get("addr_info", ()))
 
 
 def _json(*args: str) -> list[dict[str, Any]] | None:

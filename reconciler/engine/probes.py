@@ -159,6 +159,8 @@ class VantageLease:
         self.ns, self.link = probe_vantage_names(host_id)
         self._fd: int | None = None
         self._shared = False
+        #: whether this lease tried once to give an IPv4-only vantage its IPv6 pair
+        self._mended = False
 
     def _open(self) -> int:
         if self._fd is None:
@@ -196,6 +198,20 @@ class VantageLease:
         deadline = time.monotonic() + VANTAGE_WAIT
         while True:
             state = driver.vantage_state(self.ns, self.link)
+            if state == "ready" and not self._mended and driver.vantage_lacks_ipv6_pair(self.link):
+                # made by a version before the IPv6 pair (or the pair was removed): made
+                # again, once, when no other prober uses it; else used as it is, its IPv6
+                # paths skipped with the reason
+                self._mended = True
+                if self._try(fcntl.LOCK_EX):
+                    try:
+                        driver.remove_vantage(self.ns, self.link)  # marked parts only
+                        driver.create_vantage(self.ns, self.link)
+                    finally:
+                        fcntl.flock(self._open(), fcntl.LOCK_SH)
+                        self._shared = True
+                    continue
+                self._shared = False  # a failed conversion gave up our share: taken again
             if state == "foreign":
                 self.release()
                 raise DriverError(f"probe vantage: {self.ns} or {self.link} exists and is not "

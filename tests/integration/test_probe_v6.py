@@ -281,3 +281,26 @@ def test_a_foreign_ip6tables_raw_drop_is_named_on_the_ipv6_external_path(
     assert failed[("external", "tcp", 6)] == (
         f"a foreign rule drops it: ip6tables raw/PREROUTING: -A PREROUTING -s {V6_PEER}/128 "
         "-p tcp -j DROP")
+
+
+def test_a_vantage_left_without_its_ipv6_pair_is_made_again(host_ns: Netns,
+                                                            tmp_path: object) -> None:
+    """A vantage made by a version before the IPv6 pair (or whose pair someone removed),
+    left behind by a killed agent: the next prober that has it alone makes it again, so
+    the IPv6 external paths are probed, not skipped for the life of the prober."""
+    from reconciler.drivers import probe as driver
+
+    path, (a0, _a1) = setup(host_ns, tmp_path)
+    ns, link = _vantage(host_ns)
+    with netns.enter(host_ns.name):
+        driver.create_vantage(ns, link)
+    sh("ip", "-n", host_ns.name, "addr", "del", f"{V6_HOST}/126", "dev", link)
+    sh("ip", "-n", ns, "addr", "del", f"{V6_PEER}/126", "dev", "eth0")
+    assert _v6_addresses(host_ns.name, link) == []
+    with recording(a0, "tcp:80", "udp:53") as seen:
+        results = run_probes(host_ns, path, external=True, allocs={a0})
+    assert failures(results) == [], (results, seen)
+    v6 = by_path(results)
+    for key in (("external", "tcp", 18080), ("external", "udp", 15353)):
+        assert v6[key].ok and not v6[key].skipped, v6[key]
+    assert host_ns.link(link) is None  # gone with the prober, as any vantage
