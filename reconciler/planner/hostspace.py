@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from reconciler.domain.docker import DEFAULT_ADDRESS_POOLS, SCOPE_LABEL, bridge_of
 from reconciler.domain.live import LiveLink, LiveRoute, LiveState
 from reconciler.domain.model import DesiredState
+from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
 
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -97,7 +98,10 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
     connected: set[tuple[int, Net]] = set()
 
     def foreign(lk: LiveLink) -> bool:
-        return lk.index not in ours and lk.name not in docker_bridges
+        # the probes' vantage link is ours, and its prefixes are reserved already (a prefix
+        # on them is said to overlap the reservation, not a foreign object)
+        return (lk.index not in ours and lk.name not in docker_bridges
+                and lk.alias != PROBE_VANTAGE_ALIAS)
 
     for lk in sorted(live.links.values(), key=lambda x: x.name):
         if not foreign(lk):

@@ -27,7 +27,11 @@ from reconciler.domain.model import (
     Subnet,
     SubnetName,
 )
-from reconciler.domain.ownership import probe_vantage_names, reserved_link_name
+from reconciler.domain.ownership import (
+    PROBE_VANTAGE_ALIAS,
+    probe_vantage_names,
+    reserved_link_name,
+)
 from reconciler.domain.plan import Action, Change, Op, Plan
 from reconciler.domain.probes import (
     PATHS,
@@ -422,6 +426,22 @@ def test_the_vantage_link_is_reserved_and_so_is_its_prefix():
     d = load_text(BASE % ("169.254.250.0/29", "{host: 80, to: 80}"))
     found = addrspace.check(d, FakeHost().observe(d))
     assert "reserved for the probes' external vantage link" in found.conflicts["subnet/net"]
+
+
+def test_a_prefix_on_the_reservation_is_said_so_while_a_vantage_is_up():
+    """With a prober's vantage link up (the agent's), a prefix on the /126 overlaps the
+    reservation: not "an address on rcprobe…", an object the reconciler does not own."""
+    d = load_text(BASE6 % ("fd18:d6bc:22af::/64", "fd00:9::/64"))
+    host = FakeHost()
+    host.add_link("rcprobe1", "", addresses=(f"{VANTAGE_HOST}/30", f"{VANTAGE6_HOST}/126"))
+    lk = host.links["rcprobe1"]
+    host.links["rcprobe1"] = dataclasses.replace(lk, alias=PROBE_VANTAGE_ALIAS)
+    found = addrspace.check(d, host.observe(d))
+    assert found.conflicts == {"subnet/net": "cidr6 fd18:d6bc:22af::/64 overlaps "
+                               "fd18:d6bc:22af::/126, reserved for the probes' external "
+                               "vantage link"}, found.conflicts
+    assert conflicts_line(list(found.conflicts.values())) == \
+        "1 conflict(s) with the prefix reserved for the probes' vantage"
 
 
 BASE6 = """version: 1
