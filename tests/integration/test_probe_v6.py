@@ -27,7 +27,7 @@ from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
 from tests.conftest import Netns, sh, write
 
-from .test_probes import failures, setup
+from .test_probes import drain, failures, setup
 
 pytestmark = pytest.mark.root
 
@@ -73,9 +73,10 @@ def recording(ns: str, *specs: str) -> Iterator[Seen]:
         assert ready and p.stdout.readline().strip() == "ready"
         yield seen
     finally:
+        lines = drain(p)
         p.kill()
         out, _ = p.communicate()
-        for line in out.splitlines():
+        for line in [*lines, *out.splitlines()]:
             proto, port, peer, pport = line.split()
             seen.append((proto, int(port), peer.removeprefix("::ffff:"), int(pport)))
 

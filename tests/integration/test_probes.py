@@ -73,11 +73,32 @@ def recording(ns: str, *specs: str) -> Iterator[list[tuple[str, int, int]]]:
         assert ready and p.stdout.readline().strip() == "ready"
         yield seen
     finally:
+        lines = drain(p)
         p.kill()
         out, _ = p.communicate()
-        for line in out.splitlines():
+        for line in [*lines, *out.splitlines()]:
             proto, port, peer = line.split()
             seen.append((proto, int(port), int(peer)))
+
+
+def drain(p: subprocess.Popen[str], quiet: float = 0.3, limit: float = 5.0) -> list[str]:
+    """The lines a recorder still writes after the probes, until it is quiet for ``quiet``
+    seconds (at most ``limit``): the kernel took every probe in (that is "reached"), but a
+    listener thread may not have accepted and logged it yet when it is killed. Raw reads
+    of the pipe (``communicate`` reads the descriptor too, not a text buffer)."""
+    assert p.stdout is not None
+    fd = p.stdout.fileno()
+    data = b""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], quiet)
+        if not ready:
+            break
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().splitlines()
 
 
 def setup(host: Netns, tmp_path: object, *, host_address: bool = True,
