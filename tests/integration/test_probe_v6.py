@@ -12,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -27,7 +24,7 @@ from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
 from tests.conftest import Netns, sh, write
 
-from .test_probes import drain, failures, setup
+from .test_probes import failures, recorder_lines, setup
 
 pytestmark = pytest.mark.root
 
@@ -65,20 +62,12 @@ Seen = list[tuple[str, int, str, int]]
 def recording(ns: str, *specs: str) -> Iterator[Seen]:
     """Listeners in ``ns``; the list fills with (proto, port, peer, peer port) at the end."""
     seen: Seen = []
-    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", RECORDER6,
-                          *specs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert p.stdout is not None
-        ready, _, _ = select.select([p.stdout], [], [], 10)
-        assert ready and p.stdout.readline().strip() == "ready"
-        yield seen
+        with recorder_lines(ns, RECORDER6, *specs) as words:
+            yield seen
     finally:
-        lines = drain(p)
-        p.kill()
-        out, _ = p.communicate()
-        for line in [*lines, *out.splitlines()]:
-            proto, port, peer, pport = line.split()
-            seen.append((proto, int(port), peer.removeprefix("::ffff:"), int(pport)))
+        seen += [(proto, int(port), peer.removeprefix("::ffff:"), int(pport))
+                 for proto, port, peer, pport in words]
 
 
 def _vantage(host: Netns) -> tuple[str, str]:

@@ -62,23 +62,33 @@ sys.stdin.read()
 
 
 @contextlib.contextmanager
-def recording(ns: str, *specs: str) -> Iterator[list[tuple[str, int, int]]]:
-    """Listeners in ``ns``; the list fills with (proto, port, peer port) when the block ends."""
-    seen: list[tuple[str, int, int]] = []
-    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", RECORDER,
+def recorder_lines(ns: str, script: str, *specs: str) -> Iterator[list[list[str]]]:
+    """A listener script (``script``, args ``specs``) in ``ns``; the list fills with the
+    words of each line it logged when the block ends."""
+    words: list[list[str]] = []
+    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", script,
                           *specs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], 10)
         assert ready and p.stdout.readline().strip() == "ready"
-        yield seen
+        yield words
     finally:
         lines = drain(p)
         p.kill()
         out, _ = p.communicate()
-        for line in [*lines, *out.splitlines()]:
-            proto, port, peer = line.split()
-            seen.append((proto, int(port), int(peer)))
+        words += [line.split() for line in [*lines, *out.splitlines()]]
+
+
+@contextlib.contextmanager
+def recording(ns: str, *specs: str) -> Iterator[list[tuple[str, int, int]]]:
+    """Listeners in ``ns``; the list fills with (proto, port, peer port) when the block ends."""
+    seen: list[tuple[str, int, int]] = []
+    try:
+        with recorder_lines(ns, RECORDER, *specs) as words:
+            yield seen
+    finally:
+        seen += [(proto, int(port), int(peer)) for proto, port, peer in words]
 
 
 def drain(p: subprocess.Popen[str], quiet: float = 0.3, limit: float = 5.0) -> list[str]:
