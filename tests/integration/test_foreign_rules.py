@@ -12,6 +12,17 @@ def _save(ns: Netns) -> bytes:
                           capture_output=True, check=True, timeout=60).stdout
 
 
+def _config(tmp_path: object) -> str:
+    """One allocation with a port map, on a bridge of its own."""
+    alloc, bridge = unique("f"), unique("fb")[:15]
+    return write(tmp_path, "f.yaml", f"""version: 1
+bridges: [{{name: {bridge}}}]
+subnets: [{{name: fr, bridge: {bridge}, cidr: 10.219.0.0/24}}]
+allocs:
+  - {{id: {alloc}, subnet: fr, ports: [{{host: 18080, to: 80}}]}}
+""")
+
+
 def test_a_foreign_rule_comment_that_is_not_utf8_is_no_internal_error(host_ns: Netns,
                                                                        tmp_path) -> None:
     """A rule comment of bytes that are not UTF-8 (``iptables -m comment --comment
@@ -23,13 +34,7 @@ def test_a_foreign_rule_comment_that_is_not_utf8_is_no_internal_error(host_ns: N
                    check=True, timeout=60)
     before = _save(host_ns)
     assert comment in before
-    alloc, bridge = unique("f"), unique("fb")[:15]
-    cfg = write(tmp_path, "f.yaml", f"""version: 1
-bridges: [{{name: {bridge}}}]
-subnets: [{{name: fr, bridge: {bridge}, cidr: 10.219.0.0/24}}]
-allocs:
-  - {{id: {alloc}, subnet: fr, ports: [{{host: 18080, to: 80}}]}}
-""")
+    cfg = _config(tmp_path)
     plan = host_ns.reconcile("plan", cfg, "--no-agent")
     assert plan.rc == 2 and "internal error" not in plan.all, plan.all
     applied = host_ns.reconcile("apply", cfg, "--no-probe")
@@ -47,13 +52,7 @@ def test_a_foreign_rule_that_is_not_utf8_named_as_a_probes_cause_is_said(host_ns
     """Named as the cause of a failed probe, such a rule is printed (escaped) whatever
     the locale's stdout encoding: it was an internal error (UnicodeEncodeError) with a
     strict one (any UTF-8 locale but C.UTF-8)."""
-    alloc, bridge = unique("f"), unique("fb")[:15]
-    cfg = write(tmp_path, "f.yaml", f"""version: 1
-bridges: [{{name: {bridge}}}]
-subnets: [{{name: fr, bridge: {bridge}, cidr: 10.219.0.0/24}}]
-allocs:
-  - {{id: {alloc}, subnet: fr, ports: [{{host: 18080, to: 80}}]}}
-""")
+    cfg = _config(tmp_path)
     assert host_ns.reconcile("apply", cfg, "--no-probe").rc == 0
     subprocess.run([b"ip", b"netns", b"exec", host_ns.name.encode(), b"iptables", b"-I",
                     b"FORWARD", b"-d", b"10.219.0.0/24", b"-m", b"comment", b"--comment",

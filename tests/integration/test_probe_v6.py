@@ -16,15 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from reconciler.config.load import load
 from reconciler.domain.ownership import probe_vantage_names
 from reconciler.domain.probes import PROBE_PORTS, ProbeResult
 from reconciler.drivers import netns
-from reconciler.engine.observe import Observer
-from reconciler.engine.probes import Prober
 from tests.conftest import Netns, sh, write
 
 from .test_probes import failures, recorder_lines, setup
+from .test_probes import probe as run_probes
 
 pytestmark = pytest.mark.root
 
@@ -79,27 +77,6 @@ def _v6_addresses(ns: str | None, dev: str) -> list[dict[str, object]]:
     cmd = ["ip", *(["-n", ns] if ns else []), "-j", "-6", "addr", "show", "dev", dev]
     links = json.loads(sh(*cmd).stdout or "[]")
     return [a for lk in links for a in lk.get("addr_info", ())]
-
-
-def run_probes(host: Netns, path: str, check: object = None,
-               **kw: object) -> list[ProbeResult]:
-    """``Prober.run`` inside the sandbox; ``check()`` is called while the vantage is still
-    up (the prober removes it on close)."""
-    desired = load([path])
-    with netns.enter(host.name):
-        obs = Observer()
-        try:
-            live = obs.observe(desired)
-            prober = Prober(obs.handles)
-            try:
-                results = prober.run(desired, live, **kw)  # type: ignore[arg-type]
-                if callable(check):
-                    check()
-                return results
-            finally:
-                prober.close()
-        finally:
-            obs.handles.close()
 
 
 def by_path(results: list[ProbeResult], family: int = 6) -> dict[tuple[str, str, int | None],

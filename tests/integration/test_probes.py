@@ -138,7 +138,9 @@ def setup(host: Netns, tmp_path: object, *, host_address: bool = True,
     return path, [a0, a1]
 
 
-def probe(host: Netns, path: str, **kw: object) -> list[ProbeResult]:
+def probe(host: Netns, path: str, check: object = None, **kw: object) -> list[ProbeResult]:
+    """``Prober.run`` inside the sandbox; ``check()`` is called while the vantage is still
+    up (the prober removes it on close)."""
     desired = load([path])
     with netns.enter(host.name):
         obs = Observer()
@@ -146,7 +148,10 @@ def probe(host: Netns, path: str, **kw: object) -> list[ProbeResult]:
             live = obs.observe(desired)
             prober = Prober(obs.handles)
             try:
-                return prober.run(desired, live, **kw)  # type: ignore[arg-type]
+                results = prober.run(desired, live, **kw)  # type: ignore[arg-type]
+                if callable(check):
+                    check()
+                return results
             finally:
                 prober.close()
         finally:
