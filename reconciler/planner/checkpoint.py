@@ -29,7 +29,7 @@ from reconciler.domain.checkpoint import (
     NetworkPoint,
     network_to_json,
 )
-from reconciler.domain.live import LiveLink, LiveNetns, LiveState
+from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.ops import (
     AddrAdd,
     AddrDel,
@@ -60,6 +60,7 @@ from reconciler.domain.ownership import (
 )
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
 from reconciler.planner import conntrack, firewall
+from reconciler.planner.allocs import owned_ns
 from reconciler.planner.hostlinks import is_temp_bridge_name
 
 #: the host-wide sysctls an apply may set (and a revert therefore sets back)
@@ -95,11 +96,6 @@ def _recorded_link(lk: LiveLink) -> bool:
     return lk.owned and not is_temp_bridge_name(lk.name)
 
 
-def _owned_ns(live: LiveState, ns: LiveNetns) -> bool:
-    lo = next((lk for lk in ns.links if lk.name == "lo"), None)
-    return ns.usable and lo is not None and lo.alias == alloc_ns_alias(live.host_id)
-
-
 def _veth_ours(live: LiveState, name: str) -> bool:
     """May a revert delete the host link ``name`` (an allocation's veth name)? As the
     planner decides (``planner.allocs``): its name proves nothing, only our mark or a
@@ -110,7 +106,7 @@ def _veth_ours(live: LiveState, name: str) -> bool:
     if lk.owned:
         return True
     return lk.peer_netnsid is not None and any(
-        ns.nsid == lk.peer_netnsid and _owned_ns(live, ns) for ns in live.netns.values())
+        ns.nsid == lk.peer_netnsid and owned_ns(live.host_id, ns) for ns in live.netns.values())
 
 
 def _foreign_link(live: LiveState, name: str) -> str | None:
@@ -135,7 +131,7 @@ def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Check
                                 tuple(sorted(str(a.address) for a in lk.addresses if a.owned)))
     allocs = {}
     for name, ns in sorted(live.netns.items()):
-        if not _owned_ns(live, ns):
+        if not owned_ns(live.host_id, ns):
             continue
         lo = next(lk for lk in ns.links if lk.name == "lo")
         eth0 = next((lk for lk in ns.links if lk.name == ALLOC_IFNAME), None)
@@ -156,7 +152,7 @@ def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Check
     sysctls = {k: live.sysctls[k] for k in keys if k in live.sysctls}
     foreign = {
         "links": tuple(sorted(n for n, lk in live.links.items() if not lk.owned)),
-        "netns": tuple(sorted(n for n, ns in live.netns.items() if not _owned_ns(live, ns))),
+        "netns": tuple(sorted(n for n, ns in live.netns.items() if not owned_ns(live.host_id, ns))),
         "docker": tuple(sorted({n.name for n in (live.docker.networks if live.docker else ())
                                 if not n.owned})),
     }

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
-from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX, alloc_ns_alias
+from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
 from reconciler.planner import addrspace, firewall
-from reconciler.planner.allocs import Mapped
+from reconciler.planner.allocs import Mapped, owned_ns
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -63,20 +63,11 @@ class Vantage:
 # ------------------------------------------------------------------ targets from live state
 
 
-def is_this_hosts(ns: LiveNetns | None, host_id: str) -> bool:
-    """The namespace is an allocation of the host ``host_id``: its ``lo`` carries that
-    host's mark (another ``--netns`` sandbox's allocation of the same id does not)."""
-    if ns is None or not ns.usable:
-        return False
-    lo = next((lk for lk in ns.links if lk.name == "lo"), None)
-    return lo is not None and lo.alias == alloc_ns_alias(host_id)
-
-
 def alloc_addresses(ns: LiveNetns | None, host_id: str) -> dict[int, str]:
     """The owned address of each family on the allocation's ``eth0`` (live); none when the
     namespace is not this host's allocation."""
     out: dict[int, str] = {}
-    if not is_this_hosts(ns, host_id):
+    if not owned_ns(host_id, ns):
         return out
     assert ns is not None
     for lk in ns.links:
@@ -90,7 +81,7 @@ def alloc_addresses(ns: LiveNetns | None, host_id: str) -> dict[int, str]:
 
 def eth0_mtu(ns: LiveNetns | None, host_id: str) -> int | None:
     """The MTU of the allocation's ``eth0`` (live), the size of the full echo."""
-    if ns is None or not is_this_hosts(ns, host_id):
+    if ns is None or not owned_ns(host_id, ns):
         return None
     return next((lk.mtu for lk in ns.links if lk.name == ALLOC_IFNAME), None)
 
@@ -178,7 +169,7 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
     out: list[ProbeSpec] = []
     for aid, a in chosen:
         ns = live.netns.get(aid)
-        if ns is not None and ns.usable and not is_this_hosts(ns, live.host_id):
+        if ns is not None and ns.usable and not owned_ns(live.host_id, ns):
             # another host's (a sandbox's) namespace of that name: never a probe inside it
             out.append(ProbeSpec(a.id, "gateway", "icmp", 4, "alloc", "", refused=(
                 f"namespace {aid} is not this host's allocation")))
