@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,17 @@ class PlanOptions:
     adopt: frozenset[str] = frozenset()
     #: replace Docker networks with containers attached (disconnect, re-create, reconnect)
     force_replace: bool = False
+
+
+def index_neighbours(neighbours: Iterable[LiveNeighbour]
+                     ) -> dict[tuple[int, str], list[tuple[int, LiveNeighbour]]]:
+    """Neighbour entries by (link index, address), each with its place in ``neighbours``:
+    looked up once per allocation (or deletion), a scan of all of them each time was
+    quadratic."""
+    out: dict[tuple[int, str], list[tuple[int, LiveNeighbour]]] = {}
+    for position, n in enumerate(neighbours):
+        out.setdefault((n.index, n.address), []).append((position, n))
+    return out
 
 
 @dataclass
@@ -60,9 +72,7 @@ class PlanContext:
         order; indexed once per plan (every allocation asks: a scan of the whole table for
         each was quadratic, ~30 ms of a plan of 500 and growing fourfold per doubling)."""
         if self._neighbours is None:
-            self._neighbours = {}
-            for position, n in enumerate(self.live.neighbours):
-                self._neighbours.setdefault((n.index, n.address), []).append((position, n))
+            self._neighbours = index_neighbours(self.live.neighbours)
         found = sorted(entry for a in addresses for entry in self._neighbours.get((index, a), ()))
         return [n for _, n in found]
 

@@ -15,7 +15,8 @@ from reconciler.domain.ops import NeighDelete, NeighReplace, decode, encode
 from reconciler.domain.ownership import NEIGH_PROTO, alloc_mac, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner.allocs import own_neighbour
-from reconciler.planner.gc import _entries_by_address, _marked, gc_plan, only_removals
+from reconciler.planner.context import index_neighbours
+from reconciler.planner.gc import _marked, gc_plan, only_removals
 
 from .fakehost import FakeHost
 from .test_allocs_planner import alloc, converge, plan, state, subnet
@@ -165,7 +166,7 @@ def test_gc_with_files_collects_orphans_and_checks_the_mark_again():
     forged = Change("neighbour", "br0/10.0.0.2", Action.DELETE,
                     ops=(encode(NeighDelete("br0", "10.0.0.2")),))
     seen = host.observe(files)
-    assert not _marked(forged, seen, _entries_by_address(seen))
+    assert not _marked(forged, seen, index_neighbours(seen.neighbours))
     only_removals(Plan((forged,)), live)  # a deletion, so it is a removal
 
 
