@@ -409,19 +409,17 @@ def set_file_mark(fd: int, mark: str) -> None:
         os.setxattr(fd, FILE_MARK_XATTR, mark.encode())
 
 
-def _mark_of(fd: int) -> str | None:
+def _mark_of(file: int | str) -> str | None:
+    """The tag on ``file`` (an fd or a path), None without one."""
     try:
-        return os.getxattr(fd, FILE_MARK_XATTR).decode(errors="replace")
+        return os.getxattr(file, FILE_MARK_XATTR).decode(errors="replace")
     except OSError:
         return None
 
 
 def file_mark(name: str) -> str | None:
     """The tag on an *unmounted* /run/netns file (on a live mount this reads nsfs: None)."""
-    try:
-        return os.getxattr(path_of(name), FILE_MARK_XATTR).decode(errors="replace")
-    except OSError:
-        return None
+    return _mark_of(path_of(name))
 
 
 def delete(name: str) -> bool:
