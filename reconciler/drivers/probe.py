@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import ipaddress
 import json
 import os
 import resource
@@ -814,8 +815,8 @@ def _add_ipv6(ns: str, link: str) -> None:
 
 def vantage_ipv6_missing(link: str) -> str | None:
     """Why the vantage has no IPv6 pair to probe from, or None when it has: its host end
-    carries ``VANTAGE6_HOST`` (one ``ip -j`` call; the namespace's end failing shows as
-    the probes' own failure, "network unreachable")."""
+    carries ``VANTAGE6_HOST`` (one file read; the namespace's end failing shows as the
+    probes' own failure, "network unreachable")."""
     why = _ipv6_unavailable(link)
     if why is not None:
         return why
@@ -844,8 +845,16 @@ def _ipv6_unavailable(link: str) -> str | None:
 
 
 def _has_ipv6_pair(link: str) -> bool:
-    here = _json("-j", "-6", "addr", "show", "dev", link) or []
-    return any(a.get("local") == VANTAGE6_HOST for lk in here for a in lk.get("addr_info", ()))
+    """``VANTAGE6_HOST`` is on ``link`` here: a read of ``if_inet6`` (the namespace's IPv6
+    addresses, one per line: hex address, index, prefix, scope, flags, name), not an ``ip``
+    process per probe run."""
+    want = ipaddress.IPv6Address(VANTAGE6_HOST).exploded.replace(":", "")
+    try:
+        with open("/proc/thread-self/net/if_inet6", encoding="ascii") as fh:
+            rows = [line.split() for line in fh]
+    except OSError:
+        return False
+    return any(len(r) == 6 and r[0] == want and r[5] == link for r in rows)
 
 
 def _json(*args: str) -> list[dict[str, Any]] | None:
