@@ -52,6 +52,7 @@ def test_the_tree_keeps_every_contract(tree: str) -> None:
     ("engine/observe.py", "import docker", "only drivers.docker imports the Docker SDK"),
     ("agent/status.py", "import reconciler.agent.loop", "agent: process > loop"),
     ("drivers/netlink/wire.py", "import reconciler.drivers.netlink.client", "netlink:"),
+    ("drivers/probe/capture.py", "import reconciler.drivers.probe.runner", "probe driver:"),
 ])
 def test_a_forbidden_edge_breaks_its_contract(tree: str, module: str, line: str,
                                               contract: str) -> None:
