@@ -6,7 +6,7 @@ kind's create-and-probe logic; the pure parts live beside it (``payloads``,
 ``failures``, ``results``).
 
 Only this package talks to the Docker daemon (the event stream is ``events``,
-the one raw API call observation makes is ``probe``). ``DockerDriver`` observes
+the one raw API call observation makes is ``rawapi``). ``DockerDriver`` observes
 and changes networks through the SDK's low-level API and maps every daemon or
 connection failure to one clear line (``DriverError`` / ``TemporaryError`` /
 ``ConflictError``). The rules the planner shares (subnet derivation, the
