@@ -108,6 +108,7 @@ class _Probe:
     answered: bool = False  # the sender's side is finished (connect done, echo or error)
     done: bool = False
 
+
 # ------------------------------------------------------------------ the flows the probes make
 
 _TCP, _UDP, _ICMP, _ICMPV6 = 6, 17, 1, 58
