@@ -490,7 +490,7 @@ def _watch_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import loop, process  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.agent import passes, process  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.agent.logs import configure_logging  # noqa: PLC0415 (lazy: as above)
     from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (lazy: as above)
     from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
@@ -507,7 +507,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         check_permissions(args.paths)
     expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
     configure_logging(args.log_format, args.verbose)
-    options = loop.WatchOptions(
+    options = passes.WatchOptions(
         paths=tuple(args.paths), plan=plan_options(args), interval=args.interval,
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,
