@@ -65,9 +65,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from reconciler.engine.impact import refusal  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.impact import refusal
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.ui.options import plan_options
 
     desired = load_desired(args.paths, args)
     out = None
@@ -100,25 +100,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_confirm(args: argparse.Namespace) -> int:
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.cli import safe
 
     return safe.cmd_confirm(args)
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.cli import safe
 
     return safe.cmd_revert(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Config comparison and probes; changes nothing (no host lock: it writes no state)."""
-    from reconciler.engine.reconcile import (  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.reconcile import (
         Reconciler,
         probe_failures,
     )
-    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui import probes as probe_view
+    from reconciler.ui.options import plan_options, probe_request
 
     desired = load_desired(args.paths, args)
     request = probe_request(args)
@@ -164,16 +164,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from reconciler.engine.gc import Collector  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import gc as gc_view  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.gc import Collector
+    from reconciler.ui import gc as gc_view
 
     desired = load_desired(args.paths, args) if args.paths else None
     collector = Collector()
     if args.dry_run:
         result = collector.report(desired)
     else:
-        from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
-        from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: as above)
+        from reconciler.cli import safe
+        from reconciler.engine.reconcile import Reconciler
 
         def guard() -> None:  # as apply: an overdue change is reverted first, a pending refuses
             safe.guard(Reconciler(collector.observer, runner=collector.runner),
@@ -201,9 +201,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from reconciler.engine.observe import Observer  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.probes import vantage_present  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui import show  # noqa: PLC0415 (lazy: as above)
+    from reconciler.engine.observe import Observer
+    from reconciler.engine.probes import vantage_present
+    from reconciler.ui import show
 
     live = Observer().observe(DesiredState())
     doc = show.view(live, vantage_present(live.host_id))
@@ -216,9 +216,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_graph(args: argparse.Namespace) -> int:
     """The topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import graph, topology  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: as above)
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.ui import graph, topology
+    from reconciler.ui.options import plan_options
 
     if args.plan and not args.paths:
         raise ConfigError("graph --plan needs the desired-state files: "
@@ -242,16 +242,16 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def _watch_prepare(args: argparse.Namespace) -> None:
     """Before --netns: bind the status socket where the operator is (loopback of the host)."""
-    from reconciler.agent.status import bind  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.agent.status import bind
 
     args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import passes, process  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.agent.logs import configure_logging  # noqa: PLC0415 (lazy: as above)
-    from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
+    from reconciler.agent import passes, process
+    from reconciler.agent.logs import configure_logging
+    from reconciler.agent.revision import check_permissions
+    from reconciler.ui.options import plan_options, probe_request
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
         value = getattr(args, name)
@@ -277,7 +277,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reconciler.agent import status  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.agent import status
 
     doc = status.fetch(args.addr)
     if args.output == "json":
@@ -288,7 +288,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from reconciler.ui.completion import script  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.completion import script
 
     sys.stdout.write(script(args.shell))
     return EXIT_OK
