@@ -319,7 +319,8 @@ def _settings(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
 
     A re-created link is predicted from how it is made: a bridge with its MAC and the
     default MTU, a veth on its bridge with eth0's MTU and hairpin but a MAC of the
-    kernel's. The revert's verification compares the result and plans again if needed.
+    kernel's; a link moved to another bridge, with hairpin off. The revert's verification
+    compares the result and plans again if needed.
     """
     if have is None:
         have = (LinkPoint(point.name, point.kind, DEFAULT_MTU, point.up, mac=point.mac)
@@ -336,6 +337,8 @@ def _settings(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
 
     if differs("master", have.master, point.master):
         ops.append(LinkSet(point.name, master=point.master or ""))
+        # a link that changes bridge is a new port there: the kernel starts it hairpin off
+        have = dataclasses.replace(have, hairpin=False if point.master else None)
     if differs("mtu", have.mtu, point.mtu):
         ops.append(LinkSet(point.name, mtu=point.mtu))
     if point.hairpin is not None and differs("hairpin", have.hairpin, point.hairpin):

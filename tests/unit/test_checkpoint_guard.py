@@ -356,13 +356,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "the neighbour entries seeded for an allocation the change made outlive its revert "
         "(ours, never collected by the kernel): the revert observes no neighbour entries "
         "(engine.safechange.observe_for declares no bridge), and the next plan deletes them",
-    ("nothing new", "subnet moved to another bridge"):
-        "a veth the revert moves back to its bridge is a new port, hairpin off: "
-        "planner.checkpoint._settings compares hairpin with the value before the move",
-    ("checkpoint back", "subnet moved to another bridge"):
-        "as above: the veth's hairpin stays off",
-    ("checkpoint back", "a veth put back on its bridge"):
-        "as above: the veth's hairpin stays off",
 }
 
 
