@@ -80,7 +80,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 @contextlib.contextmanager
 def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
-    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
+    """Turn SIGTERM, SIGINT and SIGHUP into the normal stop path, as ``watch`` does, so
     cleanup runs: with the default SIGTERM the process dies where it is and the probes'
     vantage stays behind.
 
@@ -235,7 +235,8 @@ def cmd_destroy(args: argparse.Namespace) -> int:
 
 
 def _interactive() -> bool:
-    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
+    """Tell whether someone is at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is
+    a script."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
     except ValueError:  # closed

@@ -112,7 +112,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Config comparison and probes; changes nothing (no host lock: it writes no state)."""
+    """Compare the config and probe; change nothing (no host lock: it writes no state)."""
     from reconciler.engine.reconcile import (
         Reconciler,
         probe_failures,
@@ -215,7 +215,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    """The topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
+    """Print the topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
     from reconciler.engine.reconcile import Reconciler
     from reconciler.ui import graph, topology
     from reconciler.ui.options import plan_options
@@ -241,7 +241,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _watch_prepare(args: argparse.Namespace) -> None:
-    """Before --netns: bind the status socket where the operator is (loopback of the host)."""
+    """Bind the status socket before --netns, where the operator is (loopback of the host)."""
     from reconciler.agent.status import bind
 
     args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
@@ -310,7 +310,7 @@ ONE_SHOT_GC_THRESHOLD = 20_000
 
 
 def _one_shot_gc() -> None:
-    """Fewer cycle collections for a command that runs once and exits.
+    """Collect cycles less often in a command that runs once and exits.
 
     What the imports made lives as long as the process: frozen, no collection walks it
     again. A bulk apply builds tens of thousands of small objects that are not garbage
@@ -324,7 +324,7 @@ def _one_shot_gc() -> None:
 
 
 def main(argv: Sequence[str] | None = None, *, process: bool = False) -> int:
-    """The CLI; ``process``: this is the ``reconcile`` process itself (the entry point),
+    """Run the CLI; ``process``: this is the ``reconcile`` process itself (the entry point),
     not a caller that runs commands in its own process (tests, benchmarks)."""
     args_list = normalise_argv(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()

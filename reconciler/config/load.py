@@ -54,7 +54,7 @@ class NoFileForHost(ConfigError):
 
 def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
                  hostname: str | None = None, for_host: bool = True) -> DesiredState:
-    """:func:`load` of files already read: (name as given, absolute path, bytes or the error).
+    """Run :func:`load` on files already read: (name as given, absolute path, bytes or the error).
 
     The plan agent loads what a client read in its own working directory this way.
     """

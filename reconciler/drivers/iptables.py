@@ -34,7 +34,7 @@ _TOKEN = re.compile(r'"([^"]*)"|(\S+)')
 
 
 def _split(line: str) -> tuple[str, ...]:
-    """shlex.split for iptables-save lines; a regex for the usual quoting, 4x faster."""
+    """Split iptables-save lines as shlex.split does; a regex for the usual quoting, 4x faster."""
     if "\\" in line or "'" in line:
         return tuple(shlex.split(line))
     return tuple(plain or quoted for quoted, plain in _TOKEN.findall(line))
@@ -44,7 +44,7 @@ _PLAIN = re.compile(r'^[^\s"\'\\]+$')
 
 
 def _quote(token: str) -> str:
-    """A token as iptables-restore reads it back."""
+    """Quote a token as iptables-restore reads it back."""
     if _PLAIN.match(token):
         return token
     return '"' + token.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -85,7 +85,7 @@ def parse_save(text: str) -> LiveChainSet:
 
 
 def backend_of(version_output: str) -> str:
-    """``iptables -V`` → "nf_tables" or "legacy"."""
+    """Read the backend from ``iptables -V``: "nf_tables" or "legacy"."""
     if "nf_tables" in version_output:
         return "nf_tables"
     return "legacy"
@@ -163,7 +163,7 @@ class IptablesDriver:
 
 
 def other_backend_problem(active: str, docker_chains_elsewhere: Sequence[str]) -> str | None:
-    """A clear message when Docker's chains live in the backend we are not using."""
+    """Return a clear message when Docker's chains live in the backend we are not using."""
     if not docker_chains_elsewhere:
         return None
     other = "legacy" if active == "nf_tables" else "nf_tables"
@@ -178,7 +178,7 @@ LEGACY_TABLES = {4: "/proc/net/ip_tables_names", 6: "/proc/net/ip6_tables_names"
 
 
 def _legacy_tables(family: int) -> bool:
-    """Does this namespace hold any iptables-legacy table? (no process: a /proc read)"""
+    """Tell whether this namespace holds any iptables-legacy table (no process: a /proc read)."""
     try:
         with open(LEGACY_TABLES[family]) as fh:
             return bool(fh.read().strip())
@@ -187,7 +187,8 @@ def _legacy_tables(family: int) -> bool:
 
 
 def docker_chains(chains: LiveChainSet) -> list[str]:
-    """Names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's rules."""
+    """Return the names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's
+    rules."""
     return sorted({c for (_t, c) in chains.chains if c.startswith("DOCKER")})
 
 

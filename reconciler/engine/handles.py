@@ -58,7 +58,8 @@ class HostHandles:
         return self._docker
 
     def open_namespaces(self) -> frozenset[str]:
-        """Allocation namespaces a cached netlink socket keeps alive (none before first use)."""
+        """Return the allocation namespaces a cached netlink socket keeps alive (none before first
+        use)."""
         return self._netlink.cached_names() if self._netlink is not None else frozenset()
 
     def close(self) -> None:

@@ -36,7 +36,8 @@ def _open(path: str) -> int:
 
 
 def _is_current(fd: int, path: str) -> bool:
-    """Is the file we locked still the one at ``path``? (A releaser may have unlinked it.)"""
+    """Tell whether the file we locked is still the one at ``path`` (a releaser may have unlinked
+    it)."""
     try:
         return os.fstat(fd).st_ino == os.stat(path).st_ino
     except FileNotFoundError:

@@ -26,7 +26,8 @@ _Dest = tuple[IPAddress, int]
 
 
 def dnat_targets(rules: tuple[str, ...] | list[str]) -> dict[_Key, _Dest]:
-    """Our allocations' DNAT rules (``RECONCILER-DNAT``) by what they match -> where they send."""
+    """Map our allocations' DNAT rules (``RECONCILER-DNAT``) by what they match -> where they
+    send."""
     out: dict[_Key, _Dest] = {}
     for d in firewall.dnat_rules(rules):
         out.setdefault((d.proto, d.port, d.host_ip), (d.dest, d.to))
@@ -34,7 +35,7 @@ def dnat_targets(rules: tuple[str, ...] | list[str]) -> dict[_Key, _Dest]:
 
 
 def stale_maps(desired: firewall.RuleSet, live: LiveChainSet) -> list[StaleMap]:
-    """The port maps of one family whose conntrack entries must go once the rules change."""
+    """Find the port maps of one family whose conntrack entries must go once the rules change."""
     want = dnat_targets(desired.chains.get(firewall.DNAT, []))
     have = dnat_targets(live.chains.get(("nat", firewall.DNAT), ()))
     out = []

@@ -50,7 +50,7 @@ def _unavailable_line(docker: LiveDocker | None) -> str:
 
 
 def plan_docker_networks(ctx: PlanContext) -> list[Change]:
-    """Changes for every declared Docker network, and prunes of owned ones no longer declared."""
+    """Plan every declared Docker network, and the prunes of owned ones no longer declared."""
     docker = ctx.live.docker
     if docker is None and not ctx.desired.docker_networks:
         return []  # nothing declared and the daemon is absent: host-only run
@@ -196,7 +196,7 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
 
 def _plan_pruned(ctx: PlanContext, docker: LiveDocker,
                  by_name: dict[str, list[LiveDockerNetwork]]) -> list[Change]:
-    """Owned networks of our scope that no file declares any more."""
+    """Plan the removal of owned networks of our scope that no file declares any more."""
     changes = []
     for name, nets in sorted(by_name.items()):
         if name in ctx.desired.docker_networks or name in PROTECTED_NETWORKS:

@@ -58,7 +58,7 @@ _OWNER = re.compile(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)")
 
 
 def owner_of(rule: str) -> str | None:
-    """``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
+    """Read ``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
     m = _OWNER.search(rule)
     return m.group(1) if m else None
 
@@ -81,7 +81,7 @@ class DnatRule:
 
 
 def parse_dnat(rule: str) -> DnatRule | None:
-    """The DNAT rule of an allocation (``reconciler:alloc=ID``), or None for any other rule
+    """Parse the DNAT rule of an allocation (``reconciler:alloc=ID``), or None for any other rule
     or one whose tokens do not read."""
     owner = owner_of(rule)
     if not owner or not owner.startswith("alloc="):
@@ -99,12 +99,12 @@ def parse_dnat(rule: str) -> DnatRule | None:
 
 
 def dnat_rules(rules: Iterable[str]) -> list[DnatRule]:
-    """The allocations' DNAT rules among ``rules``, in order (others skipped)."""
+    """Return the allocations' DNAT rules among ``rules``, in order (others skipped)."""
     return [d for r in rules if (d := parse_dnat(r)) is not None]
 
 
 def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tuple[str, str]]]:
-    """Our rules grouped by the resource they serve (``subnet=NAME``), as (chain, rule)."""
+    """Group our rules by the resource they serve (``subnet=NAME``), as (chain, rule)."""
     out: dict[str, list[tuple[str, str]]] = {}
     for chain, rules in chains:
         for r in rules:
@@ -115,7 +115,7 @@ def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tupl
 
 
 def live_by_owner(live: LiveChainSet) -> dict[str, list[tuple[str, str]]]:
-    """:func:`by_owner` over the live chains of one family (built-in and owned)."""
+    """Apply :func:`by_owner` to the live chains of one family (built-in and owned)."""
     return by_owner((chain, rules) for (_t, chain), rules in sorted(live.chains.items()))
 
 
@@ -144,7 +144,7 @@ class RuleSet:
         self.add_rule(chain, " ".join(toks), head=head)
 
     def add_rule(self, chain: str, rule: str, *, head: bool = False) -> None:
-        """A rule already in iptables-save form (a kept live one: ``--no-prune``)."""
+        """Add a rule already in iptables-save form (a kept live one: ``--no-prune``)."""
         rules = self.chains.setdefault(chain, [])
         if head:
             n = self._heads.get(chain, 0)
@@ -158,7 +158,8 @@ class RuleSet:
 
 
 def subnet_rules(rs: RuleSet, s: Subnet) -> None:
-    """What is forwarded into the subnet (its isolation), what leaves it, masquerade of egress.
+    """Add the rules of a subnet: what is forwarded into it (its isolation), what leaves it,
+    masquerade of egress.
 
     ``isolation: ports`` admits from outside the subnet only replies and what a
     declared port map DNATed (conntrack keeps the original destination), plus
@@ -188,12 +189,14 @@ def subnet_rules(rs: RuleSet, s: Subnet) -> None:
 
 
 def is_ingress(chain: str, rule: str) -> bool:
-    """A rule of ``RECONCILER-FORWARD`` that decides what enters a subnet (goes in the head)."""
+    """Tell whether a rule of ``RECONCILER-FORWARD`` decides what enters a subnet (goes in the
+    head)."""
     return chain == FORWARD and " -o " in f" {rule} "
 
 
 def live_isolation(live: LiveChainSet, subnet: str) -> str | None:
-    """The isolation the live rules of ``subnet`` give it: "ports", "open", or None (no rules)."""
+    """Read the isolation the live rules of ``subnet`` give it: "ports", "open", or None (no
+    rules)."""
     ingress = [r for r in live.chains.get(("filter", FORWARD), ())
                if owner_of(r) == f"subnet={subnet}" and is_ingress(FORWARD, r)]
     if not ingress:
@@ -228,7 +231,7 @@ def loopback_guard(rs: RuleSet, bridge: str) -> None:
 
 def change_notes(desired: DesiredState, live: LiveChainSet, family: int,
                  subnets: Iterable[str]) -> list[str]:
-    """What a firewall change opens or closes, for the people reading the plan.
+    """Say what a firewall change opens or closes, for the people reading the plan.
 
     The first plan after an upgrade to ``isolation: ports`` as the default says so here.
     """
@@ -260,7 +263,7 @@ _OUR_JUMP_MARK = f"--comment {RULE_COMMENT} -j {CHAIN_PREFIX}"
 
 
 def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
-    """Our jump rules (carrying our comment) in chains we do not own, by (table, chain)."""
+    """Find our jump rules (carrying our comment) in chains we do not own, by (table, chain)."""
     out: dict[tuple[str, str], list[str]] = {}
     for (table, chain), rules in live.chains.items():
         if chain.startswith(CHAIN_PREFIX):
@@ -272,7 +275,7 @@ def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
 
 
 def _foreign_references(live: LiveChainSet, table: str, chain: str) -> list[str]:
-    """Rules someone else wrote that jump or go to ``chain``: we never delete those."""
+    """Find rules someone else wrote that jump or go to ``chain``: we never delete those."""
     refs = []
     for (t, c), rules in live.chains.items():
         if t != table or c.startswith(CHAIN_PREFIX):

@@ -127,8 +127,8 @@ class Replacement:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Replacement:
-        """Raises ValueError (or KeyError, TypeError) for anything this version did not
-        write."""
+        """Read a replacement back; raise ValueError (or KeyError, TypeError) for anything this
+        version did not write."""
         if raw.get("format") != FORMAT:
             raise ValueError(f"replacement format {raw.get('format')!r} is not {FORMAT}")
         mtu = raw.get("default_mtu")
@@ -148,7 +148,7 @@ class Steps(Protocol):
         does not happen if this raises."""
 
     def done(self, step: str) -> None:
-        """``step`` completed."""
+        """Record that ``step`` completed."""
 
 
 class _NoSteps:

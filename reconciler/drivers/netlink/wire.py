@@ -326,7 +326,7 @@ def u8_attr(kind: int, value: int) -> bytes:
 
 
 def parse_attrs(buf: bytes, off: int = 0, end: int | None = None) -> dict[int, bytes]:
-    """TLV attributes of ``buf[off:end]`` by type (nested/byte-order flags stripped)."""
+    """Parse the TLV attributes of ``buf[off:end]`` by type (nested/byte-order flags stripped)."""
     if end is None:
         end = len(buf)
     out: dict[int, bytes] = {}
