@@ -8,6 +8,8 @@ otherwise — or when that pass did not heal it — it is reported: a log line,
 ``AgentProbes`` is the part of ``loop.Agent`` that runs them and folds their
 results in; the state it reads and keeps is the agent's own (declared here,
 set up in ``Agent.__init__``).
+
+See docs/decisions/032-probes-in-apply-and-watch.md.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ that branch writes into the status document (absent = null until then). Their
 reasons are pinned on hand-made documents in tests/unit/test_readiness.py; once the
 agent writes them, a test must reach them through the agent's real document, as
 ``test_status_shape`` does for every other key (its ``SEAM`` set goes away then).
+
+See docs/decisions/030-fleet-readiness.md.
 """
 
 from __future__ import annotations

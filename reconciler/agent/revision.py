@@ -1,4 +1,7 @@
-"""Which revision of the files the agent runs, and whether others could have written them."""
+"""Which revision of the files the agent runs, and whether others could have written them.
+
+See docs/decisions/027-nobody-else-steers-the-agent.md.
+"""
 
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ is reverted by the agent's first pass past its deadline: a held pass asks for on
 
 Published in the status document (``pending``, ``reverted_revision``) and the metrics
 ``reconciler_pending_change`` and ``reconciler_reverts_total``.
+
+See docs/decisions/026-safe-change-refusals-and-reverter.md.
 """
 
 from __future__ import annotations

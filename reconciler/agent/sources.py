@@ -9,6 +9,9 @@ Netlink is read with a plain ``AF_NETLINK`` socket subscribed to the link,
 address and route groups of the network namespace the calling thread is in
 (``reconcile --netns`` moves the whole process before any thread starts).
 Message parsing is pure (:func:`parse_messages`) and tested on hand-built bytes.
+
+See docs/decisions/018-coexistence-matrix.md.
+See docs/decisions/029-drift-sources-side-by-side.md.
 """
 
 from __future__ import annotations

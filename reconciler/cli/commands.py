@@ -7,6 +7,8 @@ and `completion` start without the engine, the planner and the agent (~50 ms
 of imports for the engine and planner, ~0.14 s for the agent's modules:
 ``python -X importtime``), and `watch` alone loads prometheus_client and
 watchdog. tests/unit/test_layers.py checks what stays out.
+
+See docs/decisions/007-start-up-costs.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ side of ``engine/safechange``.
 Every command that changes the host calls :func:`guard` under the host lock first: an
 overdue pending change is reverted before anything else happens, a pending one refuses
 the command with one line naming its deadline.
+
+See docs/decisions/026-safe-change-refusals-and-reverter.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Three stages, each reporting every problem it finds with ``file:line:col``:
 YAML parsing (positions kept for every value), JSON Schema validation, then
 semantic checks that a schema cannot express (references, overlaps, clashes).
+
+See docs/decisions/003-guard-rails-before-the-planner.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""JSON Schema validation of a document, with messages that name file, line and field."""
+"""JSON Schema validation of a document, with messages that name file, line and field.
+
+See docs/decisions/007-start-up-costs.md.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ was there, including what the old files left to the kernel (an MTU, a hairpin fl
 ``planner/checkpoint`` takes it from a ``LiveState`` and plans the restore.
 
 Pure: no I/O, nothing from above ``reconciler.domain``.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ No daemon, no SDK: the options and labels we set, kind's ULA derivation and
 duplicate order, and the JSON form of a declared network that plan ops carry.
 Comparing a declared network with a live one is the planner's
 (``reconciler.planner.docker_diff``).
+
+See docs/decisions/019-docker-scope-label.md.
 """
 
 from __future__ import annotations

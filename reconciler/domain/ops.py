@@ -16,6 +16,8 @@ unsorted, so key order is visible: an op read from JSON keeps its key order
 (``key_order``) and re-encodes to the same bytes.
 
 Pure: no I/O, nothing from above ``reconciler.domain``.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations

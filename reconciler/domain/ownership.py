@@ -2,6 +2,9 @@
 
 They live on the objects themselves, so they survive a restart of the
 reconciler and need no side file that could be lost or go stale.
+
+See docs/decisions/001-ownership-on-the-objects.md.
+See docs/decisions/010-stable-identities.md.
 """
 
 from __future__ import annotations

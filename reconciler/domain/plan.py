@@ -7,6 +7,8 @@ reason is for people; the executor only ever looks at the ops.
 
 
 Rendering for people lives in ``reconciler.ui.render``.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations

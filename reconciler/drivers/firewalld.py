@@ -11,6 +11,8 @@ firewalld's zones ourselves: the operator runs the one command we print (the dec
 is in ARCHITECTURE.md). Read through /proc (a firewalld process in this network
 namespace?), ``nft`` (is its table there?) and ``firewall-cmd`` (its D-Bus API), each
 only when the one before said firewalld is present: a host without it pays ~1 ms.
+
+See docs/decisions/017-firewalld-refuse-with-its-command.md.
 """
 
 from __future__ import annotations

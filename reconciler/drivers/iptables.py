@@ -11,6 +11,9 @@ process, however many rules change. We use whichever backend the
 ``iptables`` command on PATH uses (nf_tables on Debian), and refuse to run
 when the other backend holds Docker's rules, since the two hide rules from
 each other.
+
+See docs/decisions/007-start-up-costs.md.
+See docs/decisions/014-iptables-owned-chains.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ whole process for ``reconcile --netns NAME``.
 Namespaces are published the way ``ip netns add`` does it: a file under
 ``/run/netns`` with the namespace's nsfs inode bind-mounted onto it, in a
 shared mount so that every mount namespace on the host sees it.
+
+See docs/decisions/002-allocations-prove-ownership-from-their-namespace.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ must be a real directory (not a symlink) owned by us (root) that nobody else
 can write: a local user who could plant an entry there could make `apply`
 truncate and write any file through a symlink, or answer `reconcile plan` in
 the agent's place. Files under it are opened with ``O_NOFOLLOW``.
+
+See docs/decisions/021-one-writer-per-host.md.
 """
 
 from __future__ import annotations

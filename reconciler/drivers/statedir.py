@@ -17,6 +17,8 @@ The directory and its scope subdirectories are 0700, must be real directories
 owned by us that nobody else can write (``rundir.dir_problem``), and files are
 opened with ``O_NOFOLLOW``: a local user who could plant a record here could make
 a revert rebuild whatever they wrote.
+
+See docs/decisions/024-state-directory.md.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ anyone else, and it is gone with the thread), mounts a sysfs of the network
 namespace it is in (ours: threads start in their creator's) over ``/sys`` and
 reads there. About 0.3 ms; only bridges whose MAC is not the one we give new
 bridges need asking (``engine.observe``).
+
+See docs/decisions/010-stable-identities.md.
 """
 
 from __future__ import annotations

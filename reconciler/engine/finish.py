@@ -11,6 +11,8 @@ what was left and is removed too: the next run does not try it again. Only a
 temporary failure (the Docker daemon unreachable, a container that could not be
 put back) or a ``StrandedError`` (containers off their network and another's
 network of that name in the way) keeps it for the run after.
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ anything. ``gc --plan`` finishes nothing (it changes nothing): it names them, as
 The stale files are the reconciler's own bookkeeping, not host objects, so they are
 removed by the drivers of their directories (``drivers/rundir``, ``drivers/statedir``:
 each re-checks a file just before removing it), not through ``HostOps``.
+
+See docs/decisions/022-gc-is-the-planners-removals.md.
 """
 
 from __future__ import annotations

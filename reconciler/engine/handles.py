@@ -3,6 +3,8 @@
 Observation reads through them and ``HostOps`` changes through them, so one
 pass keeps one netlink socket (and its cached sockets into allocation
 namespaces), one iptables driver per family and one Docker client.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations

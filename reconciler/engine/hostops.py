@@ -3,6 +3,8 @@
 This is the single gate for side effects: nothing else in the reconciler
 changes the host. An op is decoded into its typed form
 (``reconciler.domain.ops``) and dispatched on its class.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations

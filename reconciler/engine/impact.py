@@ -4,6 +4,8 @@ Conntrack is read only for a plan that disrupts something, and only the entries 
 what it disrupts (``planner.impact.flow_query``: kernel-filtered dumps by address and
 port), so a plan that disrupts nothing costs no netfilter socket. A table that cannot
 be read leaves the flows uncounted (``Impact.flows`` None): the impact itself stands.
+
+See docs/decisions/020-impact-before-it-happens.md.
 """
 
 from __future__ import annotations

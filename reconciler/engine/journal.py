@@ -20,6 +20,8 @@ happened already).
 
 Ownership never lives here: a journal says what to finish, the objects still say
 whose they are.
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 "Host" means network namespace: the lock file is named after the inode of the
 namespace we act on, so sandboxes under `--netns` do not block each other.
+
+See docs/decisions/021-one-writer-per-host.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
 one that failed gathers the facts around it and lets the planner name the
 cause. ``probe_targets`` says which allocations a plan touched ("what changed",
 after apply); watch probes everything on its own interval.
+
+See docs/decisions/031-probes-capture-decides.md.
+See docs/decisions/032-probes-in-apply-and-watch.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch."""
+"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch.
+
+See docs/decisions/032-probes-in-apply-and-watch.md.
+"""
 
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ reverter killed, the host rebooted (its boot id differs: overdue). Whoever runs 
 reverts an overdue change first: the next ``apply``, the agent, ``reconcile revert
 --if-overdue`` at boot. While a change is pending and not overdue every other change
 is refused, naming the deadline.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The planner: a pure function (desired, live, options) -> Plan. No I/O here."""
+"""The planner: a pure function (desired, live, options) -> Plan. No I/O here.
+
+See docs/decisions/016-loopback-guard.md.
+"""
 
 from __future__ import annotations
 

@@ -19,6 +19,9 @@ pools) is ``planner.hostspace``.
   and warns about a ``host_ip`` that is not on the host right now.
 * :func:`relevant` is what of the host these depend on: the plan agent keeps a
   plan while it stays the same.
+
+See docs/decisions/004-ipam-and-ports-from-live-state.md.
+See docs/decisions/005-one-address-space.md.
 """
 
 from __future__ import annotations

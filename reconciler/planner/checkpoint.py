@@ -14,6 +14,8 @@ restore plan of that must be empty.
 The firewall is put back as one transaction per family built by the planner's own
 ``firewall.diff`` from the recorded chains, so the jumps into them are the ones every
 apply writes, and with it go the conntrack entries the restored port maps leave stale.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ after its restore (``ConntrackDelete``):
   reset by the next one instead of hanging);
 * a map that is new: its UDP entries that are not NATed to it (TCP flows to a port
   nothing listened on were refused, so none are left).
+
+See docs/decisions/013-clean-transitions.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ when all are ours. Networks are global to the daemon: one that another
 reconciler made (another ``SCOPE_LABEL``: the host's, another sandbox's) is a
 conflict, never replaced, deduped or pruned. Pruning removes owned networks of
 this reconciler's scope that no file declares any more.
+
+See docs/decisions/019-docker-scope-label.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Every rule we write is in a chain we own (``RECONCILER-*``) except one jump
 per chain from the built-in chain that feeds it. Rules carry a comment naming
 the resource they serve (``reconciler:subnet=NAME``) so live rules can be
 attributed, and an unknown owner is recognisably stale.
+
+See docs/decisions/014-iptables-owned-chains.md.
+See docs/decisions/015-subnet-isolation.md.
 """
 
 from __future__ import annotations

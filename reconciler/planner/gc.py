@@ -27,6 +27,8 @@ into a deletion fails here rather than on the host.
 Nothing declared in the files is collected: a declared allocation whose veth or
 namespace went is healed by ``apply``, and its rules (its ``auto`` host ports)
 are kept for it.
+
+See docs/decisions/022-gc-is-the-planners-removals.md.
 """
 
 from __future__ import annotations

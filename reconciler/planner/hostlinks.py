@@ -1,4 +1,7 @@
-"""Planning of bridges and subnets (pure)."""
+"""Planning of bridges and subnets (pure).
+
+See docs/decisions/013-clean-transitions.md.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ LAN's), every live Docker network (global to the daemon, whichever namespace we
 act on), and the parts of Docker's default address pools it has not handed out
 yet; what we own ourselves, for the agent's alarm (:func:`live_overlaps`).
 ``planner.addrspace`` checks and picks declared prefixes against them.
+
+See docs/decisions/005-one-address-space.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ conntrack entries the engine reads for exactly these items once a plan has an
 impact (:func:`flow_query`): TCP flows in state ESTABLISHED and answered UDP
 ones, without the probes' reserved source ports (they are ours and short-lived).
 A plan made without them says nothing about flows (``Impact.flows`` None).
+
+See docs/decisions/020-impact-before-it-happens.md.
 """
 
 from __future__ import annotations

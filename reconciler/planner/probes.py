@@ -26,6 +26,8 @@ namespace of ours through the host address on its link (or ``host_ip``);
 ``direct``: that namespace straight to the allocation's address and container
 port, expected reached only with ``isolation: open``. Both for IPv4 and IPv6
 maps: the link has a /30 and a /126 (``domain.probes.VANTAGE_NET6``).
+
+See docs/decisions/031-probes-capture-decides.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ objects no file declares are dotted; with ``--plan`` each node is filled in its
 action's colour, its label starts with the plan's symbol (``+ ~ - -/+ !``), a
 legend spells them, and a note lists the changes that are not topology (firewall
 transactions, sysctls, orphan veths).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Plan options from the command line (or from a saved plan)."""
+"""Plan options from the command line (or from a saved plan).
+
+See docs/decisions/003-guard-rails-before-the-planner.md.
+See docs/decisions/032-probes-in-apply-and-watch.md.
+"""
 
 from __future__ import annotations
 

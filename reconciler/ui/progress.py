@@ -7,6 +7,8 @@ same line (``\\r`` and erase-to-end), at most every ``interval`` and only once t
 has run for ``delay`` (a short apply prints exactly what it printed before). It is only
 ever made for a terminal: never on a pipe or a file, never with ``--output json``, and
 the line is erased before the summary, so logs and pipes see none of it.
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations

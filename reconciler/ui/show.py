@@ -6,6 +6,8 @@ bridge of ours, the owned firewall chains, leftover namespaces, the probes' vant
 Docker networks with their containers. ``--output json`` keeps the keys it always had
 (``links``, ``firewall``, ``netns``, ``probe_vantage``, ``docker_networks``: scripts
 read them) and adds ``bridges`` (the same tree as the text) and ``allocs`` (flat).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations

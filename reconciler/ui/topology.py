@@ -8,6 +8,8 @@ it is the host's truth: subnets are known by their rules' comments
 (``reconciler:subnet=NAME``, with the bridge and prefixes those rules match), an
 allocation by the mark on its namespace's ``lo``, its port maps by the comments of
 its DNAT rules (``planner.firewall.dnat_rules``, the one reader of them).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations

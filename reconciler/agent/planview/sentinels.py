@@ -1,6 +1,8 @@
 """Sentinels: what tells the plan view which part of the host changed since it was read.
 
 See ``reconciler.agent.planview.view`` for how they are used.
+
+See docs/decisions/029-drift-sources-side-by-side.md.
 """
 
 from __future__ import annotations

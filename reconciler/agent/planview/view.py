@@ -38,6 +38,8 @@ namespace without an nsid, an error in a sentinel -- means observing
 everything again, exactly as a fresh process would. Desired-state files come from the client
 (read in its own directory); they are parsed again only when their bytes change.
 The socket and its server are ``server.py``.
+
+See docs/decisions/028-plan-answered-by-the-agent.md.
 """
 
 from __future__ import annotations

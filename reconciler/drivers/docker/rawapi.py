@@ -6,6 +6,8 @@ to be asked; importing the Docker SDK and negotiating a client costs ~100 ms,
 one ``GET /networks`` costs a few. Only a local unix socket is asked (a
 remote daemon's networks are not on this host). The daemon's default address
 pools come from its configuration file: the API does not report them.
+
+See docs/decisions/007-start-up-costs.md.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Step names: ``disconnect:<container id>``, ``remove``, ``create:<network id>``,
 old settings are being restored instead), and ``abandon`` (a step before the
 removal failed for good: every container goes back onto the old network, each
 ``put-back:<container id>``; a run that finds it finishes that, not the replace).
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 ``NetlinkChanges`` adds them to the reads (``read.NetlinkReader``); ``client.Netlink``
 adds what building an allocation needs (the veth into its namespace, what is
 configured inside it). Idempotent where the kernel allows.
+
+See docs/decisions/002-allocations-prove-ownership-from-their-namespace.md.
+See docs/decisions/012-our-neighbour-entries.md.
 """
 
 from __future__ import annotations

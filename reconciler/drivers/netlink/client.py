@@ -15,6 +15,10 @@ inside allocation namespaces, dumps), ``changes`` (``NetlinkChanges``: the
 host's changes), this module (``Netlink``: those and an allocation's veth and
 what is configured inside it) and ``listen`` (subscriptions). Not thread-safe:
 one instance per thread.
+
+See docs/decisions/008-raw-rtnetlink.md.
+See docs/decisions/009-nothing-on-the-wire-undeclared.md.
+See docs/decisions/011-neighbours-told-up-front.md.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ namespace: a ``--netns`` run has entered its sandbox). A dump is one request per
 family; each delete names the entry by its original tuple, zone and id, so an
 entry that was replaced meanwhile by a new flow with the same tuple is left alone
 (ENOENT: gone already, fine). Parsing is pure (:func:`parse_entry`) and tested on bytes.
+
+See docs/decisions/013-clean-transitions.md.
 """
 
 from __future__ import annotations

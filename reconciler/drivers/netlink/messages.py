@@ -1,4 +1,7 @@
-"""Bodies of the rtnetlink requests the client sends (link info, addresses, dumps)."""
+"""Bodies of the rtnetlink requests the client sends (link info, addresses, dumps).
+
+See docs/decisions/009-nothing-on-the-wire-undeclared.md.
+"""
 
 from __future__ import annotations
 

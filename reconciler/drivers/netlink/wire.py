@@ -1,4 +1,7 @@
-"""The rtnetlink wire format: constants, attributes, message framing (the only nlmsghdr codec)."""
+"""The rtnetlink wire format: constants, attributes, message framing (the only nlmsghdr codec).
+
+See docs/decisions/008-raw-rtnetlink.md.
+"""
 
 from __future__ import annotations
 

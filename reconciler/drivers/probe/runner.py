@@ -25,6 +25,8 @@ namespace we act on (``Outcome.flow``, its exact original tuple), which
 ``engine.probes`` deletes through the conntrack driver
 (``drivers/netlink/conntrack.Conntrack.delete_flows``). Runs larger than the
 file descriptors left under ``RLIMIT_NOFILE`` go in batches.
+
+See docs/decisions/031-probes-capture-decides.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ IPAM is derived from live state, not from a side file: an allocation keeps the
 (owned) address its ``eth0`` already has while that address is still valid;
 new allocations take the lowest free address of the range. Automatic host
 ports are kept the same way, from the live DNAT rules of the allocation.
+
+See docs/decisions/004-ipam-and-ports-from-live-state.md.
 """
 
 from __future__ import annotations

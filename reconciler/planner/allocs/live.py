@@ -1,4 +1,7 @@
-"""What the live state says of an allocation: its namespace, veth pair and addresses."""
+"""What the live state says of an allocation: its namespace, veth pair and addresses.
+
+See docs/decisions/001-ownership-on-the-objects.md.
+"""
 
 from __future__ import annotations
 

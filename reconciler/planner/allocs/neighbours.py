@@ -1,4 +1,8 @@
-"""Allocations' MACs and the bridges' neighbour entries they need replaced or deleted."""
+"""Allocations' MACs and the bridges' neighbour entries they need replaced or deleted.
+
+See docs/decisions/010-stable-identities.md.
+See docs/decisions/012-our-neighbour-entries.md.
+"""
 
 from __future__ import annotations
 
