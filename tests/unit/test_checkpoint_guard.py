@@ -14,6 +14,9 @@ that silently keeps the new value. This guard ties them, from the code itself:
   that it did not have to do before the change (every attribute it compares is
   back), ``take`` gives the checkpoint again, and between them the changes run every
   recorded field of every op (so each row of ``RECORDED`` is exercised by a revert).
+  One restore plan must do it: stricter than ``engine.safechange.revert``, which
+  checks and restores again up to 3 rounds (a restore plan that mispredicts costs a
+  round there; an attribute no record holds is never put back).
 
 Docker networks are recorded whole (``NetworkPoint``) and restored through the Docker
 driver, which the fake host does not play: their ops are out of scope here.
@@ -355,7 +358,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("nothing new", "a bridge and an allocation added"):
         "the neighbour entries seeded for an allocation the change made outlive its revert "
         "(ours, never collected by the kernel): the revert observes no neighbour entries "
-        "(engine.safechange.observe_for declares no bridge), and the next plan deletes them",
+        "(engine.safechange.observe_for declares no bridge), and the next plan deletes them "
+        "(on the real kernel `plan` then exits 2 and `verify` 1 until the next apply)",
 }
 
 
