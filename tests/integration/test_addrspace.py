@@ -17,18 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Netns, reconcile, sh, unique, write
-from tests.integration.test_watch import Agent
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.agent import Agent
+from tests.support.cli import reconcile
+from tests.support.host import Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
 
-docker_client = fx.docker_client
-docker_scratch = fx.docker_scratch
 
 
 def foreign_link(host: Netns, *addrs: str) -> str:
@@ -316,7 +310,7 @@ def test_the_agent_reports_a_foreign_overlap_within_a_second(host_ns: Netns, tmp
 def test_the_address_space_example_applies_and_converges(host_ns: Netns, tmp_path):
     import yaml
 
-    from tests.conftest import EXAMPLES
+    from tests.support.host import EXAMPLES
 
     with open(os.path.join(EXAMPLES, "address-space.yaml")) as fh:
         doc = yaml.safe_load(fh)

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import EXAMPLES, SESSION, Netns, sh, unique, write
-from tests.integration.traffic import client_of
+from tests.support.host import EXAMPLES, SESSION, Netns, sh, unique, write
+from tests.support.traffic import client_of
 
 pytestmark = pytest.mark.root
 

@@ -33,9 +33,9 @@ import pytest
 
 from reconciler.domain.ownership import alloc_veth_name
 from reconciler.domain.probes import VANTAGE_PEER
-from tests.conftest import Netns, unique, write
-from tests.figures import report
-from tests.integration.traffic import client_of
+from tests.support.figures import report
+from tests.support.host import Netns, unique, write
+from tests.support.traffic import client_of
 
 pytestmark = pytest.mark.root
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Netns, sh, unique, write
-from tests.figures import SOAK, report
-from tests.integration.traffic import CLIENT_IP, HOST_IP, client_of, fetch, listening, scan
+from tests.support.figures import SOAK, report
+from tests.support.host import REPO, Netns, sh, unique, write
+from tests.support.traffic import CLIENT_IP, HOST_IP, client_of, fetch, listening, scan
 
 pytestmark = pytest.mark.root
 

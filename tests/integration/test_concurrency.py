@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, SESSION, Netns, Result, unique, write
+from tests.support.cli import Result
+from tests.support.host import REPO, SESSION, Netns, unique, write
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)
 from bench.soak_crash import Config, Host, leaks  # noqa: E402
 
 pytestmark = pytest.mark.root

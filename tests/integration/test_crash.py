@@ -15,11 +15,10 @@ import sys
 
 import pytest
 
-from tests.conftest import SESSION
-from tests.figures import SOAK, report
-from tests.integration.docker_fixtures import busybox_image, docker_client  # noqa: F401
+from tests.support.figures import SOAK, report
+from tests.support.host import REPO, SESSION
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)
 from bench.soak_crash import soak  # noqa: E402
 from bench.soak_replace import replace_soak  # noqa: E402
 

@@ -11,106 +11,37 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from reconciler.domain.docker import SCOPE_LABEL, ula_subnet
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
-from tests.conftest import EXAMPLES, Netns, unique, write
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.dockercli import (
+    bridge_mtu,
+    docker,
+    endpoint,
+    ids,
+    inspect,
+    networks_file,
+    no_traceback,
+    subnets,
+)
+from tests.support.dockerscratch import DockerScratch
+from tests.support.host import EXAMPLES, Netns, write
 
 pytestmark = [pytest.mark.docker, pytest.mark.root]
 
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
 
 DOWN = {"DOCKER_HOST": "unix:///nonexistent.sock"}
-
-
-class Scratch(fx.DockerScratch):
-    """Names under a ``unique()`` prefix; removes its containers and networks afterwards."""
-
-    def __init__(self, client: Any, image: str | None) -> None:
-        super().__init__(client, image)
-        self.prefix = unique("d")
-
-    def check_clean(self) -> None:
-        left = [n["Name"] for n in self.networks()]
-        if left:
-            raise AssertionError(f"docker networks leaked: {left}")
-
-
-def _scratch(client: Any, image: str | None) -> Iterator[Scratch]:
-    s = Scratch(client, image)
-    try:
-        yield s
-    finally:
-        s.cleanup()
-        s.check_clean()
-
-
-@pytest.fixture
-def scratch(docker_client: Any) -> Iterator[Scratch]:
-    yield from _scratch(docker_client, None)
-
-
-@pytest.fixture
-def scratch_img(docker_client: Any, busybox_image: str) -> Iterator[Scratch]:
-    yield from _scratch(docker_client, busybox_image)
-
-
-def docker(*args: str, check: bool = True) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check,
-                          timeout=60).stdout
-
-
-def inspect(ref: str) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(docker("network", "inspect", ref))[0]
-    return result
-
-
-def ids(name: str) -> list[str]:
-    return sorted(docker("network", "ls", "--no-trunc", "--filter", f"name=^{name}$",
-                         "--format", "{{.ID}}").split())
-
-
-def subnets(attrs: dict[str, Any]) -> list[str]:
-    return [c["Subnet"] for c in attrs["IPAM"]["Config"] or []]
-
-
-def bridge_mtu() -> str:
-    return str(inspect("bridge")["Options"].get("com.docker.network.driver.mtu", ""))
-
-
-def networks_file(tmp_path: Any, *nets: str, name: str = "d.yaml", extra: str = "") -> str:
-    body = "version: 1\n" + extra
-    if nets:
-        body += "docker_networks:\n" + "".join(f"  - {n}\n" for n in nets)
-    return write(tmp_path, name, body)
-
-
-def endpoint(container: Any, network: str) -> dict[str, Any]:
-    container.reload()
-    return dict(container.attrs["NetworkSettings"]["Networks"][network])
-
-
-def no_traceback(r: Any) -> None:
-    assert "Traceback" not in r.all and "internal error" not in r.all, r.all
 
 
 # --------------------------------------------------------------------------
 
 
-def test_apply_creates_kind_network_then_plan_is_empty(host_ns: Netns, scratch: Scratch,
+def test_apply_creates_kind_network_then_plan_is_empty(host_ns: Netns, docker_scratch: DockerScratch,
                                                        tmp_path: Any) -> None:
-    name = scratch.name("kind")
+    name = docker_scratch.name("kind")
     f = networks_file(tmp_path, f"{{name: {name}, ipv6: true, labels: {{team: infra}}}}")
     r = host_ns.reconcile("plan", f)
     assert r.rc == 2, r.all
@@ -138,9 +69,9 @@ def test_apply_creates_kind_network_then_plan_is_empty(host_ns: Netns, scratch: 
     assert name in [d["name"] for d in json.loads(r.out)["docker_networks"]]
 
 
-def test_mtu_change_is_a_replace_with_the_reason(host_ns: Netns, scratch: Scratch,
+def test_mtu_change_is_a_replace_with_the_reason(host_ns: Netns, docker_scratch: DockerScratch,
                                                  tmp_path: Any) -> None:
-    name = scratch.name("mtu")
+    name = docker_scratch.name("mtu")
     assert host_ns.reconcile("apply", networks_file(tmp_path, f"{{name: {name}}}")).rc == 0
     before = ids(name)
     changed = networks_file(tmp_path, f"{{name: {name}, mtu: 1400}}", name="c.yaml")
@@ -155,9 +86,9 @@ def test_mtu_change_is_a_replace_with_the_reason(host_ns: Netns, scratch: Scratc
     assert host_ns.reconcile("plan", changed).rc == 0
 
 
-def test_network_deleted_out_of_band_is_planned_again(host_ns: Netns, scratch: Scratch,
+def test_network_deleted_out_of_band_is_planned_again(host_ns: Netns, docker_scratch: DockerScratch,
                                                       tmp_path: Any) -> None:
-    name = scratch.name("oob")
+    name = docker_scratch.name("oob")
     f = networks_file(tmp_path, f"{{name: {name}, ipv6: true}}")
     assert host_ns.reconcile("apply", f).rc == 0
     docker("network", "rm", name)
@@ -167,9 +98,9 @@ def test_network_deleted_out_of_band_is_planned_again(host_ns: Netns, scratch: S
     assert len(ids(name)) == 1
 
 
-def test_prune_removes_only_ours(host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    a, b, c = scratch.name("a"), scratch.name("b"), scratch.name("c")
-    foreign, other_scope = scratch.name("foreign"), scratch.name("other")
+def test_prune_removes_only_ours(host_ns: Netns, docker_scratch: DockerScratch, tmp_path: Any) -> None:
+    a, b, c = docker_scratch.name("a"), docker_scratch.name("b"), docker_scratch.name("c")
+    foreign, other_scope = docker_scratch.name("foreign"), docker_scratch.name("other")
     assert host_ns.reconcile("apply", networks_file(tmp_path, f"{{name: {a}}}",
                                                     f"{{name: {b}}}")).rc == 0
     docker("network", "create", foreign)
@@ -213,14 +144,14 @@ def test_prune_removes_only_ours(host_ns: Netns, scratch: Scratch, tmp_path: Any
 
 
 def test_attached_containers_block_replace_unless_forced_then_keep_addresses(
-        host_ns: Netns, scratch_img: Scratch, tmp_path: Any) -> None:
-    name = scratch_img.name("kc")
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name = docker_scratch_image.name("kc")
     f = networks_file(tmp_path, f"{{name: {name}, ipv6: true}}")
     assert host_ns.reconcile("apply", f).rc == 0
     net_id = ids(name)
-    c1, c2 = scratch_img.container("c1"), scratch_img.container("c2")
-    scratch_img.attach(c1, name, aliases=["web"])
-    scratch_img.attach(c2, name, aliases=["db", "cache"])
+    c1, c2 = docker_scratch_image.container("c1"), docker_scratch_image.container("c2")
+    docker_scratch_image.attach(c1, name, aliases=["web"])
+    docker_scratch_image.attach(c2, name, aliases=["db", "cache"])
     before = {c.id: endpoint(c, name) for c in (c1, c2)}
     for ep in before.values():
         assert ep["IPAddress"] and ep["GlobalIPv6Address"], ep
@@ -249,16 +180,16 @@ def test_attached_containers_block_replace_unless_forced_then_keep_addresses(
 
 
 def test_duplicates_of_ours_are_deduped_keeping_the_one_with_containers(
-        host_ns: Netns, scratch_img: Scratch, tmp_path: Any) -> None:
-    name = scratch_img.name("dup")
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name = docker_scratch_image.name("dup")
     labels = {DOCKER_LABEL: DOCKER_LABEL_VALUE, SCOPE_LABEL: f"netns/{host_ns.name}"}
-    made = [scratch_img.client.api.create_network(name, driver="bridge", labels=labels,
+    made = [docker_scratch_image.client.api.create_network(name, driver="bridge", labels=labels,
                                                   check_duplicate=False)["Id"]
             for _ in range(3)]
     if len(ids(name)) != 3:
         pytest.skip("this dockerd refuses duplicate network names")
     busy = max(made)  # not the lowest ID: the container count must decide
-    scratch_img.attach(scratch_img.container("c"), busy)
+    docker_scratch_image.attach(docker_scratch_image.container("c"), busy)
     f = networks_file(tmp_path, f"{{name: {name}}}")
     r = host_ns.reconcile("plan", f)
     assert r.rc == 2, r.all
@@ -270,8 +201,8 @@ def test_duplicates_of_ours_are_deduped_keeping_the_one_with_containers(
 
 
 def test_daemon_down_host_resources_still_apply_then_next_run_converges(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    name = scratch.name("down")
+        host_ns: Netns, docker_scratch: DockerScratch, tmp_path: Any) -> None:
+    name = docker_scratch.name("down")
     f = networks_file(tmp_path, f"{{name: {name}, ipv6: true}}",
                       extra="bridges:\n  - {name: rtdown0, mtu: 1400}\n")
     expected = ("error: docker: daemon unreachable at unix:///nonexistent.sock: socket not "
@@ -296,12 +227,12 @@ def test_daemon_down_host_resources_still_apply_then_next_run_converges(
     assert host_ns.reconcile("plan", f).rc == 0
 
 
-def test_example_kind_network_applies_and_destroys(host_ns: Netns, scratch: Scratch,
+def test_example_kind_network_applies_and_destroys(host_ns: Netns, docker_scratch: DockerScratch,
                                                    tmp_path: Any) -> None:
     with open(os.path.join(EXAMPLES, "kind-network.yaml")) as fh:
         text = fh.read()
     assert "  - name: kind\n" in text
-    name = scratch.name("kind")
+    name = docker_scratch.name("kind")
     f = write(tmp_path, "kind-network.yaml", text.replace("  - name: kind\n",
                                                           f"  - name: {name}\n"))
     r = host_ns.reconcile("apply", f)

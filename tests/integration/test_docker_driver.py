@@ -25,20 +25,9 @@ from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.drivers.docker.client import DockerDriver
 from reconciler.drivers.docker.payloads import parse_network
 from reconciler.planner.docker_diff import diff_network
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.dockerscratch import DockerScratch
 
 pytestmark = pytest.mark.docker
-
-# Re-export the fixtures this module uses.
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
-docker_scratch = fx.docker_scratch
-docker_scratch_image = fx.docker_scratch_image
-DockerScratch = fx.DockerScratch
 
 OURS = {DOCKER_LABEL: DOCKER_LABEL_VALUE}
 

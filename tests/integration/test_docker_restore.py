@@ -16,17 +16,10 @@ from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.errors import ConflictError
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.drivers.docker import snapshot
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.dockerscratch import DockerScratch
 
 pytestmark = [pytest.mark.docker, pytest.mark.root]
 
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
-docker_scratch_image = fx.docker_scratch_image
 
 
 def _attached(network: str) -> dict[str, str]:
@@ -38,7 +31,7 @@ def _attached(network: str) -> dict[str, str]:
 
 
 def test_a_rebuild_reattaches_who_is_left_and_detaches_nobody_else(
-        docker_scratch_image: fx.DockerScratch) -> None:
+        docker_scratch_image: DockerScratch) -> None:
     scratch = docker_scratch_image
     api: Any = scratch.client.api
     scope = f"test/{scratch.prefix}"

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLES, Netns, sh, unique
+from tests.support.host import EXAMPLES, Netns, sh, unique
 
 pytestmark = [pytest.mark.root]
 

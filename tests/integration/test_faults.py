@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from tests.conftest import SESSION, Netns, Result, unique, write
-from tests.integration.traffic import HOST_IP, client_of, fetch, listening
+from tests.support.cli import Result
+from tests.support.host import REPO, SESSION, Netns, unique, write
+from tests.support.traffic import HOST_IP, client_of, fetch, listening
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)
 from bench.soak_crash import Config, Host, leaks, veth_name  # noqa: E402
 
 pytestmark = pytest.mark.root
@@ -58,7 +59,7 @@ def apply(ns: Netns, cfg: Config, **kw: object) -> None:
 
 def with_faults(ns: Netns, faults: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, its driver ops failing as ``faults`` says (faults.py)."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.faults", faults,
+    p = subprocess.run([sys.executable, "-m", "tests.support.faults", faults,
                         "--netns", ns.name, *args], capture_output=True, text=True, timeout=300)
     return Result(p.returncode, p.stdout, p.stderr)
 

@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, Netns, sh, unique
-from tests.integration.test_watch import ENV, Agent, free_port, wait_for
+from tests.support.agent import ENV, Agent, free_port
+from tests.support.host import REPO, Netns, sh, unique, wait_for
 
 RULES = os.path.join(REPO, "examples", "prometheus", "reconciler-alerts.yaml")
 #: metrics the rules may name that a helper of safe change adds (the agreed seam), and
@@ -556,7 +556,7 @@ def three_hosts() -> Iterator[list[Netns]]:
             inodes.append(os.stat(f"/run/netns/{n}").st_ino)
         yield [Netns(n) for n in names]
     finally:
-        from tests.conftest import forget_run_files
+        from tests.support.host import forget_run_files
 
         for n in names:
             sh("ip", "netns", "del", n, check=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.conftest import Netns, unique, write
+from tests.support.host import Netns, unique, write
 
 
 def _save(ns: Netns) -> bytes:

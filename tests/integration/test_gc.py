@@ -36,23 +36,15 @@ from reconciler.domain.ownership import (
     probe_vantage_names,
 )
 from reconciler.drivers import statedir
-from tests.conftest import REPO, Netns, Result, sh, unique, write
-from tests.integration import test_journal as replaces  # 4 containers on a network of ours
-from tests.integration.test_journal import (
-    Scratch,
-    assert_all_reattached,
-    four_attached,
-    journals,
-    network_ids,
-)
+from tests.support.cli import Result
+from tests.support.dockercli import assert_all_reattached, four_attached, ids, journals
+from tests.support.dockerscratch import DockerScratch
+from tests.support.host import REPO, Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
 
 BRIDGE = "rgcbr0"
 
-docker_client = replaces.docker_client
-busybox_image = replaces.busybox_image
-scratch = replaces.scratch
 
 
 @pytest.fixture
@@ -73,7 +65,7 @@ def gc(ns: Netns, run_dir: Path, *args: str) -> Result:
 
 def with_kill(ns: Netns, run_dir: Path, fault: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, killed -9 at ``fault`` (tests/integration/faults.py)."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.faults", fault,
+    p = subprocess.run([sys.executable, "-m", "tests.support.faults", fault,
                         "--netns", ns.name, *args], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)})
     return Result(p.returncode, p.stdout, p.stderr)
@@ -340,7 +332,7 @@ def test_gc_removes_the_probe_vantage_a_killed_prober_left(
 
 def killed(ns: Netns, run_dir: Path, spec: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, SIGKILLed at ``spec`` (killpoints.py), on our run dir."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.killpoints", spec,
+    p = subprocess.run([sys.executable, "-m", "tests.support.killpoints", spec,
                         "--netns", ns.name, *args], capture_output=True, text=True,
                        timeout=300, cwd=REPO,
                        env={**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)})
@@ -349,17 +341,17 @@ def killed(ns: Netns, run_dir: Path, spec: str, *args: str) -> Result:
 
 @pytest.mark.docker
 def test_gc_finishes_an_interrupted_replace_before_it_collects(
-        host_ns: Netns, run_dir: Path, scratch: Scratch, tmp_path: Path) -> None:
+        host_ns: Netns, run_dir: Path, docker_scratch_image: DockerScratch, tmp_path: Path) -> None:
     """Killed right after the new network was made, with every container detached: to
     gc with files that no longer declare it, the new network is an empty one of ours to
     remove, and the containers would stay detached for good. gc finishes the replace
     first (under the lock), so the network has its containers and stays (pruned once
     they leave); `gc --plan` says the journal is pending and exits 2."""
     import signal  # noqa: PLC0415
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, run_dir, "create:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
-    assert journals(host_ns) and len(network_ids(name)) == 1
+    assert journals(host_ns) and len(ids(name)) == 1
     nothing = write(tmp_path, "none.yaml", "version: 1\n")
     r = gc(host_ns, run_dir, "gc", "--plan", nothing)
     assert r.rc == 2, r.all

@@ -26,20 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Netns, sh, unique, write
-
-try:
-    from tests.integration import docker_fixtures as fx
-    from tests.integration.test_docker_cli import scratch_img
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
-    from test_docker_cli import scratch_img  # type: ignore[no-redef]
+from tests.support.host import Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
-
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
-__all__ = ["busybox_image", "docker_client", "scratch_img"]  # fixtures, found by name
 
 BRIDGE = "rcg0"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -197,8 +186,8 @@ def test_graph_plan_colours_what_apply_would_do(host_ns: Netns, tmp_path: Any):
 
 @pytest.mark.docker
 def test_graph_draws_docker_networks_with_their_containers(host_ns: Netns, tmp_path: Any,
-                                                           scratch_img: Any):
-    name = scratch_img.name("g")
+                                                           docker_scratch_image: Any):
+    name = docker_scratch_image.name("g")
     path = write(tmp_path, "d.yaml", f"version: 1\ndocker_networks:\n  - {{name: {name}}}\n")
     assert host_ns.reconcile("apply", path).rc == 0
     changed = write(tmp_path, "d2.yaml",
@@ -206,9 +195,9 @@ def test_graph_draws_docker_networks_with_their_containers(host_ns: Netns, tmp_p
     nodes = render(host_ns.reconcile("graph", "--plan", changed).out)
     assert FILL["replace"] in fills(nodes[f"docker_network/{name}"])
     assert texts(nodes[f"docker_network/{name}"])[0] == f"-/+ docker network {name}"
-    box = scratch_img.container("gc")
+    box = docker_scratch_image.container("gc")
     net_id = json.loads(sh("docker", "network", "inspect", name).stdout)[0]["Id"]
-    scratch_img.attach(box, net_id)
+    docker_scratch_image.attach(box, net_id)
     inspect = json.loads(sh("docker", "network", "inspect", name).stdout)[0]
     (endpoint,) = inspect["Containers"].values()
     r = host_ns.reconcile("graph")

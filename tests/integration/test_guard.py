@@ -20,13 +20,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Netns, unique, write
-from tests.integration.test_watch import Host, agents, confdir, host, wait_for
-from tests.integration.test_watch import write as save
+from tests.support.agent import confdir
+from tests.support.host import REPO, Netns, save, unique, wait_for, write
 
 pytestmark = pytest.mark.root
-
-__all__ = ["agents", "host"]  # fixtures used by the watch test below
 
 BRIDGE = "version: 1\nbridges: [{name: %s, mtu: 1400}]\n"
 
@@ -56,22 +53,22 @@ def test_files_for_other_hosts_prune_nothing_in_plan_and_apply(host_ns: Netns,
 
 
 def test_watch_keeps_the_last_good_state_when_no_file_is_for_this_host(
-        host: Host, agents: Any, tmp_path: Any) -> None:
+        host_ns: Netns, agents: Any, tmp_path: Any) -> None:
     d = confdir(tmp_path)
     f = os.path.join(d, "net.yaml")
     save(f, "hosts: ['web-*']\n" + BRIDGE % "rtgw0")
-    agent = agents(host, [d], "--hostname", "web-3")
+    agent = agents(host_ns, [d], "--hostname", "web-3")
     agent.converged()
-    assert host.mtu("rtgw0") == 1400
+    assert host_ns.mtu("rtgw0") == 1400
     save(f, "hosts: ['web1-*']\n" + BRIDGE % "rtgw0")  # a typo in the pattern
     doc = agent.wait_status(lambda s: s.get("config_error"), what="the config error")
     assert "web1-*" in doc["config_error"]["message"]
     assert "'web-3'" in doc["config_error"]["message"]
     time.sleep(1.0)  # a pass or two more: nothing may be pruned
-    assert host.mtu("rtgw0") == 1400
+    assert host_ns.mtu("rtgw0") == 1400
     assert any("web1-*" in ln for ln in agent.lines), agent.log_text()
     save(f, "hosts: ['web-*']\nversion: 1\nbridges: []\n")  # on purpose
-    wait_for(lambda: host.link("rtgw0") is None, 15, what="the bridge pruned on purpose")
+    wait_for(lambda: host_ns.link("rtgw0") is None, 15, what="the bridge pruned on purpose")
     assert agent.stop() == 0
 
 

@@ -15,21 +15,10 @@ import pytest
 
 from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
-from tests.conftest import Netns, forget_run_files, sh, unique
-from tests.integration.test_docker_cli import (
-    busybox_image,
-    docker,
-    docker_client,
-    ids,
-    inspect,
-    networks_file,
-    no_traceback,
-    scratch,
-)
+from tests.support.dockercli import docker, ids, inspect, networks_file, no_traceback
+from tests.support.host import Netns, forget_run_files, sh, unique
 
 pytestmark = [pytest.mark.docker, pytest.mark.root]
-
-__all__ = ["busybox_image", "docker_client", "scratch"]  # fixtures
 
 
 @pytest.fixture
@@ -48,8 +37,8 @@ def second_ns() -> Iterator[Netns]:
 
 
 def test_a_sandbox_never_replaces_or_prunes_another_scopes_network(
-        host_ns: Netns, second_ns: Netns, scratch: Any, tmp_path: Any) -> None:
-    name = scratch.name("shared")
+        host_ns: Netns, second_ns: Netns, docker_scratch: Any, tmp_path: Any) -> None:
+    name = docker_scratch.name("shared")
     a = networks_file(tmp_path, f"{{name: {name}}}", name="a.yaml")
     r = host_ns.reconcile("apply", a)
     assert r.rc == 0, r.all
@@ -74,11 +63,11 @@ def test_a_sandbox_never_replaces_or_prunes_another_scopes_network(
     assert ids(name) == [first]
 
 
-def test_a_sandbox_leaves_the_hosts_network_of_its_name_alone(host_ns: Netns, scratch: Any,
+def test_a_sandbox_leaves_the_hosts_network_of_its_name_alone(host_ns: Netns, docker_scratch: Any,
                                                               tmp_path: Any) -> None:
     """The host's networks (scope "host", or no scope label: made before there was one)."""
     for labels in ((f"{SCOPE_LABEL}=host",), ()):
-        name = scratch.name(f"host{len(labels)}")
+        name = docker_scratch.name(f"host{len(labels)}")
         docker("network", "create", "--label", f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}",
                *(x for lab in labels for x in ("--label", lab)), name)
         (before,) = ids(name)

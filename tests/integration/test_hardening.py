@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Netns, unique, write
-from tests.figures import report
+from tests.support.figures import report
+from tests.support.host import REPO, Netns, unique, write
 
 pytestmark = pytest.mark.root
 NOBODY = 65534

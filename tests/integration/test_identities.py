@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.drivers import netns
-from tests.conftest import Netns, sh, unique, write
-from tests.integration.traffic import HOST_IP, client_of, fetch, listening
+from tests.support.host import Netns, sh, unique, write
+from tests.support.traffic import HOST_IP, client_of, fetch, listening
 
 pytestmark = pytest.mark.root
 

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLES, REPO, Netns, reconcile, sh, unique
+from tests.support.cli import reconcile
+from tests.support.host import EXAMPLES, REPO, Netns, sh, unique
 
 pytestmark = [pytest.mark.docker, pytest.mark.image, pytest.mark.root]
 

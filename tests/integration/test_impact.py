@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SESSION, Netns, sh, unique, write
-from tests.integration import docker_fixtures as fx
-from tests.integration.test_docker_cli import Scratch, endpoint, networks_file
-from tests.integration.traffic import client_of
+from tests.support.dockercli import endpoint, networks_file
+from tests.support.dockerscratch import DockerScratch
+from tests.support.host import SESSION, Netns, sh, unique, write
+from tests.support.traffic import client_of
 
 pytestmark = pytest.mark.root
 
@@ -244,7 +244,7 @@ def test_predicted_disconnections_are_exactly_the_observed_ones(
 
 def test_watch_refuses_a_pass_over_max_disruption(host_ns: Netns, tmp_path: object) -> None:
     """The agent: nothing changed, the status and the log say why."""
-    from tests.integration.test_watch import Agent, confdir  # noqa: PLC0415 (its helpers)
+    from tests.support.agent import Agent, confdir
 
     a = unique("w") + "-a"
     conf = confdir(tmp_path)
@@ -336,35 +336,23 @@ def test_the_kernel_filters_the_flow_dumps(host_ns: Netns) -> None:
 # ------------------------------------------------------------------ Docker
 
 
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
-
-
-@pytest.fixture
-def scratch(docker_client: Any, busybox_image: str) -> Iterator[Scratch]:
-    s = Scratch(docker_client, busybox_image)
-    try:
-        yield s
-    finally:
-        s.cleanup()
-        s.check_clean()
 
 
 @pytest.mark.docker
 def test_a_forced_replace_predicts_exactly_the_containers_it_disconnects(
-        host_ns: Netns, scratch: Scratch, tmp_path: object) -> None:
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: object) -> None:
     """Predicted: the containers of the replaced network, with their addresses. Observed
     (``docker inspect``): exactly their endpoints were made again; a container on a network
     the plan leaves alone keeps its endpoint."""
-    changed, kept = scratch.name("chg"), scratch.name("kept")
+    changed, kept = docker_scratch_image.name("chg"), docker_scratch_image.name("kept")
     nets = (f"{{name: {changed}, subnet: 172.29.7.0/24}}",
             f"{{name: {kept}, subnet: 172.29.8.0/24}}")
     f = networks_file(tmp_path, *nets)
     assert host_ns.reconcile("apply", f).rc == 0
-    c1, c2, c3 = (scratch.container(s) for s in ("c1", "c2", "c3"))
-    scratch.attach(c1, changed)
-    scratch.attach(c2, changed)
-    scratch.attach(c3, kept)
+    c1, c2, c3 = (docker_scratch_image.container(s) for s in ("c1", "c2", "c3"))
+    docker_scratch_image.attach(c1, changed)
+    docker_scratch_image.attach(c2, changed)
+    docker_scratch_image.attach(c3, kept)
     before = {c.name: (n, endpoint(c, n)) for c, n in ((c1, changed), (c2, changed),
                                                         (c3, kept))}
     g = networks_file(tmp_path, f"{{name: {changed}, subnet: 172.29.7.0/24, mtu: 1400}}",

@@ -17,121 +17,44 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Netns, Result, sh, unique, write
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.cli import Result
+from tests.support.dockercli import (
+    assert_all_reattached,
+    attachment,
+    docker,
+    four_attached,
+    ids,
+    journals,
+    no_traceback,
+)
+from tests.support.dockerscratch import DockerScratch
+from tests.support.host import REPO, Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
 
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
 
 #: after each daemon request of a replace with 4 containers, and once before anything
 KILL_POINTS = ["disconnect:1:before", "disconnect:1", "disconnect:2", "disconnect:3",
                "disconnect:4", "remove:1", "create:1", "connect:1", "connect:2", "connect:3",
                "connect:4"]
-ALIASES = (["web"], ["db", "cache"], [], ["api"])
-
-
 def killed(ns: Netns, spec: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, SIGKILLed at ``spec`` (killpoints.py)."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.killpoints", spec,
+    p = subprocess.run([sys.executable, "-m", "tests.support.killpoints", spec,
                         "--netns", ns.name, *args], capture_output=True, text=True,
                        timeout=300, cwd=REPO)
     return Result(p.returncode, p.stdout, p.stderr)
 
 
-def docker(*args: str) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True,
-                          timeout=60).stdout
-
-
-def network_ids(name: str) -> list[str]:
-    return sorted(docker("network", "ls", "--no-trunc", "--filter", f"name=^{name}$",
-                         "--format", "{{.ID}}").split())
-
-
-def attachment(container_id: str, network: str) -> dict[str, Any] | None:
-    """The container's endpoint on ``network`` as `docker inspect` shows it (None: detached)."""
-    (attrs,) = json.loads(docker("inspect", container_id))
-    ep = (attrs["NetworkSettings"]["Networks"] or {}).get(network)
-    if ep is None:
-        return None
-    return {"network_id": ep["NetworkID"], "ipv4": ep["IPAddress"],
-            "ipv6": ep["GlobalIPv6Address"],
-            "aliases": sorted(set(ep["Aliases"] or []) - {container_id[:12]})}
-
-
-def journals(ns: Netns) -> list[str]:
-    scope = os.path.join(os.environ["RECONCILER_STATE_DIR"], f"netns-{ns.name}")
-    return sorted(n for n in os.listdir(scope) if n.startswith("journal-")) \
-        if os.path.isdir(scope) else []
-
-
-class Scratch(fx.DockerScratch):
-    def __init__(self, client: Any, image: str | None) -> None:
-        super().__init__(client, image)
-        self.prefix = unique("j")
-
-
-@pytest.fixture
-def scratch(docker_client: Any, busybox_image: str) -> Iterator[Scratch]:
-    s = Scratch(docker_client, busybox_image)
-    try:
-        yield s
-    finally:
-        s.cleanup()
-        left = [n["Name"] for n in s.networks()]
-        assert not left, f"docker networks leaked: {left}"
-
-
-def four_attached(ns: Netns, scratch: Scratch, tmp_path: Any
-                  ) -> tuple[str, str, dict[str, dict[str, Any]]]:
-    """A network of ours with 4 containers on it; (its name, the changed file, endpoints)."""
-    name = scratch.name("n")
-    first = write(tmp_path, "a.yaml", f"version: 1\ndocker_networks:\n"
-                                      f"  - {{name: {name}, ipv6: true}}\n")
-    r = ns.reconcile("apply", first)
-    assert r.rc == 0, r.all
-    for i, aliases in enumerate(ALIASES):
-        scratch.attach(scratch.container(f"c{i}"), name, aliases=aliases or None)
-    before = {cid: attachment(cid, name) for cid in scratch.containers}
-    for ep in before.values():
-        assert ep is not None and ep["ipv4"] and ep["ipv6"], ep
-    changed = write(tmp_path, "b.yaml", f"version: 1\ndocker_networks:\n"
-                                        f"  - {{name: {name}, ipv6: true, mtu: 1400}}\n")
-    return name, changed, before  # type: ignore[return-value]
-
-
-def assert_all_reattached(name: str, before: dict[str, dict[str, Any]]) -> None:
-    (net_id,) = network_ids(name)
-    detached = [cid[:12] for cid in before if attachment(cid, name) is None]
-    assert detached == [], f"containers left detached: {detached}"
-    for cid, old in before.items():
-        now = attachment(cid, name)
-        assert now is not None and now["network_id"] == net_id, (cid[:12], now)
-        assert (now["ipv4"], now["ipv6"]) == (old["ipv4"], old["ipv6"]), (cid[:12], old, now)
-        assert set(old["aliases"]) <= set(now["aliases"]), (cid[:12], old, now)
-
-
-def no_traceback(r: Result) -> None:
-    assert "Traceback" not in r.all and "internal error" not in r.all, r.all
-
-
 @pytest.mark.docker
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_replace_killed_at_each_step_is_finished_by_the_next_apply(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any, point: str) -> None:
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
-    old_id = network_ids(name)
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any, point: str) -> None:
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
+    old_id = ids(name)
     r = killed(host_ns, point, "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all  # the kill landed inside the replace
     # plan changes nothing, so it cannot finish it, but it must not say "nothing to do"
@@ -143,7 +66,7 @@ def test_replace_killed_at_each_step_is_finished_by_the_next_apply(
     assert_all_reattached(name, before)
     assert r.rc == 0, r.all
     assert "interrupted replace" in r.err, r.all  # said in one line
-    assert network_ids(name) != old_id
+    assert ids(name) != old_id
     attrs = json.loads(docker("network", "inspect", name))[0]
     assert attrs["Options"]["com.docker.network.driver.mtu"] == "1400"
     assert journals(host_ns) == []
@@ -153,8 +76,8 @@ def test_replace_killed_at_each_step_is_finished_by_the_next_apply(
 
 @pytest.mark.docker
 def test_replace_killed_then_destroy_reattaches_before_it_removes(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
     r = host_ns.reconcile("destroy")
@@ -167,8 +90,8 @@ def test_replace_killed_then_destroy_reattaches_before_it_removes(
 
 @pytest.mark.docker
 def test_replace_killed_then_a_watch_pass_finishes_it(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "connect:2", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
     # the network exists with the new settings: the plan alone sees nothing to do
@@ -191,17 +114,17 @@ def test_replace_killed_then_a_watch_pass_finishes_it(
 
 @pytest.mark.docker
 def test_a_container_gone_meanwhile_is_named_and_does_not_loop(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
-    gone = scratch.containers[1]
-    scratch.client.api.remove_container(gone, force=True)
+    gone = docker_scratch_image.containers[1]
+    docker_scratch_image.client.api.remove_container(gone, force=True)
     r = host_ns.reconcile("apply", changed)
     no_traceback(r)
     assert_all_reattached(name, {c: ep for c, ep in before.items() if c != gone})
     assert [ln for ln in r.err.splitlines() if "interrupted replace" in ln
-            and scratch.name("c1") in ln and "gone" in ln], r.all
+            and docker_scratch_image.name("c1") in ln and "gone" in ln], r.all
     assert journals(host_ns) == []
     r = host_ns.reconcile("apply", changed)  # nothing left to finish: no loop
     assert r.rc == 0 and "interrupted" not in r.all, r.all
@@ -274,10 +197,10 @@ def destroy_on_a_terminal(ns: Netns, answer: str) -> Result:
 
 @pytest.mark.docker
 def test_interactive_destroy_finishes_the_journal_before_it_shows_the_plan(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
     """The plan shown must be of the host as apply will find it: made before the journal
     was finished, apply then found the host changed and destroyed nothing."""
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
     r = destroy_on_a_terminal(host_ns, "yes\n")
@@ -291,8 +214,8 @@ def test_interactive_destroy_finishes_the_journal_before_it_shows_the_plan(
 
 @pytest.mark.docker
 def test_a_refused_apply_after_finishing_a_journal_says_it_changed_that(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
     again = write(tmp_path, "c.yaml", f"version: 1\ndocker_networks:\n"
@@ -311,15 +234,15 @@ def test_a_refused_apply_after_finishing_a_journal_says_it_changed_that(
 
 @pytest.mark.docker
 def test_resume_leaves_the_containers_off_another_scopes_network_and_keeps_the_journal(
-        host_ns: Netns, scratch: Scratch, tmp_path: Any) -> None:
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
     """Killed after the removal; another reconciler (another scope) makes a network of that
     name meanwhile. The next run must not attach our containers to it, nor forget them:
     once that network is gone, the run after finishes the replace."""
-    name, changed, before = four_attached(host_ns, scratch, tmp_path)
+    name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
     theirs = docker("network", "create", "--label", "io.reconciler.managed=true", "--label",
-                    f"io.reconciler.scope=netns/{scratch.name('other')}", name).strip()
+                    f"io.reconciler.scope=netns/{docker_scratch_image.name('other')}", name).strip()
     try:
         r = host_ns.reconcile("apply", changed)
         no_traceback(r)

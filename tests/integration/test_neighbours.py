@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from tests.conftest import Netns, sh, unique
 from tests.integration.test_identities import (
     BRIDGE,
     alloc_mac,
@@ -26,6 +25,7 @@ from tests.integration.test_identities import (
     v4_of,
     v6_of,
 )
+from tests.support.host import Netns, sh, unique
 
 pytestmark = pytest.mark.root
 

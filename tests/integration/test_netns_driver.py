@@ -1,7 +1,7 @@
 """The netns and links drivers against the real kernel.
 
-Every test runs in its own ``rt-<hex>`` sandbox namespace (see
-``netns_fixtures``); results are checked with ``ip -n NS -j -d …`` — and with
+Every test runs in its own host_ns namespace (``host_ns``, see
+``tests/integration/conftest.py``); results are checked with ``ip -n NS -j -d …`` — and with
 pyroute2 for the IFA_PROTO marker, which iproute2 6.1 does not print — never
 with the parsers under test.
 """
@@ -27,24 +27,10 @@ from reconciler.domain.ownership import alloc_veth_name
 from reconciler.drivers import netns, nsfs
 from reconciler.drivers.netlink import client as links
 from reconciler.drivers.netlink import parse as nlparse
-
-try:
-    from tests.integration import netns_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import netns_fixtures as fx  # type: ignore[no-redef,import-not-found]
-
-# Re-export the fixtures this module uses.
-sandbox = fx.sandbox
-nl = fx.nl
-Sandbox = fx.Sandbox
-ip_json = fx.ip_json
-ip_link = fx.ip_link
-sh = fx.sh
-wait_until = fx.wait_until
+from tests.support.host import REPO, Netns, ip_json, ip_link, sh, wait_for
 
 pytestmark = pytest.mark.root
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GW4 = ipaddress.ip_address("10.77.0.1")
 GW6 = ipaddress.ip_address("fd00:77::1")
 
@@ -68,7 +54,7 @@ def addr_protos(ns: str, ifname: str) -> dict[str, int | None]:
         ipr.close()
 
 
-def build_alloc(nl: links.Netlink, box: Sandbox, suffix: str, addr4: str,
+def build_alloc(nl: links.Netlink, box: Netns, suffix: str, addr4: str,
                 addr6: str | None = None, hairpin: bool = True) -> tuple[str, str]:
     name = box.ns(suffix)
     veth = alloc_veth_name(name)
@@ -89,8 +75,8 @@ def bridge(nl: links.Netlink) -> None:
 # --- namespaces -------------------------------------------------------------------
 
 
-def test_create_and_delete_like_ip_netns(sandbox: Sandbox) -> None:
-    name = sandbox.ns("a")
+def test_create_and_delete_like_ip_netns(host_ns: Netns) -> None:
+    name = host_ns.ns("a")
     assert netns.create(name) is True
     assert name in sh("ip", "netns", "list").stdout
     assert netns.is_namespace_mount(name)
@@ -107,12 +93,12 @@ def test_create_and_delete_like_ip_netns(sandbox: Sandbox) -> None:
 
 
 def test_a_namespace_file_is_marked_before_it_has_its_name(
-        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+        host_ns: Netns, monkeypatch: pytest.MonkeyPatch) -> None:
     """``/run/netns/ID`` appears with its ownership mark already on it: a run killed
     between creating the file and marking it (simulated: the mark fails) leaves no
     unmarked file under the name — which the planner must then leave alone as foreign,
     so the next apply refused that allocation for ever."""
-    name = sandbox.ns("m")
+    name = host_ns.ns("m")
     before = set(os.listdir("/run/netns"))
 
     def killed(fd: int, mark: str) -> None:
@@ -131,13 +117,13 @@ def test_a_namespace_file_is_marked_before_it_has_its_name(
 
 
 def test_marked_namespace_files_share_one_inode_and_each_takes_its_own_mount(
-        sandbox: Sandbox) -> None:
+        host_ns: Netns) -> None:
     """The namespace files a process makes with one mark are names of one marked inode
     (no inode allocated per namespace): each name still holds its own namespace, an
     unmounted name shows the mark, and once every name is gone the next create makes a
     fresh marked file (the old one can no longer be linked)."""
-    mark = f"host-{sandbox.ns('i')}"
-    a, b, c = sandbox.ns("ia"), sandbox.ns("ib"), sandbox.ns("ic")
+    mark = f"host-{host_ns.ns('i')}"
+    a, b, c = host_ns.ns("ia"), host_ns.ns("ib"), host_ns.ns("ic")
     assert netns.create(a, file_mark=mark) and netns.create(b, file_mark=mark)
     assert netns.namespace_inode(a) != netns.namespace_inode(b)  # two namespaces
     # ip's own view: both are namespaces, one link made in a is not in b
@@ -159,11 +145,11 @@ def test_marked_namespace_files_share_one_inode_and_each_takes_its_own_mount(
 
 
 def test_a_mark_that_did_not_take_is_not_shared_with_the_next_file(
-        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+        host_ns: Netns, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mark is best effort (an xattr): a file it did not take on must not become the
     one the next namespaces of this process share, or all of them would be unmarked."""
-    mark = f"host-{sandbox.ns('u')}"
-    a, b = sandbox.ns("ua"), sandbox.ns("ub")
+    mark = f"host-{host_ns.ns('u')}"
+    a, b = host_ns.ns("ua"), host_ns.ns("ub")
     monkeypatch.setattr(netns, "set_file_mark", lambda fd, value: None)
     assert netns.create(a, file_mark=mark) is True
     monkeypatch.undo()
@@ -174,11 +160,11 @@ def test_a_mark_that_did_not_take_is_not_shared_with_the_next_file(
 
 
 def test_a_creator_killed_before_the_file_has_its_name_leaves_nothing(
-        sandbox: Sandbox) -> None:
+        host_ns: Netns) -> None:
     """SIGKILL of a process in ``netns.create`` after the file was made and marked but
     before it has its name: nothing is left under /run/netns (a named temporary was, in
     the kill -9 tests)."""
-    name = sandbox.ns("k")
+    name = host_ns.ns("k")
     before = set(os.listdir("/run/netns"))
     child = textwrap.dedent(f"""
         import os, signal
@@ -196,8 +182,8 @@ def test_a_creator_killed_before_the_file_has_its_name_leaves_nothing(
     assert set(os.listdir("/run/netns")) - before == set()  # others may have gone meanwhile
 
 
-def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> None:
-    name = sandbox.ns("stale")
+def test_empty_file_is_not_a_namespace(host_ns: Netns, nl: links.Netlink) -> None:
+    name = host_ns.ns("stale")
     with open(f"/run/netns/{name}", "w"):
         pass
     assert netns.is_namespace_mount(name) is False
@@ -206,16 +192,16 @@ def test_empty_file_is_not_a_namespace(sandbox: Sandbox, nl: links.Netlink) -> N
         netns.create(name)
     with pytest.raises(DriverError, match="not a namespace"), netns.enter(name):
         pass
-    observed = nl.observe_netns([name, sandbox.ns("missing")])
+    observed = nl.observe_netns([name, host_ns.ns("missing")])
     assert observed == {name: LiveNetns(name=name, usable=False)}
     assert netns.create(name, replace_stale=True) is True
     assert netns.is_namespace_mount(name)
     assert ip_json(name, "link", "show")[0]["ifname"] == "lo"
 
 
-def test_enter_switches_only_the_calling_thread(sandbox: Sandbox) -> None:
+def test_enter_switches_only_the_calling_thread(host_ns: Netns) -> None:
     home = nsfs.current_inode()
-    target = netns.namespace_inode(sandbox.name)
+    target = netns.namespace_inode(host_ns.name)
     seen: list[int] = []
     go = threading.Event()
 
@@ -225,7 +211,7 @@ def test_enter_switches_only_the_calling_thread(sandbox: Sandbox) -> None:
 
     t = threading.Thread(target=other)
     t.start()  # before entering: a thread started inside would inherit the namespace
-    with netns.enter(sandbox.name):
+    with netns.enter(host_ns.name):
         assert nsfs.current_inode() == target
         go.set()
         t.join()
@@ -236,7 +222,7 @@ def test_enter_switches_only_the_calling_thread(sandbox: Sandbox) -> None:
     assert seen == [home]
     assert born_inside == [target]  # documented pitfall: clone() copies the thread's netns
     assert nsfs.current_inode() == home
-    with pytest.raises(DriverError, match="does not exist"), netns.enter(sandbox.ns("nope")):
+    with pytest.raises(DriverError, match="does not exist"), netns.enter(host_ns.ns("nope")):
         pass
     assert nsfs.current_inode() == home
 
@@ -247,7 +233,7 @@ def _python(code: str, *prefix: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, env=env, timeout=60)
 
 
-def test_enter_process_netns(sandbox: Sandbox) -> None:
+def test_enter_process_netns(host_ns: Netns) -> None:
     code = """
         import os, sys
         from reconciler.drivers import netns
@@ -259,44 +245,44 @@ def test_enter_process_netns(sandbox: Sandbox) -> None:
         else:
             print(os.stat("/proc/self/ns/net").st_ino)
     """
-    out = _python(code % sandbox.name)
-    assert out.stdout.strip() == str(netns.namespace_inode(sandbox.name)), out.stderr
-    out = _python(code % sandbox.ns("missing"))
+    out = _python(code % host_ns.name)
+    assert out.stdout.strip() == str(netns.namespace_inode(host_ns.name)), out.stderr
+    out = _python(code % host_ns.ns("missing"))
     assert out.stdout.startswith("ERR network namespace") and "does not exist" in out.stdout
-    with open(f"/run/netns/{sandbox.ns('empty')}", "w"):
+    with open(f"/run/netns/{host_ns.ns('empty')}", "w"):
         pass
-    out = _python(code % sandbox.ns("empty"))
+    out = _python(code % host_ns.ns("empty"))
     assert "ERR" in out.stdout and "not a namespace" in out.stdout
 
 
-def test_private_mount_namespace_is_detected(sandbox: Sandbox) -> None:
+def test_private_mount_namespace_is_detected(host_ns: Netns) -> None:
     code = f"""
         from reconciler.drivers import netns
         from reconciler.domain.errors import PreconditionError
         print("PROBLEM" if netns.private_mount_namespace_problem() else "FINE")
         try:
-            netns.create("{sandbox.ns('inner')}")
+            netns.create("{host_ns.ns('inner')}")
         except PreconditionError as e:
             print("REFUSED", e)
         else:
             print("CREATED")
-            netns.delete("{sandbox.ns('inner')}")
+            netns.delete("{host_ns.ns('inner')}")
     """
-    under_exec = _python(code, "ip", "netns", "exec", sandbox.name)
+    under_exec = _python(code, "ip", "netns", "exec", host_ns.name)
     assert under_exec.stdout.splitlines()[0] == "PROBLEM", under_exec.stderr
     assert "REFUSED" in under_exec.stdout and "ip netns exec" in under_exec.stdout
-    assert not os.path.exists(f"/run/netns/{sandbox.ns('inner')}")
-    under_nsenter = _python(code, "nsenter", f"--net=/run/netns/{sandbox.name}")
+    assert not os.path.exists(f"/run/netns/{host_ns.ns('inner')}")
+    under_nsenter = _python(code, "nsenter", f"--net=/run/netns/{host_ns.name}")
     assert under_nsenter.stdout.split() == ["FINE", "CREATED"], under_nsenter.stderr
     assert netns.private_mount_namespace_problem() is None
 
 
-def test_namespace_created_in_process_outlives_it(sandbox: Sandbox) -> None:
-    name = sandbox.ns("kept")
+def test_namespace_created_in_process_outlives_it(host_ns: Netns) -> None:
+    name = host_ns.ns("kept")
     out = _python(f"""
         from reconciler.drivers import netns
         print(netns.create("{name}"))
-    """, "nsenter", f"--net=/run/netns/{sandbox.name}")
+    """, "nsenter", f"--net=/run/netns/{host_ns.name}")
     assert out.stdout.strip() == "True", out.stderr
     assert netns.is_namespace_mount(name)
     assert ip_json(name, "link", "show")[0]["ifname"] == "lo"
@@ -305,30 +291,30 @@ def test_namespace_created_in_process_outlives_it(sandbox: Sandbox) -> None:
 # --- links ------------------------------------------------------------------------
 
 
-def test_ensure_bridge(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_ensure_bridge(host_ns: Netns, nl: links.Netlink) -> None:
     assert nl.ensure_bridge("rtbr0", mtu=1400) is True
-    br = ip_link(sandbox.name, "rtbr0")
+    br = ip_link(host_ns.name, "rtbr0")
     assert br is not None
     assert br["linkinfo"]["info_kind"] == "bridge" and br["mtu"] == 1400
     assert br["ifalias"] == "managed-by=reconciler" and "UP" in br["flags"]
     assert br["inet6_addr_gen_mode"] == "none"  # off before it was first up
-    assert not [a for a in ip_json(sandbox.name, "addr", "show", "dev", "rtbr0")[0]["addr_info"]]
+    assert not [a for a in ip_json(host_ns.name, "addr", "show", "dev", "rtbr0")[0]["addr_info"]]
     assert nl.ensure_bridge("rtbr0", mtu=1500) is False
-    assert ip_link(sandbox.name, "rtbr0")["mtu"] == 1400  # type: ignore[index]
+    assert ip_link(host_ns.name, "rtbr0")["mtu"] == 1400  # type: ignore[index]
     nl.set_link("rtbr0", mtu=1450, up=False, alias="")
-    br = ip_link(sandbox.name, "rtbr0")
+    br = ip_link(host_ns.name, "rtbr0")
     assert br is not None
     assert br["mtu"] == 1450 and "UP" not in br["flags"] and "ifalias" not in br
 
 
-def test_bridge_name_taken_by_another_kind(sandbox: Sandbox, nl: links.Netlink) -> None:
-    sh("ip", "-n", sandbox.name, "link", "add", "rtbr0", "type", "veth", "peer", "name", "p")
+def test_bridge_name_taken_by_another_kind(host_ns: Netns, nl: links.Netlink) -> None:
+    sh("ip", "-n", host_ns.name, "link", "add", "rtbr0", "type", "veth", "peer", "name", "p")
     with pytest.raises(ConflictError, match="rtbr0.*veth"):
         nl.ensure_bridge("rtbr0")
-    assert ip_link(sandbox.name, "rtbr0")["linkinfo"]["info_kind"] == "veth"  # type: ignore
+    assert ip_link(host_ns.name, "rtbr0")["linkinfo"]["info_kind"] == "veth"  # type: ignore
 
 
-def test_errors_name_the_object(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_errors_name_the_object(host_ns: Netns, nl: links.Netlink) -> None:
     with pytest.raises(DriverError, match="link nosuch") as e:
         nl.set_link("nosuch", mtu=1400)
     assert e.value.errno == errno.ENODEV
@@ -342,24 +328,24 @@ def test_errors_name_the_object(sandbox: Sandbox, nl: links.Netlink) -> None:
     assert nl.del_address("rtbr0", iface("10.1.0.1/24")) is False
 
 
-def test_addresses_are_marked_and_idempotent(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_addresses_are_marked_and_idempotent(host_ns: Netns, nl: links.Netlink) -> None:
     nl.ensure_bridge("rtbr0")
     assert nl.add_address("rtbr0", iface("10.77.0.1/16")) is True
     assert nl.add_address("rtbr0", iface("10.77.0.1/16")) is False  # EEXIST: done
     assert nl.add_address("rtbr0", iface("fd00:77::1/64")) is True
-    assert addr_protos(sandbox.name, "rtbr0") == {"10.77.0.1/16": 0x52, "fd00:77::1/64": 0x52}
+    assert addr_protos(host_ns.name, "rtbr0") == {"10.77.0.1/16": 0x52, "fd00:77::1/64": 0x52}
     live = nl.dump_links()["rtbr0"]
     assert {a.address for a in live.addresses} == {iface("10.77.0.1/16"), iface("fd00:77::1/64")}
     assert nl.del_address("rtbr0", iface("10.77.0.1/16")) is True
     assert nl.del_address("rtbr0", iface("10.77.0.1/16")) is False
-    assert list(addr_protos(sandbox.name, "rtbr0")) == ["fd00:77::1/64"]
+    assert list(addr_protos(host_ns.name, "rtbr0")) == ["fd00:77::1/64"]
 
 
-def test_alloc_build_checked_with_ip(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_alloc_build_checked_with_ip(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    name, veth = build_alloc(nl, sandbox, "web", "10.77.0.10/16", "fd00:77::10/64")
+    name, veth = build_alloc(nl, host_ns, "web", "10.77.0.10/16", "fd00:77::10/64")
 
-    host_end = ip_link(sandbox.name, veth)
+    host_end = ip_link(host_ns.name, veth)
     assert host_end is not None
     assert host_end["master"] == "rtbr0" and "UP" in host_end["flags"]
     assert host_end["mtu"] == 1400 and host_end["ifalias"] == "managed-by=reconciler"
@@ -382,12 +368,12 @@ def test_alloc_build_checked_with_ip(sandbox: Sandbox, nl: links.Netlink) -> Non
     assert ("default", "fd00:77::1", "82") in routes6
 
     # the same again changes nothing (ADD must not be repeated blindly: EDGE 9)
-    before = (ip_json(sandbox.name, "link", "show"), ip_json(name, "addr", "show"),
+    before = (ip_json(host_ns.name, "link", "show"), ip_json(name, "addr", "show"),
               ip_json(name, "route", "show"))
     assert nl.create_veth_into_netns(veth, name, "rtbr0", mtu=1400, hairpin=True) is False
     nl.configure_inside(name, [iface("10.77.0.10/16"), iface("fd00:77::10/64")], [GW4, GW6],
                         mtu=1400)
-    after = (ip_json(sandbox.name, "link", "show"), ip_json(name, "addr", "show"),
+    after = (ip_json(host_ns.name, "link", "show"), ip_json(name, "addr", "show"),
              ip_json(name, "route", "show"))
     assert _stable(before) == _stable(after)
 
@@ -421,9 +407,9 @@ def _stable(state: tuple[list[dict[str, Any]], ...]) -> str:
     return json.dumps(strip(state), sort_keys=True)
 
 
-def test_gateway_change_replaces_default_route(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_gateway_change_replaces_default_route(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    name, _ = build_alloc(nl, sandbox, "gw", "10.77.0.11/16")
+    name, _ = build_alloc(nl, host_ns, "gw", "10.77.0.11/16")
     nl.replace_default_route("eth0", ipaddress.ip_address("10.77.0.2"), ns=name)
     defaults = [r for r in ip_json(name, "route", "show") if r["dst"] == "default"]
     assert [(r["gateway"], r["protocol"]) for r in defaults] == [("10.77.0.2", "82")]
@@ -432,12 +418,12 @@ def test_gateway_change_replaces_default_route(sandbox: Sandbox, nl: links.Netli
     assert not [r for r in ip_json(name, "route", "show") if r["dst"] == "default"]
 
 
-def test_hairpin_toggles(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_hairpin_toggles(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    _, veth = build_alloc(nl, sandbox, "hp", "10.77.0.12/16", hairpin=False)
+    _, veth = build_alloc(nl, host_ns, "hp", "10.77.0.12/16", hairpin=False)
 
     def hairpin() -> bool:
-        return bool(ip_link(sandbox.name, veth)["linkinfo"]["info_slave_data"]["hairpin"])  # type: ignore
+        return bool(ip_link(host_ns.name, veth)["linkinfo"]["info_slave_data"]["hairpin"])  # type: ignore
 
     assert hairpin() is False
     nl.set_hairpin(veth, True)
@@ -447,43 +433,43 @@ def test_hairpin_toggles(sandbox: Sandbox, nl: links.Netlink) -> None:
     assert hairpin() is False
 
 
-def test_bridge_recreated_behind_our_back_is_found_again(sandbox: Sandbox,
+def test_bridge_recreated_behind_our_back_is_found_again(host_ns: Netns,
                                                          nl: links.Netlink) -> None:
     bridge(nl)
-    build_alloc(nl, sandbox, "r1", "10.77.0.13/16")  # the bridge's index is remembered now
-    sh("ip", "-n", sandbox.name, "link", "del", "rtbr0")
-    sh("ip", "-n", sandbox.name, "link", "add", "rtbr0", "type", "bridge")
-    _, veth = build_alloc(nl, sandbox, "r2", "10.77.0.14/16")
-    assert ip_link(sandbox.name, veth)["master"] == "rtbr0"  # type: ignore[index]
+    build_alloc(nl, host_ns, "r1", "10.77.0.13/16")  # the bridge's index is remembered now
+    sh("ip", "-n", host_ns.name, "link", "del", "rtbr0")
+    sh("ip", "-n", host_ns.name, "link", "add", "rtbr0", "type", "bridge")
+    _, veth = build_alloc(nl, host_ns, "r2", "10.77.0.14/16")
+    assert ip_link(host_ns.name, veth)["master"] == "rtbr0"  # type: ignore[index]
 
 
-def test_namespace_that_already_has_eth0(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_namespace_that_already_has_eth0(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    name = sandbox.ns("busy")
+    name = host_ns.ns("busy")
     netns.create(name)
     sh("ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "other")
     veth = alloc_veth_name(name)
     with pytest.raises(DriverError, match="already has a link named eth0"):
         nl.create_veth_into_netns(veth, name, "rtbr0")
-    assert ip_link(sandbox.name, veth) is None  # no half-made veth
+    assert ip_link(host_ns.name, veth) is None  # no half-made veth
 
 
-def test_host_veth_whose_peer_is_elsewhere(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_host_veth_whose_peer_is_elsewhere(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    name = sandbox.ns("orphan")
+    name = host_ns.ns("orphan")
     netns.create(name)
     veth = alloc_veth_name(name)
-    sh("ip", "-n", sandbox.name, "link", "add", veth, "type", "veth", "peer", "name", "p0")
+    sh("ip", "-n", host_ns.name, "link", "add", veth, "type", "veth", "peer", "name", "p0")
     with pytest.raises(DriverError, match="orphan"):
         nl.create_veth_into_netns(veth, name, "rtbr0")
     assert nl.delete_link(veth) is True
-    assert ip_link(sandbox.name, veth) is None
+    assert ip_link(host_ns.name, veth) is None
     assert nl.create_veth_into_netns(veth, name, "rtbr0") is True
 
 
-def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink) -> None:
+def test_observe_many_and_out_of_band_delete(host_ns: Netns, nl: links.Netlink) -> None:
     bridge(nl)
-    names = [build_alloc(nl, sandbox, f"m{i}", f"10.77.1.{i + 1}/16")[0] for i in range(12)]
+    names = [build_alloc(nl, host_ns, f"m{i}", f"10.77.1.{i + 1}/16")[0] for i in range(12)]
     obs = nl.observe_netns(names)
     assert set(obs) == set(names)
     for i, name in enumerate(names):
@@ -500,7 +486,7 @@ def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink
     sh("ip", "netns", "del", gone)
     obs = nl.observe_netns(names + [gone])
     assert gone not in obs
-    wait_until(lambda: ip_link(sandbox.name, alloc_veth_name(gone)) is None,
+    wait_for(lambda: ip_link(host_ns.name, alloc_veth_name(gone)) is None,
                what="the veth of a deleted namespace to disappear")
 
     # re-created under the same name: observed afresh, not through the stale socket
@@ -509,16 +495,16 @@ def test_observe_many_and_out_of_band_delete(sandbox: Sandbox, nl: links.Netlink
 
     for name in names + [gone]:
         assert nl.delete_netns(name) is True
-    wait_until(lambda: not [lk for lk in ip_json(sandbox.name, "link", "show")
+    wait_for(lambda: not [lk for lk in ip_json(host_ns.name, "link", "show")
                             if lk["ifname"].startswith("vr")],
                what="all allocation veths to disappear")
 
 
-def test_get_nsid(sandbox: Sandbox, nl: links.Netlink) -> None:
-    name = sandbox.ns("id")
+def test_get_nsid(host_ns: Netns, nl: links.Netlink) -> None:
+    name = host_ns.ns("id")
     netns.create(name)
     assert nl.get_nsid(name) is None  # no veth across yet: nothing assigned
-    sh("ip", "-n", sandbox.name, "netns", "set", name, "auto")
+    sh("ip", "-n", host_ns.name, "netns", "set", name, "auto")
     nsid = nl.get_nsid(name)
-    listed = sh("ip", "-n", sandbox.name, "netns", "list-id").stdout
+    listed = sh("ip", "-n", host_ns.name, "netns", "list-id").stdout
     assert nsid is not None and nsid >= 0 and f"nsid {nsid} " in listed + " "

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.host import REPO
 
 pytestmark = [pytest.mark.slow]
 

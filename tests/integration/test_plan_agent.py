@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SESSION, Netns, Result, reconcile, sh, unique, write
-from tests.integration.test_watch import Agent, wait_for
+from tests.support.agent import Agent
+from tests.support.cli import Result, reconcile
+from tests.support.host import REPO, SESSION, Netns, sh, unique, wait_for, write
 
 pytestmark = pytest.mark.root
 
@@ -281,8 +282,7 @@ def test_relative_paths_json_and_saved_plans(plan_agent: PlanAgent, host_ns: Net
     path = alloc_config(tmp_path, [a])
     cmd = [sys.executable, "-m", "reconciler", "--netns", host_ns.name, "plan", "allocs.yaml"]
     env = dict(os.environ, RECONCILER_AGENT="require")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = repo
+    env["PYTHONPATH"] = REPO
     out = os.path.join(str(tmp_path), "saved.json")
     p = subprocess.run([*cmd, "--out", out], capture_output=True, text=True, env=env,
                        cwd=str(tmp_path), timeout=120)
@@ -418,7 +418,7 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
     (RECONCILER_SOAK=1) 300; RECONCILER_SOAK_SEED picks the sequence."""
     import random
 
-    from tests.figures import SOAK, report
+    from tests.support.figures import SOAK, report
 
     rounds = 300 if SOAK else 25
     seed = int(os.environ.get("RECONCILER_SOAK_SEED", "11"))

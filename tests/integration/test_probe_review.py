@@ -18,7 +18,7 @@ from reconciler.config.load import load
 from reconciler.drivers import netns
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
-from tests.conftest import Netns, sh
+from tests.support.host import Netns, sh
 
 from .test_probes import failures, setup
 

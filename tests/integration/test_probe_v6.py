@@ -19,7 +19,7 @@ import pytest
 from reconciler.domain.ownership import probe_vantage_names
 from reconciler.domain.probes import PROBE_PORTS, ProbeResult
 from reconciler.drivers import netns
-from tests.conftest import Netns, sh, write
+from tests.support.host import Netns, sh, write
 
 from .test_probes import failures, recorder_lines, setup
 from .test_probes import probe as run_probes

@@ -27,7 +27,7 @@ from reconciler.drivers import netns
 from reconciler.drivers import probe as driver
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
-from tests.conftest import Netns, sh, write
+from tests.support.host import Netns, sh, write
 
 from .test_allocs import BRIDGE, alloc_ids, veth_name
 

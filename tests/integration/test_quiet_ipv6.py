@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import Netns, sh, unique, write
+from tests.support.host import Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
 

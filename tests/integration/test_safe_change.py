@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
-from tests.conftest import Netns, forget_run_files, sh, unique, write
-from tests.figures import SOAK, report
+from tests.support.figures import SOAK, report
+from tests.support.host import Netns, forget_run_files, sh, unique, write
 
 pytestmark = pytest.mark.root
 
@@ -425,7 +425,7 @@ def _read(path: str) -> str:
 
 
 def _agent(box: Netns, cfg_dir: str, window: str) -> Any:
-    from tests.integration.test_watch import Agent
+    from tests.support.agent import Agent
 
     return Agent(box, [cfg_dir], "--confirm-within", window,  # type: ignore[arg-type]
                  "--interval", "3600", "--probe-interval", "off")
@@ -563,7 +563,7 @@ def test_the_agent_waits_for_an_operators_pending_change_and_reverts_it_when_ove
     cfg = tmp_path / "cfg"
     cfg.mkdir(mode=0o755)
     (cfg / "hosts.yaml").write_text(_read(a))
-    from tests.integration.test_watch import Agent
+    from tests.support.agent import Agent
 
     agent = Agent(box, [str(cfg)], "--interval", "3600",  # type: ignore[arg-type]
                   "--probe-interval", "off")

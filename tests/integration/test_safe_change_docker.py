@@ -11,52 +11,33 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import Netns, sh, unique
-from tests.figures import report
-from tests.integration.test_docker_cli import Scratch, networks_file
-from tests.integration.test_docker_cli import docker as docker_cli
-
-try:
-    from tests.integration import docker_fixtures as fx
-except ImportError:  # tests/ is not a package: pytest put this directory on sys.path
-    import docker_fixtures as fx  # type: ignore[no-redef]
+from tests.support.dockercli import networks_file
+from tests.support.dockerscratch import DockerScratch
+from tests.support.figures import report
+from tests.support.host import Netns, sh, unique
 
 pytestmark = [pytest.mark.docker, pytest.mark.root]
 
 docker = pytest.importorskip("docker")
 
-docker_client = fx.docker_client
-busybox_image = fx.busybox_image
-
-
-@pytest.fixture
-def scratch_img(docker_client: Any, busybox_image: str) -> Iterator[Scratch]:
-    s = Scratch(docker_client, busybox_image)
-    s.prefix = unique("d")
-    try:
-        yield s
-    finally:
-        s.cleanup()
-        s.check_clean()
 
 
 def view(prefix: str) -> dict[str, Any]:
     """Our test's networks as the docker CLI shows them, without IDs and timestamps."""
     out: dict[str, Any] = {}
-    names = docker_cli("network", "ls", "--format", "{{.Name}}").split()
+    names = docker("network", "ls", "--format", "{{.Name}}").split()
     for name in sorted(n for n in names if n.startswith(prefix)):
-        found = json.loads(docker_cli("network", "inspect", name, check=False) or "[]")
+        found = json.loads(docker("network", "inspect", name, check=False) or "[]")
         if not found:
             continue  # removed meanwhile (a revert is under way)
         net = found[0]
         containers = {}
         for cid, ep in sorted((net.get("Containers") or {}).items()):
-            got = json.loads(docker_cli("inspect", cid, check=False) or "[]")
+            got = json.loads(docker("inspect", cid, check=False) or "[]")
             if not got:
                 continue
             c = got[0]
@@ -116,15 +97,15 @@ DOCKER_BOUND = 6.0
 
 
 def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
-        host_ns: Netns, scratch_img: Scratch, tmp_path: Any,
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any,
         request: pytest.FixtureRequest) -> None:
-    web, old, new = (scratch_img.name(s) for s in ("web", "old", "new"))
+    web, old, new = (docker_scratch_image.name(s) for s in ("web", "old", "new"))
     before_file = networks_file(tmp_path, f"{{name: {web}, ipv6: true}}", f"{{name: {old}}}")
     assert host_ns.reconcile("apply", before_file).rc == 0
-    c1, c2 = scratch_img.container("c1"), scratch_img.container("c2")
-    scratch_img.attach(c1, web, aliases=["api"])
-    scratch_img.attach(c2, web, aliases=["db", "cache"])
-    before = view(scratch_img.prefix)
+    c1, c2 = docker_scratch_image.container("c1"), docker_scratch_image.container("c2")
+    docker_scratch_image.attach(c1, web, aliases=["api"])
+    docker_scratch_image.attach(c2, web, aliases=["db", "cache"])
+    before = view(docker_scratch_image.prefix)
     assert len(before[web]["containers"]) == 2 and all(
         v4 and v6 for v4, v6, _a in before[web]["containers"].values()), before
 
@@ -132,15 +113,15 @@ def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
                                f"{{name: {new}}}", name="after.yaml")
     r = host_ns.reconcile("apply", "--force-replace", "--confirm-within", "3s", after_file)
     assert r.rc == 0 and "Pending until" in r.out, r.all
-    changed = view(scratch_img.prefix)
+    changed = view(docker_scratch_image.prefix)
     assert old not in changed and new in changed
     assert changed[web]["options"].get("com.docker.network.driver.mtu") == "1400"
     rec = _pending(host_ns)
     assert rec is not None
     try:
         end = rec["deadline"] + 15
-        api = scratch_img.client.api
-        while quick_view(api, scratch_img.prefix) != before:  # restored: as docker shows it
+        api = docker_scratch_image.client.api
+        while quick_view(api, docker_scratch_image.prefix) != before:  # restored: as docker shows it
             assert time.time() < end, "not restored"
             time.sleep(0.05)
         at = time.time()
@@ -155,23 +136,23 @@ def test_a_docker_change_not_confirmed_is_reverted_with_its_containers(
     report(request, f"docker revert (1 network replaced with 2 containers, 1 pruned, 1 "
                     f"created): restored at T+{at - rec['deadline']:.1f}s")
     assert at - rec["deadline"] <= DOCKER_BOUND, f"restored at T+{at - rec['deadline']:.1f}s"
-    assert view(scratch_img.prefix) == before  # and the docker CLI agrees
+    assert view(docker_scratch_image.prefix) == before  # and the docker CLI agrees
     # the old file plans nothing: the restored networks are what it made
     assert host_ns.reconcile("plan", before_file, "--no-agent").rc == 0
 
 
 def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
-        host_ns: Netns, scratch_img: Scratch, tmp_path: Any) -> None:
+        host_ns: Netns, docker_scratch_image: DockerScratch, tmp_path: Any) -> None:
     """The change only adds a bridge; in the window a recorded container is removed and
     someone attaches another one to our network: the revert completes and the network is
     the same one, with whoever is attached now (review 2, item 1: it was rebuilt, the
     newcomer detached, and the removed container made the revert fail)."""
-    web = scratch_img.name("web")
+    web = docker_scratch_image.name("web")
     before_file = networks_file(tmp_path, f"{{name: {web}}}")
     assert host_ns.reconcile("apply", before_file).rc == 0
-    c1, c2 = scratch_img.container("c1"), scratch_img.container("c2")
-    scratch_img.attach(c1, web)
-    scratch_img.attach(c2, web)
+    c1, c2 = docker_scratch_image.container("c1"), docker_scratch_image.container("c2")
+    docker_scratch_image.attach(c1, web)
+    docker_scratch_image.attach(c2, web)
     bridge = unique("b")
     after_file = networks_file(tmp_path, f"{{name: {web}}}", name="after.yaml",
                                extra=f"bridges: [{{name: {bridge}}}]\n")
@@ -179,11 +160,11 @@ def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
     assert r.rc == 0 and "Pending until" in r.out, r.all
     rec = _pending(host_ns)
     assert rec is not None
-    net_id = json.loads(docker_cli("network", "inspect", web))[0]["Id"]
+    net_id = json.loads(docker("network", "inspect", web))[0]["Id"]
     try:
-        scratch_img.client.api.remove_container(c2.id, force=True)
-        newcomer = scratch_img.container("new")
-        scratch_img.attach(newcomer, web)
+        docker_scratch_image.client.api.remove_container(c2.id, force=True)
+        newcomer = docker_scratch_image.container("new")
+        docker_scratch_image.attach(newcomer, web)
         r = host_ns.reconcile("revert")
         assert r.rc == 0 and "Reverted" in r.out, r.all
     finally:
@@ -191,7 +172,7 @@ def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
             os.kill(rec["reverter_pid"], signal.SIGKILL)
             sh("rm", "-f", os.path.join(os.environ["RECONCILER_STATE_DIR"],
                                         f"netns-{host_ns.name}", "pending.json"))
-    after = json.loads(docker_cli("network", "inspect", web))[0]
+    after = json.loads(docker("network", "inspect", web))[0]
     assert after["Id"] == net_id
     assert sorted(c["Name"] for c in after["Containers"].values()) == sorted(
         [c1.name, newcomer.name])

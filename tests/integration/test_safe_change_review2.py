@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Netns, forget_run_files
 from tests.integration.test_safe_change import (
     _apply,
     _setup,
@@ -30,6 +29,7 @@ from tests.integration.test_safe_change import (
     state,
     wait_gone,
 )
+from tests.support.host import Netns, forget_run_files
 
 pytestmark = pytest.mark.root
 __all__ = ["box"]  # the fixture, used by name

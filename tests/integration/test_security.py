@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, Netns, unique, write
-from tests.figures import report
-from tests.integration.traffic import (
+from tests.support.figures import report
+from tests.support.host import REPO, Netns, unique, write
+from tests.support.traffic import (
     HOST_IP,
     HOST_IP6,
     client_of,

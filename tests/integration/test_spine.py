@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from tests.conftest import EXAMPLES, Netns, write
+from tests.support.host import EXAMPLES, Netns, write
 
 pytestmark = pytest.mark.root
 
@@ -268,7 +268,8 @@ def test_destroy_removes_everything_managed(host_ns: Netns):
 
 
 def test_netns_that_does_not_exist_is_a_clear_error():
-    from tests.conftest import reconcile, unique
+    from tests.support.cli import reconcile
+    from tests.support.host import unique
     r = reconcile("plan", EXAMPLE, netns=unique())
     assert r.rc == 1 and "Traceback" not in r.all and r.err.startswith("error:")
 

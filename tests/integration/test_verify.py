@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from reconciler.domain.ownership import alloc_ns_alias
-from tests.conftest import Netns, sh, unique, write
-from tests.integration.test_watch import Agent, wait_for
+from tests.support.agent import Agent
+from tests.support.host import Netns, sh, unique, wait_for, write
 
 pytestmark = pytest.mark.root
 

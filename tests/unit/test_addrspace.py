@@ -48,9 +48,8 @@ from reconciler.drivers.docker import probe
 from reconciler.drivers.docker.payloads import network_use
 from reconciler.planner import addrspace, hostspace, make_plan
 from reconciler.ui.render import render_text
-from tests.figures import SOAK, report
-
-from .fakehost import FakeHost
+from tests.support.fakehost import FakeHost
+from tests.support.figures import SOAK, report
 
 # ------------------------------------------------------------------ the files
 

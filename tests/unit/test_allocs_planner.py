@@ -32,8 +32,7 @@ from reconciler.domain.plan import Action, Plan
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, firewall, make_plan
 from reconciler.ui.render import render_text
-
-from .fakehost import FakeHost, FakeNetns
+from tests.support.fakehost import FakeHost, FakeNetns
 
 
 def bridge(name: str = "br0", mtu: int | None = 1500, hairpin: bool = True) -> Bridge:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.host import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 

@@ -13,8 +13,7 @@ import pytest
 from reconciler import __version__
 from reconciler.ui import parser as cli
 from reconciler.ui.completion import script
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.host import REPO
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

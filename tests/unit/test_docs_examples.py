@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from reconciler.config.load import load
+from tests.support.host import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
 SCHEMA = os.path.join(REPO, "schemas", "reconciler.schema.json")
 NOT_RECONCILER = {"kubernetes", "nomad", "prometheus", "systemd"}

@@ -20,8 +20,7 @@ from reconciler.domain.model import (
 from reconciler.domain.plan import Action
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.ui.render import render_text
-
-from .fakehost import FakeHost
+from tests.support.fakehost import FakeHost
 
 FWD = ("filter", "RECONCILER-FORWARD")
 GUARD = ["-i br0 -m conntrack --ctstate RELATED,ESTABLISHED -m comment --comment "

@@ -21,8 +21,8 @@ import kubernetes_validate
 import yaml
 
 from reconciler.ui.parser import build_parser
+from tests.support.host import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DAEMONSET = os.path.join(REPO, "examples", "kubernetes", "daemonset.yaml")
 NOMAD = os.path.join(REPO, "examples", "nomad", "reconciler.nomad.hcl")
 UNIT = os.path.join(REPO, "examples", "systemd", "reconciler.service")

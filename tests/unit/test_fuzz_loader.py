@@ -31,11 +31,11 @@ from reconciler.cli import commands as cli
 from reconciler.config.load import load
 from reconciler.config.paths import MAX_FILE_BYTES
 from reconciler.domain.errors import ConfigError
-from tests.figures import SOAK, report
+from tests.support.figures import SOAK, report
+from tests.support.host import EXAMPLES
 
 SCALE = 10 if SOAK else 1
 CASE_SECONDS = 10.0  # per case; the slowest legitimate refusal (a huge file) takes ~2 s
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 META = "&*!|>%@`{}[]:#-?,'\"\n\t\r\\$;<()~ \x00\x1b\u2028\x85é"
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 KEYS = ["version", "bridges", "subnets", "allocs", "docker_networks", "settings", "hosts", "name",

@@ -26,8 +26,8 @@ from reconciler.engine.gc import Collector, GcResult, StaleFile
 from reconciler.planner import firewall
 from reconciler.planner.gc import gc_plan, only_removals
 from reconciler.ui import gc as gc_view
+from tests.support.fakehost import FakeHost, FakeNetns
 
-from .fakehost import FakeHost, FakeNetns
 from .test_allocs_planner import alloc, bridge, converge, port, state, subnet
 
 

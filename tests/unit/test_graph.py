@@ -38,7 +38,7 @@ from reconciler.planner import make_plan
 from reconciler.ui import graph, show
 from reconciler.ui.progress import Progress, wanted
 from reconciler.ui.topology import PortView, live_topology
-from tests.conftest import EXAMPLES, REPO
+from tests.support.host import EXAMPLES, REPO
 
 HOST = "4026532999"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -374,7 +374,7 @@ def test_a_log_record_erases_the_line_first_and_the_next_change_draws_it_again()
 def test_apply_hands_the_plan_then_each_outcome_to_the_progress_hooks():
     from reconciler.engine.reconcile import Reconciler
     from reconciler.planner.context import PlanOptions
-    from tests.unit.fakehost import FakeHost
+    from tests.support.fakehost import FakeHost
 
     host = FakeHost()
     desired = load([f"{EXAMPLES}/quickstart.yaml"])

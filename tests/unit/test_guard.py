@@ -118,7 +118,7 @@ def test_saved_plan_with_a_malformed_option_is_one_line_naming_file_and_option(
 
 
 def _fake_alloc_host() -> Any:
-    from tests.unit.fakehost import FakeHost
+    from tests.support.fakehost import FakeHost
     return FakeHost()
 
 
@@ -148,7 +148,7 @@ def test_a_link_named_like_the_veth_that_is_not_ours_is_a_conflict_never_deleted
 
 def test_an_unmarked_empty_namespace_file_of_a_declared_alloc_is_a_conflict() -> None:
     from reconciler.domain.plan import Action
-    from tests.unit.fakehost import FakeNetns
+    from tests.support.fakehost import FakeNetns
     from tests.unit.test_allocs_planner import alloc, plan, state
 
     host = _fake_alloc_host()
@@ -166,7 +166,7 @@ def test_the_namespace_the_reconciler_runs_in_is_never_an_allocation() -> None:
     from reconciler.domain.model import DesiredState
     from reconciler.domain.ownership import alloc_ns_alias
     from reconciler.domain.plan import Action
-    from tests.unit.fakehost import HOST_ID, FakeNetns
+    from tests.support.fakehost import HOST_ID, FakeNetns
     from tests.unit.test_allocs_planner import alloc, plan, state
 
     host = _fake_alloc_host()
@@ -197,7 +197,7 @@ def test_adopting_a_foreign_namespace_says_what_it_deletes_in_the_text_plan() ->
 
     from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute
     from reconciler.ui.render import render_text
-    from tests.unit.fakehost import FakeNetns
+    from tests.support.fakehost import FakeNetns
     from tests.unit.test_allocs_planner import alloc, plan, state
 
     host = _fake_alloc_host()

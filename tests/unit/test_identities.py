@@ -36,8 +36,8 @@ from reconciler.drivers.netlink.wire import (
     NlMsg,
     attr,
 )
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_allocs_planner import alloc, converge, plan, port, state, subnet
 
 

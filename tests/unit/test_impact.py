@@ -29,8 +29,8 @@ from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.ui.parser import build_parser
 from reconciler.ui.render import render_text
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_allocs_planner import alloc, converge, port, state, subnet
 
 IP = ipaddress.ip_address

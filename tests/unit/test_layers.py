@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.host import REPO
+
 LINT = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
 pytestmark = pytest.mark.skipif(not os.path.exists(LINT), reason="import-linter not installed")

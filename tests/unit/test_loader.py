@@ -9,6 +9,7 @@ import pytest
 from reconciler.cli import commands as cli
 from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError
+from tests.support.host import EXAMPLES
 
 GOOD = """\
 version: 1
@@ -223,7 +224,7 @@ NOT_RECONCILER = {"kubernetes", "nomad", "prometheus", "systemd"}
 
 def test_examples_validate():
     """Each top-level file alone, and each directory (at any depth) as one desired state."""
-    here = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    here = EXAMPLES
     seen = 0
     for root, dirs, files in os.walk(here):
         dirs[:] = sorted(d for d in dirs if d not in NOT_RECONCILER)

@@ -17,8 +17,8 @@ from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner.allocs import own_neighbour
 from reconciler.planner.context import index_neighbours
 from reconciler.planner.gc import _marked, gc_plan, only_removals
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_allocs_planner import alloc, converge, plan, state, subnet
 
 DUAL = subnet(cidr6="fd00::/64")

@@ -11,8 +11,7 @@ import pytest
 from reconciler.domain import ops
 from reconciler.domain.ops import OPS, LinkSet, OpError, decode, encode
 from reconciler.domain.plan import Op, Plan
-
-from .opscenarios import plan_json, scenarios
+from tests.support.opscenarios import plan_json, scenarios
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "ops", "plans.json")
 #: the plans before stable MACs (issue 13): saved plans of that version must still run

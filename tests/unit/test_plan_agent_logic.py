@@ -475,7 +475,7 @@ def test_other_tools_links_never_change_a_plan(seed: int) -> None:
     import random
 
     from reconciler.planner import links_that_matter, make_plan
-    from tests.unit.fakehost import FakeHost
+    from tests.support.fakehost import FakeHost
     from tests.unit.test_allocs_planner import alloc, converge, port, state
 
     rng = random.Random(seed)
@@ -508,7 +508,7 @@ def test_foreign_addresses_and_routes_change_a_plan_only_through_addrspace_relev
 
     from reconciler.domain.live import LiveAddress, LiveRoute
     from reconciler.planner import addrspace, make_plan
-    from tests.unit.fakehost import FakeHost
+    from tests.support.fakehost import FakeHost
     from tests.unit.test_allocs_planner import alloc, converge, port, state
 
     host = FakeHost()

@@ -14,8 +14,7 @@ from reconciler.domain.plan import Action, Plan
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.ui.render import render_text
-
-from .fakehost import FakeHost
+from tests.support.fakehost import FakeHost
 
 
 def bridge(name: str, mtu: int | None = None) -> Bridge:

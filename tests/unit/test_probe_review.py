@@ -74,8 +74,7 @@ def test_direct_reports_the_port_it_probes() -> None:
 def test_a_subnet_on_the_reserved_prefix_is_refused_as_reserved_not_foreign() -> None:
     from reconciler.engine.reconcile import conflicts_line  # noqa: PLC0415 (the one under test)
     from reconciler.planner import addrspace  # noqa: PLC0415
-
-    from .fakehost import FakeHost  # noqa: PLC0415
+    from tests.support.fakehost import FakeHost  # noqa: PLC0415
 
     d = load_text(BASE % ("169.254.250.0/29", "{host: 80, to: 80}"))
     found = addrspace.check(d, FakeHost().observe(d))

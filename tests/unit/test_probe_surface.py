@@ -27,8 +27,8 @@ from reconciler.planner import PlanOptions
 from reconciler.ui import probes as view
 from reconciler.ui.options import probe_request
 from reconciler.ui.parser import build_parser, duration
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_allocs_planner import alloc, port, state
 
 

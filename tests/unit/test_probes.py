@@ -61,8 +61,8 @@ from reconciler.planner.probes import (
     probe_specs,
     probe_targets,
 )
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_allocs_planner import converge
 
 HOST_IP = "192.0.2.10"

@@ -24,6 +24,7 @@ from reconciler.agent.loop import Agent, WatchOptions
 from reconciler.agent.readiness import judge, same_revision
 from reconciler.domain.probes import ProbeResult
 from reconciler.engine import lock as lock_mod
+from tests.support.host import REPO
 
 from .test_probe_surface import _pass
 from .test_probe_surface import probing_agent as probing_agent  # noqa: F401 (a fixture)
@@ -410,8 +411,7 @@ def test_readyz_answers_200_or_503_with_the_reason_and_healthz_is_unchanged(
 def test_expect_revision_must_be_a_commit_id(tmp_path: Any) -> None:
     conf = tmp_path / "conf"
     conf.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=REPO)
     p = subprocess.run([sys.executable, "-m", "reconciler", "watch", str(conf),
                         "--status-addr", "off", "--expect-revision", "main"],
                        capture_output=True, text=True, timeout=60, env=env)

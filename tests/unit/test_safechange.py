@@ -31,6 +31,7 @@ from reconciler.domain.ownership import LINK_ALIAS, alloc_mac, alloc_ns_alias, a
 from reconciler.engine import safechange
 from reconciler.planner.checkpoint import restore_plan, take
 from reconciler.ui.parser import build_parser
+from tests.support.host import EXAMPLES
 
 HOST = "4026531840"
 VETH = alloc_veth_name("a1")
@@ -220,7 +221,7 @@ def test_a_bad_confirm_within_is_a_usage_error(text: str, capsys: Any) -> None:
     assert exc.value.code == 1 and "is not a duration" in capsys.readouterr().err
 
 
-UNITS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "systemd")
+UNITS = os.path.join(EXAMPLES, "systemd")
 
 
 def test_the_units_revert_an_overdue_change_at_boot() -> None:

@@ -12,8 +12,7 @@ import fastjsonschema
 import pytest
 
 from reconciler.config import schema, schema_check
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.host import REPO
 
 
 def test_the_generated_check_is_of_the_current_schema() -> None:

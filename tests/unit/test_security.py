@@ -40,7 +40,7 @@ from reconciler.domain.ops import (
 from reconciler.drivers import netns, sysctl
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.firewall import _SAFE_TOKEN, RuleSet
-from tests.figures import SOAK, report
+from tests.support.figures import SOAK, report
 
 SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:/=!,+[]-")
 NASTY = [

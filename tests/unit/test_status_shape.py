@@ -26,11 +26,11 @@ from reconciler.agent import status
 from reconciler.domain.errors import ReconcilerError
 from reconciler.domain.probes import ProbeResult
 from reconciler.planner.hostspace import LiveOverlap
+from tests.support.host import REPO
 
 from .test_probe_surface import _pass
 from .test_probe_surface import probing_agent as probing_agent  # noqa: F401 (a fixture)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "fleet-with-watch.md")
 #: free-form or repeated objects: documented as one key, not flattened further
 OPAQUE = {"event_sources", "config_error.revision", "last_pass.revision", "probes.revision"}

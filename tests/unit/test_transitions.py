@@ -46,8 +46,8 @@ from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner import conntrack as stale
 from reconciler.planner.firewall import DNAT, RuleSet
+from tests.support.fakehost import FakeHost
 
-from .fakehost import FakeHost
 from .test_hostops import Recorder
 
 ip = ipaddress.ip_address

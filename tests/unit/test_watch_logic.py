@@ -32,6 +32,7 @@ from reconciler.drivers.netlink import wire
 from reconciler.drivers.netlink.parse import NetlinkEvent, parse_messages
 from reconciler.engine import lock as lock_mod
 from reconciler.engine.reconcile import ApplyResult
+from tests.support.host import EXAMPLES
 
 # --------------------------------------------------------------------------- scheduler
 
@@ -609,8 +610,7 @@ def test_a_pass_finishes_interrupted_changes_under_the_lock_even_with_nothing_to
 
 # --------------------------------------------------------------------------- examples
 
-UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "systemd",
-                    "reconciler.service")
+UNIT = os.path.join(EXAMPLES, "systemd", "reconciler.service")
 
 
 def _unit_lines() -> list[str]:

@@ -1,6 +1,6 @@
 """`reconcile` that SIGKILLs itself at a chosen step: test-only, kept out of the package.
 
-``python -m tests.integration.killpoints SPEC [reconcile arguments...]`` runs the
+``python -m tests.support.killpoints SPEC [reconcile arguments...]`` runs the
 real CLI in this process and kills it with SIGKILL (``kill -9``: no handler, no
 ``finally``) right after the Nth successful call of one step. SPEC is
 ``WHAT:N[:before]``; WHAT is

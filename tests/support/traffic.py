@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from tests.conftest import Netns, sh, unique
+from tests.support.host import Netns, sh, unique
 
 HOST_IP, CLIENT_IP = "192.168.251.1", "192.168.251.2"
 HOST_IP6, CLIENT_IP6 = "fd00:251::1", "fd00:251::2"

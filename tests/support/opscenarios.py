@@ -11,7 +11,7 @@ decode), and for issue 13 item 6 (our neighbour entries, exempt from the kernel'
 deleted with their allocation or as orphans: ``neigh.delete``); ``test_ops`` checks that today's planner prints the same bytes and that every
 op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
-``python -m tests.unit.opscenarios > tests/unit/fixtures/ops/plans.json``.
+``python -m tests.support.opscenarios > tests/unit/fixtures/ops/plans.json``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ from reconciler.domain.plan import Plan
 from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.checkpoint import restore_plan
-
-from .fakehost import HOST_ID, FakeHost, FakeNetns
+from tests.support.fakehost import HOST_ID, FakeHost, FakeNetns
 
 
 def _bridge(name: str = "br0", mtu: int | None = 1500, hairpin: bool = True) -> Bridge:

@@ -1,11 +1,12 @@
-"""pytest fixtures for tests that need the real dockerd.
+"""Docker objects of one test: unique names and their cleanup, and the test image.
 
-Use them from a test module with ``from tests.integration.docker_fixtures import *``
-(or import the names explicitly). Everything a test creates is named with a
-per-test random prefix and removed afterwards, even when the test fails; the
-fixtures never touch Docker's default networks or anybody else's objects.
+The fixtures that hand these out (``docker_client``, ``busybox_image``,
+``docker_scratch``, ``docker_scratch_image``) live in ``tests/integration/conftest.py``.
+Everything a test creates is named with a per-test random prefix and removed
+afterwards, even when the test fails; nothing here touches Docker's default
+networks or anybody else's objects.
 
-There is no image registry here, so ``busybox_image`` builds a tiny image with
+There is no image registry here, so :func:`ensure_busybox_image` builds a tiny image with
 ``docker import`` from a rootfs holding only ``/bin/busybox`` and a few
 symlinks. The image is kept between runs (it is 1 MB) and rebuilt if missing.
 """
@@ -14,37 +15,29 @@ from __future__ import annotations
 
 import io
 import os
-import secrets
 import shutil
 import subprocess
 import tarfile
-from collections.abc import Iterator
 from typing import Any
 
+import docker
 import pytest
 
-docker = pytest.importorskip("docker")
+from tests.support.host import unique
 
 BUSYBOX_IMAGE = "reconciler-test-busybox:1"
 BUSYBOX_BINARY = "/bin/busybox"
 _APPLETS = ("sh", "sleep", "ip", "ping", "cat", "ls", "true")
 
 
-def _client_or_skip() -> Any:
+def client_or_skip() -> Any:
+    """A Docker SDK client for the local daemon; skips the test when there is none."""
     try:
         client = docker.from_env(timeout=10)
         client.ping()
     except Exception as exc:  # any failure here means: no usable daemon
         pytest.skip(f"docker daemon unreachable: {exc}")
     return client
-
-
-@pytest.fixture(scope="session")
-def docker_client() -> Iterator[Any]:
-    """A Docker SDK client for the local daemon; skips when there is none."""
-    client = _client_or_skip()
-    yield client
-    client.close()
 
 
 def _rootfs_tar() -> bytes:
@@ -64,8 +57,7 @@ def _rootfs_tar() -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="session")
-def busybox_image(docker_client: Any) -> str:
+def ensure_busybox_image(docker_client: Any) -> str:
     """Tag of a minimal busybox image, built with ``docker import`` if missing."""
     try:
         docker_client.images.get(BUSYBOX_IMAGE)
@@ -92,7 +84,7 @@ class DockerScratch:
     def __init__(self, client: Any, image: str | None) -> None:
         self.client = client
         self.image = image
-        self.prefix = f"rt-{secrets.token_hex(4)}"
+        self.prefix = unique("d")
         self.containers: list[str] = []
 
     def name(self, suffix: str = "") -> str:
@@ -145,22 +137,8 @@ class DockerScratch:
         if failures:
             raise RuntimeError("docker test cleanup left objects behind: " + "; ".join(failures))
 
-
-@pytest.fixture
-def docker_scratch(docker_client: Any) -> Iterator[DockerScratch]:
-    """Per-test unique prefix; removes its networks even when the test fails."""
-    scratch = DockerScratch(docker_client, None)
-    try:
-        yield scratch
-    finally:
-        scratch.cleanup()
-
-
-@pytest.fixture
-def docker_scratch_image(docker_client: Any, busybox_image: str) -> Iterator[DockerScratch]:
-    """Like ``docker_scratch``, with containers from the busybox image."""
-    scratch = DockerScratch(docker_client, busybox_image)
-    try:
-        yield scratch
-    finally:
-        scratch.cleanup()
+    def check_clean(self) -> None:
+        """Fail when a network under our prefix is still there (after :meth:`cleanup`)."""
+        left = [n["Name"] for n in self.networks()]
+        if left:
+            raise AssertionError(f"docker networks leaked: {left}")

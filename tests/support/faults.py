@@ -1,6 +1,6 @@
 """`reconcile` with driver faults injected at the op gate: test-only, kept out of the package.
 
-``python -m tests.integration.faults SPEC [reconcile arguments...]`` runs the
+``python -m tests.support.faults SPEC [reconcile arguments...]`` runs the
 real CLI in this process with ``HostOps.run`` wrapped. SPEC
 ``alloc.attach:3,netns.create:1:EBUSY``: the 3rd ``alloc.attach`` op of the
 process fails as the kernel's EPERM would (a ``DriverError``), the 1st
