@@ -1,6 +1,6 @@
 """Plans that between them hold every op kind in every shape the planner writes.
 
-``tests/unit/fixtures/ops/plans.json`` holds these plans as the planner before
+``tests/unit/domain/fixtures/ops/plans.json`` holds these plans as the planner before
 typed ops (8d5ad83) wrote them, regenerated for issue 18 (hairpin only on the
 ports of allocations with port maps: the same bytes as the untyped planner of
 that change, branch ``scale18``) and for issue 14 (the firewall scripts, and the
@@ -11,7 +11,7 @@ decode), and for issue 13 item 6 (our neighbour entries, exempt from the kernel'
 deleted with their allocation or as orphans: ``neigh.delete``); ``test_ops`` checks that today's planner prints the same bytes and that every
 op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
-``python -m tests.support.opscenarios > tests/unit/fixtures/ops/plans.json``.
+``python -m tests.support.opscenarios > tests/unit/domain/fixtures/ops/plans.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import os
 from collections.abc import Iterator
+from typing import Any
 
 from reconciler.domain.checkpoint import Checkpoint, EndpointPoint, NetworkPoint
 from reconciler.domain.docker import SCOPE_LABEL
@@ -54,6 +56,25 @@ from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.checkpoint import restore_plan
 from tests.support.fakehost import HOST_ID, FakeHost, FakeNetns
+from tests.support.host import REPO
+
+#: the plans as recorded (see the module docstring)
+FIXTURE = os.path.join(REPO, "tests", "unit", "domain", "fixtures", "ops", "plans.json")
+#: the plans before stable MACs (issue 13): saved plans of that version must still run
+BEFORE_MACS = os.path.join(os.path.dirname(FIXTURE), "plans-before-stable-macs.json")
+
+
+def recorded() -> dict[str, Any]:
+    with open(FIXTURE) as fh:
+        return json.load(fh)  # type: ignore[no-any-return]
+
+
+def recorded_ops() -> list[dict[str, Any]]:
+    """Every op of the recorded plans, today's and those saved before stable MACs."""
+    with open(BEFORE_MACS) as fh:
+        before = json.load(fh)
+    return [o for plans in (recorded(), before) for p in plans.values()
+            for c in p["changes"] for o in c["ops"]]
 
 
 def _bridge(name: str = "br0", mtu: int | None = 1500, hairpin: bool = True) -> Bridge:
