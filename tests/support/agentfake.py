@@ -14,7 +14,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from reconciler.agent.loop import PROBE, Agent, PassReport
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import PROBE, PassReport
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Action, Change, Plan

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import WatchOptions
 from reconciler.domain.probes import ProbeResult
 from reconciler.engine import lock as lock_mod
 from tests.support.agentfake import FakeProber, FakeReconciler, ProbingReconciler

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import PROBE, PROBE_HEAL, Agent, PassReport
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import PROBE, PROBE_HEAL, PassReport
 from reconciler.agent.status import healthy_doc, render
 from reconciler.domain.probes import ProbeResult
 from reconciler.engine import lock
