@@ -18,7 +18,7 @@ import pytest
 
 from reconciler.drivers import netns
 from reconciler.drivers.netlink import client as links
-from tests.support.agent import Agent
+from tests.support.agent import Agent, PlanAgent
 from tests.support.cli import reconcile
 from tests.support.dockerscratch import DockerScratch, client_or_skip, ensure_busybox_image
 from tests.support.host import (
@@ -138,3 +138,13 @@ def agents() -> Iterator[Callable[..., Agent]]:
     finally:
         for a in started:
             a.kill()
+
+
+@pytest.fixture
+def plan_agent(host_ns: Netns, tmp_path: Any) -> Iterator[PlanAgent]:
+    a = PlanAgent(host_ns, tmp_path)
+    try:
+        yield a
+    finally:
+        rc = a.agent.stop()
+    assert rc == 0 and not os.path.exists(a.socket), "the agent left its socket behind"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tests.support.host import REPO, wait_for
+from tests.support.cli import Result, reconcile
+from tests.support.host import REPO, Netns, wait_for, write
 
 #: the environment of an agent: this tree's package first
 ENV = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -127,3 +129,56 @@ class Agent:
             self.proc.kill()
             self.proc.wait(10)
         self._reader.join(5)
+
+
+def plan_counts(agent: Agent) -> dict[str, float]:
+    """The agent's plan answers by result, from its /metrics."""
+    text = agent.get("/metrics") or ""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("reconciler_plan_requests_total{"):
+            result = line.split('result="')[1].split('"')[0]
+            out[result] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class PlanAgent:
+    """A watch agent that declares nothing here and changes nothing: it only answers plans."""
+
+    def __init__(self, host: Netns, tmp_path: Any) -> None:
+        idle = write(tmp_path, "idle.yaml", "version: 1\nhosts: [no-such-host-anywhere]\n")
+        os.chmod(idle, 0o644)
+        os.chmod(str(tmp_path), 0o755)
+        self.host = host
+        # --dry-run: it never acts on what a test breaks (even --no-prune tidies up, e.g.
+        # empty chains of its own), so both plans see the same host
+        self.agent = Agent(host, [idle], "--no-prune", "--dry-run")  # type: ignore[arg-type]
+        ino = os.stat(f"/run/netns/{host.name}").st_ino
+        from reconciler.agent.planview.protocol import socket_path
+
+        self.socket = socket_path(ino)
+        wait_for(lambda: os.path.exists(self.socket) and self.agent.status(), 15,
+                 what="the plan socket")
+
+    def counts(self) -> dict[str, float]:
+        return plan_counts(self.agent)
+
+    def plan(self, *args: str, mode: str = "require") -> Result:
+        return reconcile("plan", *args, netns=self.host.name, env={"RECONCILER_AGENT": mode})
+
+
+#: the impact's flow counts move on their own (connections come and go between the two
+#: plans compared): they are left out of the comparison, everything else must be equal
+_FLOWS = re.compile(r"\b(?:\d+|no) established flows?\b")
+
+
+def same_as_in_process(agent: PlanAgent, *args: str) -> Result:
+    """Plan through the agent and in-process; both must print and exit the same (but for
+    the impact's flow counts)."""
+    ours = agent.plan(*args)
+    local = reconcile("plan", "--no-agent", *args, netns=agent.host.name)
+    assert "did not answer" not in ours.err, ours.err
+    assert (ours.rc, _FLOWS.sub("N flows", ours.out)) == (
+        local.rc, _FLOWS.sub("N flows", local.out)), \
+        f"agent:\n{ours.all}\nin-process:\n{local.all}"
+    return ours

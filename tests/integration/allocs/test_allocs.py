@@ -4,17 +4,13 @@ Each test gets a throwaway namespace acting as the host (``host_ns``); the
 allocation namespaces themselves are global (/run/netns/ID), so their ids
 carry the session prefix and the ``host_ns`` fixture destroys them. Results
 are checked with ``ip``, ``iptables-save`` and real traffic, never with our
-own observer.
-"""
+own observer."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -23,128 +19,26 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.allocs import (
+    BRIDGE,
+    alloc_ids,
+    config,
+    connect_all,
+    in_ns,
+    listening,
+    reach,
+    veth_name,
+)
 from tests.support.host import EXAMPLES, SESSION, Netns, sh, unique, write
 from tests.support.traffic import client_of
 
 pytestmark = pytest.mark.root
 
+
 HOST4, CLIENT4 = "10.99.0.1", "10.99.0.2"
+
+
 HOST6, CLIENT6 = "fd00:99::1", "fd00:99::2"
-BRIDGE = "rcl0"
-
-# ------------------------------------------------------------------ traffic helpers
-
-#: Listens on every "proto:port" given (tcp and udp, IPv4 and IPv6) and answers
-#: "PORT PEER" so the caller sees which listener answered and from which source.
-SERVER = r"""
-import socket, sys, threading
-def peer(a):
-    return a[0].removeprefix("::ffff:")
-def tcp(port):
-    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("::", port)); s.listen(64)
-    def loop():
-        while True:
-            c, a = s.accept()
-            c.sendall(f"{port} {peer(a)}\n".encode()); c.close()
-    return loop
-def udp(port):
-    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    s.bind(("::", port))
-    def loop():
-        while True:
-            data, a = s.recvfrom(100)
-            s.sendto(f"{port} {peer(a)}".encode(), a)
-    return loop
-loops = [(tcp if p == "tcp" else udp)(int(n)) for p, n in (x.split(":") for x in sys.argv[1:])]
-for f in loops:
-    threading.Thread(target=f, daemon=True).start()
-print("ready", flush=True)
-threading.Event().wait()
-"""
-
-#: Tries every [proto, host, port] of a JSON list; prints the answers (null: none).
-CLIENT = r"""
-import json, socket, sys
-timeout = float(sys.argv[2])
-out = []
-for proto, host, port in json.loads(sys.argv[1]):
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        if proto == "tcp":
-            with socket.create_connection((host, port), timeout=timeout) as c:
-                out.append(c.recv(100).decode().strip())
-        else:
-            with socket.socket(fam, socket.SOCK_DGRAM) as c:
-                c.settimeout(timeout); c.connect((host, port)); c.send(b"ping")
-                out.append(c.recv(100).decode().strip())
-    except OSError:
-        out.append(None)
-print(json.dumps(out))
-"""
-
-
-def in_ns(ns: str, *args: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *args]
-
-
-@contextlib.contextmanager
-def listening(ns: str, *specs: str) -> Iterator[subprocess.Popen[str]]:
-    """A listener inside namespace ``ns`` (e.g. "tcp:80", "udp:53"); killed on exit."""
-    p = subprocess.Popen(in_ns(ns, sys.executable, "-c", SERVER, *specs),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None
-        ready, _, _ = select.select([p.stdout], [], [], 10)
-        line = p.stdout.readline() if ready else ""
-        assert line.strip() == "ready", f"listener in {ns} failed: {line!r}"
-        yield p
-    finally:
-        p.kill()
-        p.wait()
-
-
-def probe(ns: str, targets: list[tuple[str, str, int]], timeout: float = 1.5) -> list[str | None]:
-    """Answers to each (proto, host, port) from inside ``ns``, in one process."""
-    out = sh(*in_ns(ns, sys.executable, "-c", CLIENT, json.dumps(targets), str(timeout))).stdout
-    return json.loads(out)  # type: ignore[no-any-return]
-
-
-def reach(ns: str, proto: str, host: str, port: int, timeout: float = 1.5) -> str | None:
-    return probe(ns, [(proto, host, port)], timeout)[0]
-
-
-# ------------------------------------------------------------------ config and host views
-
-
-def alloc_ids(n: int = 2) -> list[str]:
-    """Allocation ids carrying the session prefix, sorted in the order given."""
-    base = unique("a")
-    return [f"{base}-{i:02d}" for i in range(n)]
-
-
-def config(tmp_path: object, allocs: list[dict[str, object]], *, hairpin: bool = True,
-           mtu: int = 1400, cidr6: bool = True, rng: tuple[str, str] | None = None,
-           settings: str = "", name: str = "allocs.yaml") -> str:
-    lines = ["version: 1", "bridges:", f"  - {{name: {BRIDGE}, mtu: {mtu}, "
-             f"hairpin: {str(hairpin).lower()}}}", "subnets:",
-             "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.77.0.0/24"]
-    if cidr6:
-        lines.append("    cidr6: fd00:77::/64")
-    if rng:
-        lines.append(f"    range: {{start: {rng[0]}, end: {rng[1]}}}")
-    lines.append("allocs:" if allocs else "allocs: []")
-    for a in allocs:
-        lines.append("  - " + json.dumps({"subnet": "net", **a}))
-    return write(tmp_path, name, "\n".join(lines) + "\n" + settings)
-
-
-def veth_name(alloc_id: str) -> str:
-    """The documented host-side name: vr + 12 hex of sha1(id), computed independently."""
-    return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
 
 
 def netns_list() -> set[str]:
@@ -209,8 +103,6 @@ def apply_ok(host: Netns, path: str, *extra: str) -> None:
     assert r.rc == 0 and "No changes." in r.out, r.all
 
 
-# ------------------------------------------------------------------ fixtures
-
 DOCKER_RULES = """*filter
 :INPUT ACCEPT [0:0]
 :FORWARD DROP [0:0]
@@ -257,9 +149,6 @@ def client(host_ns: Netns) -> Iterator[str]:
         host_ns.run("iptables-restore", input=DOCKER_RULES)
         host_ns.run("ip6tables", "-P", "FORWARD", "DROP")
         yield c.name
-
-
-# ------------------------------------------------------------------ 1. the allocation itself
 
 
 def _example(tmp_path: object) -> tuple[str, str, str]:
@@ -340,9 +229,6 @@ def test_subnet_losing_ipv6_takes_the_ipv6_address_and_route_out(host_ns: Netns,
     assert not dnat_rules(host_ns, 6)
 
 
-# ------------------------------------------------------------------ 2. real traffic
-
-
 def test_port_maps_reach_the_alloc_from_everywhere(host_ns: Netns, client: str, tmp_path):
     a1, a2 = alloc_ids(2)
     path = config(tmp_path, [
@@ -363,25 +249,25 @@ def test_port_maps_reach_the_alloc_from_everywhere(host_ns: Netns, client: str, 
         while reach(client, "tcp", HOST6, 8080, timeout=1) is None:
             assert time.monotonic() < deadline, "IPv6 port map unreachable for 5 s"
         # another host, through FORWARD policy DROP and dockerd's chains
-        got = probe(client, [("tcp", HOST4, 8080), ("tcp", HOST4, 5353), ("udp", HOST4, 5353),
+        got = connect_all(client, [("tcp", HOST4, 8080), ("tcp", HOST4, 5353), ("udp", HOST4, 5353),
                              ("udp", HOST4, 7070), ("tcp", HOST4, auto), ("tcp", HOST4, 8443),
                              ("tcp", HOST6, 8080), ("udp", HOST6, 5353)])
         assert got == [f"80 {CLIENT4}", f"53 {CLIENT4}", f"53 {CLIENT4}", f"70 {CLIENT4}",
                        f"9000 {CLIENT4}", None, f"80 {CLIENT6}", f"53 {CLIENT6}"]
         # the host to its own address, and to 127.0.0.1 (masqueraded to the gateway)
-        got = probe(host_ns.name, [("tcp", HOST4, 8080), ("udp", HOST4, 5353),
+        got = connect_all(host_ns.name, [("tcp", HOST4, 8080), ("udp", HOST4, 5353),
                                    ("tcp", "127.0.0.1", 8080), ("udp", "127.0.0.1", 5353),
                                    ("tcp", "127.0.0.1", 8443), ("tcp", HOST4, 8443)])
         assert got == [f"80 {HOST4}", f"53 {HOST4}", "80 10.77.0.1", "53 10.77.0.1",
                        "443 10.77.0.1", None]
         # hairpin: the alloc to its own host port, and its neighbour
         for src in (a1, a2):
-            got = probe(src, [("tcp", HOST4, 8080), ("udp", HOST4, 5353),
+            got = connect_all(src, [("tcp", HOST4, 8080), ("udp", HOST4, 5353),
                               ("tcp", HOST6, 8080)])
             assert got == ["80 10.77.0.1", "53 10.77.0.1", "80 fd00:77::1"], src
         # only declared ports: a bounded scan of the host from the other host
         ports = range(8070, 8091)
-        got = probe(client, [("tcp", HOST4, p) for p in ports], timeout=0.5)
+        got = connect_all(client, [("tcp", HOST4, p) for p in ports], timeout=0.5)
         assert {p for p, g in zip(ports, got, strict=True) if g} == {8080}
     # nothing answers once the listener is gone (the DNAT does not fall back to the host)
     assert reach(client, "tcp", HOST4, 8080, timeout=0.5) is None
@@ -392,7 +278,7 @@ def test_alloc_egress_is_masqueraded(host_ns: Netns, client: str, tmp_path):
     (aid,) = alloc_ids(1)
     apply_ok(host_ns, config(tmp_path, [{"id": aid}]))
     with listening(client, "tcp:7000", "udp:7001"):
-        got = probe(aid, [("tcp", CLIENT4, 7000), ("udp", CLIENT4, 7001)])
+        got = connect_all(aid, [("tcp", CLIENT4, 7000), ("udp", CLIENT4, 7001)])
     assert got == [f"7000 {HOST4}", f"7001 {HOST4}"]
 
 
@@ -433,9 +319,6 @@ def test_settings_auto_port_range_is_used(host_ns: Netns, tmp_path):
                   settings="settings:\n  auto_port_range: {start: 41000, end: 41001}\n")
     apply_ok(host_ns, path)
     assert dnat_port(host_ns, aid, 80) == 41000
-
-
-# ------------------------------------------------------------------ 3. IPAM
 
 
 def test_addresses_are_stable_when_allocs_are_added_before_others(host_ns: Netns, tmp_path):
@@ -502,9 +385,6 @@ def test_ipv6_exhaustion_names_the_family(host_ns: Netns, tmp_path):
     assert r.rc == 1 and "IPv6" in r.err and a2 in r.err, r.all
 
 
-# ------------------------------------------------------------------ 4. plan-time checks
-
-
 def test_host_port_already_listening_is_a_plan_error(host_ns: Netns, tmp_path):
     (aid,) = alloc_ids(1)
     path = config(tmp_path, [{"id": aid, "ports": [{"host": 8080, "to": 80}]}])
@@ -550,9 +430,6 @@ def test_same_host_port_twice_in_files_is_a_loader_error(host_ns: Netns, tmp_pat
     assert r.rc == 1 and "8080/tcp" in r.err and a0 in r.err and a1 in r.err, r.all
     assert f"{path}:" in r.err
     assert host_ns.link(BRIDGE) is None
-
-
-# ------------------------------------------------------------------ 5. drift
 
 
 @pytest.fixture
@@ -730,9 +607,6 @@ def test_allocs_of_another_host_are_not_ours(host_ns: Netns, tmp_path):
         sh("ip", "netns", "del", other.name, check=False)
 
 
-# ------------------------------------------------------------------ 6. crash safety
-
-
 def _orphans(host: Netns, declared: set[str], prefix: str) -> list[str]:
     """Everything half-made, seen from outside: ip, /run/netns, iptables-save."""
     problems = []
@@ -823,9 +697,6 @@ def test_kill_9_while_replacing_allocs(host_ns: Netns, tmp_path):
         apply_ok(host_ns, p1)
 
 
-# ------------------------------------------------------------------ 7. bridge hairpin
-
-
 def test_hairpin_false_blocks_own_host_port_and_changing_it_updates_ports(host_ns: Netns,
                                                                           tmp_path):
     a0, a1 = alloc_ids(2)
@@ -847,9 +718,6 @@ def test_hairpin_false_blocks_own_host_port_and_changing_it_updates_ports(host_n
         assert reach(a0, "tcp", "10.77.0.1", 8080) == "80 10.77.0.1"
         apply_ok(host_ns, off)
         assert reach(a0, "tcp", "10.77.0.1", 8080, timeout=1) is None
-
-
-# ------------------------------------------------------------------ 8. ip netns exec
 
 
 def test_ip_netns_exec_is_refused_before_any_change(host_ns: Netns, tmp_path):

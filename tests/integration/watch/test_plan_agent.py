@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.support.agent import Agent
-from tests.support.cli import Result, reconcile
+from tests.support.agent import Agent, PlanAgent, plan_counts, same_as_in_process
+from tests.support.cli import reconcile
 from tests.support.host import REPO, SESSION, Netns, sh, unique, wait_for, write
 
 pytestmark = pytest.mark.root
@@ -50,69 +49,6 @@ def foreign_veth(host: str) -> None:
     sh("ip", "-n", host, "link", "add", FOREIGN, "type", "veth", "peer", "name", FOREIGN + "p")
     for name in (FOREIGN, FOREIGN + "p"):
         sh("ip", "-n", host, "link", "set", name, "up")
-
-
-def plan_counts(agent: Agent) -> dict[str, float]:
-    """The agent's plan answers by result, from its /metrics."""
-    text = agent.get("/metrics") or ""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("reconciler_plan_requests_total{"):
-            result = line.split('result="')[1].split('"')[0]
-            out[result] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-class PlanAgent:
-    """A watch agent that declares nothing here and changes nothing: it only answers plans."""
-
-    def __init__(self, host: Netns, tmp_path: Any) -> None:
-        idle = write(tmp_path, "idle.yaml", "version: 1\nhosts: [no-such-host-anywhere]\n")
-        os.chmod(idle, 0o644)
-        os.chmod(str(tmp_path), 0o755)
-        self.host = host
-        # --dry-run: it never acts on what a test breaks (even --no-prune tidies up, e.g.
-        # empty chains of its own), so both plans see the same host
-        self.agent = Agent(host, [idle], "--no-prune", "--dry-run")  # type: ignore[arg-type]
-        ino = os.stat(f"/run/netns/{host.name}").st_ino
-        from reconciler.agent.planview.protocol import socket_path
-
-        self.socket = socket_path(ino)
-        wait_for(lambda: os.path.exists(self.socket) and self.agent.status(), 15,
-                 what="the plan socket")
-
-    def counts(self) -> dict[str, float]:
-        return plan_counts(self.agent)
-
-    def plan(self, *args: str, mode: str = "require") -> Result:
-        return reconcile("plan", *args, netns=self.host.name, env={"RECONCILER_AGENT": mode})
-
-
-@pytest.fixture
-def plan_agent(host_ns: Netns, tmp_path: Any) -> Iterator[PlanAgent]:
-    a = PlanAgent(host_ns, tmp_path)
-    try:
-        yield a
-    finally:
-        rc = a.agent.stop()
-    assert rc == 0 and not os.path.exists(a.socket), "the agent left its socket behind"
-
-
-#: the impact's flow counts move on their own (connections come and go between the two
-#: plans compared): they are left out of the comparison, everything else must be equal
-_FLOWS = re.compile(r"\b(?:\d+|no) established flows?\b")
-
-
-def same_as_in_process(agent: PlanAgent, *args: str) -> Result:
-    """Plan through the agent and in-process; both must print and exit the same (but for
-    the impact's flow counts)."""
-    ours = agent.plan(*args)
-    local = reconcile("plan", "--no-agent", *args, netns=agent.host.name)
-    assert "did not answer" not in ours.err, ours.err
-    assert (ours.rc, _FLOWS.sub("N flows", ours.out)) == (
-        local.rc, _FLOWS.sub("N flows", local.out)), \
-        f"agent:\n{ours.all}\nin-process:\n{local.all}"
-    return ours
 
 
 def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: PlanAgent,
@@ -364,7 +300,7 @@ def test_a_listener_on_a_wanted_host_port_is_seen_by_the_agent(plan_agent: PlanA
                                                                host_ns: Netns, tmp_path):
     """Listening sockets announce nothing: the agent reads them (of its namespace, from its
     own thread) on every request."""
-    from tests.integration.test_allocs import listening
+    from tests.support.allocs import listening
 
     a = unique("a")
     path = alloc_config(tmp_path, [a])  # wants host port 18080, not applied

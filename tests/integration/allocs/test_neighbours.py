@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.integration.test_identities import (
+from tests.support.host import Netns, sh, unique
+from tests.support.identities import (
     BRIDGE,
     alloc_mac,
     apply_ok,
@@ -25,7 +26,6 @@ from tests.integration.test_identities import (
     v4_of,
     v6_of,
 )
-from tests.support.host import Netns, sh, unique
 
 pytestmark = pytest.mark.root
 

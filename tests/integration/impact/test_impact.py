@@ -270,7 +270,7 @@ def test_watch_refuses_a_pass_over_max_disruption(host_ns: Netns, tmp_path: obje
 def test_the_plan_agent_counts_flows_too(host_ns: Netns, client: str, tmp_path: object) -> None:
     """`reconcile plan` answered by a running agent counts the flows of each answer (they
     are read per request, never kept) and prints what the in-process plan prints."""
-    from tests.integration.test_plan_agent import PlanAgent, same_as_in_process  # noqa: PLC0415
+    from tests.support.agent import PlanAgent, same_as_in_process
 
     a = unique("p") + "-a"
     conf = os.path.join(str(tmp_path), "files")

@@ -1,8 +1,7 @@
-"""The independent review's probe findings against the real kernel: two probers on one
-host, a namespace that only looks like the vantage, SIGTERM in the middle of `verify`,
-`destroy` after a prober that died. Checked with ``ip`` and ``/run/netns``, not the
-prober's own view.
-"""
+"""The external probe vantage against the real kernel: two probers on one host share it, a
+namespace that only looks like it is left alone, SIGTERM in the middle of `verify` and
+`destroy` after a prober that died remove it. Checked with ``ip`` and ``/run/netns``, not
+the prober's own view."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from reconciler.drivers import netns
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
 from tests.support.host import Netns, sh
-
-from .test_probes import failures, setup
+from tests.support.probing import failures, setup
 
 pytestmark = pytest.mark.root
 
@@ -146,29 +144,3 @@ def test_destroy_removes_the_vantage_a_dead_prober_left(
     assert d.rc == 0, d.all
     assert _vantages(host_ns) == []
     assert _vantage_links(host_ns) == []
-
-
-@pytest.mark.parametrize("bridged", ["1", "0"])
-def test_hairpin_false_is_checked_with_br_netfilter_and_skipped_without(
-        host_ns: Netns, tmp_path: object, bridged: str) -> None:
-    """With br_netfilter the port's flag stops the hairpin path (expected not to arrive);
-    without it the host routes the packet back out of the bridge device and it arrives
-    whatever the flag says (``reach`` shows it), so the path is skipped, not failed."""
-    from .test_allocs import alloc_ids, config, listening, reach  # noqa: PLC0415
-
-    for table in ("iptables", "ip6tables"):
-        host_ns.run("sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}={bridged}")
-    a0, a1 = alloc_ids(2)
-    off = config(tmp_path, [{"id": a0, "ports": [{"host": 8080, "to": 80}]}, {"id": a1}],
-                 hairpin=False, name="off.yaml")
-    r = host_ns.reconcile("apply", off)
-    assert r.rc == 0, r.all
-    with listening(a0, "tcp:80"):
-        got = reach(a0, "tcp", "10.77.0.1", 8080, timeout=1)
-    assert (got is None) == (bridged == "1"), got
-    v = host_ns.reconcile("-v", "verify", off)
-    assert v.rc == 0, v.all
-    hairpin = [ln for ln in v.out.splitlines() if "path hairpin" in ln]
-    assert hairpin and all(("held" in ln) == (bridged == "1") for ln in hairpin), hairpin
-    if bridged == "0":
-        assert all("skipped: hairpin: false cannot stop it" in ln for ln in hairpin), hairpin

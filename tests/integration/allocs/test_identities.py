@@ -5,8 +5,7 @@ Each test runs the CLI in a sandbox host namespace (``host_ns``) and checks with
 ``ip -j``, ``/sys`` of the namespace (``ip netns exec`` mounts its own), an
 AF_PACKET capture on the bridge and real TCP from a client namespace routed to
 the sandbox. MACs are derived here independently of the package (sha256 of
-the documented prefix and the name).
-"""
+the documented prefix and the name)."""
 
 from __future__ import annotations
 
@@ -22,45 +21,24 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.drivers import netns
-from tests.support.host import Netns, sh, unique, write
+from tests.support.host import Netns, sh, unique
+from tests.support.identities import (
+    BRIDGE,
+    alloc_mac,
+    apply_ok,
+    bridge_mac,
+    config,
+    ids,
+    v4_of,
+    v6_of,
+)
 from tests.support.traffic import HOST_IP, client_of, fetch, listening
 
 pytestmark = pytest.mark.root
 
-BRIDGE = "rclid0"
-
-
-def derived(prefix: str, name: str) -> str:
-    raw = bytearray(hashlib.sha256(prefix.encode() + name.encode()).digest()[:6])
-    raw[0] = (raw[0] & 0xFC) | 0x02
-    return ":".join(f"{b:02x}" for b in raw)
-
-
-def alloc_mac(aid: str) -> str:
-    return derived("reconciler/alloc-mac/", aid)
-
-
-def bridge_mac(name: str) -> str:
-    return derived("reconciler/bridge-mac/", name)
-
 
 def veth_name(aid: str) -> str:
     return "vr" + hashlib.sha1(aid.encode()).hexdigest()[:12]
-
-
-def config(tmp_path: object, allocs: list[dict[str, object]], name: str = "ids.yaml") -> str:
-    lines = ["version: 1", "bridges:", f"  - {{name: {BRIDGE}}}", "subnets:",
-             "  - name: net", f"    bridge: {BRIDGE}", "    cidr: 10.78.0.0/24",
-             "    cidr6: fd00:78::/64", "allocs:" if allocs else "allocs: []"]
-    lines += ["  - " + json.dumps({"subnet": "net", **a}) for a in allocs]
-    return write(tmp_path, name, "\n".join(lines) + "\n")
-
-
-def apply_ok(host: Netns, path: str) -> None:
-    r = host.reconcile("apply", path)
-    assert r.rc == 0, r.all
-    r = host.reconcile("plan", path)
-    assert r.rc == 0 and "No changes." in r.out, r.all
 
 
 def link_mac(ns: str, name: str) -> str:
@@ -79,26 +57,10 @@ def neighbours(host: Netns, dev: str) -> dict[str, tuple[str | None, list[str]]]
     return {n["dst"]: (n.get("lladdr"), n.get("state", [])) for n in out}
 
 
-def v4_of(ns: str) -> str:
-    (link,) = json.loads(sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
-    return next(a["local"] for a in link["addr_info"] if a["family"] == "inet")
-
-
-def v6_of(ns: str) -> str:
-    (link,) = json.loads(sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
-    return next(a["local"] for a in link["addr_info"]
-                if a["family"] == "inet6" and a.get("scope") == "global")
-
-
 def notify_settings(ns: str) -> list[str]:
     """arp_notify and ndisc_notify of the namespace's eth0 (``/proc/sys/net`` of it)."""
     return [sh("ip", "netns", "exec", ns, "cat", f"/proc/sys/net/{key}").stdout.strip()
             for key in ("ipv4/conf/eth0/arp_notify", "ipv6/conf/eth0/ndisc_notify")]
-
-
-def ids(n: int) -> list[str]:
-    base = unique("i")
-    return [f"{base}-{i}" for i in range(n)]
 
 
 def connect_soon(client: Netns, port: int, within: float) -> tuple[str, float]:
@@ -108,9 +70,6 @@ def connect_soon(client: Netns, port: int, within: float) -> tuple[str, float]:
     while time.monotonic() - start < within and not got:
         got = fetch(client, HOST_IP, port, timeout=0.3)
     return got, time.monotonic() - start
-
-
-# ------------------------------------------------------------------ (a) heal
 
 
 def test_a_healed_veth_keeps_eth0s_mac_and_the_port_map_answers_at_once(host_ns: Netns,
@@ -140,9 +99,6 @@ def test_a_healed_veth_keeps_eth0s_mac_and_the_port_map_answers_at_once(host_ns:
         assert host_ns.reconcile("plan", path).out.count("No changes.") == 1
 
 
-# ------------------------------------------------------------------ (b) bridge MAC
-
-
 def test_the_bridge_mac_is_set_at_creation_and_kept_as_allocs_come_and_go(host_ns: Netns,
                                                                           tmp_path):
     a, b = ids(2)
@@ -154,9 +110,6 @@ def test_the_bridge_mac_is_set_at_creation_and_kept_as_allocs_come_and_go(host_n
         seen.append(link_mac(host_ns.name, BRIDGE))  # with none: not 00:00:00:00:00:00
     assert seen == [mac] * 4, seen
     assert mac == bridge_mac(BRIDGE) and assign_type(host_ns.name, BRIDGE) == 3
-
-
-# ------------------------------------------------------------------ upgrade
 
 
 def test_an_older_bridge_is_pinned_to_its_mac_and_older_allocs_keep_theirs(host_ns: Netns,
@@ -209,9 +162,6 @@ def test_an_older_bridge_is_pinned_to_its_mac_and_older_allocs_keep_theirs(host_
     assert link_mac(h, BRIDGE) == before  # the port whose MAC it had went: kept
 
 
-# ------------------------------------------------------------------ neighbour entries
-
-
 def test_a_stale_neighbour_entry_is_replaced_and_a_permanent_one_reported(host_ns: Netns,
                                                                          tmp_path):
     (aid,) = ids(1)
@@ -234,9 +184,6 @@ def test_a_stale_neighbour_entry_is_replaced_and_a_permanent_one_reported(host_n
     assert r.rc == 0 and "No changes." in r.out, r.all
     assert f"permanent neighbour entry {ip} lladdr {wrong}" in r.all, r.all
     assert neighbours(host_ns, BRIDGE)[ip] == (wrong, ["PERMANENT"])
-
-
-# ------------------------------------------------------------------ announcements
 
 
 @contextlib.contextmanager

@@ -1,9 +1,9 @@
-"""Safe change against the real kernel, the second review (fix-safe): `--adopt` under a
-window, `gc` and the guard, `--output json` when an overdue change is reverted first, and
-`confirm` of a change whose apply was killed.
+"""What a pending change refuses, against the real kernel: `--adopt` under a window, `gc`
+(and the guard that reverts an overdue change first), `--output json` when an overdue
+change is reverted first, `confirm` of a change whose apply was killed, and what a stopped
+apply says.
 
-The sandboxes, the independent view of the host (``ip -j``, ``iptables-save``,
-``/proc/sys``) and the cleanup are those of ``test_safe_change``.
+The sandboxes and the independent view of the host are those of ``tests/support/safechange.py``.
 """
 
 from __future__ import annotations
@@ -18,27 +18,25 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_safe_change import (
-    _apply,
-    _setup,
+from tests.support.host import Netns, forget_run_files
+from tests.support.safechange import (
     alive,
-    box,
+    apply_ok,
     diff,
     pending_record,
     reverts,
+    setup_change,
     state,
     wait_gone,
 )
-from tests.support.host import Netns, forget_run_files
 
 pytestmark = pytest.mark.root
-__all__ = ["box"]  # the fixture, used by name
 
 
 def _overdue_without_reverter(box: Netns, cfg: str) -> dict[str, Any]:
     """Apply ``cfg`` under a 1 s window, kill its reverter and wait past the deadline: the
     next command is the one that must revert it."""
-    _apply(box, cfg, "--confirm-within", "1s")
+    apply_ok(box, cfg, "--confirm-within", "1s")
     rec = pending_record(box)
     assert rec is not None
     os.kill(rec["reverter_pid"], signal.SIGKILL)
@@ -50,7 +48,7 @@ def _overdue_without_reverter(box: Netns, cfg: str) -> dict[str, Any]:
 
 def test_adopt_under_a_window_is_refused_and_nothing_changes(box: Netns,
                                                              tmp_path: Any) -> None:
-    _a, b, before, _extra = _setup(box, tmp_path)
+    _a, b, before, _extra = setup_change(box, tmp_path)
     r = box.reconcile("apply", b, "--adopt", "bridge/rsafe0x", "--confirm-within", "1m")
     lines = r.err.strip().splitlines()
     assert r.rc == 1 and len(lines) == 1, r.all
@@ -60,8 +58,8 @@ def test_adopt_under_a_window_is_refused_and_nothing_changes(box: Netns,
 
 
 def test_gc_is_refused_while_a_change_is_pending(box: Netns, tmp_path: Any) -> None:
-    _a, b, _before, _extra = _setup(box, tmp_path)
-    _apply(box, b, "--confirm-within", "5m")
+    _a, b, _before, _extra = setup_change(box, tmp_path)
+    apply_ok(box, b, "--confirm-within", "5m")
     changed = state(box)
     r = box.reconcile("gc")
     lines = r.err.strip().splitlines()
@@ -71,7 +69,7 @@ def test_gc_is_refused_while_a_change_is_pending(box: Netns, tmp_path: Any) -> N
 
 
 def test_gc_reverts_an_overdue_change_first(box: Netns, tmp_path: Any) -> None:
-    _a, b, before, _extra = _setup(box, tmp_path)
+    _a, b, before, _extra = setup_change(box, tmp_path)
     _overdue_without_reverter(box, b)
     r = box.reconcile("gc")
     assert r.rc == 0, r.all
@@ -82,7 +80,7 @@ def test_gc_reverts_an_overdue_change_first(box: Netns, tmp_path: Any) -> None:
 
 def test_json_output_stays_one_document_when_an_overdue_change_is_reverted_first(
         box: Netns, tmp_path: Any) -> None:
-    a, b, before, _extra = _setup(box, tmp_path)
+    a, b, before, _extra = setup_change(box, tmp_path)
     _overdue_without_reverter(box, b)
     r = box.reconcile("apply", a, "--output", "json")
     assert r.rc == 0, r.all
@@ -94,7 +92,7 @@ def test_json_output_stays_one_document_when_an_overdue_change_is_reverted_first
 def test_confirm_refuses_a_change_whose_apply_was_killed(box: Netns, tmp_path: Any) -> None:
     """The CLI SIGKILLed right after it recorded the checkpoint: the record says the apply
     did not finish, and `confirm` must not keep a half-made change."""
-    _a, b, before, _extra = _setup(box, tmp_path)
+    _a, b, before, _extra = setup_change(box, tmp_path)
     cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", b,
            "--confirm-within", "2m"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -123,7 +121,7 @@ def test_a_stopped_apply_says_until_when_its_change_is_pending(box: Netns,
                                                                tmp_path: Any) -> None:
     """SIGTERM once the checkpoint is recorded: the apply stops between ops, says until
     when the partial change is pending, and that change cannot be confirmed."""
-    _a, b, before, _extra = _setup(box, tmp_path)
+    _a, b, before, _extra = setup_change(box, tmp_path)
     cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", b,
            "--confirm-within", "2m"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,9 +20,8 @@ from reconciler.domain.ownership import probe_vantage_names
 from reconciler.domain.probes import PROBE_PORTS, ProbeResult
 from reconciler.drivers import netns
 from tests.support.host import Netns, sh, write
-
-from .test_probes import failures, recorder_lines, setup
-from .test_probes import probe as run_probes
+from tests.support.probing import failures, recorder_lines, setup
+from tests.support.probing import probe as run_probes
 
 pytestmark = pytest.mark.root
 
