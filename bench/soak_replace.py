@@ -90,7 +90,7 @@ def kill_points(containers: int) -> list[str]:
 
 
 def killed_replace(host: Host, spec: str, path: str) -> bool:
-    p = subprocess.run([sys.executable, "-m", "tests.integration.killpoints", spec,
+    p = subprocess.run([sys.executable, "-m", "tests.support.killpoints", spec,
                         "--netns", host.name, "apply", "--force-replace", path],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     return p.returncode == -signal.SIGKILL

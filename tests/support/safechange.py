@@ -1,0 +1,199 @@
+"""Safe change against the real kernel, as independent tools see it: the host's state read
+with ``ip -j``, ``iptables-save`` / ``ip6tables-save`` (without counters) and ``/proc/sys``, never
+our own observer; the pending record and the reverter's process; a before and an after
+desired state; an agent under ``--confirm-within``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
+from tests.support.host import Netns, sh, unique, write
+
+BRIDGE = "rsafe0"
+
+
+PORT_A, PORT_B = 18110, 18111
+
+
+def config_before(tmp_path: Any, alloc: str) -> str:
+    return write(tmp_path, "a.yaml", f"""version: 1
+bridges: [{{name: {BRIDGE}}}]
+subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24, cidr6: "fd00:221::/64"}}]
+allocs:
+  - id: {alloc}
+    subnet: safe
+    ports: [{{host: {PORT_A}, to: 80}}]
+""")
+
+
+def config_after(tmp_path: Any, alloc: str, extra: str) -> str:
+    """Everything the change can change: the bridge's MTU (the old file left it to the
+    kernel), a port map moved, a new allocation with a port map, an address, a prune."""
+    return write(tmp_path, "b.yaml", f"""version: 1
+bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
+subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
+allocs:
+  - id: {alloc}
+    subnet: safe
+    address: 10.221.0.9
+    ports: [{{host: {PORT_B}, to: 80}}]
+  - id: {extra}
+    subnet: safe
+    ports: [{{host: {PORT_B + 1}, to: 80}}]
+""")
+
+
+def _host_view(host: Netns) -> dict[str, Any]:
+    """The sandbox's links, addresses, rules and sysctls, from ip -j and iptables-save."""
+    links = {}
+    for lk in host.ip_json("addr", "show"):
+        if lk["ifname"] == "lo" or lk.get("ifalias") == PROBE_VANTAGE_ALIAS:
+            continue  # the probes' vantage (the reverter probes) is no part of the change
+        info = lk.get("linkinfo") or {}
+        slave = info.get("info_slave_data") or {}
+        links[lk["ifname"]] = {
+            "kind": info.get("info_kind"), "mtu": lk["mtu"], "mac": lk.get("address"),
+            "up": "UP" in lk.get("flags", []), "master": lk.get("master"),
+            "hairpin": slave.get("hairpin"), "alias": lk.get("ifalias"),
+            "addresses": sorted(f"{a['local']}/{a['prefixlen']}" for a in lk["addr_info"]
+                                if a.get("scope") != "link")}
+    # our chains and our jumps into them (foreign rules are no part of the owned state)
+    rules = {family: [ln for ln in host.iptables_save(family).splitlines()
+                      if ln.startswith(("-A", ":RECONCILER")) and "RECONCILER" in ln]
+             for family in (4, 6)}
+    sysctls = {k: host.run("cat", f"/proc/sys/net/{k}").stdout.strip()
+               for k in ("ipv4/ip_forward", "ipv6/conf/all/forwarding")}
+    return {"links": links, "rules": rules, "sysctls": sysctls}
+
+
+def _alloc_view(name: str) -> dict[str, Any] | None:
+    p = sh("ip", "-n", name, "-j", "-d", "addr", "show", check=False)
+    if p.returncode != 0:
+        return None  # removed meanwhile (a revert is running)
+    links = json.loads(p.stdout or "[]")
+    eth0 = next((lk for lk in links if lk["ifname"] == "eth0"), None)
+    routes = [json.loads(sh("ip", "-n", name, "-j", *fam, "route", "show",
+                            check=False).stdout or "[]") for fam in ((), ("-6",))]
+    return {
+        "eth0": None if eth0 is None else {
+            "mtu": eth0["mtu"], "mac": eth0.get("address"), "up": "UP" in eth0["flags"],
+            "addresses": sorted(f"{a['local']}/{a['prefixlen']}" for a in eth0["addr_info"]
+                                if a.get("scope") != "link")},
+        "routes": sorted(f"{r['dst']} via {r.get('gateway')} proto {r.get('protocol')}"
+                         for rs in routes for r in rs if r["dst"] == "default")}
+
+
+#: the allocation namespaces a test may make (``_setup``): reading every namespace of this
+#: shared machine (hundreds) to find the sandbox's would take seconds
+NAMES: list[str] = []
+
+
+def state(host: Netns) -> dict[str, Any]:
+    """Everything the reconciler owns in the sandbox, read by independent tools."""
+    present = [n for n in NAMES if os.path.exists(f"/run/netns/{n}")]
+    allocs = {n: view for n in present if (view := _alloc_view(n)) is not None}
+    return {**_host_view(host), "allocs": allocs}
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Where two states differ (each leaf by its path): the residual, counted."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y), key=str):
+                walk(x.get(k), y.get(k), f"{path}/{k}")
+        elif x != y:
+            out.append(f"{path}: {x!r} != {y!r}")
+
+    walk(a, b, "")
+    return out
+
+
+def scope_dir(host: Netns) -> str:
+    return os.path.join(os.environ["RECONCILER_STATE_DIR"], f"netns-{host.name}")
+
+
+def pending_record(host: Netns) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(scope_dir(host), "pending.json")) as fh:
+            rec: dict[str, Any] = json.load(fh)
+            return rec
+    except FileNotFoundError:
+        return None
+
+
+def reverts(host: Netns) -> dict[str, Any]:
+    try:
+        with open(os.path.join(scope_dir(host), "reverts.json")) as fh:
+            rec: dict[str, Any] = json.load(fh)
+            return rec
+    except FileNotFoundError:
+        return {"count": 0}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_restored(host: Netns, want: dict[str, Any], timeout: float) -> float:
+    """Seconds (wall clock, epoch) at which the sandbox's state first equals ``want``."""
+    end = time.monotonic() + timeout
+    while True:
+        if not diff(state(host), want):
+            return time.time()
+        if time.monotonic() > end:
+            raise AssertionError("not restored: " + "; ".join(diff(state(host), want)[:8]))
+        time.sleep(0.1)
+
+
+def apply_ok(host: Netns, cfg: str, *args: str, **kw: Any) -> Any:
+    r = host.reconcile("apply", cfg, *args, **kw)
+    assert r.rc == 0, r.all
+    return r
+
+
+def setup_change(box: Netns, tmp_path: Any) -> tuple[str, str, dict[str, Any], str]:
+    alloc, extra = unique("s"), unique("s")
+    NAMES[:] = [alloc, extra]
+    a, b = config_before(tmp_path, alloc), config_after(tmp_path, alloc, extra)
+    apply_ok(box, a)
+    before = state(box)
+    assert before["allocs"] and before["rules"][4], before
+    return a, b, before, extra
+
+
+def read_text(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def window_agent(box: Netns, cfg_dir: str, window: str) -> Any:
+    from tests.support.agent import Agent
+
+    return Agent(box, [cfg_dir], "--confirm-within", window,  # type: ignore[arg-type]
+                 "--interval", "3600", "--probe-interval", "off")
+
+
+def settled(agent: Any, timeout: float = 40.0) -> dict[str, Any]:
+    """The agent's status once nothing is pending and its last pass converged."""
+    return agent.wait_status(  # type: ignore[no-any-return]
+        lambda d: d.get("pending") is None and (d.get("last_pass") or {}).get("result")
+        in ("ok", "applied") and "pending" in d, timeout, what="nothing pending")

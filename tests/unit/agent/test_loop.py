@@ -1,0 +1,159 @@
+"""The watch agent's pass, driven with a fake Reconciler: last good state on an invalid
+edit, pruning, dry run, the fleet filter, backoff, the host lock, interrupted changes,
+and the overlap report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+
+from reconciler.agent import status
+from tests.support.agentfake import BR, replace_file
+
+
+def test_pass_applies_then_keeps_last_good_on_invalid_edit(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    r = agent.run_pass(["startup"])
+    assert r.result == "applied" and rec.live_mtu == {"br0": 1400}
+    replace_file(conf / "a.yaml", "version: 1\nbridges:\n  - name: br0\n    mtu: [\n")
+    r = agent.run_pass(["files changed"])
+    assert r.result == "ok"  # still converging to the last good state
+    doc = agent.board.snapshot()
+    assert doc["config_error"]["message"].startswith(str(conf / "a.yaml") + ":")
+    assert rec.live_mtu == {"br0": 1400}
+    rec.live_mtu.clear()  # drift while the files are broken is still healed
+    assert agent.run_pass(["netlink drift"]).result == "applied"
+    assert rec.live_mtu == {"br0": 1400}
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1450))
+    assert agent.run_pass(["files changed"]).result == "applied"
+    assert rec.live_mtu == {"br0": 1450}
+    assert agent.board.snapshot()["config_error"] is None
+
+
+def test_config_made_writable_later_is_refused_like_an_invalid_edit(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    agent.run_pass(["startup"])
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=9000))
+    os.chmod(conf / "a.yaml", 0o666)
+    agent.run_pass(["files changed"])
+    assert rec.live_mtu == {"br0": 1400}
+    assert "writable by group or others" in agent.board.snapshot()["config_error"]["message"]
+
+
+def test_deleting_a_file_prunes_what_it_declared(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    replace_file(conf / "b.yaml", BR.format(name="br1", mtu=1400))
+    agent.run_pass(["startup"])
+    assert set(rec.live_mtu) == {"br0", "br1"}
+    os.unlink(conf / "b.yaml")
+    assert agent.run_pass(["files changed"]).result == "applied"
+    assert set(rec.live_mtu) == {"br0"}
+
+
+def test_dry_run_reports_drift_and_changes_nothing(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    agent.options = dataclasses.replace(agent.options, dry_run=True)
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    r = agent.run_pass(["startup"])
+    assert r.result == "drift" and rec.applied == [] and rec.live_mtu == {}
+    assert not r.converged
+    assert r.errors and r.errors[0]["resource"] == "bridge/br0", r.errors
+    assert 'reconciler_passes_total{result="drift"} 1.0' in agent.metrics.render().decode()
+
+
+def test_no_valid_state_yet_applies_nothing(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", "version: 2\n")
+    r = agent.run_pass(["startup"])
+    assert r.result == "config-error" and rec.applied == []
+    assert agent.board.snapshot()["config_error"]["message"]
+
+
+def test_fleet_filter_by_hostname(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "web.yaml", "hosts: ['web-*']\n" + BR.format(name="brweb", mtu=1400))
+    replace_file(conf / "db.yaml", "hosts: ['db-*']\n" + BR.format(name="brdb", mtu=1400))
+    agent.run_pass(["startup"])
+    assert set(rec.live_mtu) == {"brweb"}
+
+
+def test_failed_pass_reports_resource_errors_and_backs_off(agent_env: Any) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    rec.fail_apply = True
+    r = agent.run_pass(["startup"])
+    assert r.result == "failed"
+    assert r.errors == [{"resource": "bridge/br0", "error": "EPERM"}]
+    assert agent.board.snapshot()["errors"] == r.errors
+    assert agent.scheduler.record(False, 0.0) == 1.0
+
+
+def test_host_lock_is_taken_only_when_there_is_work(agent_env: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    agent, conf, rec = agent_env
+    taken: list[int] = []
+    real = agent._host_lock
+
+    def spy() -> Any:
+        taken.append(1)
+        return real()
+
+    monkeypatch.setattr(agent, "_host_lock", spy)
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    agent.run_pass(["startup"])
+    agent.run_pass(["resync"])
+    agent.run_pass(["netlink drift"])
+    assert taken == [1]
+
+
+def test_a_pass_finishes_interrupted_changes_under_the_lock_even_with_nothing_to_plan(
+        agent_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replace killed after the network was re-created plans as "no changes": the pass
+    must finish its journal anyway (under the host lock), and a --dry-run agent must not."""
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    agent.run_pass(["startup"])
+    taken: list[int] = []
+    real = agent._host_lock
+
+    def spy() -> Any:
+        taken.append(len(rec.journals))
+        return real()
+
+    monkeypatch.setattr(agent, "_host_lock", spy)
+    rec.journals = ["docker_network/n"]
+    agent.options = dataclasses.replace(agent.options, dry_run=True)
+    agent.run_pass(["resync"])
+    assert rec.finished == [] and taken == []
+    agent.options = dataclasses.replace(agent.options, dry_run=False)
+    report = agent.run_pass(["docker drift"])
+    assert rec.finished == ["docker_network/n"] and taken == [1]
+    assert report.result == "ok"
+
+
+def test_overlap_reports_reach_log_status_and_metric(agent_env: Any, caplog: Any) -> None:
+    from reconciler.planner.hostspace import LiveOverlap
+
+    agent, _conf, _fake = agent_env
+    o = LiveOverlap("10.66.0.0/24 on br0", "route 10.66.0.0/25 on tun0")
+    with caplog.at_level("INFO", logger="reconciler.watch"):
+        agent.on_overlaps([o])
+        agent.on_overlaps([o])  # the same again: no second warning, the same "since"
+        first = agent.board.get("address_overlaps")
+        agent.on_overlaps([])
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "route 10.66.0.0/25 on tun0 overlaps 10.66.0.0/24 on br0" \
+        in warned[0].getMessage()
+    assert [(d["owned"], d["foreign"]) for d in first] == [(o.owned, o.foreign)]
+    assert any("no longer overlaps" in r.getMessage() for r in caplog.records)
+    assert agent.board.get("address_overlaps") == []
+    assert b"reconciler_address_overlaps 0.0" in agent.metrics.render()
+    text = status.render({"address_overlaps": first, "last_pass": {}}, now=first[0]["since"] + 3)
+    assert "address overlaps: 1 (foreign, left alone):" in text
+    assert "route 10.66.0.0/25 on tun0 overlaps owned 10.66.0.0/24 on br0 (since 3s ago)" in text
