@@ -54,8 +54,7 @@ from reconciler.engine.reconcile import Reconciler
 from reconciler.planner import PlanOptions, make_plan
 from reconciler.planner.checkpoint import restore_plan, sysctl_keys, take
 from reconciler.ui.options import refuse_adopt_under_window
-
-from .fakehost import FakeHost
+from tests.support.fakehost import FakeHost
 
 PLANNER = pathlib.Path(__file__).resolve().parents[2] / "reconciler" / "planner"
 
