@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import reconciler.planner
 from reconciler.domain.checkpoint import AllocPoint, Checkpoint, LinkPoint
 from reconciler.domain.errors import ConfigError
 from reconciler.domain.live import LiveNeighbour, LiveState
@@ -56,7 +57,7 @@ from reconciler.planner.checkpoint import restore_plan, sysctl_keys, take
 from reconciler.ui.options import refuse_adopt_under_window
 from tests.support.fakehost import FakeHost
 
-PLANNER = pathlib.Path(__file__).resolve().parents[2] / "reconciler" / "planner"
+PLANNER = pathlib.Path(reconciler.planner.__file__).resolve().parent
 
 
 def planner_ops() -> frozenset[type[TypedOp]]:
