@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.dockercli import docker as docker_cli
 from tests.support.dockercli import networks_file
 from tests.support.dockerscratch import DockerScratch
 from tests.support.figures import report
@@ -29,15 +30,15 @@ docker = pytest.importorskip("docker")
 def view(prefix: str) -> dict[str, Any]:
     """Our test's networks as the docker CLI shows them, without IDs and timestamps."""
     out: dict[str, Any] = {}
-    names = docker("network", "ls", "--format", "{{.Name}}").split()
+    names = docker_cli("network", "ls", "--format", "{{.Name}}").split()
     for name in sorted(n for n in names if n.startswith(prefix)):
-        found = json.loads(docker("network", "inspect", name, check=False) or "[]")
+        found = json.loads(docker_cli("network", "inspect", name, check=False) or "[]")
         if not found:
             continue  # removed meanwhile (a revert is under way)
         net = found[0]
         containers = {}
         for cid, ep in sorted((net.get("Containers") or {}).items()):
-            got = json.loads(docker("inspect", cid, check=False) or "[]")
+            got = json.loads(docker_cli("inspect", cid, check=False) or "[]")
             if not got:
                 continue
             c = got[0]
@@ -160,7 +161,7 @@ def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
     assert r.rc == 0 and "Pending until" in r.out, r.all
     rec = _pending(host_ns)
     assert rec is not None
-    net_id = json.loads(docker("network", "inspect", web))[0]["Id"]
+    net_id = json.loads(docker_cli("network", "inspect", web))[0]["Id"]
     try:
         docker_scratch_image.client.api.remove_container(c2.id, force=True)
         newcomer = docker_scratch_image.container("new")
@@ -172,7 +173,7 @@ def test_a_revert_leaves_a_network_the_change_did_not_touch_as_it_is(
             os.kill(rec["reverter_pid"], signal.SIGKILL)
             sh("rm", "-f", os.path.join(os.environ["RECONCILER_STATE_DIR"],
                                         f"netns-{host_ns.name}", "pending.json"))
-    after = json.loads(docker("network", "inspect", web))[0]
+    after = json.loads(docker_cli("network", "inspect", web))[0]
     assert after["Id"] == net_id
     assert sorted(c["Name"] for c in after["Containers"].values()) == sorted(
         [c1.name, newcomer.name])
