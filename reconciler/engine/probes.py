@@ -362,15 +362,18 @@ class Diagnosis:
         outcomes = send(self.handles, specs, timeout=timeout, external_ns=external_ns)
         rp_drops = driver.netstat_counter("IPReversePathFilter") - rp_before
         hits: list[plan_probes.RuleHit] = []
+        ahead: list[plan_probes.RuleHit] = []
         for f in families:
             old, new = before[f], driver.save_counters(f)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new)
+                if any(s.path == "direct" and s.family == f for s in specs):
+                    ahead += plan_probes.accepts_ahead(f, old, new)
         try:
             links = self.handles.netlink.dump_links()
         except DriverError:
             links = dict(self.live.links)
-        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits)}
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "ahead": tuple(ahead)}
         out: list[tuple[driver.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)

@@ -303,7 +303,8 @@ class Sighting:
 
 @dataclass(frozen=True)
 class RuleHit:
-    """A foreign DROP/REJECT rule (or a chain's DROP policy) whose counter rose."""
+    """A foreign rule that decided a probe's packet: a DROP/REJECT rule (or a chain's DROP
+    policy) whose counter rose, an accept above our jump that let it by."""
 
     family: int
     table: str
@@ -336,6 +337,8 @@ class Facts:
     #: (address, output link) of the host's route back to where the probe came from, when
     #: that is not the allocation (the external vantage)
     route_back: tuple[str, str | None] | None = None
+    #: others' accepts above our jump to RECONCILER-FORWARD (those whose counter rose first)
+    ahead: tuple[RuleHit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -395,6 +398,36 @@ def foreign_hits(family: int, before: str, after: str) -> list[RuleHit]:
     return hits
 
 
+def _chains(text: str) -> dict[tuple[str, str], list[str]]:
+    """The rules of an ``iptables-save -c`` snapshot by (table, chain), counters left out."""
+    out: dict[tuple[str, str], list[str]] = {}
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith("[") and "] -A " in line:
+            words = line.split("] ", 1)[1].split(maxsplit=2)
+            if len(words) == 3:
+                out.setdefault((table, words[1]), []).append(words[2])
+    return out
+
+
+def accepts_ahead(family: int, before: str, after: str) -> list[RuleHit]:
+    """Others' accepts above our jump to RECONCILER-FORWARD that let through some of what
+    our isolation drops (``firewall.accepts_ahead``, read from the snapshot after the
+    re-run): those whose counter rose between the snapshots first."""
+    chains = _chains(after)
+    flows = firewall.guarded_flows(chains.get(("filter", firewall.FORWARD), ()))
+    found = firewall.accepts_ahead(chains, "filter", "FORWARD", firewall.FORWARD, flows)
+    if not found:
+        return []
+    old, new = parse_counters(before), parse_counters(after)
+    rose = {(t, c, r) for (t, c, r, _n), (packets, _t) in new.items()
+            if packets > old.get((t, c, r, _n), (0, ""))[0]}
+    hits = [RuleHit(family, h.table, h.chain, f"-A {h.chain} {h.rule}") for h in found]
+    return sorted(hits, key=lambda h: (h.table, h.chain, h.rule) not in rose)
+
+
 _FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through FORWARD
 
 
@@ -404,6 +437,11 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if seen.error is not None:
         return Cause(seen.error)
     if spec.path == "direct" and seen.reached:
+        ahead = [h for h in (facts.ahead if facts is not None else ()) if h.family == spec.family]
+        if ahead:
+            return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
+                         f"is ports: {ahead[0]} accepts it ahead of the jump to "
+                         f"{firewall.FORWARD} (a pass moves the jump back above it)", ours=True)
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
                      "is ports: something accepts it before RECONCILER-FORWARD drops it")
     if spec.path == "hairpin" and seen.reached and not spec.expect:
