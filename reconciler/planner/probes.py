@@ -40,7 +40,7 @@ from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
-from reconciler.planner import addrspace, firewall
+from reconciler.planner import addrspace, firewall, fwpaths
 from reconciler.planner.allocs import Mapped, owned_ns
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -304,16 +304,27 @@ class Sighting:
 @dataclass(frozen=True)
 class RuleHit:
     """A foreign rule that decided a probe's packet: a DROP/REJECT rule (or a chain's DROP
-    policy) whose counter rose, an accept above our jump that let it by."""
+    policy) whose counter rose, a legacy DNAT/REDIRECT that sent it elsewhere, an accept
+    above our jump that let it by."""
 
     family: int
     table: str
     chain: str
     rule: str  # "-A CHAIN ..." as iptables-save prints it, or "policy DROP"
+    #: in iptables-legacy's tables, beside the nf_tables backend the reconciler writes
+    legacy: bool = False
 
     def __str__(self) -> str:
-        v6 = "ip6tables " if self.family == 6 else ""
-        return f"{v6}{self.table}/{self.chain}: {self.rule}"
+        tool = ("iptables" if self.family == 4 else "ip6tables") + ("-legacy" if self.legacy
+                                                                    else "")
+        prefix = "" if tool == "iptables" else f"{tool} "
+        return f"{prefix}{self.table}/{self.chain}: {self.rule}"
+
+    @property
+    def target(self) -> str:
+        if self.rule.startswith("policy "):
+            return self.rule.split()[1]
+        return fwpaths.target(self.rule)[0]
 
 
 @dataclass(frozen=True)
@@ -384,17 +395,20 @@ def _packets(counter: str) -> int:
         return 0
 
 
-def foreign_hits(family: int, before: str, after: str) -> list[RuleHit]:
+def foreign_hits(family: int, before: str, after: str, *, legacy: bool = False) -> list[RuleHit]:
     """Foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose counters
-    rose between two ``iptables-save -c`` snapshots, in any table (raw included)."""
+    rose between two ``iptables-save -c`` snapshots, in any table (raw included). With
+    ``legacy`` (snapshots of iptables-legacy beside our nf_tables backend) also its DNAT
+    and REDIRECT rules: one that takes a mapped host port sends the probe elsewhere."""
     old = parse_counters(before)
+    targets = ("DROP", "REJECT", "DNAT", "REDIRECT") if legacy else ("DROP", "REJECT")
     hits = []
     for key, (packets, target) in parse_counters(after).items():
         table, chain, rule, _n = key
-        if chain.startswith(CHAIN_PREFIX) or target not in ("DROP", "REJECT"):
+        if chain.startswith(CHAIN_PREFIX) or target not in targets:
             continue
         if packets > old.get(key, (0, ""))[0]:
-            hits.append(RuleHit(family, table, chain, rule))
+            hits.append(RuleHit(family, table, chain, rule, legacy))
     return hits
 
 
@@ -499,6 +513,8 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
                 and hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"))):
             exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
                        "bridge to it)")
+        if hit.target in ("DNAT", "REDIRECT"):
+            return Cause(f"a foreign rule sends it elsewhere: {hit}")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()

@@ -11,6 +11,11 @@ carried over, its own data-root and socket); the machine's dockerd and firewall 
 used. What a container on a Docker network reaches is checked from a namespace with a
 port on that network's bridge (the same kernel path as a container's veth).
 
+(b) A rule of iptables-legacy on a declared path, beside iptables-nft, is named by plan
+(an error when it blocks the path whole), by ``verify`` and by the probes' diagnosis
+rather than a silent "No changes". iptables-legacy runs only inside the test's network
+namespace (legacy tables are per namespace).
+
 Traffic goes only to addresses inside namespaces the tests made.
 """
 
@@ -318,3 +323,51 @@ def test_an_accept_above_the_jump_is_drift_in_both_families(host_ns: Netns,
                                   f"-A FORWARD {' '.join(foreign[f])}"], rules
         assert host_ns.reconcile("plan", cfg).rc == 0
         assert host_ns.reconcile("verify", cfg).rc == 0
+
+
+# ------------------------------------------------------------------ (b) iptables-legacy
+
+#: (what is injected, with which tool and arguments; the words that must name it)
+LEGACY = {
+    "forward-policy": (("iptables-legacy", "-P", "FORWARD", "DROP"),
+                       "iptables-legacy filter/FORWARD: policy DROP"),
+    "forward-subnet-drop": (("iptables-legacy", "-A", "FORWARD", "-d", CIDR, "-j", "DROP"),
+                            f"iptables-legacy filter/FORWARD: -A FORWARD -d {CIDR} -j DROP"),
+    "nat-hijack": (("iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport",
+                    "8080", "-j", "REDIRECT", "--to-ports", "9"),
+                   "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 "
+                   "-j REDIRECT --to-ports 9"),
+    "ip6-forward-policy": (("ip6tables-legacy", "-P", "FORWARD", "DROP"),
+                           "ip6tables-legacy filter/FORWARD: policy DROP"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LEGACY))
+def test_a_legacy_rule_on_a_declared_path_is_named(host_ns: Netns, tmp_path: Any,
+                                                   case: str) -> None:
+    """iptables-legacy beside iptables-nft: a legacy FORWARD DROP policy, a legacy DROP of the
+    subnet, a legacy REDIRECT of a mapped host port, an ip6tables-legacy FORWARD DROP. Each
+    breaks the map from a routed client; plan and apply exit 1 naming it (no "No changes",
+    exit 0), verify fails naming it, and the failed probe's cause names it."""
+    if not shutil.which("iptables-legacy") or not shutil.which("ip6tables-legacy"):
+        pytest.skip("needs iptables-legacy")
+    cmd, named = LEGACY[case]
+    a = unique("g")
+    cfg = _cfg(tmp_path, a, v6=True)
+    r = host_ns.reconcile("apply", cfg)
+    assert r.rc == 0, r.all
+    target = HOST_IP6 if cmd[0].startswith("ip6") else HOST_IP
+    with client_of(host_ns) as client, serving(a, (80,), ()):
+        assert fetch(client, target, 8080) == "ok 80"
+        host_ns.run(*cmd)
+        assert fetch(client, target, 8080, timeout=1.0) == ""  # it breaks the map
+        p = host_ns.reconcile("plan", cfg)
+        assert p.rc == 1, p.all  # main: 0, "No changes"
+        assert named in p.all, p.all
+        r = host_ns.reconcile("apply", cfg)
+        assert r.rc == 1 and named in r.all, r.all
+        v = host_ns.reconcile("verify", cfg)
+        assert v.rc == 1, v.all
+        assert named in v.all, v.all
+        failed = [line for line in v.out.splitlines() if line.startswith("probe failed:")]
+        assert any(named in line for line in failed), v.out

@@ -4,7 +4,9 @@
   another manager puts above it that can accept what our isolation drops: first in
   dockerd's ``DOCKER-USER`` when that chain exists (dockerd keeps it first in FORWARD),
   moved back to the top of the built-in chain otherwise; the plan shows it as drift.
-* The probes' diagnosis names an accept above our jump.
+* iptables-legacy rules beside our nf_tables backend are followed along each declared path:
+  one that blocks a path whole is a plan error, one that names part of one a warning.
+* The probes' diagnosis names an accept above our jump and a legacy rule.
 
 ``FakeHost`` runs the planner's restore scripts the way iptables-restore would.
 """
@@ -16,21 +18,28 @@ import ipaddress
 
 import pytest
 
+from reconciler.domain.live import LiveChainSet
 from reconciler.domain.model import DesiredState
 from reconciler.domain.probes import ProbeSpec
-from reconciler.planner import PlanOptions, firewall, fwpaths, make_plan
+from reconciler.drivers import iptables
+from reconciler.drivers.iptables import parse_save
+from reconciler.planner import PlanOptions, firewall, fwpaths, legacy, make_plan
 from reconciler.planner.fwpaths import Flow, Match
 from reconciler.planner.probes import (
     Facts,
+    RuleHit,
     Sighting,
     accepts_ahead,
     classify,
+    foreign_hits,
 )
 
 from .fakehost import FakeHost
 from .test_allocs_planner import alloc, port, state, subnet
 from .test_planner import converge
 
+#: the real one (the unit tests' autouse fixture puts a tripwire in its place)
+OBSERVE_LEGACY = iptables.IptablesDriver.observe_legacy
 JUMP = "-m comment --comment reconciler -j RECONCILER-FORWARD"
 NET = ipaddress.ip_network("10.0.0.0/24")
 INTO = Flow("into", dst=NET, oif="br0", states=fwpaths.UNADMITTED)
@@ -241,6 +250,143 @@ def test_gc_only_removes_it_never_moves_a_jump() -> None:
     assert not firewall.diff(rs, host.fw[4].live(), add_jumps=False).changed
 
 
+# ------------------------------------------------------------------ (b) iptables-legacy
+
+LEGACY_EMPTY = """*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+COMMIT
+"""
+
+
+def _legacy(filter_rules: str = "", nat: str = "", forward: str = "ACCEPT",
+            input_: str = "ACCEPT") -> LiveChainSet:
+    text = LEGACY_EMPTY.replace(":FORWARD ACCEPT", f":FORWARD {forward}").replace(
+        ":INPUT ACCEPT", f":INPUT {input_}").replace("COMMIT", filter_rules + "COMMIT", 1)
+    if nat:
+        text += ("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+                 f":POSTROUTING ACCEPT [0:0]\n{nat}COMMIT\n")
+    return parse_save(text)
+
+
+def _legacy_plan(host: FakeHost, d: DesiredState, chains: LiveChainSet,
+                 family: int = 4):  # type: ignore[no-untyped-def]
+    return plan(host, d, **{f"legacy{family}": chains})
+
+
+@pytest.mark.parametrize(("chains", "named"), [
+    (_legacy(forward="DROP"), "iptables-legacy filter/FORWARD: policy DROP drops port map "
+                              "8080/tcp of alloc a1, what subnet net's allocations start"),
+    (_legacy("-A FORWARD -d 10.0.0.0/24 -j DROP\n"),
+     "iptables-legacy filter/FORWARD: -A FORWARD -d 10.0.0.0/24 -j DROP drops port map "
+     "8080/tcp of alloc a1, what subnet net's allocations start"),
+    (_legacy("-A FORWARD -o br0 -p tcp -j REJECT\n"), "-A FORWARD -o br0 -p tcp -j REJECT "
+                                                      "drops port map 8080/tcp of alloc a1"),
+    (_legacy(input_="DROP"), "iptables-legacy filter/INPUT: policy DROP drops port map "
+                             "8080/tcp of alloc a1, port map 127.0.0.1:8443/tcp of alloc a1"),
+    (_legacy(nat="-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9\n"),
+     "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT "
+     "--to-ports 9 sends port map 8080/tcp of alloc a1 elsewhere"),
+    (_legacy(nat="-A OUTPUT -d 127.0.0.1/32 -p tcp -m tcp --dport 8443 -j DNAT "
+                 "--to-destination 127.0.0.1:9\n"),
+     "nat/OUTPUT: -A OUTPUT -d 127.0.0.1/32 -p tcp -m tcp --dport 8443 -j DNAT "
+     "--to-destination 127.0.0.1:9 sends port map 127.0.0.1:8443/tcp of alloc a1 elsewhere"),
+])
+def test_a_legacy_rule_that_blocks_a_declared_path_is_a_plan_error(chains: LiveChainSet,
+                                                                   named: str) -> None:
+    host, d = fresh(), desired()
+    converge(host, d)
+    p = _legacy_plan(host, d, chains)
+    assert not p.has_changes and not p.warnings
+    assert len(p.errors) == 1 and named in p.errors[0], p.errors
+    assert "iptables-legacy acts on every packet" in p.errors[0]
+
+
+def test_a_legacy_rule_through_a_chain_it_jumps_to_is_named_with_the_jump() -> None:
+    host, d = fresh(), desired()
+    converge(host, d)
+    chains = _legacy(nat="-A PREROUTING -m addrtype --dst-type LOCAL -j LEGACY-DNAT\n"
+                         "-A LEGACY-DNAT -p tcp -m tcp --dport 8080 -j DNAT "
+                         "--to-destination 192.0.2.9:80\n")
+    chains.chains[("nat", "LEGACY-DNAT")] = chains.chains.pop(("nat", "LEGACY-DNAT"))
+    [error] = _legacy_plan(host, d, chains).errors
+    assert error.startswith("iptables-legacy nat/LEGACY-DNAT: -A LEGACY-DNAT -p tcp -m tcp "
+                            "--dport 8080 -j DNAT --to-destination 192.0.2.9:80 (from -j "
+                            "LEGACY-DNAT) sends port map 8080/tcp"), error
+
+
+@pytest.mark.parametrize("chains", [
+    _legacy(),  # the usual leftover: empty tables, ACCEPT policies
+    _legacy("-A FORWARD -i eth0 -p tcp -m tcp --dport 25 -j REJECT\n"),  # broad, not ours
+    _legacy("-A FORWARD -m conntrack --ctstate INVALID -j DROP\n"),
+    _legacy("-A INPUT -p tcp -m tcp --dport 22 -j DROP\n"),  # not a reply's port
+    _legacy("-A FORWARD -d 10.0.0.0/24 -j ACCEPT\n-A FORWARD -s 10.0.0.0/24 -j ACCEPT\n",
+            forward="DROP"),  # the subnet let through before the policy
+    _legacy("-A INPUT -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n", input_="DROP"),
+    _legacy(nat="-A PREROUTING -p tcp -m tcp --dport 9090 -j REDIRECT --to-ports 9\n"),
+])
+def test_legacy_rules_off_the_declared_paths_are_not_named(chains: LiveChainSet) -> None:
+    host, d = fresh(), desired()
+    converge(host, d)
+    p = _legacy_plan(host, d, chains)
+    assert (p.errors, p.warnings) == ((), ())
+
+
+def test_a_legacy_rule_on_part_of_a_path_it_names_is_a_warning() -> None:
+    host, d = fresh(), desired()
+    converge(host, d)
+    p = _legacy_plan(host, d, _legacy("-A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 "
+                                      "-j REJECT\n"))
+    assert p.errors == ()
+    assert [w.split(":", 2)[:2] for w in p.warnings] == [["iptables-legacy filter/FORWARD",
+                                                          " -A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 -j REJECT drops some of what subnet net's allocations start"]]
+
+
+def test_ip6tables_legacy_is_read_for_the_ipv6_paths() -> None:
+    host, d = fresh(), desired(v6=True)
+    converge(host, d)
+    p = _legacy_plan(host, d, _legacy(forward="DROP"), family=6)
+    assert [e.split(" drops ")[0] for e in p.errors] == [
+        "ip6tables-legacy filter/FORWARD: policy DROP"]
+
+
+def test_unreadable_legacy_tables_are_a_warning() -> None:
+    host, d = fresh(), desired()
+    converge(host, d)
+    p = _legacy_plan(host, d, LiveChainSet(False, error="iptables-legacy-save: boom"))
+    assert p.errors == () and len(p.warnings) == 1 and "boom" in p.warnings[0]
+
+
+def test_the_declared_paths_follow_the_maps_and_subnets() -> None:
+    d = desired()
+    rs = firewall.RuleSet(4)
+    for s in d.subnets.values():
+        firewall.subnet_rules(rs, s)
+    rs.add(firewall.DNAT, ("-p", "tcp", "-m", "tcp", "--dport", "8080", "-m", "comment",
+                           "--comment", "reconciler:alloc=a1", "-j", "DNAT",
+                           "--to-destination", "10.0.0.2:80"))
+    paths = legacy.declared_paths(d, rs, 4)
+    assert sorted(paths) == [("filter", "FORWARD"), ("filter", "INPUT"), ("filter", "OUTPUT"),
+                             ("nat", "OUTPUT"), ("nat", "PREROUTING")]
+    [dnated, replies, egress, back] = paths[("filter", "FORWARD")]
+    assert (dnated.dst, dnated.oif, dnated.dports) == (ipaddress.ip_network("10.0.0.2/32"),
+                                                       "br0", ((80, 80),))
+    assert (replies.src, replies.iif, replies.sports) == (ipaddress.ip_network("10.0.0.2/32"),
+                                                          "br0", ((80, 80),))
+    assert (egress.src, egress.iif, back.dst, back.oif) == (NET, "br0", NET, "br0")
+
+
+def test_no_legacy_table_costs_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(iptables.IptablesDriver, "observe_legacy", OBSERVE_LEGACY)
+    monkeypatch.setattr(iptables, "_legacy_tables", lambda _f: False)
+    monkeypatch.setattr(iptables, "active_backend", lambda _f: pytest.fail("asked"))
+    assert iptables.IptablesDriver(4).observe_legacy() is None
+    monkeypatch.setattr(iptables, "_legacy_tables", lambda _f: True)
+    monkeypatch.setattr(iptables, "active_backend", lambda _f: "legacy")  # ours: no "beside"
+    assert iptables.IptablesDriver(4).observe_legacy() is None
+
+
 # ------------------------------------------------------------------ the probes' diagnosis
 
 BEFORE = """*filter
@@ -274,3 +420,20 @@ def test_the_accept_whose_counter_rose_is_named_first() -> None:
                           "ports: filter/FORWARD: -A FORWARD -d 10.0.0.0/24 -j ACCEPT accepts it "
                           "ahead of the jump to RECONCILER-FORWARD (a pass moves the jump back "
                           "above it)")
+
+
+def test_legacy_counters_name_drops_and_redirects() -> None:
+    after = BEFORE.replace(":FORWARD DROP [5:300]", ":FORWARD DROP [6:360]").replace(
+        "[0:0] -A PREROUTING", "[1:60] -A PREROUTING")
+    hits = foreign_hits(4, BEFORE, after, legacy=True)
+    assert [str(h) for h in hits] == [
+        "iptables-legacy filter/FORWARD: policy DROP",
+        "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT "
+        "--to-ports 9"]
+    assert [h.rule for h in foreign_hits(4, BEFORE, after)] == ["policy DROP"]  # nft: drops
+    spec = ProbeSpec("a1", "external", "tcp", 4, "external", "192.0.2.1", 8080, 8080, 80, True)
+    cause = classify(spec, Sighting(False, "refused"), Facts(hits=tuple(hits)))
+    assert cause.line == ("a foreign rule sends it elsewhere: iptables-legacy nat/PREROUTING: "
+                          "-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9")
+    assert str(RuleHit(6, "filter", "FORWARD", "policy DROP", legacy=True)) == \
+        "ip6tables-legacy filter/FORWARD: policy DROP"
