@@ -28,14 +28,23 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from reconciler import __version__
 from reconciler.agent.files import FileWatcher, watch_dirs
+from reconciler.agent.passes import (
+    DEADLINE,
+    PROBE,
+    QUIET_REASONS,
+    PassReport,
+    ProbeKey,
+    WatchOptions,
+    adopt_hint,
+    resource_errors,
+)
+from reconciler.agent.probing import AgentProbes
 from reconciler.agent.readiness import Verdict, judge, same_state
 from reconciler.agent.revision import (
     check_permissions,
@@ -59,122 +68,17 @@ from reconciler.config.load import load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
-from reconciler.domain.plan import Change
 from reconciler.domain.probes import ProbeResult
 from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.impact import refusal
 from reconciler.engine.lock import host_lock
-from reconciler.engine.reconcile import ProbeRequest, Reconciler, conflicts_line
-from reconciler.planner.context import PlanOptions
+from reconciler.engine.reconcile import Reconciler, conflicts_line
 from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
-from reconciler.ui.probes import where
 from reconciler.ui.render import residual_error
 
 log = logging.getLogger("reconciler.watch")
-
-
-#: the pass reasons of the probe timer, and of a pass asked for by a probe failure we own
-PROBE, PROBE_HEAL = "probe", "probe failure"
-#: the pass reason of a pending change's deadline (it is reverted then if still pending)
-DEADLINE = "pending deadline"
-#: reasons whose no-op passes are logged at debug level only
-QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift",
-                           "nftables drift", PROBE})
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    paths: tuple[str, ...]
-    plan: PlanOptions = PlanOptions()
-    interval: float = 60.0
-    debounce: float = 0.5
-    drift_debounce: float = 0.1
-    backoff_base: float = 1.0
-    backoff_cap: float = 60.0
-    lock_timeout: float = 60.0
-    hostname: str | None = None
-    netlink: bool = True
-    docker_events: bool = True
-    #: refuse config writable by group/others at every load, not only at start
-    strict: bool = True
-    #: answer `reconcile plan` of this namespace on a unix socket (planserver)
-    plan_server: bool = True
-    #: observe and report drift, never change the host
-    dry_run: bool = False
-    #: how to probe (after applying, and every probe_interval); None: never
-    probe: ProbeRequest | None = ProbeRequest()
-    #: seconds between probes of every allocation; None: only after applying
-    probe_interval: float | None = 30.0
-    #: the only commit whose files may be applied (``--expect-revision``); None: any
-    expect_revision: str | None = None
-    #: refuse a pass whose plan disrupts more items than this (``--max-disruption``)
-    max_disruption: int | None = None
-    #: apply each new revision under a window of this many seconds (``agent/safewatch``)
-    confirm_within: float | None = None
-
-
-@dataclass
-class PassReport:
-    number: int
-    reasons: list[str]
-    #: ok | applied | drift (--dry-run) | failed | config-error | interrupted | pending (a
-    #: change in its confirm window holds the agent back)
-    result: str
-    started_at: float
-    finished_at: float
-    duration: float
-    applied: int = 0
-    failed: int = 0
-    skipped: int = 0
-    error: str | None = None
-    errors: list[dict[str, str]] = field(default_factory=list)
-    #: what the apply of this pass probed (the allocations it changed)
-    probes: list[ProbeResult] = field(default_factory=list)
-    #: the revision whose desired state this pass converged to (None: none valid yet);
-    #: readiness counts a pass only at the current revision
-    revision: dict[str, Any] | None = None
-
-    @property
-    def converged(self) -> bool:
-        return self.result in ("ok", "applied")
-
-
-ProbeKey = tuple[str, str, str, int | None, int]
-
-
-def probe_key(r: ProbeResult) -> ProbeKey:
-    return (r.alloc, r.path, r.proto, r.port, r.family)
-
-
-def _order(k: ProbeKey) -> tuple[str, str, str, int, int]:
-    """Keys in a stable order (a gateway's port is None)."""
-    return (k[0], k[1], k[2], -1 if k[3] is None else k[3], k[4])
-
-
-def _probe_failed(r: ProbeResult) -> bool:
-    return not r.ok and not r.skipped
-
-
-
-
-def _resource_errors(result: Any) -> list[dict[str, str]]:
-    out = [{"resource": f"{o.change.kind}/{o.change.name}", "error": o.error or "failed"}
-           for o in result.failed]
-    out += [{"resource": "plan", "error": e} for e in result.plan.errors]
-    if result.residual is not None and result.residual.has_changes:
-        out += [{"resource": c.address, "error": "still differs after apply: "
-                 + (c.reason or c.action.value)} for c in result.residual.actionable]
-    return out
-
-
-def _adopt_hint(c: Change) -> str:
-    """How to take the object over, unless the reason says it already or adopting cannot
-    help (an overlap in the address space is someone else's address or route)."""
-    if "--adopt" in c.reason or " overlaps " in c.reason:
-        return ""
-    return f" (adopt with --adopt {c.kind}/{c.name})"
 
 
 def _default_reconciler(stop: threading.Event) -> Reconciler:
@@ -184,7 +88,7 @@ def _default_reconciler(stop: threading.Event) -> Reconciler:
     return Reconciler(stop=stop, sleep=sleep)
 
 
-class Agent:
+class Agent(AgentProbes):
     """The watch loop. ``run()`` blocks until ``stop`` is set; call from the main thread."""
 
     def __init__(self, options: WatchOptions, *, stop: threading.Event | None = None,
@@ -393,125 +297,6 @@ class Agent:
             self.alarm.set_docker(*owned_docker_prefixes(live))
         self.alarm.poke()
 
-    # -- probes --------------------------------------------------------------
-
-    def after_probes(self, reasons: list[str], report: PassReport) -> None:
-        """After a pass: what its apply probed; at startup (and when the probe timer came with
-        other reasons) a probe of every allocation; after a heal pass, of those that failed."""
-        if self.options.probe is None or self.good is None:
-            return
-        if report.result not in ("ok", "applied", "drift"):
-            return  # what failed is reported as such; probes wait for the next timer
-        heal = PROBE_HEAL in reasons
-        # at a revision the results are not of (the first converged pass, new files) every
-        # allocation: what the apply probed, or nothing when it changed nothing, would leave
-        # the others' results of the old revision (or none), and readiness waits for these
-        fresh = not same_state(self._probes_revision, self.good_revision)
-        if PROBE in reasons or "startup" in reasons or fresh:
-            results = self._probe(self.reconciler.last_live, None)
-            if results is not None:
-                self.take_probes(results, everything=True, after_heal=heal)
-            return
-        targets = {k[0] for k in self._failing_since} if heal else set()
-        results = report.probes
-        if targets:
-            probed = self._probe(self.reconciler.last_live, targets)
-            if probed is not None:  # with what the pass's apply probed of the others
-                results = [r for r in results if r.alloc not in targets] + probed
-        if results or heal:
-            self.take_probes(results, after_heal=heal)
-
-    def probe_run(self) -> None:
-        """The probe timer: every allocation against a fresh observation, without a pass (a
-        failure the reconciler owns asks for one).
-
-        Under the host lock, taken without waiting: a CLI ``apply`` in the middle of its
-        changes would show transient failures (and ask for passes that heal nothing), so
-        while somebody else holds it the run is skipped; the next timer tries again.
-        """
-        if self.options.probe is None or self.good is None:
-            return
-        try:
-            with host_lock(0):
-                results = self._probe(None, None)
-        except LockedError:
-            log.debug("probe run skipped: another reconcile holds the host lock")
-            return
-        except ReconcilerError as exc:  # the lock itself (its directory, its file)
-            log.warning("probes not run: %s", exc)
-            return
-        if results is not None:
-            self.take_probes(results, everything=True)
-
-    def _probe(self, live: Any, allocs: set[str] | None) -> list[ProbeResult] | None:
-        assert self.good is not None
-        t0 = self.clock()
-        try:
-            results = self.reconciler.probe(self.good, live, allocs=allocs,
-                                            request=self.options.probe)
-        except (ReconcilerError, OSError) as exc:
-            log.warning("probes not run: %s", exc)
-            return None
-        except Exception:  # a bug in probing must not stop the loop that heals
-            log.exception("probes: internal error")
-            return None
-        self._probe_took = self.clock() - t0
-        log.debug("probed %s in %.3fs: %d probe(s)", "every allocation" if allocs is None
-                  else ", ".join(sorted(allocs)), self._probe_took, len(results))
-        return results
-
-    def take_probes(self, results: list[ProbeResult], *, everything: bool = False,
-                    after_heal: bool = False) -> None:
-        """Fold probe results into the current state: logs for what starts or stops failing,
-        the status, the gauge; a heal pass for new failures a pass owns."""
-        assert self.good is not None
-        now = self.wall()
-        before = self.probe_results
-        if everything:
-            self.probe_results = {}
-        else:
-            probed = {r.alloc for r in results}
-            self.probe_results = {k: r for k, r in self.probe_results.items()
-                                  if k[0] not in probed}
-        self.probe_results.update((probe_key(r), r) for r in results)
-        declared = set(self.good.allocs)
-        self.probe_results = {k: r for k, r in self.probe_results.items() if k[0] in declared}
-        failing = {k for k, r in self.probe_results.items() if _probe_failed(r)}
-        heal = {k for k in failing if self.probe_results[k].ours and k not in self._heal_asked}
-        healing = bool(heal) and not self.options.dry_run
-        for k in sorted(failing - set(self._failing_since), key=_order):
-            r = self.probe_results[k]
-            log.warning("probe failed: %s: %s%s", where(r), r.cause or "no cause found",
-                        "; the reconciler owns this: running a pass" if k in heal and healing
-                        else "")
-        if after_heal:
-            for k in sorted(failing & self._heal_asked, key=_order):
-                r = self.probe_results[k]
-                log.warning("probe still fails after a pass: %s: %s; reported, no further "
-                            "pass until it clears", where(r), r.cause or "no cause found")
-        for k in sorted(set(self._failing_since) - failing, key=_order):
-            log.info("probe holds again: %s", where(before[k]))
-        self._failing_since = {k: self._failing_since.get(k, now) for k in failing}
-        self._heal_asked &= failing
-        if healing:
-            self._heal_asked |= heal
-            self.trigger.request(PROBE_HEAL)
-        counts = Counter((k[0], k[1]) for k in failing)
-        for alloc, path in self._probe_labels - set(counts):
-            self.metrics.probe_failures.remove(alloc, path)
-        for (alloc, path), n in counts.items():
-            self.metrics.probe_failures.labels(alloc=alloc, path=path).set(n)
-        self._probe_labels = set(counts)
-        current = list(self.probe_results.values())
-        self._probes_revision = self.good_revision
-        self.board.update(probes={
-            "at": now, "revision": self.good_revision, "probed": len(results),
-            "duration_seconds": round(self._probe_took, 4),
-            "held": sum(1 for r in current if r.ok and not r.skipped),
-            "failed": len(failing), "skipped": sum(1 for r in current if r.skipped),
-            "failures": [{**self.probe_results[k].to_json(), "ours": self.probe_results[k].ours,
-                          "since": self._failing_since[k]} for k in sorted(failing, key=_order)]})
-
     def healthy(self) -> tuple[bool, str]:
         if self.stop.is_set():
             return False, "stopping"
@@ -667,7 +452,7 @@ class Agent:
         if plan.conflicts:
             report.errors = [{"resource": c.address, "error": "conflict: "
                               + (c.reason or "exists but is not managed by the reconciler")
-                              + _adopt_hint(c)} for c in plan.conflicts]
+                              + adopt_hint(c)} for c in plan.conflicts]
             raise ReconcilerError(conflicts_line([c.reason for c in plan.conflicts])
                                   + "; nothing changed: "
                                   + ", ".join(c.address for c in plan.conflicts))
@@ -715,7 +500,7 @@ class Agent:
         report.applied = sum(1 for o in result.outcomes if o.status == "applied")
         report.failed = len(result.failed)
         report.skipped = sum(1 for o in result.outcomes if o.status == "skipped")
-        report.errors = _resource_errors(result)
+        report.errors = resource_errors(result)
         if self.stop.is_set() and report.skipped:
             report.result = "interrupted"
             report.error = f"stopped: {report.skipped} change(s) skipped"

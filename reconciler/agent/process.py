@@ -10,7 +10,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from reconciler.agent.loop import Agent, PassReport, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import PassReport, WatchOptions
 from reconciler.agent.planview.server import PlanServer
 from reconciler.agent.status import StatusServer
 

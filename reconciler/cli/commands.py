@@ -12,26 +12,26 @@ watchdog. tests/unit/test_layers.py checks what stays out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
 import logging
 import math
-import os
 import re
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from types import FrameType
-from typing import Any
+from collections.abc import Callable, Sequence
 
+from reconciler.cli.apply import (
+    cmd_apply,
+    cmd_destroy,
+    load_desired,
+    print_plan,
+    stop_on_signals,
+    stopped,
+)
 from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
-from reconciler.domain.errors import ConfigError, ReconcilerError, StalePlanError
+from reconciler.domain.errors import ConfigError, ReconcilerError
 from reconciler.domain.model import DesiredState
-from reconciler.domain.plan import Plan
 from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
 from reconciler.ui.parser import build_parser
@@ -42,28 +42,18 @@ from reconciler.ui.render import (
     colour,
     emit_json,
     plan_exit,
-    plan_text,
     render_text,
-    residual_error,
     write_json,
 )
 
 log = logging.getLogger("reconciler")
 
 
-def _load(paths: Sequence[str], args: argparse.Namespace | None = None) -> DesiredState:
-    return load(paths, hostname=getattr(args, "hostname", None))
-
-
-def _print_plan(plan: Plan, args: argparse.Namespace) -> None:
-    sys.stdout.write(plan_text(plan, args.output, colour=colour(args), verbose=args.verbose > 0))
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     # files only: a machine that checks a fleet's files is none of its hosts
     note = ""
     try:
-        desired = _load(args.paths, args)
+        desired = load_desired(args.paths, args)
     except NoFileForHost as exc:
         desired = load(args.paths, hostname=exc.host, for_host=False)
         note = (f" (no file is for host {exc.host!r}: plan, apply and watch there refuse "
@@ -74,22 +64,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _is_saved_plan(paths: Sequence[str]) -> bool:
-    if len(paths) != 1 or not os.path.isfile(paths[0]):
-        return False
-    with open(paths[0], "rb") as fh:
-        head = fh.read(64).lstrip()
-    # `plan --out` writes JSON that starts with its format version; a desired-state file in
-    # YAML flow style (or JSON) starts with "{" too, but never like this
-    return head.startswith(b'{\n  "format_version"') or head.startswith(b'{"format_version"')
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from reconciler.engine.impact import refusal  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: see the module docstring)
 
-    desired = _load(args.paths, args)
+    desired = load_desired(args.paths, args)
     out = None
     if args.out:  # before observing: a path we cannot write is a usage error, not a crash
         try:
@@ -99,7 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               file=args.out) from None
     rec = Reconciler()
     plan = rec.plan(desired, plan_options(args))
-    _print_plan(plan, args)
+    print_plan(plan, args)
     notes = rec.journal_notes()  # "No changes" is not the whole truth then
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -119,138 +99,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan_exit(plan) or (EXIT_CHANGES if notes else EXIT_OK)
 
 
-def _load_saved(path: str) -> Plan:
-    try:
-        with open(path) as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
-    if isinstance(raw, dict) and not isinstance(raw.get("options", {}), dict):
-        # the options are checked one by one later (ui.options.saved_plan_options)
-        raise ConfigError("not a usable saved plan: options must be a mapping of option "
-                          "names to values", file=path)
-    try:
-        return Plan.from_json(raw)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
-
-
-#: the signals that stop a command that probes, the way they stop ``watch``
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
-    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
-    cleanup runs: with the default SIGTERM the process dies where it is and the probes'
-    vantage stays behind.
-
-    The handler only sets the stop event (``apply``'s executor stops after the op it is
-    running and its probes are not started; ``verify`` does not start probing) and notes
-    the signal: a run of probes already started ends by its own timeouts, then the
-    ``finally`` blocks close the prober. Raising from the handler instead could leave the
-    thread in an allocation's namespace (between ``setns`` and the switch back). The
-    signals that came are the value; the command then says so and exits 1.
-    """
-    got: list[int] = []
-
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        got.append(signum)
-        stop.set()
-
-    if threading.current_thread() is not threading.main_thread():
-        yield got  # signals reach the main thread only (tests call commands from threads)
-        return
-    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
-        yield got
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _stopped(signals: list[int]) -> int:
-    print(f"error: stopped by {signal.Signals(signals[0]).name}", file=sys.stderr)
-    return EXIT_ERROR
-
-
-def _apply(args: argparse.Namespace, desired: DesiredState, options: Any,
-           saved: Plan | None = None) -> int:
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.impact import DisruptionError, refusal  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import probe_request  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.progress import Progress  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.progress import wanted as progress_wanted  # noqa: PLC0415 (lazy: as above)
-
-    rec = Reconciler()
-    if args.dry_run:
-        plan = rec.plan(desired, options)
-        _print_plan(plan, args)
-        refused = refusal(plan, getattr(args, "max_disruption", None))
-        if refused is not None:
-            print(f"error: {refused}", file=sys.stderr)
-            return EXIT_ERROR
-        return plan_exit(plan)
-    # destroy has no probe options: it leaves nothing to probe
-    request = probe_request(args) if hasattr(args, "no_probe") else None
-    window = safe.attach(rec, args, request, options)
-    line = Progress() if progress_wanted(sys.stderr, args.output, args.verbose) else None
-    with _stop_on_signals(rec.stop) as signals:
-        try:
-            with host_lock(args.lock_timeout), line or contextlib.nullcontext():
-                # an overdue change is reverted first; a pending one refuses
-                safe.guard(rec, err=args.output == "json")
-                result = rec.apply(desired, options, saved=saved, probe=request,
-                                   max_disruption=getattr(args, "max_disruption", None),
-                                   before_changes=window.before_changes if window else None,
-                                   on_plan=line.plan if line else None,
-                                   on_outcome=line.outcome if line else None)
-                if window is not None:
-                    window.settle(result, stopped=bool(signals))
-        except DisruptionError as exc:  # what it would have disrupted, then the one line
-            _print_plan(exc.plan, args)
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-        finally:
-            rec.close_probes()
-    if args.output == "json":
-        emit_json({"plan": result.plan.to_json(),
-                   "outcomes": [{"kind": o.change.kind, "name": o.change.name,
-                                 "action": o.change.action.value, "status": o.status,
-                                 "error": o.error} for o in result.outcomes],
-                   "residual": result.residual.to_json() if result.residual else None,
-                   "probes": probe_view.to_json(result.probes),
-                   "probe_seconds": round(result.probe_seconds, 4),
-                   "ok": result.ok})
-    else:
-        sys.stdout.write(render_text(result.plan, colour=colour(args),
-                                     verbose=args.verbose > 0))
-        if result.outcomes:
-            counts = {s: sum(1 for o in result.outcomes if o.status == s)
-                      for s in ("applied", "failed", "skipped")}
-            print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
-                  f"{counts['skipped']} skipped.")
-            for o in result.failed:
-                print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
-        if result.probes:
-            print(probe_view.summary(result.probes, result.probe_seconds))
-    if result.residual is not None and result.residual.has_changes:
-        print(f"error: {residual_error(result.residual)}", file=sys.stderr)
-    for e in result.plan.errors:
-        print(f"error: {e}", file=sys.stderr)
-    for r in result.probe_failures:
-        print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
-    if signals:
-        if window is not None:
-            window.stopped()
-        return _stopped(signals)
-    rc = EXIT_OK if result.ok else EXIT_ERROR
-    return window.finish(result, rc) if window is not None else rc
-
-
 def cmd_confirm(args: argparse.Namespace) -> int:
     from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
 
@@ -263,23 +111,6 @@ def cmd_revert(args: argparse.Namespace) -> int:
     return safe.cmd_revert(args)
 
 
-def cmd_apply(args: argparse.Namespace) -> int:
-    from reconciler.ui.options import plan_options, saved_plan_options  # noqa: PLC0415 (lazy: see the module docstring)
-
-    if _is_saved_plan(args.paths):
-        saved = _load_saved(args.paths[0])
-        files = [p for p, _h in saved.files]
-        if not files:
-            raise ConfigError("the saved plan names no desired-state files", file=args.paths[0])
-        if args.no_prune or args.adopt or args.force_replace:
-            raise ConfigError("apply of a saved plan uses the options it was planned with; "
-                              "give --no-prune/--adopt/--force-replace to `plan --out`",
-                              file=args.paths[0])
-        options = saved_plan_options(saved.options, file=args.paths[0])
-        return _apply(args, _load(files, args), options, saved)
-    return _apply(args, _load(args.paths, args), plan_options(args))
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     """Config comparison and probes; changes nothing (no host lock: it writes no state)."""
     from reconciler.engine.reconcile import (  # noqa: PLC0415 (lazy: see the module docstring)
@@ -289,10 +120,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
 
-    desired = _load(args.paths, args)
+    desired = load_desired(args.paths, args)
     request = probe_request(args)
     rec = Reconciler()
-    with _stop_on_signals(rec.stop) as signals:
+    with stop_on_signals(rec.stop) as signals:
         try:
             plan = rec.plan(desired, plan_options(args))
             t0 = time.monotonic()
@@ -304,7 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         finally:
             rec.close_probes()
     if signals:
-        return _stopped(signals)
+        return stopped(signals)
     config_ok = not (plan.has_changes or plan.conflicts or plan.errors)
     failures = probe_failures(results)
     ok = config_ok and not failures
@@ -332,36 +163,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_ERROR
 
 
-def cmd_destroy(args: argparse.Namespace) -> int:
-    from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
-
-    options = PlanOptions(prune=True)
-    shown = None
-    if not args.dry_run and not args.yes and _interactive():
-        shown, finished = _confirm_destroy(args, options)
-        if shown is None:
-            print("Destroy cancelled; " + ("nothing was destroyed (an interrupted change was "
-                                           "carried on first: see above)." if finished else
-                                           "nothing changed."), file=sys.stderr)
-            return EXIT_ERROR
-    try:
-        rc = _apply(args, DesiredState(), options, shown)
-    except StalePlanError:
-        if shown is None:
-            raise
-        raise StalePlanError("the host changed while destroy was waiting for the answer; "
-                             "nothing was destroyed: run destroy again") from None
-    if not args.dry_run and remove_unused_vantage() and args.output == "text":
-        print("Removed the probes' external vantage (no prober uses it).")
-    return rc
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
     from reconciler.engine.gc import Collector  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.ui import gc as gc_view  # noqa: PLC0415 (lazy: see the module docstring)
 
-    desired = _load(args.paths, args) if args.paths else None
+    desired = load_desired(args.paths, args) if args.paths else None
     collector = Collector()
     if args.dry_run:
         result = collector.report(desired)
@@ -373,10 +179,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
             safe.guard(Reconciler(collector.observer, runner=collector.runner),
                        err=args.output == "json")
 
-        with _stop_on_signals(collector.stop) as signals:
+        with stop_on_signals(collector.stop) as signals:
             result = collector.collect(desired, args.lock_timeout, before=guard)
         if signals:
-            return _stopped(signals)
+            return stopped(signals)
     if args.output == "json":
         gc_view.write_json(result, sys.stdout)
     else:
@@ -392,54 +198,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for e in result.plan.errors:
             print(f"error: {e}", file=sys.stderr)
     return gc_view.exit_code(result)
-
-def _interactive() -> bool:
-    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except ValueError:  # closed
-        return False
-
-
-#: what ``destroy`` asks on a terminal, and the one answer that goes on (as Terraform)
-DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler manages here?\n"
-                    "  There is no undo. Only 'yes' will be accepted to confirm.\n\n"
-                    "  Enter a value: ")
-
-
-def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | None, bool]:
-    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do),
-    and whether interrupted changes were finished first.
-
-    The plan shown is the one applied: ``apply`` checks it against the live state again
-    under the lock (as a saved plan), so what changed meanwhile is refused, not removed.
-    A change a killed run left half done (its journal) is finished under the lock before
-    the plan is made, as ``apply`` would do first: a plan of the half-made state would be
-    what nobody can confirm (``apply`` then finds the host changed).
-    """
-    from reconciler.engine.finish import touched_host  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-
-    rec = Reconciler()
-    finished = False
-    if rec.journals_pending():
-        with host_lock(args.lock_timeout):
-            finished = any(touched_host(line) for line in rec.finish_journals())
-    plan = rec.plan(DesiredState(), options)
-    if args.output == "json":  # stdout stays one JSON document (the result's)
-        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
-    else:
-        _print_plan(plan, args)
-    if not plan.has_changes:
-        return plan, finished
-    sys.stdout.flush()
-    sys.stderr.write("\n" + DESTROY_QUESTION)
-    sys.stderr.flush()
-    answer = sys.stdin.readline()
-    if not answer.endswith("\n"):
-        sys.stderr.write("\n")  # end of input: no answer is no
-    return (plan if answer.strip() == "yes" else None), finished
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -466,7 +224,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         raise ConfigError("graph --plan needs the desired-state files: "
                           "reconcile graph --plan PATH…")
     rec = Reconciler()
-    desired = _load(args.paths, args) if args.paths else None
+    desired = load_desired(args.paths, args) if args.paths else None
     plan = rec.plan(desired, plan_options(args)) if desired is not None else None
     live = rec.last_live if desired is not None else rec.observe(DesiredState())
     assert live is not None
@@ -490,7 +248,7 @@ def _watch_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import loop, process  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.agent import passes, process  # noqa: PLC0415 (lazy: see the module docstring)
     from reconciler.agent.logs import configure_logging  # noqa: PLC0415 (lazy: as above)
     from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (lazy: as above)
     from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
@@ -507,7 +265,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         check_permissions(args.paths)
     expand_paths(args.paths)  # a missing path is a usage error, not something to wait for
     configure_logging(args.log_format, args.verbose)
-    options = loop.WatchOptions(
+    options = passes.WatchOptions(
         paths=tuple(args.paths), plan=plan_options(args), interval=args.interval,
         debounce=args.debounce, backoff_cap=args.max_backoff, lock_timeout=args.lock_timeout,
         hostname=args.hostname, docker_events=not args.no_docker_events,

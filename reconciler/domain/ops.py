@@ -21,18 +21,16 @@ Pure: no I/O, nothing from above ``reconciler.domain``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import ipaddress
-import json
 import re
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 
 from reconciler.domain.checkpoint import NetworkPoint, network_from_json
 from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
 from reconciler.domain.errors import ReconcilerError
+from reconciler.domain.jsonfields import Mismatch, as_type, describe, show
 from reconciler.domain.live import IPInterface
 from reconciler.domain.model import DockerNetwork
 from reconciler.domain.plan import Json, Op
@@ -514,7 +512,7 @@ def decode(op: Op) -> TypedOp:
     if cls is None:
         raise OpError(f"unknown operation {op.name!r} (plan from a newer version?)")
     if not isinstance(op.args, dict):
-        raise OpError(f"{op.name}: arguments must be an object, not {_show(op.args)}")
+        raise OpError(f"{op.name}: arguments must be an object, not {show(op.args)}")
     known = _FIELDS[cls]
     names = _NAMES[cls]
     unknown = [k for k in op.args if k not in names]
@@ -540,85 +538,7 @@ def decode(op: Op) -> TypedOp:
 
 def _convert(name: str, f: _Field, value: object) -> object:
     try:
-        return _as(f.type, value)
-    except _Mismatch:
-        raise OpError(f"{name}: argument {f.name!r} must be {_describe(f.type)}, "
-                      f"not {_show(value)}") from None
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _as(tp: Any, value: object) -> object:
-    """``value`` as a field of type ``tp`` holds it (a JSON list becomes a tuple)."""
-    return _converter(tp)(value)
-
-
-@functools.cache
-def _converter(tp: Any) -> Callable[[object], object]:
-    """What :func:`_as` does for ``tp``, worked out once per type: the executor decodes
-    every op of a plan (1,500 at 500 allocations), and asking ``typing`` for each field's
-    origin and arguments every time was most of it. Raises ``_Mismatch``."""
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        alts = tuple(_converter(alt) for alt in get_args(tp))
-
-        def union(value: object) -> object:
-            for alt in alts:
-                try:
-                    return alt(value)
-                except _Mismatch:
-                    pass
-            raise _Mismatch
-
-        return union
-    if origin is tuple:
-        item = _converter(get_args(tp)[0])
-
-        def sequence(value: object) -> object:
-            if isinstance(value, list | tuple):
-                return tuple(item(v) for v in value)
-            raise _Mismatch
-
-        return sequence
-    if origin is dict:
-        def mapping(value: object) -> object:
-            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-                return dict(value)
-            raise _Mismatch
-
-        return mapping
-    if tp is type(None):
-        def none(value: object) -> object:
-            if value is None:
-                return None
-            raise _Mismatch
-
-        return none
-
-    def plain(value: object) -> object:
-        if tp is int and isinstance(value, bool):  # JSON true is no number
-            raise _Mismatch
-        if isinstance(value, tp):
-            return value
-        raise _Mismatch
-
-    return plain
-
-
-def _describe(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
-    if origin is tuple:
-        return "a list of " + {str: "strings"}.get(get_args(tp)[0], "values")
-    if origin is dict:
-        return "an object"
-    return {str: "a string", int: "an integer", bool: "true or false",
-            type(None): "null"}.get(tp, str(tp))
-
-
-def _show(value: object) -> str:
-    text = json.dumps(value, default=repr)
-    return text if len(text) <= 60 else text[:57] + "..."
+        return as_type(f.type, value)
+    except Mismatch:
+        raise OpError(f"{name}: argument {f.name!r} must be {describe(f.type)}, "
+                      f"not {show(value)}") from None

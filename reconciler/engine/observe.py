@@ -21,7 +21,7 @@ from reconciler.domain.live import (
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ownership import ZERO_MAC, alloc_ns_alias, bridge_mac
 from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
-from reconciler.drivers.docker import probe as docker_probe
+from reconciler.drivers.docker import rawapi
 from reconciler.drivers.nsfs import current_inode
 from reconciler.drivers.procfs import listening_ports
 from reconciler.engine.handles import HostHandles
@@ -173,13 +173,13 @@ class Observer:
         """``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker network's
         subnets and the daemon's pools, when anything declares a prefix (None otherwise, and
         without Docker on this host). One list call serves both."""
-        listing = docker_probe.list_networks()
-        space = docker_probe.address_space(listing) \
+        listing = rawapi.list_networks()
+        space = rawapi.address_space(listing) \
             if desired.subnets or desired.docker_networks else None
         return {"docker": self.observe_docker(desired, listing), "docker_space": space}
 
     def observe_docker(self, desired: DesiredState,
-                       listing: docker_probe.Listing | None = None) -> LiveDocker | None:
+                       listing: rawapi.Listing | None = None) -> LiveDocker | None:
         """Declared Docker networks and every network we own, or None.
 
         Whether we own networks only the daemon can say, so it is asked even
@@ -194,7 +194,7 @@ class Observer:
                 # (importing it costs ~60-110 ms of an apply) is known already.
                 return LiveDocker(available=False, error=listing.error)
             # Host-only run: skip the SDK unless this reconciler owns networks to prune.
-            scopes = docker_probe.owned_scopes(listing)
+            scopes = rawapi.owned_scopes(listing)
             if scopes is not None and docker_scope() not in scopes:
                 return None
         live = self.handles.docker.observe(sorted(desired.docker_networks))

@@ -1,7 +1,7 @@
 """Probes: prove from inside the host that packets flow (SPEC §7).
 
 ``Prober.run`` asks the pure planner which probes exist and what each must find
-(``planner.probes``), sends them all at once (``drivers.probe``), and for each
+(``planner.probes``), sends them all at once (``drivers.probe.runner``), and for each
 one that failed gathers the facts around it and lets the planner name the
 cause. ``probe_targets`` says which allocations a plan touched ("what changed",
 after apply); watch probes everything on its own interval.
@@ -32,10 +32,11 @@ from reconciler.domain.probes import (
     ProbeSpec,
     sort_key,
 )
-from reconciler.drivers import probe as driver
 from reconciler.drivers import rundir, sysctl
 from reconciler.drivers.netlink.conntrack import Tuple
 from reconciler.drivers.nsfs import current_inode
+from reconciler.drivers.probe import diagnosis, runner
+from reconciler.drivers.probe import vantage as vantage_driver
 from reconciler.engine.handles import HostHandles
 from reconciler.planner import probes as plan_probes
 from reconciler.planner.probes import Cause, Facts, Sighting, Vantage, classify
@@ -112,12 +113,12 @@ class Prober:
         self._lease.ensure()
         if not ipv6:
             return Vantage(self._lease.ns, VANTAGE_HOST)
-        why = driver.vantage_ipv6_missing(self._lease.link)
+        why = vantage_driver.vantage_ipv6_missing(self._lease.link)
         if why is not None:
             return Vantage(self._lease.ns, VANTAGE_HOST, None, no6=why)
         return Vantage(self._lease.ns, VANTAGE_HOST, VANTAGE6_HOST)
 
-    def _result(self, s: ProbeSpec, o: driver.Outcome, cause: Cause | None) -> ProbeResult:
+    def _result(self, s: ProbeSpec, o: runner.Outcome, cause: Cause | None) -> ProbeResult:
         seen = _sighting(o)
         ok = seen.holds(s)
         if not ok and cause is None:
@@ -197,16 +198,17 @@ class VantageLease:
         """Hold a share of a ready vantage; make it (alone) when it is missing or broken."""
         deadline = time.monotonic() + VANTAGE_WAIT
         while True:
-            state = driver.vantage_state(self.ns, self.link)
-            if state == "ready" and not self._mended and driver.vantage_lacks_ipv6_pair(self.link):
+            state = vantage_driver.vantage_state(self.ns, self.link)
+            if state == "ready" and not self._mended and \
+                    vantage_driver.vantage_lacks_ipv6_pair(self.link):
                 # made by a version before the IPv6 pair (or the pair was removed): made
                 # again, once, when no other prober uses it; else used as it is, its IPv6
                 # paths skipped with the reason
                 self._mended = True
                 if self._try(fcntl.LOCK_EX):
                     try:
-                        driver.remove_vantage(self.ns, self.link)  # marked parts only
-                        driver.create_vantage(self.ns, self.link)
+                        vantage_driver.remove_vantage(self.ns, self.link)  # marked parts only
+                        vantage_driver.create_vantage(self.ns, self.link)
                     finally:
                         fcntl.flock(self._open(), fcntl.LOCK_SH)
                         self._shared = True
@@ -220,18 +222,18 @@ class VantageLease:
                 return  # nobody removes it while we hold our share
             if state == "ready" and self._try(fcntl.LOCK_SH):
                 self._shared = True
-                if driver.vantage_state(self.ns, self.link) == "ready":
+                if vantage_driver.vantage_state(self.ns, self.link) == "ready":
                     return  # removed between the look and the lock: look again
             elif self._try(fcntl.LOCK_EX):  # (a shared lock of ours is converted)
                 self._shared = False
                 try:
-                    if driver.vantage_state(self.ns, self.link) != "ready":
-                        driver.remove_vantage(self.ns, self.link)  # marked parts only
-                        driver.create_vantage(self.ns, self.link)
+                    if vantage_driver.vantage_state(self.ns, self.link) != "ready":
+                        vantage_driver.remove_vantage(self.ns, self.link)  # marked parts only
+                        vantage_driver.create_vantage(self.ns, self.link)
                 finally:
                     fcntl.flock(self._open(), fcntl.LOCK_SH)
                     self._shared = True
-                if driver.vantage_state(self.ns, self.link) == "ready":
+                if vantage_driver.vantage_state(self.ns, self.link) == "ready":
                     return
             else:
                 self._unlock()  # let the one making it finish (it waits for us otherwise)
@@ -261,7 +263,7 @@ class VantageLease:
         share; True when it did."""
         if not self._try(fcntl.LOCK_EX):
             return False
-        driver.remove_vantage(self.ns, self.link)
+        vantage_driver.remove_vantage(self.ns, self.link)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(vantage_lock_path(self.host_id))  # while still holding it: see _try
         return True
@@ -271,7 +273,7 @@ def remove_unused_vantage(host_id: str | None = None) -> bool:
     """``destroy``: remove the host's vantage when no prober uses it (a dead one's leftover);
     True when there was one to remove. A prober alive keeps it (its lock is shared)."""
     lease = VantageLease(host_id if host_id is not None else str(current_inode()))
-    if driver.vantage_state(lease.ns, lease.link) not in ("ready", "partial"):
+    if vantage_driver.vantage_state(lease.ns, lease.link) not in ("ready", "partial"):
         return False
     try:
         return lease.remove_if_alone()
@@ -283,18 +285,18 @@ def vantage_present(host_id: str | None = None) -> str | None:
     """``show``: the host's vantage namespace when one (ours) is there."""
     host = host_id if host_id is not None else str(current_inode())
     ns, link = probe_vantage_names(host)
-    return ns if driver.vantage_state(ns, link) in ("ready", "partial") else None
+    return ns if vantage_driver.vantage_state(ns, link) in ("ready", "partial") else None
 
 
 def send(handles: HostHandles, specs: list[ProbeSpec], *, timeout: float,
-         external_ns: str | None) -> list[driver.Outcome]:
-    """``drivers.probe.run``, and after each batch the conntrack entries its probes made
+         external_ns: str | None) -> list[runner.Outcome]:
+    """``drivers.probe.runner.run``, and after each batch the conntrack entries its probes made
     deleted through the host's conntrack driver (``HostHandles.conntrack``)."""
-    return driver.run(specs, timeout=timeout, external_ns=external_ns,
+    return runner.run(specs, timeout=timeout, external_ns=external_ns,
                       forget=lambda flows: forget_flows(handles, flows))
 
 
-def forget_flows(handles: HostHandles, flows: list[driver.Flow]) -> int:
+def forget_flows(handles: HostHandles, flows: list[runner.Flow]) -> int:
     """Delete the probes' own conntrack entries by their exact original tuples; returns how
     many went. Without conntrack here (no module, no permission) there is nothing to
     delete: the probes' results stand either way."""
@@ -306,7 +308,7 @@ def forget_flows(handles: HostHandles, flows: list[driver.Flow]) -> int:
         return 0
 
 
-def flow_tuple(f: driver.Flow) -> Tuple:
+def flow_tuple(f: runner.Flow) -> Tuple:
     """The conntrack driver's original tuple of a flow a probe made."""
     src, dst = ipaddress.ip_address(f.src), ipaddress.ip_address(f.dst)
     if f.proto in (1, 58):  # ICMP, ICMPv6: echo id and type, code 0
@@ -327,7 +329,7 @@ def _br_netfilter() -> dict[int, bool]:
     return out
 
 
-def _sighting(o: driver.Outcome) -> Sighting:
+def _sighting(o: runner.Outcome) -> Sighting:
     return Sighting(o.reached, o.answer, o.error, o.big)
 
 
@@ -356,27 +358,27 @@ class Diagnosis:
         self._macs: dict[str, str | None] = {}
 
     def run(self, specs: list[ProbeSpec], *, timeout: float,
-            external_ns: str | None) -> list[tuple[driver.Outcome, Cause | None]]:
+            external_ns: str | None) -> list[tuple[runner.Outcome, Cause | None]]:
         families = sorted({s.family for s in specs if s.proto != "icmp"} | {4})
         # iptables-legacy's tables too, where the observation found some beside our nf_tables
         # backend: both filter (and NAT) every packet, and only the legacy side would say why
         legacy = [f for f in families
                   if (self.live.legacy4 if f == 4 else self.live.legacy6) is not None]
-        before = {f: driver.save_counters(f) for f in families}
-        before_legacy = {f: driver.save_counters(f, legacy=True) for f in legacy}
-        rp_before = driver.netstat_counter("IPReversePathFilter")
+        before = {f: diagnosis.save_counters(f) for f in families}
+        before_legacy = {f: diagnosis.save_counters(f, legacy=True) for f in legacy}
+        rp_before = diagnosis.netstat_counter("IPReversePathFilter")
         outcomes = send(self.handles, specs, timeout=timeout, external_ns=external_ns)
-        rp_drops = driver.netstat_counter("IPReversePathFilter") - rp_before
+        rp_drops = diagnosis.netstat_counter("IPReversePathFilter") - rp_before
         hits: list[plan_probes.RuleHit] = []
         ahead: list[plan_probes.RuleHit] = []
         for f in families:
-            old, new = before[f], driver.save_counters(f)
+            old, new = before[f], diagnosis.save_counters(f)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new)
                 if any(s.path == "direct" and s.family == f for s in specs):
                     ahead += plan_probes.accepts_ahead(f, old, new)
         for f in legacy:
-            old, new = before_legacy[f], driver.save_counters(f, legacy=True)
+            old, new = before_legacy[f], diagnosis.save_counters(f, legacy=True)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new, legacy=True)
         try:
@@ -384,7 +386,7 @@ class Diagnosis:
         except DriverError:
             links = dict(self.live.links)
         shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "ahead": tuple(ahead)}
-        out: list[tuple[driver.Outcome, Cause | None]] = []
+        out: list[tuple[runner.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)
             if seen.holds(s):

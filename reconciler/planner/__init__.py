@@ -11,16 +11,8 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import ConntrackDelete, StaleMap, SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import (
-    addrspace,
-    allocs,
-    conntrack,
-    docker,
-    firewall,
-    hostlinks,
-    impact,
-    legacy,
-)
+from reconciler.planner import addrspace, conntrack, docker, firewall, hostlinks, impact, legacy
+from reconciler.planner.allocs import plan as alloc_plan
 from reconciler.planner.context import PlanContext, PlanOptions
 
 __all__ = ["PlanOptions", "change_order", "links_that_matter", "make_plan"]
@@ -124,7 +116,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     bridge_changes += hostlinks.plan_pruned_bridges(ctx)
     _loopback_guards(ctx)
     changes += bridge_changes + subnet_changes
-    changes += allocs.plan_allocs(ctx)
+    changes += alloc_plan.plan_allocs(ctx)
     changes = hostlinks.keep_mtu_of_emptied_bridges(ctx, changes)
     changes = hostlinks.annotate_rules(ctx, changes)
     changes += docker.plan_docker_networks(ctx)

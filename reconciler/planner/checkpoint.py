@@ -60,7 +60,7 @@ from reconciler.domain.ownership import (
 )
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
 from reconciler.planner import conntrack, firewall
-from reconciler.planner.allocs import owned_ns
+from reconciler.planner.allocs.live import owned_ns
 from reconciler.planner.hostlinks import is_temp_bridge_name
 
 #: the host-wide sysctls an apply may set (and a revert therefore sets back)

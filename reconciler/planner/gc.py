@@ -51,7 +51,8 @@ from reconciler.domain.ops import (
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import change_order, firewall, make_plan
-from reconciler.planner.allocs import own_neighbour, owned_ns, veth_pair_ok
+from reconciler.planner.allocs.live import owned_ns, veth_pair_ok
+from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.context import PlanOptions, index_neighbours
 from reconciler.planner.hostlinks import KEEPS_MTU_REASON, interrupted_creation
 
@@ -133,7 +134,7 @@ def _marked(c: Change, live: LiveState,
 def _marked_neighbours(c: Change, live: LiveState,
                        entries: Neighbours) -> bool:
     """Each neighbour entry ``c`` deletes (an orphan's, or a pruned allocation's with it)
-    is one of ours as the planner tells them (``allocs.own_neighbour``)."""
+    is one of ours as the planner tells them (``allocs.neighbours.own_neighbour``)."""
     for op in (decode(raw) for raw in c.ops if raw.name == NeighDelete.NAME):
         assert isinstance(op, NeighDelete)
         link = live.links.get(op.link)

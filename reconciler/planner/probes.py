@@ -41,7 +41,8 @@ from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
 from reconciler.planner import addrspace, firewall, fwpaths
-from reconciler.planner.allocs import Mapped, owned_ns
+from reconciler.planner.allocs.ipam import Mapped
+from reconciler.planner.allocs.live import owned_ns
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 

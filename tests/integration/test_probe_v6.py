@@ -255,12 +255,12 @@ def test_a_vantage_left_without_its_ipv6_pair_is_made_again(host_ns: Netns,
     """A vantage made by a version before the IPv6 pair (or whose pair someone removed),
     left behind by a killed agent: the next prober that has it alone makes it again, so
     the IPv6 external paths are probed, not skipped for the life of the prober."""
-    from reconciler.drivers import probe as driver
+    from reconciler.drivers.probe import vantage as probe_vantage
 
     path, (a0, _a1) = setup(host_ns, tmp_path)
     ns, link = _vantage(host_ns)
     with netns.enter(host_ns.name):
-        driver.create_vantage(ns, link)
+        probe_vantage.create_vantage(ns, link)
     sh("ip", "-n", host_ns.name, "addr", "del", f"{V6_HOST}/126", "dev", link)
     sh("ip", "-n", ns, "addr", "del", f"{V6_PEER}/126", "dev", "eth0")
     assert _v6_addresses(host_ns.name, link) == []

@@ -24,7 +24,7 @@ from reconciler.config.load import load
 from reconciler.domain.ownership import probe_vantage_names
 from reconciler.domain.probes import PROBE_PORTS, VANTAGE_PEER, ProbeResult, ProbeSpec
 from reconciler.drivers import netns
-from reconciler.drivers import probe as driver
+from reconciler.drivers.probe import runner as probe_runner
 from reconciler.engine.observe import Observer
 from reconciler.engine.probes import Prober
 from tests.conftest import Netns, sh, write
@@ -226,7 +226,7 @@ def test_a_path_that_must_not_arrive_but_does_is_caught(host_ns: Netns,
     others = [r for r in results if r.path != "direct" and not r.ok and not r.skipped]
     assert others == []
     # the kernel's stamps time the arrivals: a sandbox path takes far less than the margin
-    assert all(r.ms < driver.NOT_REACHED_MARGIN * 1000 for r in results
+    assert all(r.ms < probe_runner.NOT_REACHED_MARGIN * 1000 for r in results
                if r.ok and not r.skipped and r.path != "direct"), results
 
 
@@ -240,7 +240,7 @@ def test_probes_that_share_a_source_port_are_still_told_apart(
     allocations: five ports, as many as one map has probes (host, localhost, hairpin,
     external, direct; an IPv6 map has four: no localhost)."""
     path, (a0, _a1) = setup(host_ns, tmp_path)
-    monkeypatch.setattr(driver, "PROBE_PORTS", (61000, 61004))
+    monkeypatch.setattr(probe_runner, "PROBE_PORTS", (61000, 61004))
     with recording(a0, "tcp:80", "udp:53", "tcp:443") as seen:
         results = probe(host_ns, path, external=True)
     assert failures(results) == []
@@ -284,7 +284,7 @@ def test_a_reset_from_the_alloc_is_reached_one_from_a_reject_rule_is_not(
     udp = spec_of(a0, HOST_ADDR, "udp", 15353, 53)
     with netns.enter(host_ns.name):
         # nobody listens on 80/53 in the alloc: its reset (and port unreachable) counts
-        plain = driver.run([tcp, udp])
+        plain = probe_runner.run([tcp, udp])
     assert [(o.reached, o.answer) for o in plain] == [(True, "refused"), (True, "refused")]
     # the same answers from a REJECT rule in front of the alloc (after the DNAT: OUTPUT
     # filter sees port 80/53) must not count
@@ -294,7 +294,7 @@ def test_a_reset_from_the_alloc_is_reached_one_from_a_reject_rule_is_not(
         host_ns.run("iptables", "-I", *r)
     try:
         with netns.enter(host_ns.name):
-            rejected = driver.run([tcp, udp])
+            rejected = probe_runner.run([tcp, udp])
         results = probe(host_ns, path, allocs={a0})
     finally:
         for r in rules:

@@ -44,7 +44,7 @@ from reconciler.domain.model import (
 )
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.domain.plan import Action
-from reconciler.drivers.docker import probe
+from reconciler.drivers.docker import rawapi
 from reconciler.drivers.docker.payloads import network_use
 from reconciler.planner import addrspace, hostspace, make_plan
 from reconciler.ui.render import render_text
@@ -302,10 +302,10 @@ def test_daemon_json_pools(tmp_path):
     assert parse_address_pools([]) is None
     cfg = tmp_path / "daemon.json"
     cfg.write_text(json.dumps({"default-address-pools": [{"base": "10.99.0.0/16", "size": 26}]}))
-    assert probe.address_pools(str(cfg)) == (("10.99.0.0/16", 26),)
+    assert rawapi.address_pools(str(cfg)) == (("10.99.0.0/16", 26),)
     cfg.write_text("{not json")
-    assert probe.address_pools(str(cfg)) == DEFAULT_ADDRESS_POOLS
-    assert probe.address_pools(str(tmp_path / "absent.json")) == DEFAULT_ADDRESS_POOLS
+    assert rawapi.address_pools(str(cfg)) == DEFAULT_ADDRESS_POOLS
+    assert rawapi.address_pools(str(tmp_path / "absent.json")) == DEFAULT_ADDRESS_POOLS
     assert DEFAULT_ADDRESS_POOLS[0] == ("172.17.0.0/16", 16) and len(DEFAULT_ADDRESS_POOLS) == 16
 
 
@@ -674,8 +674,8 @@ def test_the_probe_lists_every_network_or_says_why_not(tmp_path, monkeypatch):
 
     path = str(tmp_path / "docker.sock")
     monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
-    assert probe.list_networks() is None  # no socket: no Docker on this host
-    assert probe.owned_scopes() == set()
+    assert rawapi.list_networks() is None  # no socket: no Docker on this host
+    assert rawapi.owned_scopes() == set()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(4)
@@ -696,18 +696,18 @@ def test_the_probe_lists_every_network_or_says_why_not(tmp_path, monkeypatch):
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        down = probe.list_networks()
+        down = rawapi.list_networks()
         assert down is not None and not down.answered and "unreachable" in (down.error or "")
-        space = probe.address_space(down)
+        space = rawapi.address_space(down)
         assert space is not None and not space.available
         d = desired(sub("s", "b", "10.1.0.0/24"))
         found = addrspace.check(d, live(space=space))
         assert found.conflicts == {} and any("subnets not checked against Docker's networks"
                                              in w for w in found.warnings), found.warnings
-        up = probe.list_networks()
+        up = rawapi.list_networks()
         assert up is not None and up.answered and len(up.networks) == 2
-        assert probe.owned_scopes(up) == {"host"}
-        space = probe.address_space(up)
+        assert rawapi.owned_scopes(up) == {"host"}
+        space = rawapi.address_space(up)
         assert space is not None and [(u.name, u.bridge, u.owned) for u in space.networks] == [
             ("bridge", "docker0", False), ("ours", "br-bbbbbbbbbbbb", True)]
     finally:
@@ -734,7 +734,7 @@ def test_a_stopped_daemon_is_not_asked_again_through_the_sdk(tmp_path, monkeypat
 
     monkeypatch.setattr(HostHandles, "docker", property(no_sdk))
     try:
-        listing = probe.list_networks()
+        listing = rawapi.list_networks()
         assert listing is not None and listing.refused and not listing.answered
         live = Observer(HostHandles()).observe_docker(DesiredState(), listing)
         assert live is not None and not live.available
@@ -773,7 +773,7 @@ def test_the_probe_reads_what_a_daemon_may_answer(tmp_path, monkeypatch, answer,
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        listing = probe.list_networks()
+        listing = rawapi.list_networks()
     finally:
         t.join(5)
         server.close()
@@ -811,7 +811,7 @@ def test_the_probe_does_not_wait_for_a_daemon_that_keeps_the_connection(tmp_path
     t.start()
     try:
         t0 = time.monotonic()
-        listing = probe.list_networks(timeout=5.0)
+        listing = rawapi.list_networks(timeout=5.0)
         took = time.monotonic() - t0
     finally:
         done.set()
@@ -837,8 +837,8 @@ def test_the_probe_reads_a_big_answer_without_reading_it_again_at_each_receive(t
     server.listen(1)
     body = json.dumps([{"Name": f"n{i}", "Pad": "x" * 200} for i in range(20_000)]).encode()
     splits = []
-    real_split = probe._split
-    monkeypatch.setattr(probe, "_split", lambda data: splits.append(len(data))
+    real_split = rawapi._split
+    monkeypatch.setattr(rawapi, "_split", lambda data: splits.append(len(data))
                         or real_split(data))
 
     def serve() -> None:
@@ -852,7 +852,7 @@ def test_the_probe_reads_a_big_answer_without_reading_it_again_at_each_receive(t
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        listing = probe.list_networks(timeout=10.0)
+        listing = rawapi.list_networks(timeout=10.0)
     finally:
         t.join(10)
         server.close()

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import WatchOptions
 from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.errors import StalePlanError
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveEndpoint, LiveState

@@ -48,10 +48,13 @@ def test_the_tree_keeps_every_contract(tree: str) -> None:
      "the `reconcile` fast path stays stdlib-only"),
     ("drivers/netlink/read.py", "import reconciler.drivers.docker.client",
      "driver packages are independent"),
-    ("planner/allocs.py", "import subprocess", "the planner is pure"),
+    ("planner/allocs/plan.py", "import subprocess", "the planner is pure"),
     ("engine/observe.py", "import docker", "only drivers.docker imports the Docker SDK"),
     ("agent/status.py", "import reconciler.agent.loop", "agent: process > loop"),
+    ("cli/safe.py", "import reconciler.cli.apply", "cli: entry > commands"),
     ("drivers/netlink/wire.py", "import reconciler.drivers.netlink.client", "netlink:"),
+    ("drivers/probe/capture.py", "import reconciler.drivers.probe.runner", "probe driver:"),
+    ("planner/allocs/live.py", "import reconciler.planner.allocs.plan", "allocs planner:"),
 ])
 def test_a_forbidden_edge_breaks_its_contract(tree: str, module: str, line: str,
                                               contract: str) -> None:

@@ -14,7 +14,7 @@ from reconciler.domain.live import LiveLink, LiveNeighbour
 from reconciler.domain.ops import NeighDelete, NeighReplace, decode, encode
 from reconciler.domain.ownership import NEIGH_PROTO, alloc_mac, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
-from reconciler.planner.allocs import own_neighbour
+from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.context import index_neighbours
 from reconciler.planner.gc import _marked, gc_plan, only_removals
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import PROBE
+from reconciler.agent.passes import PROBE
 from reconciler.domain.errors import ConfigError
 from reconciler.domain.ownership import alloc_ns_alias
 from reconciler.domain.probes import VANTAGE_HOST

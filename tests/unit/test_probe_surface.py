@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import PROBE, PROBE_HEAL, Agent, PassReport, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import PROBE, PROBE_HEAL, PassReport, WatchOptions
 from reconciler.agent.status import healthy_doc, render
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState

@@ -44,9 +44,12 @@ from reconciler.domain.probes import (
     ProbeSpec,
     sort_key,
 )
-from reconciler.drivers import probe as driver
 from reconciler.drivers.netlink import conntrack
 from reconciler.drivers.netlink.wire import parse_attrs
+from reconciler.drivers.probe import capture as probe_capture
+from reconciler.drivers.probe import diagnosis as probe_diagnosis
+from reconciler.drivers.probe import echo as probe_echo
+from reconciler.drivers.probe import runner as probe_runner
 from reconciler.engine import probes as probes_engine
 from reconciler.engine.reconcile import conflicts_line
 from reconciler.planner import addrspace
@@ -526,8 +529,8 @@ def ipv6(nxt: int, sport: int, dport: int) -> bytes:
 
 
 def test_capture_filter_passes_only_probe_packets_leaving_a_link():
-    prog, lo, hi = driver.capture_filter(), *PROBE_PORTS
-    out = driver.PACKET_OUTGOING
+    prog, lo, hi = probe_capture.capture_filter(), *PROBE_PORTS
+    out = probe_capture.PACKET_OUTGOING
     assert run_bpf(prog, ipv4(6, lo, 80), out) and run_bpf(prog, ipv4(17, hi, 53), out)
     assert run_bpf(prog, ipv4(6, lo, 80, ihl=6), out)  # options: the port is further on
     assert run_bpf(prog, ipv6(6, 61500, 80), out) and run_bpf(prog, ipv6(17, lo, 80), out)
@@ -540,8 +543,8 @@ def test_capture_filter_passes_only_probe_packets_leaving_a_link():
 def test_a_source_port_is_used_again_only_towards_another_destination(monkeypatch):
     # a run larger than the range reuses ports; two probes of one map (veth, family,
     # protocol, container port) on one port would be one arrival and one NAT reply tuple
-    monkeypatch.setattr(driver, "PROBE_PORTS", (61000, 61002))
-    ports = driver._Ports()
+    monkeypatch.setattr(probe_runner, "PROBE_PORTS", (61000, 61002))
+    ports = probe_runner._Ports()
     http, https = ("vr0", 4, 6, 80), ("vr0", 4, 6, 443)
     assert sorted(ports.take(http) for _ in range(3)) == [61000, 61001, 61002]
     with pytest.raises(OSError, match="no free probe source port"):
@@ -550,28 +553,28 @@ def test_a_source_port_is_used_again_only_towards_another_destination(monkeypatc
 
 
 def test_packet_parsing():
-    assert driver.parse_l4(ipv4(6, 61000, 80)) == (4, "10.0.0.1", 61000, "10.0.0.2", 80, 6)
-    assert driver.parse_l4(ipv6(17, 61001, 53))[1:] == ("::", 61001, "::", 53, 17)
-    assert driver.parse_l4(b"\x45\0") is None
+    assert probe_capture.parse_l4(ipv4(6, 61000, 80)) == (4, "10.0.0.1", 61000, "10.0.0.2", 80, 6)
+    assert probe_capture.parse_l4(ipv6(17, 61001, 53))[1:] == ("::", 61001, "::", 53, 17)
+    assert probe_capture.parse_l4(b"\x45\0") is None
 
 
 def test_echo_request_and_reply():
-    req = driver.echo_request(4, 0x1234, 7, driver.echo_payload(4, 1400))
+    req = probe_echo.echo_request(4, 0x1234, 7, probe_echo.echo_payload(4, 1400))
     assert len(req) + 20 == 1400
     total = sum(struct.unpack(f"!{len(req) // 2}H", req))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     assert total == 0xFFFF  # the checksum is right
     reply = bytes([0x45]) + b"\0" * 19 + bytes([0, 0, 0, 0]) + struct.pack("!HH", 0x1234, 7)
-    assert driver.parse_echo_reply(4, reply) == (0x1234, 7)
-    assert driver.parse_echo_reply(4, reply[:20] + bytes([8]) + reply[21:]) is None
-    assert driver.parse_echo_reply(6, bytes([129, 0, 0, 0]) + struct.pack("!HH", 1, 2)) == (1, 2)
+    assert probe_echo.parse_echo_reply(4, reply) == (0x1234, 7)
+    assert probe_echo.parse_echo_reply(4, reply[:20] + bytes([8]) + reply[21:]) is None
+    assert probe_echo.parse_echo_reply(6, bytes([129, 0, 0, 0]) + struct.pack("!HH", 1, 2)) == (1, 2)
 
 
 def test_a_probe_flow_becomes_the_exact_delete_of_its_conntrack_entry():
     """The probe driver reports its flows; the conntrack driver deletes them by tuple."""
     tcp = conntrack.delete_orig_request(
-        probes_engine.flow_tuple(driver.Flow(6, "10.0.0.1", "10.0.0.2", 61000, 80)))
+        probes_engine.flow_tuple(probe_runner.Flow(6, "10.0.0.1", "10.0.0.2", 61000, 80)))
     assert tcp[0] == socket.AF_INET
     orig = parse_attrs(parse_attrs(tcp, 4)[1])
     ip, l4 = parse_attrs(orig[1]), parse_attrs(orig[2])
@@ -579,7 +582,7 @@ def test_a_probe_flow_becomes_the_exact_delete_of_its_conntrack_entry():
                               ipaddress.ip_address("10.0.0.2").packed)
     assert (l4[1], l4[2], l4[3]) == (b"\x06", struct.pack("!H", 61000), struct.pack("!H", 80))
     echo6 = conntrack.delete_orig_request(
-        probes_engine.flow_tuple(driver.Flow(58, "fd00::2", "fd00::1", 9, 128)))
+        probes_engine.flow_tuple(probe_runner.Flow(58, "fd00::2", "fd00::1", 9, 128)))
     assert echo6[0] == socket.AF_INET6
     l4 = parse_attrs(parse_attrs(parse_attrs(echo6, 4)[1])[2])
     # CTA_PROTO_ICMPV6_ID, _TYPE, _CODE; no ports
@@ -590,6 +593,6 @@ def test_a_probe_flow_becomes_the_exact_delete_of_its_conntrack_entry():
 def test_netstat_counter():
     text = ("TcpExt: SyncookiesSent IPReversePathFilter\nTcpExt: 0 12\n"
             "IpExt: InNoRoutes\nIpExt: 3\n")
-    assert driver.netstat_counter("IPReversePathFilter", text) == 12
-    assert driver.netstat_counter("InNoRoutes", text) == 3
-    assert driver.netstat_counter("Missing", text) == 0
+    assert probe_diagnosis.netstat_counter("IPReversePathFilter", text) == 12
+    assert probe_diagnosis.netstat_counter("InNoRoutes", text) == 3
+    assert probe_diagnosis.netstat_counter("Missing", text) == 0

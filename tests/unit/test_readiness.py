@@ -20,7 +20,8 @@ import pytest
 
 from reconciler.agent import loop as loop_mod
 from reconciler.agent import status
-from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import WatchOptions
 from reconciler.agent.readiness import judge, same_revision
 from reconciler.domain.probes import ProbeResult
 from reconciler.engine import lock as lock_mod

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import WatchOptions
 from reconciler.domain.plan import Plan
 from reconciler.engine import lock as lock_mod
 from reconciler.engine import safechange

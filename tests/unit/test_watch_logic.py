@@ -21,7 +21,8 @@ import pytest
 from reconciler.agent import sources as drift
 from reconciler.agent import status
 from reconciler.agent.files import relevant_path, watch_dirs
-from reconciler.agent.loop import Agent, WatchOptions
+from reconciler.agent.loop import Agent
+from reconciler.agent.passes import WatchOptions
 from reconciler.agent.revision import check_permissions
 from reconciler.agent.schedule import Scheduler, Trigger
 from reconciler.agent.sources import DriftFilter, docker_event_reason

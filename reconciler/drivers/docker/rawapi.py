@@ -3,7 +3,7 @@
 Host-only runs must still prune networks this reconciler created earlier, and
 every declared prefix is checked against Docker's networks, so the daemon has
 to be asked; importing the Docker SDK and negotiating a client costs ~100 ms,
-one ``GET /networks`` costs a few. Only a local unix socket is probed (a
+one ``GET /networks`` costs a few. Only a local unix socket is asked (a
 remote daemon's networks are not on this host). The daemon's default address
 pools come from its configuration file: the API does not report them.
 """
@@ -191,7 +191,7 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
 
 
 def owned_scopes(listing: Listing | None = None, timeout: float = 2.0) -> set[str] | None:
-    """Scope labels of the networks we own, or None when this probe cannot tell.
+    """Scope labels of the networks we own, or None when this call cannot tell.
 
     An absent socket is an empty set: no daemon, nothing of ours to prune.
     """

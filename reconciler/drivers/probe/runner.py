@@ -30,43 +30,38 @@ file descriptors left under ``RLIMIT_NOFILE`` go in batches.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import ipaddress
-import json
 import os
 import resource
 import secrets
 import selectors
 import socket
 import struct
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from reconciler.domain.errors import DriverError
-from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS, alloc_veth_name
-from reconciler.domain.probes import (
-    PROBE_PORTS,
-    VANTAGE6_HOST,
-    VANTAGE6_PEER,
-    VANTAGE_HOST,
-    VANTAGE_NET,
-    VANTAGE_NET6,
-    VANTAGE_PEER,
-    ProbeSpec,
-)
+from reconciler.domain.ownership import alloc_veth_name
+from reconciler.domain.probes import PROBE_PORTS, ProbeSpec
 from reconciler.drivers import netns
+from reconciler.drivers.probe.capture import (
+    CMSG_ROOM,
+    capture_drops,
+    capture_stamp,
+    open_capture,
+    parse_l4,
+)
+from reconciler.drivers.probe.echo import (
+    ICMP6_ECHO,
+    ICMP_ECHO,
+    echo_payload,
+    echo_request,
+    open_icmp,
+    parse_echo_reply,
+)
 
-ETH_P_ALL = 0x0003
-SO_ATTACH_FILTER = 26
-PACKET_OUTGOING = 4
-ICMP_ECHO, ICMP_ECHOREPLY = 8, 0
-ICMP6_ECHO, ICMP6_ECHOREPLY = 128, 129
-IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2
-IPV6_DONTFRAG = 62
 #: after a UDP probe arrived, how long its socket stays open for the allocation's answer:
 #: an answer that finds its conntrack entry deleted would make a new one
 UDP_GRACE = 0.1
@@ -112,194 +107,6 @@ class _Probe:
     captured: bool = False
     answered: bool = False  # the sender's side is finished (connect done, echo or error)
     done: bool = False
-
-
-# ------------------------------------------------------------------ classic BPF
-
-# opcodes (linux/filter.h)
-_LD_ABS, _LDB_ABS, _LDH_ABS, _LDH_IND, _LDXB_MSH = 0x20, 0x30, 0x28, 0x48, 0xB1
-_SKF_AD_PKTTYPE = (-0x1000 + 4) & 0xFFFFFFFF  # SKF_AD_OFF + SKF_AD_PKTTYPE
-_RSH_K, _JA, _JEQ_K, _JGE_K, _JGT_K, _JSET_K, _RET_K = 0x74, 0x05, 0x15, 0x35, 0x25, 0x45, 0x06
-
-#: (label, opcode, k, jump if true, jump if false); jumps name labels, None: the next one
-_Insn = tuple[str | None, int, int, str | None, str | None]
-
-
-def _assemble(prog: Sequence[_Insn]) -> bytes:
-    """Classic BPF from labelled instructions (jump offsets count from the next one)."""
-    at = {label: i for i, (label, *_rest) in enumerate(prog) if label}
-    out = b""
-    for i, (_label, code, k, jt, jf) in enumerate(prog):
-        t = at[jt] - i - 1 if jt else 0
-        f = at[jf] - i - 1 if jf else 0
-        if code == _JA:
-            k, t = t, 0
-        out += struct.pack("HBBI", code, t, f, k)
-    return out
-
-
-def capture_filter(lo: int = PROBE_PORTS[0], hi: int = PROBE_PORTS[1]) -> bytes:
-    """A filter that passes IPv4/IPv6 TCP and UDP leaving a link from source ports lo..hi.
-
-    The socket is ``SOCK_DGRAM``: offset 0 is the IP header. IPv4 fragments after
-    the first carry no ports and are dropped; IPv6 is matched without extension
-    headers (the probes send none). It keeps the capture's queue to the probes'
-    packets whatever else the host's links carry.
-    """
-    return _assemble((
-        (None, _LD_ABS, _SKF_AD_PKTTYPE, None, None),                      # leaving a link
-        (None, _JEQ_K, PACKET_OUTGOING, None, "drop"),
-        (None, _LDB_ABS, 0, None, None), (None, _RSH_K, 4, None, None),   # A = IP version
-        (None, _JEQ_K, 4, "v4", None), (None, _JEQ_K, 6, "v6", "drop"),
-        ("v4", _LDB_ABS, 9, None, None),                                   # protocol
-        (None, _JEQ_K, 6, "v4port", None), (None, _JEQ_K, 17, "v4port", "drop"),
-        ("v4port", _LDH_ABS, 6, None, None), (None, _JSET_K, 0x1FFF, "drop", None),
-        (None, _LDXB_MSH, 0, None, None), (None, _LDH_IND, 0, None, None),  # A = source port
-        (None, _JA, 0, "check", None),
-        ("v6", _LDB_ABS, 6, None, None),                                   # next header
-        (None, _JEQ_K, 6, "v6port", None), (None, _JEQ_K, 17, "v6port", "drop"),
-        ("v6port", _LDH_ABS, 40, None, None),
-        ("check", _JGE_K, lo, None, "drop"), (None, _JGT_K, hi, "drop", None),
-        (None, _RET_K, 0xFFFF, None, None),
-        ("drop", _RET_K, 0, None, None),
-    ))
-
-
-_FILTER = capture_filter()
-_FILTER_BUF = ctypes.create_string_buffer(_FILTER)
-_FPROG = struct.pack("HL", len(_FILTER) // 8, ctypes.addressof(_FILTER_BUF))
-
-
-#: the capture's receive buffer: every probe's packet is queued twice (it leaves the bridge
-#: and the allocation's veth) and a run sends thousands at once
-CAPTURE_BUFFER = 32 << 20
-SO_RCVBUFFORCE = 33
-#: the kernel stamps each captured packet with when it passed the link (SCM_TIMESTAMPNS,
-#: wall time): a probe's latency is then the kernel's, not when our loop got round to it
-SO_TIMESTAMPNS = SCM_TIMESTAMPNS = 35
-_TIMESPEC = struct.Struct("qq")
-_CMSG_ROOM = socket.CMSG_SPACE(_TIMESPEC.size)
-SOL_PACKET, PACKET_STATISTICS = 263, 6
-
-
-def open_capture() -> socket.socket:
-    """The capture of every link of the namespace the calling thread is in (filter first).
-
-    Created bound to all links (``ETH_P_ALL``), so what arrived before the filter was
-    attached is drained here.
-    """
-    s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_ALL))
-    try:
-        s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, _FPROG)
-        s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-        s.setblocking(False)
-        with contextlib.suppress(OSError):
-            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, CAPTURE_BUFFER)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                s.recv(1)
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
-def capture_stamp(ancdata: Sequence[tuple[int, int, bytes]]) -> float | None:
-    """The SCM_TIMESTAMPNS of a received packet (wall-clock seconds), or None."""
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == SCM_TIMESTAMPNS and \
-                len(data) >= _TIMESPEC.size:
-            sec, nsec = _TIMESPEC.unpack_from(data)
-            return float(sec + nsec / 1e9)
-    return None
-
-
-def capture_drops(s: socket.socket) -> int:
-    """Packets the capture lost for want of buffer since the last call (PACKET_STATISTICS)."""
-    try:
-        _packets, drops = struct.unpack("II", s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
-    except OSError:
-        return 0
-    return int(drops)
-
-
-def parse_l4(data: bytes) -> tuple[int, str, int, str, int, int] | None:
-    """(family, src, sport, dst, dport, ip proto) of an IP packet with TCP/UDP, or None."""
-    if len(data) < 1:
-        return None
-    version = data[0] >> 4
-    if version == 4 and len(data) >= 20:
-        ihl = (data[0] & 0xF) * 4
-        if len(data) < ihl + 4:
-            return None
-        sport, dport = struct.unpack_from("!HH", data, ihl)
-        return (4, socket.inet_ntop(socket.AF_INET, data[12:16]), sport,
-                socket.inet_ntop(socket.AF_INET, data[16:20]), dport, data[9])
-    if version == 6 and len(data) >= 44:
-        sport, dport = struct.unpack_from("!HH", data, 40)
-        return (6, socket.inet_ntop(socket.AF_INET6, data[8:24]), sport,
-                socket.inet_ntop(socket.AF_INET6, data[24:40]), dport, data[6])
-    return None
-
-
-# ------------------------------------------------------------------ ICMP echo
-
-
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return int(~total & 0xFFFF)
-
-
-def echo_request(family: int, ident: int, seq: int, size: int = 0) -> bytes:
-    """An ICMP (or ICMPv6) echo request with ``size`` bytes of payload."""
-    payload = b"reconciler-probe"[:size].ljust(size, b"\0") if size else b""
-    if family == 4:
-        head = struct.pack("!BBHHH", ICMP_ECHO, 0, 0, ident, seq)
-        return struct.pack("!BBHHH", ICMP_ECHO, 0, _checksum(head + payload), ident,
-                           seq) + payload
-    # the kernel fills in the ICMPv6 checksum (it covers the pseudo-header)
-    return struct.pack("!BBHHH", ICMP6_ECHO, 0, 0, ident, seq) + payload
-
-
-def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
-    """(id, seq) of an echo reply (IPv4 raw sockets deliver the IP header too), or None."""
-    if family == 4:
-        if len(data) < 20:
-            return None
-        data = data[(data[0] & 0xF) * 4:]
-        want = ICMP_ECHOREPLY
-    else:
-        want = ICMP6_ECHOREPLY
-    if len(data) < 8 or data[0] != want:
-        return None
-    ident, seq = struct.unpack_from("!HH", data, 4)
-    return ident, seq
-
-
-def open_icmp(family: int) -> socket.socket:
-    """A raw echo socket that never fragments (DF): a full-size echo finds a smaller MTU."""
-    s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_RAW,
-                      socket.IPPROTO_ICMP if family == 4 else socket.IPPROTO_ICMPV6)
-    try:
-        s.setblocking(False)
-        s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # replies timed by the kernel
-        if family == 4:
-            s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        else:
-            s.setsockopt(socket.IPPROTO_IPV6, IPV6_DONTFRAG, 1)
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
-def echo_payload(family: int, size: int) -> int:
-    """Payload bytes of an echo whose IP packet is ``size`` bytes long."""
-    return max(0, size - (20 if family == 4 else 40) - 8)
 
 
 # ------------------------------------------------------------------ the flows the probes make
@@ -593,7 +400,7 @@ class ProbeRun:
             return
         while True:
             try:
-                data, ancdata, _flags, addr = self.capture.recvmsg(128, _CMSG_ROOM)
+                data, ancdata, _flags, addr = self.capture.recvmsg(128, CMSG_ROOM)
             except OSError:  # BlockingIOError: nothing more queued
                 return
             parsed = parse_l4(data)
@@ -607,7 +414,7 @@ class ProbeRun:
     def _echo(self, alloc: str, family: int, s: socket.socket) -> None:
         while True:
             try:
-                raw, ancdata, _flags, _addr = s.recvmsg(2048, _CMSG_ROOM)
+                raw, ancdata, _flags, _addr = s.recvmsg(2048, CMSG_ROOM)
             except OSError:
                 return
             reply = parse_echo_reply(family, raw)
@@ -690,240 +497,6 @@ class ProbeRun:
             with contextlib.suppress(OSError):
                 s.close()
         self.sockets.clear()
-
-
-# ------------------------------------------------------------------ diagnosis (failures only)
-
-def save_counters(family: int, *, legacy: bool = False) -> str | None:
-    """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
-
-    Only around a failed probe's re-run: which foreign rule's counter rose says which
-    rule dropped it. The same tools as the iptables driver, read-only. ``legacy``: the
-    iptables-legacy tables instead (``iptables-legacy-save -c``).
-    """
-    cmd = ("iptables" if family == 4 else "ip6tables") + ("-legacy" if legacy else "") + "-save"
-    try:
-        p = subprocess.run([cmd, "-c"], capture_output=True, text=True, timeout=30,
-                           errors="surrogateescape", check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout if p.returncode == 0 else None
-
-
-def netstat_counter(name: str, text: str | None = None) -> int:
-    """A ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
-    if text is None:
-        try:
-            with open("/proc/thread-self/net/netstat", encoding="ascii") as fh:
-                text = fh.read()
-        except OSError:
-            return 0
-    lines = text.splitlines()
-    for head, values in zip(lines[::2], lines[1::2], strict=False):
-        names, nums = head.split()[1:], values.split()[1:]
-        if name in names and len(nums) == len(names):
-            return int(nums[names.index(name)])
-    return 0
-
-
-# ------------------------------------------------------------------ the external vantage
-
-
-def _ip(*args: str, batch: str) -> None:
-    try:
-        p = subprocess.run(["ip", *args, "-batch", "-"], input=batch, capture_output=True,
-                           text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise DriverError(f"probe vantage: ip: {e}") from None
-    if p.returncode != 0:
-        line = (p.stderr.strip().splitlines() or ["failed"])[-1]
-        raise DriverError(f"probe vantage: ip {' '.join(args)}: {line}")
-
-
-#: the vantage link's MACs (locally administered, fixed): both ends know each other without
-#: ARP, which strict rp_filter on the host would also refuse to answer (arp_process checks the
-#: sender's route) — the probe then shows the rp_filter drop, not a neighbour that never came
-VANTAGE_HOST_MAC, VANTAGE_PEER_MAC = "02:72:63:70:00:01", "02:72:63:70:00:02"
-
-
-def _mark_lo() -> None:
-    """Inside the new vantage namespace, before it is mounted: ``lo`` carries the mark, so a
-    namespace of that name is provably ours (or provably not) from outside."""
-    _ip(batch=f'link set lo alias "{PROBE_VANTAGE_ALIAS}"\nlink set lo up\n')
-
-
-def create_vantage(ns: str, link: str) -> None:
-    """The external vantage: namespace ``ns`` joined to this one by the veth ``link``.
-
-    The host end has ``VANTAGE_HOST``/30, the namespace's ``eth0`` ``VANTAGE_PEER``/30
-    and a default route through the host, so its connections arrive the way another
-    host's do (PREROUTING, FORWARD); the same in IPv6 with the /126 ``VANTAGE_NET6``
-    (``_add_ipv6``). Neither end makes addresses of its own (``addrgenmode none``: no
-    link-local address, so no DAD or router solicitation), the pair is ``nodad``
-    (usable at once) and the neighbours are permanent entries: apart from the probes,
-    only the kernel's MLD reports (from ``::``, for the pair's solicited-node groups)
-    cross the link. Made with ``ip -batch`` runs: it is opt-in and
-    made once per host, where the netlink driver has no veth without a bridge (its veths
-    are made attached, as an allocation's, and this driver may not call it). The caller
-    holds the vantage's lock exclusively and removed what was there (``remove_vantage``);
-    a namespace of that name that is still there is not ours and is refused, never
-    replaced. ``lo`` inside carries ``PROBE_VANTAGE_ALIAS`` before the namespace is
-    mounted (``_mark_lo`` in ``netns.create``'s ``init``; ``ip`` forked from the thread
-    inside the new namespace runs there).
-    """
-    try:
-        made = netns.create(ns, file_mark=PROBE_VANTAGE_ALIAS, init=_mark_lo)
-    except DriverError as e:
-        raise DriverError(f"probe vantage: {e}") from None
-    if not made:
-        raise DriverError(f"probe vantage: the namespace {ns} exists and is not ours")
-    try:
-        _ip(batch="\n".join((
-            f"link add {link} address {VANTAGE_HOST_MAC} type veth peer name eth0 "
-            f"address {VANTAGE_PEER_MAC} netns {ns}",
-            f"link set {link} addrgenmode none",
-            f'link set {link} alias "{PROBE_VANTAGE_ALIAS}"',
-            f"addr add {VANTAGE_HOST}/{VANTAGE_NET.prefixlen} dev {link}",
-            f"neigh replace {VANTAGE_PEER} lladdr {VANTAGE_PEER_MAC} dev {link} nud permanent",
-            f"link set {link} up", "")))
-        _ip("-n", ns, batch="\n".join((
-            "link set eth0 addrgenmode none",
-            f"addr add {VANTAGE_PEER}/{VANTAGE_NET.prefixlen} dev eth0",
-            f"neigh replace {VANTAGE_HOST} lladdr {VANTAGE_HOST_MAC} dev eth0 nud permanent",
-            "link set eth0 up", f"route add default via {VANTAGE_HOST}", "")))
-    except DriverError:
-        remove_vantage(ns, link)
-        raise
-    with contextlib.suppress(DriverError):
-        _add_ipv6(ns, link)
-
-
-def _add_ipv6(ns: str, link: str) -> None:
-    """The vantage link's IPv6 pair, after its IPv4 side: a host without IPv6 (or with it
-    disabled on new links) keeps an IPv4 vantage, and its IPv6 maps' external paths say
-    why they are skipped (``vantage_ipv6_missing``) instead of every external probe failing."""
-    if not os.path.isdir("/proc/sys/net/ipv6"):
-        return
-    _ip(batch="\n".join((
-        f"addr add {VANTAGE6_HOST}/{VANTAGE_NET6.prefixlen} dev {link} nodad",
-        f"neigh replace {VANTAGE6_PEER} lladdr {VANTAGE_PEER_MAC} dev {link} nud permanent",
-        "")))
-    _ip("-n", ns, batch="\n".join((
-        f"addr add {VANTAGE6_PEER}/{VANTAGE_NET6.prefixlen} dev eth0 nodad",
-        f"neigh replace {VANTAGE6_HOST} lladdr {VANTAGE_HOST_MAC} dev eth0 nud permanent",
-        f"route add default via {VANTAGE6_HOST}", "")))
-
-
-def vantage_ipv6_missing(link: str) -> str | None:
-    """Why the vantage has no IPv6 pair to probe from, or None when it has: its host end
-    carries ``VANTAGE6_HOST`` (one file read; the namespace's end failing shows as the
-    probes' own failure, "network unreachable")."""
-    why = _ipv6_unavailable(link)
-    if why is not None:
-        return why
-    if not _has_ipv6_pair(link):
-        return f"the external vantage link has no IPv6 address ({VANTAGE6_HOST} is not on {link})"
-    return None
-
-
-def vantage_lacks_ipv6_pair(link: str) -> bool:
-    """The link could carry the IPv6 pair and does not: a vantage made by a version before
-    the pair, or one whose pair someone removed (made again, see ``VantageLease``)."""
-    return _ipv6_unavailable(link) is None and not _has_ipv6_pair(link)
-
-
-def _ipv6_unavailable(link: str) -> str | None:
-    if not os.path.isdir("/proc/sys/net/ipv6"):
-        return "no IPv6 in this kernel (the external vantage link has no IPv6 pair)"
-    try:
-        with open(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6", encoding="ascii") as fh:
-            if fh.read().strip() == "1":
-                return (f"IPv6 is disabled on the external vantage link "
-                        f"(net.ipv6.conf.{link}.disable_ipv6=1)")
-    except OSError:
-        pass  # the link went meanwhile: the look for the pair says so
-    return None
-
-
-def _has_ipv6_pair(link: str) -> bool:
-    """``VANTAGE6_HOST`` is on ``link`` here: a read of ``if_inet6`` (the namespace's IPv6
-    addresses, one per line: hex address, index, prefix, scope, flags, name), not an ``ip``
-    process per probe run."""
-    want = ipaddress.IPv6Address(VANTAGE6_HOST).exploded.replace(":", "")
-    try:
-        with open("/proc/thread-self/net/if_inet6", encoding="ascii") as fh:
-            rows = [line.split() for line in fh]
-    except OSError:
-        return False
-    return any(len(r) == 6 and r[0] == want and r[5] == link for r in rows)
-
-
-def _json(*args: str) -> list[dict[str, Any]] | None:
-    """What ``ip ARGS`` (with ``-j``) prints, parsed; None when it fails."""
-    try:
-        p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
-                           check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if p.returncode != 0:
-        return None
-    try:
-        out = json.loads(p.stdout or "[]")
-    except ValueError:
-        return None
-    return out if isinstance(out, list) else None
-
-
-def _alias(*args: str) -> str | None:
-    """``ifalias`` of one link (``ip -j link show``), "" when it has none, None if absent."""
-    links = _json(*args)
-    if links is None:
-        return None
-    return str(links[0].get("ifalias", "")) if links else None
-
-
-def namespace_mark(ns: str) -> str | None:
-    """The mark of the namespace ``ns``: its ``lo`` alias when it is a live namespace, the
-    file's tag when it is an empty file (a crash between unmount and unlink), None when
-    there is no such namespace; "" when it carries none."""
-    try:
-        if not netns.is_namespace_mount(ns):
-            return netns.file_mark(ns) or ""
-    except (OSError, DriverError):
-        return None
-    return _alias("-n", ns, "-j", "link", "show", "dev", "lo") or ""
-
-
-def link_mark(link: str) -> str | None:
-    """The alias of the host link ``link`` ("" when none), None when there is no such link."""
-    return _alias("-j", "link", "show", "dev", link)
-
-
-def vantage_state(ns: str, link: str) -> str:
-    """``ready`` (both parts there and marked ours), ``absent`` (neither there), ``foreign``
-    (a part of that name is there and not ours), else ``partial`` (ours, half there)."""
-    ns_mark, link_mk = namespace_mark(ns), link_mark(link)
-    if (ns_mark is not None and ns_mark != PROBE_VANTAGE_ALIAS) or \
-            (link_mk is not None and link_mk != PROBE_VANTAGE_ALIAS):
-        return "foreign"
-    if ns_mark is None and link_mk is None:
-        return "absent"
-    if ns_mark is not None and link_mk is not None and netns.is_namespace_mount(ns):
-        return "ready"
-    return "partial"
-
-
-def remove_vantage(ns: str, link: str) -> None:
-    """Remove the vantage: the veth first (at once; the namespace's own teardown is
-    asynchronous), then the namespace — each only when it carries the vantage's mark
-    (``PROBE_VANTAGE_ALIAS``): a link or namespace of that name that is somebody else's
-    stays. Absent parts are fine."""
-    if link_mark(link) == PROBE_VANTAGE_ALIAS:
-        with contextlib.suppress(DriverError):  # gone meanwhile: nothing to remove
-            _ip(batch=f"link del {link}\n")
-    if namespace_mark(ns) == PROBE_VANTAGE_ALIAS:
-        with contextlib.suppress(DriverError, OSError):
-            netns.delete(ns)
 
 
 def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,

@@ -1,0 +1,282 @@
+"""How `plan`, `apply` and `destroy` run: load, print, stop on signals, apply.
+
+``commands`` dispatches; the commands that change the host go through
+``run_apply`` here (``apply``, ``destroy``; ``verify`` and ``gc`` share the
+signal handling). Heavy imports stay inside the functions, as in ``commands``
+(see its docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+from reconciler.config.load import load
+from reconciler.domain.errors import ConfigError, StalePlanError
+from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Plan
+from reconciler.ui.render import (
+    EXIT_ERROR,
+    EXIT_OK,
+    colour,
+    emit_json,
+    plan_exit,
+    plan_text,
+    render_text,
+    residual_error,
+)
+
+
+def load_desired(paths: Sequence[str], args: argparse.Namespace | None = None) -> DesiredState:
+    """Load the desired state from ``paths`` for this host (``--hostname``, if given)."""
+    return load(paths, hostname=getattr(args, "hostname", None))
+
+
+def print_plan(plan: Plan, args: argparse.Namespace) -> None:
+    """Print ``plan`` on stdout as ``--output`` asks."""
+    sys.stdout.write(plan_text(plan, args.output, colour=colour(args), verbose=args.verbose > 0))
+
+
+def is_saved_plan(paths: Sequence[str]) -> bool:
+    """Tell whether ``paths`` is one file that ``plan --out`` wrote."""
+    if len(paths) != 1 or not os.path.isfile(paths[0]):
+        return False
+    with open(paths[0], "rb") as fh:
+        head = fh.read(64).lstrip()
+    # `plan --out` writes JSON that starts with its format version; a desired-state file in
+    # YAML flow style (or JSON) starts with "{" too, but never like this
+    return head.startswith(b'{\n  "format_version"') or head.startswith(b'{"format_version"')
+
+
+def load_saved(path: str) -> Plan:
+    """Read a plan ``plan --out`` saved; ``ConfigError`` when it is none."""
+    try:
+        with open(path) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+    if isinstance(raw, dict) and not isinstance(raw.get("options", {}), dict):
+        # the options are checked one by one later (ui.options.saved_plan_options)
+        raise ConfigError("not a usable saved plan: options must be a mapping of option "
+                          "names to values", file=path)
+    try:
+        return Plan.from_json(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+
+
+#: the signals that stop a command that probes, the way they stop ``watch``
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
+    cleanup runs: with the default SIGTERM the process dies where it is and the probes'
+    vantage stays behind.
+
+    The handler only sets the stop event (``apply``'s executor stops after the op it is
+    running and its probes are not started; ``verify`` does not start probing) and notes
+    the signal: a run of probes already started ends by its own timeouts, then the
+    ``finally`` blocks close the prober. Raising from the handler instead could leave the
+    thread in an allocation's namespace (between ``setns`` and the switch back). The
+    signals that came are the value; the command then says so and exits 1.
+    """
+    got: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        got.append(signum)
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield got  # signals reach the main thread only (tests call commands from threads)
+        return
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def stopped(signals: list[int]) -> int:
+    """Say which signal stopped the command; its exit code."""
+    print(f"error: stopped by {signal.Signals(signals[0]).name}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
+              saved: Plan | None = None) -> int:
+    """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code."""
+    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.impact import DisruptionError, refusal  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.options import probe_request  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.progress import Progress  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui.progress import wanted as progress_wanted  # noqa: PLC0415 (lazy: as above)
+
+    rec = Reconciler()
+    if args.dry_run:
+        plan = rec.plan(desired, options)
+        print_plan(plan, args)
+        refused = refusal(plan, getattr(args, "max_disruption", None))
+        if refused is not None:
+            print(f"error: {refused}", file=sys.stderr)
+            return EXIT_ERROR
+        return plan_exit(plan)
+    # destroy has no probe options: it leaves nothing to probe
+    request = probe_request(args) if hasattr(args, "no_probe") else None
+    window = safe.attach(rec, args, request, options)
+    line = Progress() if progress_wanted(sys.stderr, args.output, args.verbose) else None
+    with stop_on_signals(rec.stop) as signals:
+        try:
+            with host_lock(args.lock_timeout), line or contextlib.nullcontext():
+                # an overdue change is reverted first; a pending one refuses
+                safe.guard(rec, err=args.output == "json")
+                result = rec.apply(desired, options, saved=saved, probe=request,
+                                   max_disruption=getattr(args, "max_disruption", None),
+                                   before_changes=window.before_changes if window else None,
+                                   on_plan=line.plan if line else None,
+                                   on_outcome=line.outcome if line else None)
+                if window is not None:
+                    window.settle(result, stopped=bool(signals))
+        except DisruptionError as exc:  # what it would have disrupted, then the one line
+            print_plan(exc.plan, args)
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        finally:
+            rec.close_probes()
+    if args.output == "json":
+        emit_json({"plan": result.plan.to_json(),
+                   "outcomes": [{"kind": o.change.kind, "name": o.change.name,
+                                 "action": o.change.action.value, "status": o.status,
+                                 "error": o.error} for o in result.outcomes],
+                   "residual": result.residual.to_json() if result.residual else None,
+                   "probes": probe_view.to_json(result.probes),
+                   "probe_seconds": round(result.probe_seconds, 4),
+                   "ok": result.ok})
+    else:
+        sys.stdout.write(render_text(result.plan, colour=colour(args),
+                                     verbose=args.verbose > 0))
+        if result.outcomes:
+            counts = {s: sum(1 for o in result.outcomes if o.status == s)
+                      for s in ("applied", "failed", "skipped")}
+            print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped.")
+            for o in result.failed:
+                print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
+        if result.probes:
+            print(probe_view.summary(result.probes, result.probe_seconds))
+    if result.residual is not None and result.residual.has_changes:
+        print(f"error: {residual_error(result.residual)}", file=sys.stderr)
+    for e in result.plan.errors:
+        print(f"error: {e}", file=sys.stderr)
+    for r in result.probe_failures:
+        print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
+    if signals:
+        if window is not None:
+            window.stopped()
+        return stopped(signals)
+    rc = EXIT_OK if result.ok else EXIT_ERROR
+    return window.finish(result, rc) if window is not None else rc
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from reconciler.ui.options import plan_options, saved_plan_options  # noqa: PLC0415 (lazy: see the module docstring)
+
+    if is_saved_plan(args.paths):
+        saved = load_saved(args.paths[0])
+        files = [p for p, _h in saved.files]
+        if not files:
+            raise ConfigError("the saved plan names no desired-state files", file=args.paths[0])
+        if args.no_prune or args.adopt or args.force_replace:
+            raise ConfigError("apply of a saved plan uses the options it was planned with; "
+                              "give --no-prune/--adopt/--force-replace to `plan --out`",
+                              file=args.paths[0])
+        options = saved_plan_options(saved.options, file=args.paths[0])
+        return run_apply(args, load_desired(files, args), options, saved)
+    return run_apply(args, load_desired(args.paths, args), plan_options(args))
+
+
+def cmd_destroy(args: argparse.Namespace) -> int:
+    from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
+
+    options = PlanOptions(prune=True)
+    shown = None
+    if not args.dry_run and not args.yes and _interactive():
+        shown, finished = _confirm_destroy(args, options)
+        if shown is None:
+            print("Destroy cancelled; " + ("nothing was destroyed (an interrupted change was "
+                                           "carried on first: see above)." if finished else
+                                           "nothing changed."), file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        rc = run_apply(args, DesiredState(), options, shown)
+    except StalePlanError:
+        if shown is None:
+            raise
+        raise StalePlanError("the host changed while destroy was waiting for the answer; "
+                             "nothing was destroyed: run destroy again") from None
+    if not args.dry_run and remove_unused_vantage() and args.output == "text":
+        print("Removed the probes' external vantage (no prober uses it).")
+    return rc
+
+
+def _interactive() -> bool:
+    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # closed
+        return False
+
+
+#: what ``destroy`` asks on a terminal, and the one answer that goes on (as Terraform)
+DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler manages here?\n"
+                    "  There is no undo. Only 'yes' will be accepted to confirm.\n\n"
+                    "  Enter a value: ")
+
+
+def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | None, bool]:
+    """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do),
+    and whether interrupted changes were finished first.
+
+    The plan shown is the one applied: ``apply`` checks it against the live state again
+    under the lock (as a saved plan), so what changed meanwhile is refused, not removed.
+    A change a killed run left half done (its journal) is finished under the lock before
+    the plan is made, as ``apply`` would do first: a plan of the half-made state would be
+    what nobody can confirm (``apply`` then finds the host changed).
+    """
+    from reconciler.engine.finish import touched_host  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+
+    rec = Reconciler()
+    finished = False
+    if rec.journals_pending():
+        with host_lock(args.lock_timeout):
+            finished = any(touched_host(line) for line in rec.finish_journals())
+    plan = rec.plan(DesiredState(), options)
+    if args.output == "json":  # stdout stays one JSON document (the result's)
+        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
+    else:
+        print_plan(plan, args)
+    if not plan.has_changes:
+        return plan, finished
+    sys.stdout.flush()
+    sys.stderr.write("\n" + DESTROY_QUESTION)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        sys.stderr.write("\n")  # end of input: no answer is no
+    return (plan if answer.strip() == "yes" else None), finished

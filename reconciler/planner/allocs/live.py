@@ -1,0 +1,76 @@
+"""What the live state says of an allocation: its namespace, veth pair and addresses."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from reconciler.domain.live import LiveLink, LiveNetns
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias
+from reconciler.planner.context import PlanContext
+
+IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def is_ours(ctx: PlanContext, ns: LiveNetns | None) -> bool:
+    """Return whether ``ns`` is an allocation namespace of this host (``owned_ns``)."""
+    return owned_ns(ctx.live.host_id, ns)
+
+
+def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
+    """An allocation namespace of the host ``host_id``: its ``lo`` carries our mark."""
+    if ns is None or not ns.usable:
+        return False
+    lo = inner_link(ns, "lo")
+    return lo is not None and lo.alias == alloc_ns_alias(host_id)
+
+
+def veth_pair_ok(ns: LiveNetns, veth: LiveLink | None) -> bool:
+    """The allocation's veth pair is whole: the host end and ``eth0`` inside, one pair."""
+    eth0 = inner_link(ns, ALLOC_IFNAME)
+    return (veth is not None and eth0 is not None and eth0.kind == "veth"
+            and veth.kind == "veth" and (ns.nsid is None or veth.peer_netnsid in
+                                         (None, ns.nsid)))
+
+
+def inner_link(ns: LiveNetns | None, name: str) -> LiveLink | None:
+    if ns is None:
+        return None
+    return next((lk for lk in ns.links if lk.name == name), None)
+
+
+def is_own_namespace(ctx: PlanContext, ns: LiveNetns | None) -> bool:
+    """The namespace the reconciler runs in (``--netns X``'s X, or the host's own bind-mounted
+    under /run/netns): never an allocation's, to adopt, fill or delete. Its own veth in it
+    would be a loop, and deleting it unmounts the sandbox itself."""
+    return ns is not None and ns.inode is not None and str(ns.inode) == ctx.live.host_id
+
+
+def veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | None) -> bool:
+    """May the host link named ``alloc_veth_name(aid)`` be changed or deleted? Its name
+    proves nothing (anyone may call a link ``vr`` + 12 hex): a veth that carries our mark,
+    or a veth whose peer is inside this allocation's namespace (ours, or being adopted) —
+    what a crash between the veth's creation and its marking leaves."""
+    if veth.kind != "veth":
+        return False
+    if veth.owned:
+        return True
+    return (ns is not None and ns.usable and ns.nsid is not None
+            and veth.peer_netnsid == ns.nsid
+            and (is_ours(ctx, ns) or ctx.adopted("alloc", aid)))
+
+
+def describe_link(lk: LiveLink) -> str:
+    """``veth 10.77.0.50/24`` for a plan line: what a deletion takes with it."""
+    addrs = " ".join(sorted(str(x.address) for x in lk.addresses))
+    return f"{lk.kind or 'link'}{' ' + addrs if addrs else ''}"
+
+
+def live_addr(ctx: PlanContext, aid: str, version: int) -> IPAddr | None:
+    ns = ctx.live.netns.get(aid)
+    if not is_ours(ctx, ns):
+        return None
+    eth0 = inner_link(ns, ALLOC_IFNAME)
+    for a in (eth0.addresses if eth0 else ()):
+        if a.owned and a.address.version == version:
+            return a.address.ip
+    return None
