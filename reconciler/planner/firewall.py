@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveChainSet
@@ -313,16 +313,15 @@ def guarded_flows(rules: Iterable[str]) -> list[fwpaths.Flow]:
     return out
 
 
-def accepts_ahead(chains: Mapping[tuple[str, str], Iterable[str]], table: str, builtin: str,
+def accepts_ahead(chains: Mapping[tuple[str, str], Sequence[str]], table: str, builtin: str,
                   chain: str, flows: Iterable[fwpaths.Flow]) -> list[fwpaths.Hit]:
     """Rules of others that can accept some of ``flows`` before our jump to ``chain`` in
     ``builtin`` is reached (through the chains they jump to: a ``DOCKER-USER`` holding our
     jump first lets nothing by). In the order met, each once."""
     ours = jump_rule(chain, ())
-    seq = {k: tuple(v) for k, v in chains.items()}
     out: dict[tuple[str, str, str, str | None], fwpaths.Hit] = {}
     for flow in flows:
-        w = fwpaths.walk(seq, table, builtin, flow, fwpaths.ACCEPTS,
+        w = fwpaths.walk(chains, table, builtin, flow, fwpaths.ACCEPTS,
                          stop_at=lambda r: r == ours)
         for h in w.hits:
             out.setdefault((h.table, h.chain, h.rule, h.via), h)
@@ -414,7 +413,9 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
                 chains[(table, DOCKER_USER)] = _docker_user(
                     live.chains[(table, DOCKER_USER)], table, chain, want, flows, chains,
                     bucket(table, 2), attrs, ahead)
-            now = accepts_ahead(live.chains, table, builtin, chain, flows)
+            # what they let by now (a missing jump is said as missing, above)
+            now = accepts_ahead(live.chains, table, builtin, chain, flows) if want in jumps \
+                else []
             if now:
                 ahead.append(describe_ahead(now, chain))
             if want in jumps and accepts_ahead(chains, table, builtin, chain, flows):
@@ -453,7 +454,7 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
 
 
 def _docker_user(rules: tuple[str, ...], table: str, chain: str, want: str,
-                 flows: list[fwpaths.Flow], chains: Mapping[tuple[str, str], Iterable[str]],
+                 flows: list[fwpaths.Flow], chains: Mapping[tuple[str, str], Sequence[str]],
                  script: list[str], attrs: list[AttrChange],
                  ahead: list[str]) -> tuple[str, ...]:
     """Our jump first in dockerd's ``DOCKER-USER`` (it exists: we never create another
