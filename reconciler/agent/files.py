@@ -21,7 +21,7 @@ log = logging.getLogger("reconciler.watch")
 
 
 def relevant_path(path: str, named: Sequence[str]) -> bool:
-    """True when a changed path can alter what the loader reads from ``named`` paths."""
+    """Return True when a changed path can alter what the loader reads from ``named`` paths."""
     ap = os.path.abspath(path)
     for n in named:
         an = os.path.abspath(n)
@@ -35,7 +35,7 @@ def relevant_path(path: str, named: Sequence[str]) -> bool:
 
 
 def watch_dirs(paths: Sequence[str]) -> list[str]:
-    """The directories to watch (non-recursively) for the given file/directory paths."""
+    """Return the directories to watch (non-recursively) for the given file/directory paths."""
     out: list[str] = []
     for p in paths:
         ap = os.path.abspath(p)
@@ -46,7 +46,7 @@ def watch_dirs(paths: Sequence[str]) -> list[str]:
 
 
 def _links_on_the_way(path: str) -> list[str]:
-    """Every symlink among the components of ``path``."""
+    """Return every symlink among the components of ``path``."""
     out = []
     parts = os.path.abspath(path).split(os.sep)
     for i in range(2, len(parts) + 1):

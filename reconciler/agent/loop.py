@@ -157,7 +157,7 @@ class Agent(AgentProbes):
         self.trigger.request(f"{source} drift", delay=self.options.drift_debounce)
 
     def on_overlaps(self, found: list[LiveOverlap]) -> None:
-        """The alarm's report: foreign addresses and routes over owned prefixes, now."""
+        """Report the alarm's findings: foreign addresses and routes over owned prefixes, now."""
         now = self.wall()
         before = {(o["owned"], o["foreign"]): o["since"]
                   for o in self.board.get("address_overlaps") or []}
@@ -176,7 +176,7 @@ class Agent(AgentProbes):
         self.board.update(address_overlaps=current)
 
     def reload(self) -> None:
-        """SIGHUP: reload now, and forget the backoff (an operator is looking)."""
+        """Reload now on SIGHUP, and forget the backoff (an operator is looking)."""
         log.info("SIGHUP: reloading")
         with self.trigger.locked():
             self.scheduler.backoff_until = 0.0
@@ -226,7 +226,7 @@ class Agent(AgentProbes):
             self.files.ensure()
 
     def _held_namespaces(self) -> frozenset[str]:
-        """Namespaces the observer keeps a socket into: undeclared ones of ours, too.
+        """Return the namespaces the observer keeps a socket into: undeclared ones of ours, too.
 
         With --no-prune or --dry-run those are not deleted by us; if someone else
         deletes one, the held socket keeps it (and its veth) alive until the next
@@ -289,7 +289,7 @@ class Agent(AgentProbes):
             self.scheduler.set_timer(PROBE, self.clock(), self.options.probe_interval)
 
     def _recheck_overlaps(self) -> None:
-        """After a pass: what we own may have changed; the alarm looks again."""
+        """Let the alarm look again after a pass: what we own may have changed."""
         if self.alarm is None:
             return
         live = self.reconciler.last_live
@@ -307,13 +307,13 @@ class Agent(AgentProbes):
         return True, "ok"
 
     def ready(self) -> Verdict:
-        """``/readyz``: converged, verified and probed at the current revision (readiness)."""
+        """Judge ``/readyz``: converged, verified and probed at the current revision (readiness)."""
         return judge(self.board.snapshot(), probing=self.options.probe is not None,
                      alive=self.healthy())
 
     @contextmanager
     def _host_lock(self) -> Iterator[None]:
-        """The host lock, waited for in small steps so that SIGTERM is not held up."""
+        """Hold the host lock, waited for in small steps so that SIGTERM is not held up."""
         deadline = self.clock() + self.options.lock_timeout
         announced = False
         while True:
@@ -332,7 +332,8 @@ class Agent(AgentProbes):
             yield
 
     def _revision(self) -> dict[str, Any]:
-        """The checkout's commit (when in git) and the digest of the files as they are now."""
+        """Return the checkout's commit (when in git) and the digest of the files as they are
+        now."""
         rev = git_revision(self.options.paths) or {}
         try:
             files = expand_paths(self.options.paths)
@@ -516,7 +517,7 @@ class Agent(AgentProbes):
         report.result = "applied" if report.applied else "ok"
 
     def _held(self, report: PassReport, why: str) -> None:
-        """The pass is held back by a pending change; one that is not the agent's own is
+        """Hold the pass back for a pending change; one that is not the agent's own is
         reverted at its deadline (the pass asked for then), not at the next resync."""
         report.result, report.error = "pending", why
         until = self.safe.held_until

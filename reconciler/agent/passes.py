@@ -94,7 +94,7 @@ def probe_key(r: ProbeResult) -> ProbeKey:
 
 
 def probe_order(k: ProbeKey) -> tuple[str, str, str, int, int]:
-    """Keys in a stable order (a gateway's port is None)."""
+    """Order keys stably (a gateway's port is None)."""
     return (k[0], k[1], k[2], -1 if k[3] is None else k[3], k[4])
 
 
@@ -113,7 +113,7 @@ def resource_errors(result: Any) -> list[dict[str, str]]:
 
 
 def adopt_hint(c: Change) -> str:
-    """How to take the object over, unless the reason says it already or adopting cannot
+    """Say how to take the object over, unless the reason says it already or adopting cannot
     help (an overlap in the address space is someone else's address or route)."""
     if "--adopt" in c.reason or " overlaps " in c.reason:
         return ""

@@ -8,6 +8,8 @@ otherwise — or when that pass did not heal it — it is reported: a log line,
 ``AgentProbes`` is the part of ``loop.Agent`` that runs them and folds their
 results in; the state it reads and keeps is the agent's own (declared here,
 set up in ``Agent.__init__``).
+
+See docs/decisions/032-probes-in-apply-and-watch.md.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class AgentProbes:
     _probes_revision: dict[str, Any] | None
 
     def after_probes(self, reasons: list[str], report: PassReport) -> None:
-        """After a pass: what its apply probed; at startup (and when the probe timer came with
+        """Probe after a pass: what its apply probed; at startup (and when the probe timer came with
         other reasons) a probe of every allocation; after a heal pass, of those that failed."""
         if self.options.probe is None or self.good is None:
             return
@@ -86,7 +88,7 @@ class AgentProbes:
             self.take_probes(results, after_heal=heal)
 
     def probe_run(self) -> None:
-        """The probe timer: every allocation against a fresh observation, without a pass (a
+        """Run the probe timer: every allocation against a fresh observation, without a pass (a
         failure the reconciler owns asks for one).
 
         Under the host lock, taken without waiting: a CLI ``apply`` in the middle of its

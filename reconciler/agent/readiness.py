@@ -24,6 +24,8 @@ that branch writes into the status document (absent = null until then). Their
 reasons are pinned on hand-made documents in tests/unit/test_readiness.py; once the
 agent writes them, a test must reach them through the agent's real document, as
 ``test_status_shape`` does for every other key (its ``SEAM`` set goes away then).
+
+See docs/decisions/030-fleet-readiness.md.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _first_line(text: Any) -> str:
 
 
 def same_revision(rev: dict[str, Any] | None, name: str | None) -> bool:
-    """Whether ``name`` (a commit id, a prefix of one of 7+ characters, the short form the
+    """Tell whether ``name`` (a commit id, a prefix of one of 7+ characters, the short form the
     logs show, or the files' digest) names the revision ``rev``."""
     if not rev or not name:
         return False
@@ -72,7 +74,7 @@ _IDENTITY = ("commit", "dirty", "files_sha256")
 
 
 def same_state(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Whether two revision records (``revision``, ``last_pass.revision``,
+    """Tell whether two revision records (``revision``, ``last_pass.revision``,
     ``probes.revision``) are the same files: the same commit, dirty flag and digest of the
     files' names and contents (a local edit of a commit is another state)."""
     if not a or not b:
@@ -86,7 +88,7 @@ def _describe(rev: dict[str, Any] | None) -> str:
 
 def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True, "ok")
           ) -> Verdict:
-    """The readiness of the agent whose status document is ``doc``.
+    """Return the readiness of the agent whose status document is ``doc``.
 
     ``probing``: the agent probes (so probes must have run and hold); ``alive``: what
     ``/healthz`` says (a stuck loop is not ready either). The checks run in the order an

@@ -1,4 +1,7 @@
-"""Which revision of the files the agent runs, and whether others could have written them."""
+"""Which revision of the files the agent runs, and whether others could have written them.
+
+See docs/decisions/027-nobody-else-steers-the-agent.md.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from reconciler.domain.errors import ConfigError, PreconditionError
 
 
 def git_revision(paths: Sequence[str], timeout: float = 5.0) -> dict[str, Any] | None:
-    """Commit, its commit time and the dirty flag of the git checkout holding ``paths[0]``,
-    or None.
+    """Return the commit, its commit time and the dirty flag of the git checkout holding
+    ``paths[0]``, or None.
 
     Runs with optional locks off (never takes index.lock from under a user's
     git command) and fsmonitor off (no hook programs run on our behalf).
@@ -49,7 +52,7 @@ def git_revision(paths: Sequence[str], timeout: float = 5.0) -> dict[str, Any] |
 
 
 def expected_problem(rev: dict[str, Any] | None, expected: str) -> str | None:
-    """Why the checkout ``rev`` is not exactly the commit ``watch --expect-revision`` names
+    """Return why the checkout ``rev`` is not exactly the commit ``watch --expect-revision`` names
     (a commit id or a prefix of one), or None when it is.
 
     A pinned rollout (SPEC §10) makes each new commit a new rollout of the engine, so an
@@ -95,7 +98,7 @@ Chain = tuple[tuple[str, int, int], ...]
 
 
 def resolution(path: str) -> list[tuple[str, os.stat_result]]:
-    """Every directory and file the kernel passes through to open ``path``, with its lstat.
+    """Return every directory and file the kernel passes through to open ``path``, with its lstat.
 
     Component by component from ``/``, following each symlink where it is met: the
     directory that holds a link is in the list (whoever can write it can flip the

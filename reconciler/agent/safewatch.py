@@ -31,6 +31,8 @@ is reverted by the agent's first pass past its deadline: a held pass asks for on
 
 Published in the status document (``pending``, ``reverted_revision``) and the metrics
 ``reconciler_pending_change`` and ``reconciler_reverts_total``.
+
+See docs/decisions/026-safe-change-refusals-and-reverter.md.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class SafeWatch:
 
     def gate(self, rec: Reconciler, desired: DesiredState, revision: str | None,
              lock: Callable[[], AbstractContextManager[None]]) -> str | None:
-        """Before a pass plans: revert what is overdue, confirm the agent's own change when
+        """Gate a pass before it plans: revert what is overdue, confirm the agent's own change when
         its window has passed; a line saying why the pass must not change anything, or
         None."""
         self.held_until = None
@@ -152,7 +154,7 @@ class SafeWatch:
 
     def hook(self, rec: Reconciler, revision: str | None,
              desired: DesiredState) -> Callable[[Plan], Plan]:
-        """What runs before the first op of this pass's change, under the apply's host lock:
+        """Return what runs before the first op of this pass's change, under the apply's host lock:
         the check that no change is pending (one may have started since ``gate``), then,
         with a window and a new revision, the checkpoint and the reverter."""
         window = self.window
@@ -179,7 +181,7 @@ class SafeWatch:
 
     def after(self, rec: Reconciler, result: ApplyResult, revision: str | None,
               request: Callable[[str, float], None]) -> None:
-        """After this pass's apply, still under its host lock: start the window (and ask
+        """Start the window after this pass's apply, still under its host lock (and ask
         for the pass that confirms), or revert at once when the change did not hold."""
         own = self.own
         if own is None or self.confirm_at is not None:
@@ -209,12 +211,12 @@ class SafeWatch:
         self.publish(self.own, read=False)
 
     def _due(self, p: safechange.Pending) -> bool:
-        """``p`` is the agent's own change and its window has passed."""
+        """Tell whether ``p`` is the agent's own change and its window has passed."""
         return (self.own is not None and p.token == self.own.token
                 and self.confirm_at is not None and self.wall() >= self.confirm_at)
 
     def _holds(self, rec: Reconciler, p: safechange.Pending) -> bool | None:
-        """Whether the probes of what the pending change ``p`` applied hold; None when they
+        """Tell whether the probes of what the pending change ``p`` applied hold; None when they
         cannot be run on it: the state the agent kept is not of the record's files."""
         if self.probe is None:
             return True

@@ -62,7 +62,7 @@ class Scheduler:
         return min((self._effective(r) for r in self._pending.values()), default=None)
 
     def take(self, now: float) -> list[str]:
-        """Reasons due now (removed); requests not yet due stay pending."""
+        """Take the reasons due now (removed); requests not yet due stay pending."""
         due = sorted(k for k, r in self._pending.items() if self._effective(r) <= now)
         for k in due:
             del self._pending[k]

@@ -9,6 +9,9 @@ Netlink is read with a plain ``AF_NETLINK`` socket subscribed to the link,
 address and route groups of the network namespace the calling thread is in
 (``reconcile --netns`` moves the whole process before any thread starts).
 Message parsing is pure (:func:`parse_messages`) and tested on hand-built bytes.
+
+See docs/decisions/018-coexistence-matrix.md.
+See docs/decisions/029-drift-sources-side-by-side.md.
 """
 
 from __future__ import annotations
@@ -226,7 +229,7 @@ class NftCommitFilter:
         self._touched: set[str] = set()
 
     def feed(self, notices: Iterable[NftNotice]) -> list[str]:
-        """Reasons, one per relevant commit completed in these notices."""
+        """Return reasons, one per relevant commit completed in these notices."""
         out = []
         for n in notices:
             if n.commit:
@@ -267,7 +270,7 @@ class NftWatcher(_SocketWatcher):
 
 def start_nft_watcher(on_drift: Callable[[str], None],
                       stop: threading.Event) -> tuple[NftWatcher | None, str]:
-    """The watcher, started, and its line for the status's event sources; (None, why) when
+    """Start the watcher; return it and its line for the status's event sources; (None, why) when
     nf_tables cannot be heard here (no nf_tables, no permission): the interval heals then."""
     nft = NftWatcher(on_drift, stop)
     try:
@@ -311,12 +314,12 @@ class OverlapAlarm:
 
     def set_docker(self, prefixes: Sequence[tuple[Any, str, str | None]],
                    bridges: Iterable[str]) -> None:
-        """Owned Docker networks' subnets and bridges, as the last pass saw them."""
+        """Set the owned Docker networks' subnets and bridges, as the last pass saw them."""
         with self._lock:
             self._docker = (list(prefixes), frozenset(bridges))
 
     def hear(self, ev: NetlinkEvent) -> bool:
-        """A netlink event of the host; True when it woke the check (addresses, routes and
+        """Hear a netlink event of the host; True when it woke the check (addresses, routes and
         links going away do; IPv6 link-local ones and new or changed links do not)."""
         if ev.link_local or (ev.what == "link" and not ev.deleted):
             return False
@@ -456,7 +459,7 @@ DOCKER_ACTIONS = frozenset({"create", "destroy", "connect", "disconnect", "remov
 
 
 def docker_event_reason(event: Mapping[str, Any], names: frozenset[str]) -> str | None:
-    """A reason to run a pass when a Docker event touches a desired network, else None."""
+    """Return a reason to run a pass when a Docker event touches a desired network, else None."""
     if event.get("Type") != "network":
         return None
     action = str(event.get("Action", "")).split(":", 1)[0]

@@ -119,7 +119,7 @@ class StatusBoard:
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); ConfigError when malformed."""
+    """Parse ``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); ConfigError when malformed."""
     text = addr.strip()
     if text.startswith("http://"):
         text = text[len("http://"):].rstrip("/")
@@ -130,7 +130,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def bind(addr: str) -> socket.socket:
-    """A listening TCP socket for the status server (made before entering --netns)."""
+    """Open a listening TCP socket for the status server (made before entering --netns)."""
     host, port = parse_addr(addr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -367,7 +367,7 @@ class StatusServer:
             conn.sock.close()
 
     def _note(self, peer: str, why: str) -> None:
-        """One log line per refused client: at most one a second per peer, with a count."""
+        """Log one line per refused client: at most one a second per peer, with a count."""
         now = self.clock()
         last, since = self._noted.get(peer, (-1e9, 0))
         if now - last < 1.0:
@@ -393,7 +393,7 @@ def _health(healthy: Callable[[], tuple[bool, str]]) -> tuple[int, str, bytes]:
 
 
 def fetch(addr: str, timeout: float = 5.0) -> dict[str, Any]:
-    """GET /status from a running agent; one-line ReconcilerError when it cannot."""
+    """Fetch GET /status from a running agent; one-line ReconcilerError when it cannot."""
     host, port = parse_addr(addr)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/status"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
@@ -422,7 +422,7 @@ def _ago(ts: float | None, now: float) -> str:
 
 
 def render(doc: dict[str, Any], now: float | None = None) -> str:
-    """The status document as a few lines for people."""
+    """Render the status document as a few lines for people."""
     now = time.time() if now is None else now
     lines = []
     rev = doc.get("revision") or {}
@@ -490,7 +490,7 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
 
 
 def healthy_doc(doc: dict[str, Any]) -> bool:
-    """True when the last pass converged, the files load cleanly and no probe fails."""
+    """Return True when the last pass converged, the files load cleanly and no probe fails."""
     last = doc.get("last_pass") or {}
     return (not doc.get("config_error") and last.get("result") in ("ok", "applied")
             and not doc.get("errors") and not (doc.get("probes") or {}).get("failed"))

@@ -2,8 +2,9 @@
 
 ``commands`` dispatches; the commands that change the host go through
 ``run_apply`` here (``apply``, ``destroy``; ``verify`` and ``gc`` share the
-signal handling). Heavy imports stay inside the functions, as in ``commands``
-(see its docstring).
+signal handling). As in ``commands`` (see its docstring), each command imports
+inside itself what only it needs, so that the commands that do not need the
+engine, the planner or the agent start without them.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 @contextlib.contextmanager
 def stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
-    """SIGTERM, SIGINT and SIGHUP turned into the normal stop path, as ``watch`` does, so
+    """Turn SIGTERM, SIGINT and SIGHUP into the normal stop path, as ``watch`` does, so
     cleanup runs: with the default SIGTERM the process dies where it is and the probes'
     vantage stays behind.
 
@@ -116,14 +117,14 @@ def stopped(signals: list[int]) -> int:
 def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
               saved: Plan | None = None) -> int:
     """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code."""
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.impact import DisruptionError, refusal  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import probe_request  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.progress import Progress  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.progress import wanted as progress_wanted  # noqa: PLC0415 (lazy: as above)
+    from reconciler.cli import safe
+    from reconciler.engine.impact import DisruptionError, refusal
+    from reconciler.engine.lock import host_lock
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.ui import probes as probe_view
+    from reconciler.ui.options import probe_request
+    from reconciler.ui.progress import Progress
+    from reconciler.ui.progress import wanted as progress_wanted
 
     rec = Reconciler()
     if args.dry_run:
@@ -192,7 +193,7 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from reconciler.ui.options import plan_options, saved_plan_options  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.options import plan_options, saved_plan_options
 
     if is_saved_plan(args.paths):
         saved = load_saved(args.paths[0])
@@ -209,8 +210,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_destroy(args: argparse.Namespace) -> int:
-    from reconciler.engine.probes import remove_unused_vantage  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.planner.context import PlanOptions  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.probes import remove_unused_vantage
+    from reconciler.planner.context import PlanOptions
 
     options = PlanOptions(prune=True)
     shown = None
@@ -234,7 +235,8 @@ def cmd_destroy(args: argparse.Namespace) -> int:
 
 
 def _interactive() -> bool:
-    """Someone at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is a script."""
+    """Tell whether someone is at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is
+    a script."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
     except ValueError:  # closed
@@ -257,9 +259,9 @@ def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | Non
     the plan is made, as ``apply`` would do first: a plan of the half-made state would be
     what nobody can confirm (``apply`` then finds the host changed).
     """
-    from reconciler.engine.finish import touched_host  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.lock import host_lock  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.finish import touched_host
+    from reconciler.engine.lock import host_lock
+    from reconciler.engine.reconcile import Reconciler
 
     rec = Reconciler()
     finished = False

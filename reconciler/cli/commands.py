@@ -7,6 +7,8 @@ and `completion` start without the engine, the planner and the agent (~50 ms
 of imports for the engine and planner, ~0.14 s for the agent's modules:
 ``python -X importtime``), and `watch` alone loads prometheus_client and
 watchdog. tests/unit/test_layers.py checks what stays out.
+
+See docs/decisions/007-start-up-costs.md.
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from reconciler.engine.impact import refusal  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.impact import refusal
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.ui.options import plan_options
 
     desired = load_desired(args.paths, args)
     out = None
@@ -100,25 +102,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_confirm(args: argparse.Namespace) -> int:
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.cli import safe
 
     return safe.cmd_confirm(args)
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.cli import safe
 
     return safe.cmd_revert(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Config comparison and probes; changes nothing (no host lock: it writes no state)."""
-    from reconciler.engine.reconcile import (  # noqa: PLC0415 (lazy: see the module docstring)
+    """Compare the config and probe; change nothing (no host lock: it writes no state)."""
+    from reconciler.engine.reconcile import (
         Reconciler,
         probe_failures,
     )
-    from reconciler.ui import probes as probe_view  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
+    from reconciler.ui import probes as probe_view
+    from reconciler.ui.options import plan_options, probe_request
 
     desired = load_desired(args.paths, args)
     request = probe_request(args)
@@ -164,16 +166,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from reconciler.engine.gc import Collector  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import gc as gc_view  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.engine.gc import Collector
+    from reconciler.ui import gc as gc_view
 
     desired = load_desired(args.paths, args) if args.paths else None
     collector = Collector()
     if args.dry_run:
         result = collector.report(desired)
     else:
-        from reconciler.cli import safe  # noqa: PLC0415 (lazy: see the module docstring)
-        from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: as above)
+        from reconciler.cli import safe
+        from reconciler.engine.reconcile import Reconciler
 
         def guard() -> None:  # as apply: an overdue change is reverted first, a pending refuses
             safe.guard(Reconciler(collector.observer, runner=collector.runner),
@@ -201,9 +203,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from reconciler.engine.observe import Observer  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.engine.probes import vantage_present  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui import show  # noqa: PLC0415 (lazy: as above)
+    from reconciler.engine.observe import Observer
+    from reconciler.engine.probes import vantage_present
+    from reconciler.ui import show
 
     live = Observer().observe(DesiredState())
     doc = show.view(live, vantage_present(live.host_id))
@@ -215,10 +217,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    """The topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
-    from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.ui import graph, topology  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.options import plan_options  # noqa: PLC0415 (lazy: as above)
+    """Print the topology as DOT on stdout (``ui.graph``); plans with files, changes nothing."""
+    from reconciler.engine.reconcile import Reconciler
+    from reconciler.ui import graph, topology
+    from reconciler.ui.options import plan_options
 
     if args.plan and not args.paths:
         raise ConfigError("graph --plan needs the desired-state files: "
@@ -241,17 +243,17 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _watch_prepare(args: argparse.Namespace) -> None:
-    """Before --netns: bind the status socket where the operator is (loopback of the host)."""
-    from reconciler.agent.status import bind  # noqa: PLC0415 (lazy: see the module docstring)
+    """Bind the status socket before --netns, where the operator is (loopback of the host)."""
+    from reconciler.agent.status import bind
 
     args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from reconciler.agent import passes, process  # noqa: PLC0415 (lazy: see the module docstring)
-    from reconciler.agent.logs import configure_logging  # noqa: PLC0415 (lazy: as above)
-    from reconciler.agent.revision import check_permissions  # noqa: PLC0415 (lazy: as above)
-    from reconciler.ui.options import plan_options, probe_request  # noqa: PLC0415 (lazy: as above)
+    from reconciler.agent import passes, process
+    from reconciler.agent.logs import configure_logging
+    from reconciler.agent.revision import check_permissions
+    from reconciler.ui.options import plan_options, probe_request
 
     for name in ("interval", "debounce", "lock_timeout", "max_backoff"):
         value = getattr(args, name)
@@ -277,7 +279,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reconciler.agent import status  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.agent import status
 
     doc = status.fetch(args.addr)
     if args.output == "json":
@@ -288,7 +290,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from reconciler.ui.completion import script  # noqa: PLC0415 (lazy: see the module docstring)
+    from reconciler.ui.completion import script
 
     sys.stdout.write(script(args.shell))
     return EXIT_OK
@@ -310,7 +312,7 @@ ONE_SHOT_GC_THRESHOLD = 20_000
 
 
 def _one_shot_gc() -> None:
-    """Fewer cycle collections for a command that runs once and exits.
+    """Collect cycles less often in a command that runs once and exits.
 
     What the imports made lives as long as the process: frozen, no collection walks it
     again. A bulk apply builds tens of thousands of small objects that are not garbage
@@ -324,7 +326,7 @@ def _one_shot_gc() -> None:
 
 
 def main(argv: Sequence[str] | None = None, *, process: bool = False) -> int:
-    """The CLI; ``process``: this is the ``reconcile`` process itself (the entry point),
+    """Run the CLI; ``process``: this is the ``reconcile`` process itself (the entry point),
     not a caller that runs commands in its own process (tests, benchmarks)."""
     args_list = normalise_argv(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()

@@ -12,6 +12,9 @@ errors -- goes to the normal in-process CLI instead, so the output is always
 what ``reconcile --no-agent plan`` would print.
 
 Start-up time is the point: stdlib only, nothing from the model or YAML.
+
+See docs/decisions/007-start-up-costs.md.
+See docs/decisions/028-plan-answered-by-the-agent.md.
 """
 
 from __future__ import annotations

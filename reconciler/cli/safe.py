@@ -4,6 +4,8 @@ side of ``engine/safechange``.
 Every command that changes the host calls :func:`guard` under the host lock first: an
 overdue pending change is reverted before anything else happens, a pending one refuses
 the command with one line naming its deadline.
+
+See docs/decisions/026-safe-change-refusals-and-reverter.md.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _report(result: safechange.RevertResult, p: safechange.Pending, why: str, *,
 
 
 def _revision(files: list[str]) -> str | None:
-    """The revision of the files as the agent names it (a git commit, or their digest), so
+    """Return the revision of the files as the agent names it (a git commit, or their digest), so
     that a revision reverted here is one the agent will not apply again either."""
     if not files:
         return None
@@ -79,7 +81,7 @@ def _revision(files: list[str]) -> str | None:
 
 
 def guard(rec: Reconciler, *, err: bool = False) -> None:
-    """Under the host lock, before a change: revert an overdue pending change first; refuse
+    """Guard a change under the host lock: revert an overdue pending change first; refuse
     while one is pending (PreconditionError, one line). ``err``: every line to stderr
     (``--output json``)."""
     p = safechange.pending()
@@ -121,8 +123,8 @@ class Window:
         return plan
 
     def settle(self, result: ApplyResult, stopped: bool) -> None:
-        """Still under the apply's host lock: start the window of a change that held, or
-        revert at once one that did not. Under the same lock, so the reverter (waiting for
+        """Settle the window, still under the apply's host lock: start the window of a change that
+        held, or revert at once one that did not. Under the same lock, so the reverter (waiting for
         it since the record's own deadline, counted before the apply) sees either."""
         p = self.pending
         if p is None or stopped:  # stopped by a signal: the reverter reverts at its deadline
@@ -144,7 +146,7 @@ class Window:
                                               self.seconds)
 
     def stopped(self) -> None:
-        """The apply was stopped by a signal: the change stays pending, partly made, until
+        """Say the change stays pending after a signal stopped the apply: partly made, until
         the record's deadline (counted from before the apply); say so."""
         p = self.pending
         try:
@@ -199,7 +201,7 @@ def cmd_confirm(args: argparse.Namespace) -> int:
 
 
 def _confirm(rec: Reconciler, seen: safechange.Pending | None) -> int:
-    """``confirm`` under the host lock; ``seen``: the record before the lock was taken."""
+    """Confirm under the host lock; ``seen``: the record before the lock was taken."""
     p = safechange.pending()
     if p is None:
         if seen is not None:
@@ -256,7 +258,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
 
 def _holds(prober: Reconciler, p: safechange.Pending, said: set[str]) -> bool:
-    """The reverter's probes of ``p``: False when they fail. Only the change's own files
+    """Run the reverter's probes of ``p``: False when they fail. Only the change's own files
     are probed: files whose hashes differ from the record's (edited since, or a newer
     revision) are not the pending change, and are skipped (said once in the log; the
     deadline still reverts)."""
@@ -286,7 +288,7 @@ def _holds(prober: Reconciler, p: safechange.Pending, said: set[str]) -> bool:
 
 
 def _reverter(token: str) -> int:
-    """The detached reverter of one pending change (``spawn_reverter``)."""
+    """Run the detached reverter of one pending change (``spawn_reverter``)."""
     logging.basicConfig(level=logging.INFO, force=True, stream=sys.stderr,
                         format="%(asctime)s reverter %(levelname)s %(message)s")
     prober = Reconciler()
@@ -347,7 +349,7 @@ def _reverter(token: str) -> int:
 
 def attach(rec: Reconciler, args: argparse.Namespace, request: Any,
            options: PlanOptions | None = None) -> Window | None:
-    """The window of `apply --confirm-within`, or None; ``options``: what the change is
+    """Return the window of `apply --confirm-within`, or None; ``options``: what the change is
     planned with (``--adopt`` is refused under a window)."""
     seconds = getattr(args, "confirm_within", None)
     if seconds is None:

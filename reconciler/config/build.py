@@ -142,7 +142,7 @@ _MAX_SIZE = {4: 30, 6: 126}
 
 def _auto(doc: Document, path: Path, raw: dict[str, Any], key: str, pool_key: str,
           size_key: str, version: int) -> AutoPrefix | None:
-    """``KEY: auto`` with its pool and size; None for a fixed prefix (which takes neither)."""
+    """Parse ``KEY: auto`` with its pool and size; None for a fixed prefix (which takes neither)."""
     if raw.get(key) != AUTO:
         extra = next((k for k in (pool_key, size_key) if k in raw), None)
         if extra is not None:
@@ -242,7 +242,7 @@ def _subnet(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
 
 def _host_ip(doc: Document, path: Path,
              text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """A port map's host address; the unspecified address means every address (None)."""
+    """Return a port map's host address; the unspecified address means every address (None)."""
     if "%" in text:
         raise doc.error(path, f"{format_path(path)}: {clip(repr(text), 60)}: zone ids are not "
                               "supported; give a global or loopback address")

@@ -13,7 +13,7 @@ MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
 
 
 def cross_checks(c: Collector) -> Iterator[ConfigError]:
-    """Checks across resources: references, overlaps, address and port clashes."""
+    """Check resources against each other: references, overlaps, address and port clashes."""
 
     def err(kind: str, name: str, field: str, message: str) -> ConfigError:
         d = c.seen[(kind, name)]
@@ -142,7 +142,8 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
 def _declared_prefix_of(c: Collector, ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
                         ) -> tuple[str, str, str, ipaddress.IPv4Network | ipaddress.IPv6Network] \
         | None:
-    """The declared (fixed) subnet prefix holding ``ip``: (kind, name, field, prefix), or None.
+    """Return the declared (fixed) subnet prefix holding ``ip``: (kind, name, field, prefix), or
+    None.
 
     Its gateway is an address of the host, but DNAT on it would catch the subnet's own
     traffic to the gateway; every other address in it is an allocation's.

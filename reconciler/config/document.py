@@ -191,7 +191,7 @@ def parse_yaml(text: str, file: str) -> Document:
 
 
 def parse_document(raw: bytes, path: str) -> Document:
-    """One file's bytes as a positioned YAML document, named ``path`` in messages."""
+    """Parse one file's bytes as a positioned YAML document, named ``path`` in messages."""
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError(f"file too large (over {MAX_FILE_BYTES} bytes)", file=path)
     try:

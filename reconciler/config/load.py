@@ -3,6 +3,8 @@
 Three stages, each reporting every problem it finds with ``file:line:col``:
 YAML parsing (positions kept for every value), JSON Schema validation, then
 semantic checks that a schema cannot express (references, overlaps, clashes).
+
+See docs/decisions/003-guard-rails-before-the-planner.md.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class NoFileForHost(ConfigError):
 
 def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,
                  hostname: str | None = None, for_host: bool = True) -> DesiredState:
-    """:func:`load` of files already read: (name as given, absolute path, bytes or the error).
+    """Run :func:`load` on files already read: (name as given, absolute path, bytes or the error).
 
     The plan agent loads what a client read in its own working directory this way.
     """

@@ -20,7 +20,8 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
-    """Files named directly, plus every *.yaml/*.yml directly inside named directories."""
+    """Return the files named directly, plus every *.yaml/*.yml directly inside named
+    directories."""
     if not paths:
         raise ConfigError("no desired-state path given")
     files: list[str] = []
@@ -47,7 +48,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
 
 
 def read_bytes(path: str) -> bytes:
-    """The bytes of one desired-state file: a regular file within the size limit."""
+    """Return the bytes of one desired-state file: a regular file within the size limit."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):

@@ -1,4 +1,7 @@
-"""JSON Schema validation of a document, with messages that name file, line and field."""
+"""JSON Schema validation of a document, with messages that name file, line and field.
+
+See docs/decisions/007-start-up-costs.md.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def _validator() -> jsonschema.protocols.Validator:
 
 @cache
 def _fast_check() -> Callable[[Any], bool]:
-    """A compiled validator (fastjsonschema, ~20x faster on big files) that only says yes/no.
+    """Return a compiled validator (fastjsonschema, ~20x faster on big files) that only says yes/no.
 
     Valid documents, the common case, never reach jsonschema; an invalid one is
     validated again by jsonschema, which words the errors.
@@ -62,7 +65,7 @@ def _fast_check() -> Callable[[Any], bool]:
 
 
 def _pregenerated() -> Callable[[Any], Any] | None:
-    """The check ``scripts/gen-schema-check.py`` generated (``config/schema_check.py``),
+    """Return the check ``scripts/gen-schema-check.py`` generated (``config/schema_check.py``),
     while it is of this schema: compiling the schema costs ~50 ms of every run.
 
     None when it is stale (the schema changed since), made by another fastjsonschema
@@ -104,7 +107,7 @@ def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigErr
 
 
 def _control_chars(doc: Document, data: Any, path: Path) -> Iterator[ConfigError]:
-    """Strings holding control characters (a newline above all).
+    """Find strings holding control characters (a newline above all).
 
     The schema's ``^...$`` patterns cannot refuse them: Python's ``$`` also
     matches before a final newline, so ``"nomad\\n"`` would pass as a name and

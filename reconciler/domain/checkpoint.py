@@ -7,6 +7,8 @@ was there, including what the old files left to the kernel (an MTU, a hairpin fl
 ``planner/checkpoint`` takes it from a ``LiveState`` and plans the restore.
 
 Pure: no I/O, nothing from above ``reconciler.domain``.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class NetworkPoint:
     endpoints: tuple[EndpointPoint, ...] = ()
 
     def settings(self) -> tuple[object, ...]:
-        """What a change can alter and a revert puts back: all but ID and attachments."""
+        """Return what a change can alter and a revert puts back: all but ID and attachments."""
         return (self.name, self.driver, self.options, self.labels, self.ipv6,
                 self.internal, self.pools)
 
@@ -116,7 +118,7 @@ class Checkpoint:
 
     @classmethod
     def from_json(cls, raw: Any) -> Checkpoint:
-        """The checkpoint of ``to_json``; ``CheckpointError`` for anything else."""
+        """Return the checkpoint of ``to_json``; ``CheckpointError`` for anything else."""
         try:
             if raw.get("version") != CHECKPOINT_VERSION:
                 raise CheckpointError(f"checkpoint version {raw.get('version')!r} is not "
@@ -139,13 +141,13 @@ class Checkpoint:
 
 
 def network_to_json(n: NetworkPoint) -> dict[str, Any]:
-    """A network's JSON, as the checkpoint and the ``docker.restore`` op carry it."""
+    """Return a network's JSON, as the checkpoint and the ``docker.restore`` op carry it."""
     return {**_plain(n), "options": dict(n.options), "labels": dict(n.labels),
             "pools": [list(p) for p in n.pools], "endpoints": [_plain(e) for e in n.endpoints]}
 
 
 def network_from_json(raw: Any) -> NetworkPoint:
-    """The inverse of ``network_to_json`` (KeyError, TypeError, ValueError if malformed)."""
+    """Return the inverse of ``network_to_json`` (KeyError, TypeError, ValueError if malformed)."""
     return NetworkPoint(**{**raw, "options": tuple(sorted(raw["options"].items())),
                            "labels": tuple(sorted(raw["labels"].items())),
                            "pools": tuple((str(p[0]), p[1]) for p in raw["pools"]),

@@ -4,6 +4,8 @@ No daemon, no SDK: the options and labels we set, kind's ULA derivation and
 duplicate order, and the JSON form of a declared network that plan ops carry.
 Comparing a declared network with a live one is the planner's
 (``reconciler.planner.docker_diff``).
+
+See docs/decisions/019-docker-scope-label.md.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SCOPE_LABEL = "io.reconciler.scope"
 
 
 def network_scope(labels: Mapping[str, str]) -> str:
-    """Which reconciler made an owned network, from its labels (``SCOPE_LABEL``); "host"
+    """Tell which reconciler made an owned network, from its labels (``SCOPE_LABEL``); "host"
     for one made before networks carried the label (sandbox runs came with it). Another
     scope's network is never replaced, deduped or pruned: a conflict."""
     return labels.get(SCOPE_LABEL, "host")
@@ -61,13 +63,13 @@ OPT_BRIDGE_NAME = "com.docker.network.bridge.name"
 
 
 def bridge_of(network_id: str, options: dict[str, str] | None) -> str:
-    """The Linux bridge of a Docker bridge network: the option, else ``br-<id[:12]>``."""
+    """Return the Linux bridge of a Docker bridge network: the option, else ``br-<id[:12]>``."""
     named = (options or {}).get(OPT_BRIDGE_NAME)
     return named if named else f"br-{network_id[:12]}"
 
 
 def parse_address_pools(config: object) -> tuple[tuple[str, int], ...] | None:
-    """``default-address-pools`` of a parsed daemon.json; None when it sets none (or is bad).
+    """Return ``default-address-pools`` of a parsed daemon.json; None when it sets none (or is bad).
 
     Entries that are not ``{"base": PREFIX, "size": N}`` with N no shorter than the
     base are dropped: dockerd itself refuses to start with them.
@@ -94,7 +96,7 @@ def parse_address_pools(config: object) -> tuple[tuple[str, int], ...] | None:
 
 
 def ula_subnet(name: str, attempt: int) -> ipaddress.IPv6Network:
-    """The IPv6 ULA /64 kind derives for network ``name`` on probe ``attempt``.
+    """Return the IPv6 ULA /64 kind derives for network ``name`` on probe ``attempt``.
 
     sha1 over the name's bytes followed by ``attempt`` as a little-endian
     int32; bytes 2..7 of the digest follow ``fc00``.
@@ -105,12 +107,12 @@ def ula_subnet(name: str, attempt: int) -> ipaddress.IPv6Network:
 
 
 def sort_duplicates(networks: Iterable[LiveDockerNetwork]) -> list[LiveDockerNetwork]:
-    """kind's order for networks sharing a name: most containers first, then lowest ID."""
+    """Return kind's order for networks sharing a name: most containers first, then lowest ID."""
     return sorted(networks, key=lambda n: (-n.containers, n.id))
 
 
 def parse_mtu(value: object) -> int | None:
-    """A positive MTU from a Docker option string, else None."""
+    """Return a positive MTU from a Docker option string, else None."""
     if not isinstance(value, str):
         return None
     text = value.strip()
@@ -131,7 +133,8 @@ def parse_bool(value: str) -> bool | None:
 
 def split_subnets(subnets: Iterable[str]) -> tuple[list[ipaddress.IPv4Network],
                                                    list[ipaddress.IPv6Network]]:
-    """IPv4 and IPv6 networks among Docker's IPAM subnet strings (unparsable ones dropped)."""
+    """Return the IPv4 and IPv6 networks among Docker's IPAM subnet strings (unparsable ones
+    dropped)."""
     v4: list[ipaddress.IPv4Network] = []
     v6: list[ipaddress.IPv6Network] = []
     for text in subnets:
@@ -147,12 +150,12 @@ def split_subnets(subnets: Iterable[str]) -> tuple[list[ipaddress.IPv4Network],
 
 
 def flag(value: bool) -> str:
-    """A boolean as Docker options spell it."""
+    """Return a boolean as Docker options spell it."""
     return "true" if value else "false"
 
 
 def spec_to_json(spec: DockerNetwork) -> dict[str, Any]:
-    """A declared network as JSON-able op arguments (``spec_from_json`` reads it back)."""
+    """Return a declared network as JSON-able op arguments (``spec_from_json`` reads it back)."""
     return {
         "name": spec.name, "ipv6": spec.ipv6,
         "subnet": str(spec.subnet) if spec.subnet is not None else None,
@@ -163,7 +166,7 @@ def spec_to_json(spec: DockerNetwork) -> dict[str, Any]:
 
 
 def spec_from_json(raw: dict[str, Any]) -> DockerNetwork:
-    """The inverse of ``spec_to_json`` (raises ValueError/KeyError on a malformed op)."""
+    """Return the inverse of ``spec_to_json`` (raises ValueError/KeyError on a malformed op)."""
     subnet = raw.get("subnet")
     subnet6 = raw.get("subnet6")
     mtu = raw.get("mtu")

@@ -18,13 +18,13 @@ class Mismatch(Exception):
 
 
 def as_type(tp: Any, value: object) -> object:
-    """``value`` as a field of type ``tp`` holds it (a JSON list becomes a tuple)."""
+    """Return ``value`` as a field of type ``tp`` holds it (a JSON list becomes a tuple)."""
     return converter(tp)(value)
 
 
 @functools.cache
 def converter(tp: Any) -> Callable[[object], object]:
-    """What :func:`as_type` does for ``tp``, worked out once per type: the executor decodes
+    """Return what :func:`as_type` does for ``tp``, worked out once per type: the executor decodes
     every op of a plan (1,500 at 500 allocations), and asking ``typing`` for each field's
     origin and arguments every time was most of it. Raises ``Mismatch``."""
     origin = get_origin(tp)

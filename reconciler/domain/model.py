@@ -135,7 +135,7 @@ class Subnet:
 
     def with_prefixes(self, cidr: ipaddress.IPv4Network,
                       cidr6: ipaddress.IPv6Network | None) -> Subnet:
-        """This subnet with its ``auto`` prefixes picked."""
+        """Return this subnet with its ``auto`` prefixes picked."""
         return replace(self, prefix=cidr, prefix6=cidr6)
 
 

@@ -16,6 +16,8 @@ unsorted, so key order is visible: an op read from JSON keeps its key order
 (``key_order``) and re-encodes to the same bytes.
 
 Pure: no I/O, nothing from above ``reconciler.domain``.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class OpError(ReconcilerError, ValueError):
 
 
 def _omit(default: _T) -> _T:
-    """A field whose key is left out of the JSON while it holds ``default``."""
+    """Return a field whose key is left out of the JSON while it holds ``default``."""
     return field(default=default, metadata={_OMIT: True})
 
 
@@ -316,7 +318,7 @@ class FirewallRestore(_TypedOp):
 # -- Docker networks -----------------------------------------------------------------------
 
 def _network(spec: dict[str, object], scope: str) -> DockerNetwork:
-    """The declared network, with the scope label the networks we create carry."""
+    """Return the declared network, with the scope label the networks we create carry."""
     net = spec_from_json(spec)
     if scope:
         labels = {**dict(net.labels), SCOPE_LABEL: scope}
@@ -411,7 +413,8 @@ class StaleMap:
 
     @classmethod
     def parse(cls, text: str) -> StaleMap:
-        """``PROTO/PORT[@HOST_IP][>ADDRESS:PORT]`` (IPv6 addresses in brackets after ``>``)."""
+        """Parse ``PROTO/PORT[@HOST_IP][>ADDRESS:PORT]`` (IPv6 addresses in brackets after
+        ``>``)."""
         head, _, keep = text.partition(">")
         spec, _, host_ip = head.partition("@")
         proto, _, port = spec.partition("/")
@@ -493,7 +496,7 @@ _NAMES: Mapping[type[TypedOp], frozenset[str]] = {
 
 
 def encode(op: TypedOp) -> Op:
-    """The wire form of a typed op, as plans carry it."""
+    """Return the wire form of a typed op, as plans carry it."""
     args: dict[str, Json] = {}
     for f in _FIELDS[type(op)]:
         value = getattr(op, f.name)
@@ -507,7 +510,7 @@ def encode(op: TypedOp) -> Op:
 
 
 def decode(op: Op) -> TypedOp:
-    """The typed op of a wire op; ``OpError`` if it is not one we know, or malformed."""
+    """Return the typed op of a wire op; ``OpError`` if it is not one we know, or malformed."""
     cls = OPS.get(op.name) if isinstance(op.name, str) else None
     if cls is None:
         raise OpError(f"unknown operation {op.name!r} (plan from a newer version?)")

@@ -2,6 +2,9 @@
 
 They live on the objects themselves, so they survive a restart of the
 reconciler and need no side file that could be lost or go stale.
+
+See docs/decisions/001-ownership-on-the-objects.md.
+See docs/decisions/010-stable-identities.md.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def is_owned_alias(alias: str | None) -> bool:
 
 
 def alloc_veth_name(alloc_id: str) -> str:
-    """Host-side veth name of an allocation: ``vr`` + 12 hex of sha1(id) (14 < IFNAMSIZ).
+    """Return the host-side veth name of an allocation: ``vr`` + 12 hex of sha1(id) (14 < IFNAMSIZ).
 
     Deterministic, so a restarted reconciler finds its veths again; 48 bits of
     hash make a collision among thousands of allocations negligible.
@@ -67,7 +70,7 @@ PROBE_VANTAGE_ALIAS = "managed-by=reconciler probe-vantage"
 
 
 def probe_vantage_names(host_id: str) -> tuple[str, str]:
-    """(namespace, host link) of the external probe vantage of the host ``host_id``.
+    """Return (namespace, host link) of the external probe vantage of the host ``host_id``.
 
     Per host (the network namespace we act on), so the host and its sandboxes each have
     their own and a crash's leftover is found again by the next run of the same host.
@@ -89,7 +92,7 @@ RESERVED_NETNS_NAMES = (
 
 
 def reserved_netns_name(name: str) -> str | None:
-    """What reserved namespace pattern ``name`` is in, or None."""
+    """Return what reserved namespace pattern ``name`` is in, or None."""
     for pattern, what in RESERVED_NETNS_NAMES:
         if pattern.fullmatch(name):
             return what
@@ -97,7 +100,7 @@ def reserved_netns_name(name: str) -> str | None:
 
 
 def reserved_link_name(name: str) -> str | None:
-    """What reserved pattern ``name`` is in, or None."""
+    """Return what reserved pattern ``name`` is in, or None."""
     for pattern, what in RESERVED_LINK_NAMES:
         if pattern.fullmatch(name):
             return what
@@ -105,7 +108,8 @@ def reserved_link_name(name: str) -> str | None:
 
 
 def alloc_ns_alias(host_id: str) -> str:
-    """Alias of ``lo`` inside an allocation namespace, set before the namespace is mounted.
+    """Return the alias of ``lo`` inside an allocation namespace, set before the namespace is
+    mounted.
 
     It names the host (the inode of the network namespace the reconciler acts
     on) so two reconcilers on one machine — the host and a ``--netns``
@@ -131,7 +135,7 @@ ZERO_MAC = "00:00:00:00:00:00"
 
 
 def derived_mac(prefix: bytes, name: str) -> str:
-    """A MAC of six bytes of sha256(prefix + name): locally administered, unicast.
+    """Return a MAC of six bytes of sha256(prefix + name): locally administered, unicast.
 
     The first octet's two low bits are forced to ``10`` (bit 1 set: locally
     administered, so it can never be a vendor's address; bit 0 clear:
@@ -145,20 +149,20 @@ def derived_mac(prefix: bytes, name: str) -> str:
 
 
 def alloc_mac(alloc_id: str) -> str:
-    """The MAC of an allocation's ``eth0``: whoever caches it (the bridge's neighbour
+    """Return the MAC of an allocation's ``eth0``: whoever caches it (the bridge's neighbour
     entry, a client's) stays right when ``eth0`` is re-created."""
     return derived_mac(ALLOC_MAC_PREFIX, alloc_id)
 
 
 def bridge_mac(name: str) -> str:
-    """The MAC a bridge is created with: set, so it no longer follows its lowest port
+    """Return the MAC a bridge is created with: set, so it no longer follows its lowest port
     (and is not 00:00:00:00:00:00 without ports), and every allocation's cached
     gateway MAC stays right as allocations come and go."""
     return derived_mac(BRIDGE_MAC_PREFIX, name)
 
 
 def temp_bridge_mac(temp_name: str) -> str:
-    """The MAC a bridge has under its temporary name (``rcltmp`` + 8 hex), given in the
+    """Return the MAC a bridge has under its temporary name (``rcltmp`` + 8 hex), given in the
     creation message itself: the kernel ignores an alias there, so until the bridge is
     marked this MAC is the mark a crash leaves on it. A leftover is deleted only when it
     has it (46 bits of hash of its own name: no other tool's bridge has it by chance)."""

@@ -7,6 +7,8 @@ reason is for people; the executor only ever looks at the ops.
 
 
 Rendering for people lives in ``reconciler.ui.render``.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations
@@ -94,13 +96,13 @@ IMPACT_TYPES = {"alloc": ("alloc", "allocs"), "container": ("container", "contai
 
 
 def impact_noun(kind: str, n: int = 1) -> str:
-    """``alloc``/``allocs``, ``port map``/``port maps``: an impact type in words."""
+    """Name an impact type in words: ``alloc``/``allocs``, ``port map``/``port maps``."""
     one, many = IMPACT_TYPES.get(kind, (kind, kind + "s"))
     return one if n == 1 else many
 
 
 def impact_detail(items: tuple[Impact, ...]) -> str:
-    """``2 allocs, 1 port map``: how many impacted items of each type."""
+    """Count the impacted items of each type: ``2 allocs, 1 port map``."""
     by_type = Counter(i.type for i in items)
     return ", ".join(f"{n} {impact_noun(t, n)}" for t, n in sorted(by_type.items()))
 
@@ -178,7 +180,8 @@ class Change:
 
 
 def _files(raw: Json) -> tuple[tuple[str, str], ...]:
-    """A saved plan's ``files``: (path, sha256) pairs of strings, else ValueError naming it."""
+    """Return a saved plan's ``files``: (path, sha256) pairs of strings, else ValueError naming
+    it."""
     if not isinstance(raw, list) or not all(
             isinstance(f, dict) and isinstance(f.get("path"), str)
             and isinstance(f.get("sha256"), str) for f in raw):
@@ -250,7 +253,7 @@ class Plan:
                    dict(raw.get("options", {})))
 
     def same_work(self, other: Plan) -> bool:
-        """True when both plans would run the same ops on the same live state.
+        """Return True when both plans would run the same ops on the same live state.
 
         Where a resource was declared (``source``) is for people and may be
         spelled differently (relative vs absolute path): it is not compared. Nor is
@@ -266,7 +269,7 @@ class Plan:
 
 
 def fingerprint(view: Json) -> str:
-    """Stable hash of a JSON-able value (sorted keys)."""
+    """Return a stable hash of a JSON-able value (sorted keys)."""
     blob = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -119,12 +119,13 @@ class ProbeResult:
                 "cause": self.cause, "ms": round(self.ms, 3), "family": self.family}
 
     def describe(self) -> str:
-        """``alloc web-1: hairpin tcp/8080: CAUSE`` — the line an apply error or a log shows."""
+        """Return ``alloc web-1: hairpin tcp/8080: CAUSE`` — the line an apply error or a log
+        shows."""
         where = self.proto if self.port is None else f"{self.proto}/{self.port}"
         v6 = " (IPv6)" if self.family == 6 else ""
         return f"alloc {self.alloc}: {self.path} {where}{v6}: {self.cause or 'ok'}"
 
 
 def sort_key(r: ProbeResult) -> tuple[str, int, int, str, int]:
-    """Results in report order: by alloc, path (PATHS order), family, proto, port."""
+    """Order results for the report: by alloc, path (PATHS order), family, proto, port."""
     return (r.alloc, PATHS.index(r.path), r.family, r.proto, r.port or 0)

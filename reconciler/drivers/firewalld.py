@@ -11,6 +11,8 @@ firewalld's zones ourselves: the operator runs the one command we print (the dec
 is in ARCHITECTURE.md). Read through /proc (a firewalld process in this network
 namespace?), ``nft`` (is its table there?) and ``firewall-cmd`` (its D-Bus API), each
 only when the one before said firewalld is present: a host without it pays ~1 ms.
+
+See docs/decisions/017-firewalld-refuse-with-its-command.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ TIMEOUT = 20.0
 
 
 def _process_here() -> bool:
-    """Is a firewalld process in this network namespace? (/proc reads only, ~1 ms)"""
+    """Tell whether a firewalld process is in this network namespace (/proc reads only, ~1 ms)."""
     try:
         mine = os.stat("/proc/self/ns/net").st_ino
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
@@ -44,7 +46,8 @@ def _process_here() -> bool:
 
 
 def running() -> bool:
-    """Does firewalld run here: its process in this network namespace, and its nft table?"""
+    """Tell whether firewalld runs here: its process in this network namespace, and its nft
+    table."""
     if shutil.which("firewall-cmd") is None or shutil.which("nft") is None:
         return False
     if not _process_here():
@@ -66,7 +69,7 @@ def _cmd(*args: str) -> subprocess.CompletedProcess[str] | None:
 
 
 def zone_target(zone: str) -> str | None:
-    """The runtime target of ``zone`` (ACCEPT, default, DROP, %%REJECT%%), or None."""
+    """Return the runtime target of ``zone`` (ACCEPT, default, DROP, %%REJECT%%), or None."""
     out = _cmd(f"--info-zone={zone}")
     if out is None or out.returncode != 0:
         return None
@@ -83,7 +86,7 @@ def fix_command(bridges: Sequence[str]) -> str:
 
 
 def bridges_problem(bridges: Sequence[str]) -> str | None:
-    """One line when firewalld runs here and a bridge is not in a zone with target ACCEPT."""
+    """Return one line when firewalld runs here and a bridge is not in a zone with target ACCEPT."""
     if not bridges or not running():
         return None
     outside: list[str] = []

@@ -11,6 +11,9 @@ process, however many rules change. We use whichever backend the
 ``iptables`` command on PATH uses (nf_tables on Debian), and refuse to run
 when the other backend holds Docker's rules, since the two hide rules from
 each other.
+
+See docs/decisions/007-start-up-costs.md.
+See docs/decisions/014-iptables-owned-chains.md.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ _TOKEN = re.compile(r'"([^"]*)"|(\S+)')
 
 
 def _split(line: str) -> tuple[str, ...]:
-    """shlex.split for iptables-save lines; a regex for the usual quoting, 4x faster."""
+    """Split iptables-save lines as shlex.split does; a regex for the usual quoting, 4x faster."""
     if "\\" in line or "'" in line:
         return tuple(shlex.split(line))
     return tuple(plain or quoted for quoted, plain in _TOKEN.findall(line))
@@ -44,7 +47,7 @@ _PLAIN = re.compile(r'^[^\s"\'\\]+$')
 
 
 def _quote(token: str) -> str:
-    """A token as iptables-restore reads it back."""
+    """Quote a token as iptables-restore reads it back."""
     if _PLAIN.match(token):
         return token
     return '"' + token.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -85,7 +88,7 @@ def parse_save(text: str) -> LiveChainSet:
 
 
 def backend_of(version_output: str) -> str:
-    """``iptables -V`` → "nf_tables" or "legacy"."""
+    """Read the backend from ``iptables -V``: "nf_tables" or "legacy"."""
     if "nf_tables" in version_output:
         return "nf_tables"
     return "legacy"
@@ -162,8 +165,8 @@ class IptablesDriver:
         return backend_of(out.stdout + out.stderr)
 
     def observe_legacy(self) -> LiveChainSet | None:
-        """iptables-legacy's rules beside the nf_tables backend we write, or None: no legacy
-        table in this namespace (one /proc read, no process: the usual host), or legacy is
+        """Read iptables-legacy's rules beside the nf_tables backend we write, or None: no
+        legacy table in this namespace (one /proc read, no process: the usual host), or legacy is
         the backend we write ourselves (its rules are then what :meth:`observe` reads).
 
         Both backends filter (and NAT) every packet: a legacy DROP on a declared path stops
@@ -187,7 +190,7 @@ class IptablesDriver:
 
 
 def other_backend_problem(active: str, docker_chains_elsewhere: Sequence[str]) -> str | None:
-    """A clear message when Docker's chains live in the backend we are not using."""
+    """Return a clear message when Docker's chains live in the backend we are not using."""
     if not docker_chains_elsewhere:
         return None
     other = "legacy" if active == "nf_tables" else "nf_tables"
@@ -202,7 +205,7 @@ LEGACY_TABLES = {4: "/proc/net/ip_tables_names", 6: "/proc/net/ip6_tables_names"
 
 
 def _legacy_tables(family: int) -> bool:
-    """Does this namespace hold any iptables-legacy table? (no process: a /proc read)"""
+    """Tell whether this namespace holds any iptables-legacy table (no process: a /proc read)."""
     try:
         with open(LEGACY_TABLES[family]) as fh:
             return bool(fh.read().strip())
@@ -211,7 +214,7 @@ def _legacy_tables(family: int) -> bool:
 
 
 def active_backend(family: int) -> str | None:
-    """"nf_tables" or "legacy": the backend of the ``iptables-save`` on PATH (where its link
+    """Return "nf_tables" or "legacy": the backend of the ``iptables-save`` on PATH (where its link
     leads: ``xtables-nft-multi``), else what ``iptables -V`` says; None if neither tells."""
     save = _TOOLS[family][0]
     real = os.path.basename(os.path.realpath(shutil.which(save) or save))
@@ -223,7 +226,8 @@ def active_backend(family: int) -> str | None:
 
 
 def docker_chains(chains: LiveChainSet) -> list[str]:
-    """Names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's rules."""
+    """Return the names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's
+    rules."""
     return sorted({c for (_t, c) in chains.chains if c.startswith("DOCKER")})
 
 

@@ -9,6 +9,8 @@ whole process for ``reconcile --netns NAME``.
 Namespaces are published the way ``ip netns add`` does it: a file under
 ``/run/netns`` with the namespace's nsfs inode bind-mounted onto it, in a
 shared mount so that every mount namespace on the host sees it.
+
+See docs/decisions/002-allocations-prove-ownership-from-their-namespace.md.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def check_name(name: str) -> None:
 
 
 def path_of(path_or_name: str) -> str:
-    """``/run/netns/NAME`` for a bare name; a path (anything with '/') as is."""
+    """Return ``/run/netns/NAME`` for a bare name; a path (anything with '/') as is."""
     if "/" in path_or_name:
         return path_or_name
     check_name(path_or_name)
@@ -72,7 +74,7 @@ def path_of(path_or_name: str) -> str:
 
 
 def nsfs_dev() -> int:
-    """The st_dev every nsfs inode (a namespace handle) reports."""
+    """Return the st_dev every nsfs inode (a namespace handle) reports."""
     global _nsfs_dev
     if _nsfs_dev is None:
         _nsfs_dev = os.stat("/proc/thread-self/ns/net").st_dev  # any nsfs handle will do
@@ -80,7 +82,7 @@ def nsfs_dev() -> int:
 
 
 def is_namespace_mount(path_or_name: str) -> bool:
-    """True when the file is a live namespace handle, False for a plain (empty) file.
+    """Tell whether the file is a live namespace handle (True) or a plain (empty) file (False).
 
     An empty ``/run/netns/X`` is what remains when the bind mount is gone
     (made under ``ip netns exec``, a reboot wiped the mounts, a half-done
@@ -91,13 +93,14 @@ def is_namespace_mount(path_or_name: str) -> bool:
 
 
 def namespace_inode(path_or_name: str) -> int | None:
-    """Inode of the namespace behind the file (identity across renames), None if not a mount."""
+    """Return the inode of the namespace behind the file (identity across renames), None if not a
+    mount."""
     st = os.stat(path_of(path_or_name))
     return st.st_ino if st.st_dev == nsfs_dev() else None
 
 
 def list_names() -> list[str]:
-    """Names under /run/netns, sorted (usable or not; see :func:`is_namespace_mount`)."""
+    """List the names under /run/netns, sorted (usable or not; see :func:`is_namespace_mount`)."""
     try:
         return sorted(os.listdir(NETNS_RUN_DIR))
     except FileNotFoundError:
@@ -185,7 +188,7 @@ def enter_process_netns(path_or_name: str) -> None:
 # --- mount propagation -------------------------------------------------------
 
 def _mountinfo(pid: str) -> list[tuple[str, list[str]]]:
-    """(mount point, optional fields) of each mount, in mount order."""
+    """Read (mount point, optional fields) of each mount, in mount order."""
     out = []
     with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -200,7 +203,7 @@ def _mountinfo(pid: str) -> list[tuple[str, list[str]]]:
 
 
 def _covering_mount(mounts: list[tuple[str, list[str]]], path: str) -> list[str] | None:
-    """Optional fields of the mount that ``path`` lives on (last, longest match wins)."""
+    """Return the optional fields of the mount that ``path`` lives on (last, longest match wins)."""
     best: list[str] | None = None
     best_len = -1
     for mpoint, opts in mounts:
@@ -218,7 +221,7 @@ def _shared_group(opts: list[str] | None) -> str | None:
 
 
 def private_mount_namespace_problem() -> str | None:
-    """Why namespaces we create would be invisible outside this process, or None.
+    """Return why namespaces we create would be invisible outside this process, or None.
 
     ``ip netns exec`` (and e.g. a systemd unit with PrivateMounts) gives the
     process its own mount namespace whose mounts are slaves: a bind mount under
@@ -249,7 +252,7 @@ def private_mount_namespace_problem() -> str | None:
 
 
 def _ensure_rundir() -> None:
-    """mkdir /run/netns and make it a shared mount, as iproute2 does (once per process)."""
+    """Make /run/netns and a shared mount of it, as iproute2 does (once per process)."""
     global _rundir_ready
     if _rundir_ready:
         return
@@ -276,7 +279,7 @@ def _ensure_rundir() -> None:
 
 def create(name: str, *, replace_stale: bool = False,
            init: Callable[[], None] | None = None, file_mark: str | None = None) -> bool:
-    """``ip netns add NAME`` in-process. Returns False if it already existed.
+    """Run ``ip netns add NAME`` in-process. Returns False if it already existed.
 
     An existing live namespace is success (concurrent creators, EDGE 4). An
     existing *empty* file (EDGE 10) raises unless ``replace_stale``, which
@@ -410,7 +413,7 @@ def set_file_mark(fd: int, mark: str) -> None:
 
 
 def _mark_of(file: int | str) -> str | None:
-    """The tag on ``file`` (an fd or a path), None without one."""
+    """Return the tag on ``file`` (an fd or a path), None without one."""
     try:
         return os.getxattr(file, FILE_MARK_XATTR).decode(errors="replace")
     except OSError:
@@ -418,12 +421,12 @@ def _mark_of(file: int | str) -> str | None:
 
 
 def file_mark(name: str) -> str | None:
-    """The tag on an *unmounted* /run/netns file (on a live mount this reads nsfs: None)."""
+    """Return the tag on an *unmounted* /run/netns file (on a live mount this reads nsfs: None)."""
     return _mark_of(path_of(name))
 
 
 def delete(name: str) -> bool:
-    """``ip netns del NAME``: detach the mount, remove the file. False if absent.
+    """Run ``ip netns del NAME``: detach the mount, remove the file. False if absent.
 
     The namespace (and the veths inside it) is destroyed asynchronously by
     the kernel once nothing holds it any more — not when this returns, and not

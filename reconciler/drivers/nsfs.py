@@ -12,12 +12,12 @@ NETNS_RUN_DIR = "/run/netns"
 
 
 def current_inode() -> int:
-    """Inode of the calling thread's network namespace (its identity)."""
+    """Return the inode of the calling thread's network namespace (its identity)."""
     return os.stat("/proc/thread-self/ns/net").st_ino
 
 
 def mount_ns_inode() -> int:
-    """Inode of this process's mount namespace."""
+    """Return the inode of this process's mount namespace."""
     return os.stat("/proc/self/ns/mnt").st_ino
 
 
@@ -27,5 +27,6 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 
 def name_ok(name: str) -> bool:
-    """Is ``name`` usable as ``/run/netns/NAME`` (what ``ip netns`` accepts, one path component)?"""
+    """Tell whether ``name`` is usable as ``/run/netns/NAME`` (what ``ip netns`` accepts, one path
+    component)."""
     return 0 < len(name) <= 255 and name not in (".", "..") and _NAME_CHARS.issuperset(name)

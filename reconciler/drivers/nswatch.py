@@ -66,7 +66,8 @@ class RunDirWatch:
         return self.watching
 
     def drain(self) -> list[tuple[int, str]]:
-        """Every event queued since the last call: (mask, name; "" for the directory itself)."""
+        """Drain every event queued since the last call: (mask, name; "" for the directory
+        itself)."""
         out: list[tuple[int, str]] = []
         while True:
             try:
@@ -96,7 +97,7 @@ class RunDirWatch:
 
 
 def netns_mounts(run_dir: str = NETNS_RUN_DIR) -> frozenset[tuple[str, str, str]]:
-    """(mount id, root, mount point) of ``run_dir`` and of every mount below it."""
+    """Return (mount id, root, mount point) of ``run_dir`` and of every mount below it."""
     prefix = run_dir.rstrip("/") + "/"
     with open("/proc/self/mountinfo") as fh:
         text = fh.read()
@@ -117,7 +118,7 @@ class MountWatch:
         self.poller.register(self.fd, select.POLLPRI | select.POLLERR)
 
     def signalled(self) -> bool:
-        """Did the mount table change since the last call (consumes the notification)?"""
+        """Tell whether the mount table changed since the last call (consumes the notification)."""
         return any(ev & (select.POLLPRI | select.POLLERR) for _fd, ev in self.poller.poll(0))
 
     def close(self) -> None:

@@ -15,7 +15,8 @@ _PROC_NET = (("tcp", "/proc/thread-self/net/tcp", "0A"),
 
 
 def parse_proc_net(text: str, listen_state: str) -> set[tuple[str, int]]:
-    """(local address, port) of sockets in ``listen_state`` from /proc/net/{tcp,udp}[6] (pure)."""
+    """Parse (local address, port) of sockets in ``listen_state`` from /proc/net/{tcp,udp}[6]
+    (pure)."""
     out = set()
     for line in text.splitlines()[1:]:
         parts = line.split()
@@ -27,7 +28,7 @@ def parse_proc_net(text: str, listen_state: str) -> set[tuple[str, int]]:
 
 
 def listening_ports() -> frozenset[tuple[str, int]]:
-    """(proto, port) of every listening TCP socket and bound UDP socket in this namespace."""
+    """List (proto, port) of every listening TCP socket and bound UDP socket in this namespace."""
     found: set[tuple[str, int]] = set()
     for proto, path, state in _PROC_NET:
         try:
@@ -44,7 +45,7 @@ _NET_LINK = re.compile(r"^net:\[(\d+)\]$")
 
 
 def netns_inode_of(link: str) -> int | None:
-    """The inode in a ``/proc/PID/ns/net`` link's text (``net:[4026532301]``) (pure)."""
+    """Read the inode in a ``/proc/PID/ns/net`` link's text (``net:[4026532301]``) (pure)."""
     m = _NET_LINK.match(link)
     return int(m.group(1)) if m else None
 
@@ -57,7 +58,7 @@ def _readlink(path: str) -> str | None:
 
 
 def netns_members(proc: str = "/proc") -> dict[int, tuple[int, ...]]:
-    """Network namespace inode -> the pids whose process (or one of its threads) is in it.
+    """Map each network namespace inode -> the pids whose process (or one of its threads) is in it.
 
     One ``readlink`` per process and, for processes with more than one thread, one per
     thread (a thread can ``setns`` alone): ~2 ms for 100 processes. Taken once per run
@@ -84,7 +85,7 @@ def netns_members(proc: str = "/proc") -> dict[int, tuple[int, ...]]:
 
 
 def process_name(pid: int, proc: str = "/proc") -> str:
-    """The ``comm`` of a process (``?`` when it is gone)."""
+    """Return the ``comm`` of a process (``?`` when it is gone)."""
     try:
         with open(f"{proc}/{pid}/comm") as fh:
             return fh.read().strip() or "?"

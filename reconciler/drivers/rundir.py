@@ -5,6 +5,8 @@ must be a real directory (not a symlink) owned by us (root) that nobody else
 can write: a local user who could plant an entry there could make `apply`
 truncate and write any file through a symlink, or answer `reconcile plan` in
 the agent's place. Files under it are opened with ``O_NOFOLLOW``.
+
+See docs/decisions/021-one-writer-per-host.md.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _first_non_directory(path: str) -> str | None:
 
 
 def dir_problem(st: os.stat_result, me: int) -> str | None:
-    """Why a run directory with this lstat cannot be trusted, or None (pure)."""
+    """Return why a run directory with this lstat cannot be trusted, or None (pure)."""
     if stat.S_ISLNK(st.st_mode):
         return "it is a symlink"
     if not stat.S_ISDIR(st.st_mode):
@@ -71,7 +73,7 @@ def dir_problem(st: os.stat_result, me: int) -> str | None:
 
 
 def list_trusted_dir(directory: str, what: str) -> list[str] | None:
-    """The sorted names in ``directory`` once it is checked ours (:func:`dir_problem`);
+    """List the sorted names in ``directory`` once it is checked ours (:func:`dir_problem`);
     None when it does not exist. Anything else that keeps it from being read (it is a
     file, a path through a file, unreadable) is one PreconditionError line naming it."""
     try:
@@ -113,7 +115,7 @@ def open_file(path: str, mode: int = 0o600) -> int:
 
 
 def describe_open_error(path: str, exc: OSError) -> str:
-    """One line for an open of a run file that failed."""
+    """Describe in one line an open of a run file that failed."""
     if exc.errno == errno.ELOOP:
         return f"{path} is a symlink; refusing to follow it (remove it)"
     return f"{path}: {exc.strerror or exc}"
@@ -128,7 +130,7 @@ _RUN_FILE = re.compile(r"(?:netns-[0-9]+\.lock|plan-[0-9]+\.(?:lock|sock)"
 
 
 def _take_unused_lock(path: str) -> int | None:
-    """The fd of ``path`` flocked by us, when it is a lock file of ours that nobody holds
+    """Take the fd of ``path`` flocked by us, when it is a lock file of ours that nobody holds
     and is still the file at ``path``; None otherwise (held, gone, replaced, not ours).
 
     Whoever waits for a lock re-checks its inode once it has it (``engine.lock``, the
@@ -154,7 +156,7 @@ def _take_unused_lock(path: str) -> int | None:
 
 
 def lock_is_free(path: str) -> bool:
-    """Nobody holds the lock file ``path`` (or there is none); it is not made."""
+    """Tell whether nobody holds the lock file ``path`` (or there is none); it is not made."""
     if not os.path.lexists(path):
         return True
     fd = _take_unused_lock(path)
@@ -165,7 +167,7 @@ def lock_is_free(path: str) -> bool:
 
 
 def _nobody_listens(path: str) -> os.stat_result | None:
-    """The lstat of ``path`` when it is a socket file of ours on which nothing accepts
+    """Return the lstat of ``path`` when it is a socket file of ours on which nothing accepts
     connections (ECONNREFUSED); None otherwise."""
     try:
         st = os.lstat(path)
@@ -185,12 +187,12 @@ def _nobody_listens(path: str) -> os.stat_result | None:
 
 
 def _companion_lock(path: str) -> str:
-    """The lock the server of socket ``path`` holds while it serves (``plan-N.lock``)."""
+    """Name the lock the server of socket ``path`` holds while it serves (``plan-N.lock``)."""
     return path[: -len(".sock")] + ".lock"
 
 
 def stale_files(directory: str = RUN_DIR) -> list[tuple[str, str]]:
-    """``(path, why)`` of our files here that nobody uses: a lock nobody holds, a socket
+    """List ``(path, why)`` of our files here that nobody uses: a lock nobody holds, a socket
     nobody listens on and whose server's lock nobody holds. Sockets first: one is
     removed under its server's lock (:func:`remove_stale`). Files of other names, and
     entries that are not regular files (or sockets) of ours, are never listed."""

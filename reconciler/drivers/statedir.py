@@ -17,6 +17,8 @@ The directory and its scope subdirectories are 0700, must be real directories
 owned by us that nobody else can write (``rundir.dir_problem``), and files are
 opened with ``O_NOFOLLOW``: a local user who could plant a record here could make
 a revert rebuild whatever they wrote.
+
+See docs/decisions/024-state-directory.md.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ STATE_DIR = "/var/lib/reconciler"
 
 
 def state_root() -> str:
-    """``RECONCILER_STATE_DIR`` (read at each call: the tests point it elsewhere) or the
+    """Return ``RECONCILER_STATE_DIR`` (read at each call: the tests point it elsewhere) or the
     default."""
     return os.environ.get("RECONCILER_STATE_DIR") or STATE_DIR
 
 
 def scope_dirname(scope: str) -> str:
-    """The directory name of a scope (``host``, ``netns/NAME``, ``netns-inode/N``): one
+    """Name the directory of a scope (``host``, ``netns/NAME``, ``netns-inode/N``): one
     path component, reversible enough for people to read (``netns/a`` -> ``netns-a``)."""
     name = scope.replace("/", "-")
     if not name or name in (".", "..") or "\0" in name:
@@ -112,7 +114,7 @@ def write_record(directory: str, name: str, value: Any) -> str:
 
 
 def read_record(directory: str, name: str) -> Any | None:
-    """The JSON record ``directory/name``, or None when there is none.
+    """Read the JSON record ``directory/name``, or None when there is none.
 
     A record that is not a regular file of ours, or not JSON, is a
     PreconditionError naming it (never followed, never guessed at).
@@ -154,7 +156,7 @@ def remove_record(directory: str, name: str) -> bool:
 
 
 def list_records(directory: str, suffix: str = "") -> list[str]:
-    """The names of the records in ``directory`` ending in ``suffix`` (no temporaries)."""
+    """List the names of the records in ``directory`` ending in ``suffix`` (no temporaries)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -168,7 +170,7 @@ def _check_name(name: str) -> None:
 
 
 def boot_id() -> str:
-    """This boot's id (``/proc/sys/kernel/random/boot_id``): a record written under another
+    """Read this boot's id (``/proc/sys/kernel/random/boot_id``): a record written under another
     boot outlived a reboot (a pending change is then overdue)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
@@ -188,7 +190,7 @@ PID_MAX_LIMIT = 4 * 1024 * 1024
 
 
 def _writer_pid(name: str) -> int | None:
-    """The pid in a temporary's name (``.NAME.PID.tmp``), or None when the name is not one
+    """Read the pid in a temporary's name (``.NAME.PID.tmp``), or None when the name is not one
     or its pid is one no process can have (0, beyond PID_MAX_LIMIT): an odd entry is not
     ours to judge, and ``os.kill`` would take 0 for our own process group."""
     m = _TEMPORARY.fullmatch(name)
@@ -202,7 +204,7 @@ def _writer_pid(name: str) -> int | None:
 
 
 def _boot_time() -> float | None:
-    """When this boot started (``btime`` of ``/proc/stat``), or None."""
+    """Read when this boot started (``btime`` of ``/proc/stat``), or None."""
     try:
         with open("/proc/stat") as fh:
             for line in fh:
@@ -224,7 +226,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _stale_why(path: str, pid: int, boot: float | None) -> str | None:
-    """Why the temporary at ``path`` is left over (its writer is gone, or it is older than
+    """Say why the temporary at ``path`` is left over (its writer is gone, or it is older than
     this boot: a pid of now is not its writer), or None."""
     try:
         st = os.lstat(path)
@@ -240,7 +242,7 @@ def _stale_why(path: str, pid: int, boot: float | None) -> str | None:
 
 
 def stale_temporaries(scope: str, root: str | None = None) -> list[tuple[str, str]]:
-    """``(path, why)`` of the temporaries in ``scope``'s directory that no writer will
+    """List ``(path, why)`` of the temporaries in ``scope``'s directory that no writer will
     rename any more (a ``kill -9`` between write and rename). The directory is not made:
     none, nothing to collect."""
     directory = os.path.join(root or state_root(), scope_dirname(scope))

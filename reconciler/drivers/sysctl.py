@@ -18,7 +18,7 @@ def _path(key: str) -> str:
 
 
 def read(key: str) -> str | None:
-    """The value, or None when the key does not exist (e.g. IPv6 disabled)."""
+    """Read the value, or None when the key does not exist (e.g. IPv6 disabled)."""
     try:
         with open(_path(key)) as fh:
             return fh.read().strip()

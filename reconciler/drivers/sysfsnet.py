@@ -12,6 +12,8 @@ anyone else, and it is gone with the thread), mounts a sysfs of the network
 namespace it is in (ours: threads start in their creator's) over ``/sys`` and
 reads there. About 0.3 ms; only bridges whose MAC is not the one we give new
 bridges need asking (``engine.observe``).
+
+See docs/decisions/010-stable-identities.md.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ Seen = tuple[int, str | None]
 
 
 def _read(root: str, name: str) -> tuple[int, str, int] | None:
-    """(ifindex, address, addr_assign_type) of ``name`` under ``root``; None if unreadable."""
+    """Read (ifindex, address, addr_assign_type) of ``name`` under ``root``; None if unreadable."""
     base = f"{root}/class/net/{name}"
     try:
         with open(f"{base}/ifindex", encoding="ascii") as f:
@@ -87,7 +89,7 @@ def _read_private(names: list[str]) -> dict[str, tuple[int, str, int] | None]:
 
 
 def mac_is_set(links: Mapping[str, Seen]) -> dict[str, bool | None]:
-    """For each link (name -> what netlink saw of it): is its MAC set (NET_ADDR_SET)?
+    """Tell, for each link (name -> what netlink saw of it), whether its MAC is set (NET_ADDR_SET).
 
     None for a link sysfs does not show as netlink saw it (gone or changed
     meanwhile): unknown, the caller asks again next time. Raises OSError when the

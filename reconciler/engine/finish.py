@@ -11,6 +11,8 @@ what was left and is removed too: the next run does not try it again. Only a
 temporary failure (the Docker daemon unreachable, a container that could not be
 put back) or a ``StrandedError`` (containers off their network and another's
 network of that name in the way) keeps it for the run after.
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ NOT_FINISHED = ": could not finish an interrupted "
 
 
 def finished(line: str) -> bool:
-    """Whether a line ``finish_journals`` said reports a change carried to its end (or undone),
+    """Tell whether a line ``finish_journals`` said reports a change carried to its end (or undone),
     not one it could not finish."""
     return touched_host(line) and NOT_FINISHED not in line
 
 
 def touched_host(line: str) -> bool:
-    """Whether a line ``finish_journals`` said is about a journal it acted on (the host may
+    """Tell whether a line ``finish_journals`` said is about a journal it acted on (the host may
     have changed), not one it left alone."""
     return not line.startswith(LEFT_ALONE)
 
@@ -115,7 +117,7 @@ def _finish_ops(ops: HostOps, journal: Journal) -> str:
 
 
 def _why(exc: Exception, what: str) -> str:
-    """The driver's message without the prefix the line already has."""
+    """Strip from the driver's message the prefix the line already has."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     for prefix in (f"{what}: finish replace: ", f"{what}: replace: ", f"{what}: "):
         if text.startswith(prefix):

@@ -17,6 +17,8 @@ anything. ``gc --plan`` finishes nothing (it changes nothing): it names them, as
 The stale files are the reconciler's own bookkeeping, not host objects, so they are
 removed by the drivers of their directories (``drivers/rundir``, ``drivers/statedir``:
 each re-checks a file just before removing it), not through ``HostOps``.
+
+See docs/decisions/022-gc-is-the-planners-removals.md.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class GcResult:
 
 
 def holders(names: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """Pids of the processes inside each named namespace (one scan of /proc), ours aside."""
+    """Find the pids of the processes inside each named namespace (one scan of /proc), ours
+    aside."""
     inodes: dict[str, int] = {}
     for name in names:
         try:
@@ -118,7 +121,7 @@ def holders(names: Iterable[str]) -> dict[str, tuple[int, ...]]:
 
 
 def vantage_left(host_id: str) -> str | None:
-    """The host's probe vantage when no prober holds its lock: a dead prober's leftover."""
+    """Name the host's probe vantage when no prober holds its lock: a dead prober's leftover."""
     ns = probes.vantage_present(host_id)
     if ns is None or not rundir.lock_is_free(probes.vantage_lock_path(host_id)):
         return None
@@ -126,7 +129,7 @@ def vantage_left(host_id: str) -> str | None:
 
 
 def stale_files() -> list[StaleFile]:
-    """The stale files of the run directory and of this scope's state directory."""
+    """List the stale files of the run directory and of this scope's state directory."""
     out = [StaleFile(p, "run", why) for p, why in rundir.stale_files()]
     out += [StaleFile(p, "state", why) for p, why in statedir.stale_temporaries(docker_scope())]
     return out
@@ -163,14 +166,14 @@ class Collector:
         self.host_id = ""
 
     def plan(self, desired: DesiredState | None) -> Plan:
-        """The removals (``planner.gc.gc_plan``) of a fresh observation; changes nothing."""
+        """Plan the removals (``planner.gc.gc_plan``) of a fresh observation; change nothing."""
         live: LiveState = self.observer.observe(desired or DesiredState())
         self.host_id = live.host_id
         held = self._who_holds(planner_gc.broken_namespaces(live)) if desired is None else {}
         return planner_gc.gc_plan(live, desired, holders=held)
 
     def report(self, desired: DesiredState | None) -> GcResult:
-        """``gc --plan``: what would be collected."""
+        """Report what ``gc --plan`` would collect."""
         plan = self.plan(desired)
         return GcResult(plan, self._files(), vantage=self._vantage(self.host_id),
                         notes=self._journals.journal_notes())

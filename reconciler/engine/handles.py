@@ -3,6 +3,8 @@
 Observation reads through them and ``HostOps`` changes through them, so one
 pass keeps one netlink socket (and its cached sockets into allocation
 namespaces), one iptables driver per family and one Docker client.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class HostHandles:
         return self._docker
 
     def open_namespaces(self) -> frozenset[str]:
-        """Allocation namespaces a cached netlink socket keeps alive (none before first use)."""
+        """Return the allocation namespaces a cached netlink socket keeps alive (none before first
+        use)."""
         return self._netlink.cached_names() if self._netlink is not None else frozenset()
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
 This is the single gate for side effects: nothing else in the reconciler
 changes the host. An op is decoded into its typed form
 (``reconciler.domain.ops``) and dispatched on its class.
+
+See docs/decisions/006-plans-are-values.md.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class HostOps:
         self._members: dict[int, tuple[int, ...]] | None = None
 
     def new_pass(self) -> None:
-        """A new plan is executed: what was read of processes and bridges may be stale now."""
+        """Forget what was read of processes and bridges: a new plan is executed, it may be stale
+        now."""
         self._members = None
         self.netlink.new_pass()
 
@@ -175,7 +178,7 @@ class HostOps:
             self.netlink.del_link_local_addresses(parts[3])
 
     def _delete_netns(self, name: str) -> None:
-        """``ip netns del``; a namespace processes still hold also loses its veth, now.
+        """Run ``ip netns del``; a namespace processes still hold also loses its veth, now.
 
         Unmounted, a namespace lives on while anything holds it (a process inside, an
         ``nsenter``) and so does its veth on the bridge: the next observation saw an

@@ -4,6 +4,8 @@ Conntrack is read only for a plan that disrupts something, and only the entries 
 what it disrupts (``planner.impact.flow_query``: kernel-filtered dumps by address and
 port), so a plan that disrupts nothing costs no netfilter socket. A table that cannot
 be read leaves the flows uncounted (``Impact.flows`` None): the impact itself stands.
+
+See docs/decisions/020-impact-before-it-happens.md.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class DisruptionError(ReconcilerError):
 
 
 def count_flows(plan: Plan, live: LiveState, handles: HostHandles) -> tuple[Plan, LiveState]:
-    """``plan`` with the flows of its impact counted, and ``live`` with those flows."""
+    """Count the flows of ``plan``'s impact; return it, and ``live`` with those flows."""
     query = impact.flow_query(plan)
     if not query:
         return plan, live
@@ -49,7 +51,7 @@ def count_flows(plan: Plan, live: LiveState, handles: HostHandles) -> tuple[Plan
 
 
 def refusal(plan: Plan, limit: int | None) -> str | None:
-    """The one line that refuses ``plan`` under ``--max-disruption limit``, or None."""
+    """Return the one line that refuses ``plan`` under ``--max-disruption limit``, or None."""
     items = plan.impacted
     if limit is None or len(items) <= limit:
         return None

@@ -20,6 +20,8 @@ happened already).
 
 Ownership never lives here: a journal says what to finish, the objects still say
 whose they are.
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def record_name(kind: str, name: str) -> str:
 
 
 def describe(record: str) -> str:
-    """What a journal file stands for, from its name alone (``plan`` reads no journal):
+    """Say what a journal file stands for, from its name alone (``plan`` reads no journal):
     ``docker network N: a replace …``."""
     kind, _, name = record[len(PREFIX):-len(SUFFIX)].partition("-")
     if kind == DOCKER:
@@ -113,7 +115,7 @@ class Journal:
                         step, self.path, exc.strerror or exc)
 
     def close(self) -> None:
-        """The change reached its end: nothing is left to finish."""
+        """Close the journal: the change reached its end, nothing is left to finish."""
         try:
             statedir.remove_record(self.directory, self.record)
         except OSError as exc:  # the next run finds everything done: a no-op finish
@@ -157,7 +159,7 @@ class BadJournal(PreconditionError):
 
 
 def needs_journal(change: Change) -> bool:
-    """Whether ``change`` deletes a link inside a namespace before attaching our veth there:
+    """Tell whether ``change`` deletes a link inside a namespace before attaching our veth there:
     an adopted namespace's foreign ``eth0`` (or a heal of ours). Killed in between, the
     namespace would have no ``eth0``, and an adopted one is not ours yet, so no later plan
     would make one."""
@@ -188,27 +190,27 @@ class Journals:
         return statedir.scope_dir(self.scope)
 
     def new(self, kind: str, name: str) -> Journal:
-        """A journal for a change about to start (written by its ``begin``)."""
+        """Make a journal for a change about to start (written by its ``begin``)."""
         directory = self._directory(create=True)
         assert directory is not None
         return Journal(directory, kind, name)
 
     def find(self, kind: str, name: str) -> Journal | None:
-        """The interrupted change of ``kind``/``name``, if there is one."""
+        """Find the interrupted change of ``kind``/``name``, if there is one."""
         directory = self._directory(create=False)
         if directory is None:
             return None
         return self._read(directory, record_name(kind, name))
 
     def names(self) -> list[str]:
-        """The journal files there are (cheap: no file is read)."""
+        """List the journal files there are (cheap: no file is read)."""
         directory = self._directory(create=False)
         if directory is None:
             return []
         return [n for n in statedir.list_records(directory, SUFFIX) if n.startswith(PREFIX)]
 
     def pending(self) -> Iterator[Journal | BadJournal]:
-        """Every interrupted change, oldest first; a file that is not a journal of this
+        """Yield every interrupted change, oldest first; a file that is not a journal of this
         version is a ``BadJournal`` (reported, left where it is)."""
         directory = self._directory(create=False)
         if directory is None:

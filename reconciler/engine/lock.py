@@ -2,6 +2,8 @@
 
 "Host" means network namespace: the lock file is named after the inode of the
 namespace we act on, so sandboxes under `--netns` do not block each other.
+
+See docs/decisions/021-one-writer-per-host.md.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def _open(path: str) -> int:
 
 
 def _is_current(fd: int, path: str) -> bool:
-    """Is the file we locked still the one at ``path``? (A releaser may have unlinked it.)"""
+    """Tell whether the file we locked is still the one at ``path`` (a releaser may have unlinked
+    it)."""
     try:
         return os.fstat(fd).st_ino == os.stat(path).st_ino
     except FileNotFoundError:

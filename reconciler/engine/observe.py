@@ -68,7 +68,7 @@ class Observer:
         return dataclasses.replace(LiveState(), **fields)
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:
-        """Every link here, and for the declared bridges whether their MAC is set.
+        """Observe every link here, and for the declared bridges whether their MAC is set.
 
         A bridge with the MAC we create bridges with was made by us, so it is set;
         one with 00:00:00:00:00:00 has no port and follows them. Only the others
@@ -101,10 +101,10 @@ class Observer:
 
     def observe_neighbours(self, desired: DesiredState,
                            links: dict[str, LiveLink]) -> tuple[LiveNeighbour, ...]:
-        """Neighbour entries on the declared bridges: an entry for an allocation's address
-        that names another MAC than its ``eth0`` is stale, and one of ours for an address
-        no allocation has any more is deleted (the kernel never collects ours). Read with
-        no allocation declared too: the last ones pruned leave theirs.
+        """Observe the neighbour entries on the declared bridges: an entry for an allocation's
+        address that names another MAC than its ``eth0`` is stale, and one of ours for an address no
+        allocation has any more is deleted (the kernel never collects ours). Read with no allocation
+        declared too: the last ones pruned leave theirs.
 
         Not announced to the plan agent (no neighbour events are heard): it reads them
         on every request, one dump (none without a declared bridge).
@@ -114,7 +114,7 @@ class Observer:
             if (lk := links.get(name)) is not None and lk.kind == "bridge")
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
-        """The LiveState fields no kernel event announces a change of: sysctls, listening
+        """Observe the LiveState fields no kernel event announces a change of: sysctls, listening
         sockets, iptables-legacy's rules.
 
         Cheap file reads (legacy rules: a /proc read, and a save only where legacy tables
@@ -131,7 +131,8 @@ class Observer:
 
     def observe_allocs(self, desired: DesiredState,
                         host_id: str) -> dict[str, LiveNetns]:
-        """Desired allocation namespaces, plus undeclared ones that carry this host's mark."""
+        """Observe the desired allocation namespaces, plus undeclared ones that carry this host's
+        mark."""
         names = set(netns.list_names())
         wanted = names & set(desired.allocs)
         mark = alloc_ns_alias(host_id)
@@ -150,7 +151,8 @@ class Observer:
         return {**self.observe_namespaces(wanted), **stale}
 
     def observe_namespaces(self, names: Iterable[str]) -> dict[str, LiveNetns]:
-        """Links, addresses and routes inside each named namespace (missing ones left out)."""
+        """Observe links, addresses and routes inside each named namespace (missing ones left
+        out)."""
         names = sorted(names)
         # with no names too: that drops sockets held into namespaces no longer read, which
         # would keep them (and their veths) alive after someone deleted them
@@ -161,7 +163,8 @@ class Observer:
         return observed
 
     def observe_routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
-        """The host's main-table routes, when declared prefixes must be checked against them.
+        """Observe the host's main-table routes, when declared prefixes must be checked against
+        them.
 
         One dump; skipped when nothing declares a prefix (a router's full table is large).
         """
@@ -170,9 +173,9 @@ class Observer:
         return self.handles.netlink.dump_routes()
 
     def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
-        """``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker network's
-        subnets and the daemon's pools, when anything declares a prefix (None otherwise, and
-        without Docker on this host). One list call serves both."""
+        """Observe ``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker
+        network's subnets and the daemon's pools, when anything declares a prefix (None otherwise,
+        and without Docker on this host). One list call serves both."""
         listing = rawapi.list_networks()
         space = rawapi.address_space(listing) \
             if desired.subnets or desired.docker_networks else None
@@ -180,7 +183,7 @@ class Observer:
 
     def observe_docker(self, desired: DesiredState,
                        listing: rawapi.Listing | None = None) -> LiveDocker | None:
-        """Declared Docker networks and every network we own, or None.
+        """Observe the declared Docker networks and every network we own, or None.
 
         Whether we own networks only the daemon can say, so it is asked even
         when nothing Docker is declared. A host without Docker (no socket) is
@@ -204,7 +207,7 @@ class Observer:
 
 
 def docker_scope() -> str:
-    """Who we are among reconcilers sharing one dockerd (the ``io.reconciler.scope`` label).
+    """Tell who we are among reconcilers sharing one dockerd (the ``io.reconciler.scope`` label).
 
     "host" in the network namespace of pid 1; in a sandbox (``--netns NAME``
     or nsenter) ``netns/NAME``, or ``netns-inode/N`` when it has no name.

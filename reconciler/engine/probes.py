@@ -5,6 +5,9 @@
 one that failed gathers the facts around it and lets the planner name the
 cause. ``probe_targets`` says which allocations a plan touched ("what changed",
 after apply); watch probes everything on its own interval.
+
+See docs/decisions/031-probes-capture-decides.md.
+See docs/decisions/032-probes-in-apply-and-watch.md.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ __all__ = ["Prober", "VantageLease", "probe_targets", "remove_unused_vantage"]
 
 
 def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
-    """Alloc ids a plan's changes touch (see ``planner.probes.probe_targets``)."""
+    """Return the alloc ids a plan's changes touch (see ``planner.probes.probe_targets``)."""
     return plan_probes.probe_targets(plan, desired)
 
 
@@ -103,7 +106,7 @@ class Prober:
         return sorted(results, key=sort_key)
 
     def _ensure_vantage(self, host_id: str, ipv6: bool) -> Vantage:
-        """Our share of the host's vantage, checked at every run: one that somebody removed
+        """Hold our share of the host's vantage, checked at every run: one that somebody removed
         (or half removed) since is made again. ``ipv6``: there are IPv6 maps to probe, so
         look whether its link has its IPv6 pair (one ``ip`` call; none without them)."""
         if self._lease is None or self._lease.host_id != host_id:
@@ -270,7 +273,7 @@ class VantageLease:
 
 
 def remove_unused_vantage(host_id: str | None = None) -> bool:
-    """``destroy``: remove the host's vantage when no prober uses it (a dead one's leftover);
+    """Remove the host's vantage when no prober uses it (a dead one's leftover), for ``destroy``;
     True when there was one to remove. A prober alive keeps it (its lock is shared)."""
     lease = VantageLease(host_id if host_id is not None else str(current_inode()))
     if vantage_driver.vantage_state(lease.ns, lease.link) not in ("ready", "partial"):
@@ -282,7 +285,7 @@ def remove_unused_vantage(host_id: str | None = None) -> bool:
 
 
 def vantage_present(host_id: str | None = None) -> str | None:
-    """``show``: the host's vantage namespace when one (ours) is there."""
+    """Name the host's vantage namespace when one (ours) is there, for ``show``."""
     host = host_id if host_id is not None else str(current_inode())
     ns, link = probe_vantage_names(host)
     return ns if vantage_driver.vantage_state(ns, link) in ("ready", "partial") else None
@@ -290,7 +293,7 @@ def vantage_present(host_id: str | None = None) -> str | None:
 
 def send(handles: HostHandles, specs: list[ProbeSpec], *, timeout: float,
          external_ns: str | None) -> list[runner.Outcome]:
-    """``drivers.probe.runner.run``, and after each batch the conntrack entries its probes made
+    """Run ``drivers.probe.runner.run``, and after each batch the conntrack entries its probes made
     deleted through the host's conntrack driver (``HostHandles.conntrack``)."""
     return runner.run(specs, timeout=timeout, external_ns=external_ns,
                       forget=lambda flows: forget_flows(handles, flows))
@@ -309,7 +312,7 @@ def forget_flows(handles: HostHandles, flows: list[runner.Flow]) -> int:
 
 
 def flow_tuple(f: runner.Flow) -> Tuple:
-    """The conntrack driver's original tuple of a flow a probe made."""
+    """Return the conntrack driver's original tuple of a flow a probe made."""
     src, dst = ipaddress.ip_address(f.src), ipaddress.ip_address(f.dst)
     if f.proto in (1, 58):  # ICMP, ICMPv6: echo id and type, code 0
         return Tuple(src, dst, f.proto, None, None, icmp=(f.a, f.b, 0))
@@ -317,7 +320,7 @@ def flow_tuple(f: runner.Flow) -> Tuple:
 
 
 def _br_netfilter() -> dict[int, bool]:
-    """Per family, whether br_netfilter hands bridged IP to iptables here (the sysctl is per
+    """Tell, per family, whether br_netfilter hands bridged IP to iptables here (the sysctl is per
     network namespace; absent: the module is not loaded)."""
     out = {}
     for family, key in ((4, "net/bridge/bridge-nf-call-iptables"),

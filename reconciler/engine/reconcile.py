@@ -1,4 +1,7 @@
-"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch."""
+"""The reconcile loop: observe -> plan -> execute -> verify, shared by the CLI and watch.
+
+See docs/decisions/032-probes-in-apply-and-watch.md.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class ProbeRunner(Protocol):
 
 
 def probe_failures(results: Sequence[ProbeResult]) -> list[ProbeResult]:
-    """The probes that did not hold: a skipped path (it cannot exist here) is no failure."""
+    """Return the probes that did not hold: a skipped path (it cannot exist here) is no failure."""
     return [r for r in results if not r.ok and not r.skipped]
 
 
@@ -179,11 +182,11 @@ class Reconciler:
         return result
 
     def journals_pending(self) -> bool:
-        """Whether a killed run left a journalled change to finish (no file is read)."""
+        """Tell whether a killed run left a journalled change to finish (no file is read)."""
         return isinstance(self.runner, HostOps) and bool(self.runner.journals.names())
 
     def journal_notes(self) -> list[str]:
-        """One line per change a killed run left half done, for ``plan`` (nothing is read
+        """Return one line per change a killed run left half done, for ``plan`` (nothing is read
         but the directory: planning changes nothing, so it cannot finish them)."""
         if not isinstance(self.runner, HostOps):
             return []
@@ -268,7 +271,7 @@ def refuse(plan: Plan, saved: Plan | None, max_disruption: int | None) -> None:
 
 @contextlib.contextmanager
 def _refusals_after(finished: Sequence[str]) -> Iterator[None]:
-    """Refusals (the errors ``refuse`` and ``preflight`` raise) worded for a run that
+    """Word the refusals (the errors ``refuse`` and ``preflight`` raise) for a run that
     ``finished`` interrupted changes before it (``after_finishing``)."""
     try:
         yield
@@ -283,7 +286,7 @@ def _refusals_after(finished: Sequence[str]) -> Iterator[None]:
 
 
 def after_finishing(message: str, finished: Sequence[str]) -> str:
-    """A refusal's ``message`` once this run ``finished`` interrupted changes (the lines
+    """Reword a refusal's ``message`` once this run ``finished`` interrupted changes (the lines
     ``finish_journals`` said) before planning: its "nothing changed" would be false."""
     first, nl, rest = message.partition("\n")
     more = f"; and {len(finished) - 1} more" if len(finished) > 1 else ""
@@ -337,7 +340,7 @@ MIN_KERNEL = (5, 18)
 
 
 def kernel_problem(release: str) -> str | None:
-    """Why this kernel cannot carry our address ownership tag, or None (pure)."""
+    """Return why this kernel cannot carry our address ownership tag, or None (pure)."""
     try:
         major, minor = (int(x) for x in release.split("-", 1)[0].split(".")[:2])
     except ValueError:
@@ -350,7 +353,7 @@ def kernel_problem(release: str) -> str | None:
 
 
 def conflicts_line(reasons: Sequence[str]) -> str:
-    """``N conflict(s) with …``: objects the reconciler does not own, or — when every one
+    """Say ``N conflict(s) with …``: objects the reconciler does not own, or — when every one
     is a prefix on the probes' reserved /30 or /126 and nothing else — that reservation
     (nothing foreign is in the way then, and saying so would send people looking for it)."""
     parts = [p for r in reasons for p in r.split("; ")]

@@ -18,6 +18,8 @@ reverter killed, the host rebooted (its boot id differs: overdue). Whoever runs 
 reverts an overdue change first: the next ``apply``, the agent, ``reconcile revert
 --if-overdue`` at boot. While a change is pending and not overdue every other change
 is refused, naming the deadline.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def current_boot_id() -> str:
 
 
 def iso(epoch: float) -> str:
-    """``epoch`` as UTC ISO 8601; total: a time no ``time_t`` holds (a record an older
+    """Write ``epoch`` as UTC ISO 8601; total: a time no ``time_t`` holds (a record an older
     version wrote with a huge window, or edited) is named, not an OverflowError that every
     later command would die of."""
     try:
@@ -76,7 +78,7 @@ def iso(epoch: float) -> str:
 
 
 def _time(value: Any, what: str) -> float:
-    """A record's epoch seconds: a finite number, else ValueError (the record is refused
+    """Read a record's epoch seconds: a finite number, else ValueError (the record is refused
     in one line)."""
     seconds = float(value)
     if not math.isfinite(seconds):
@@ -143,7 +145,7 @@ def scope_dir(scope: str | None = None) -> str:
 
 
 def _existing_dir(scope: str | None) -> str | None:
-    """The scope's state directory, checked, if there is one: reading makes nothing (an
+    """Return the scope's state directory, checked, if there is one: reading makes nothing (an
     apply without a window must not need a writable ``/var/lib``)."""
     scope = scope or docker_scope()
     path = os.path.join(statedir.state_root(), statedir.scope_dirname(scope))
@@ -151,7 +153,7 @@ def _existing_dir(scope: str | None) -> str | None:
 
 
 def pending(scope: str | None = None) -> Pending | None:
-    """The change pending in ``scope`` (default: the one we act on), or None."""
+    """Return the change pending in ``scope`` (default: the one we act on), or None."""
     directory = _existing_dir(scope)
     if directory is None:
         return None
@@ -165,7 +167,8 @@ def refusal(p: Pending) -> str:
 
 
 def revert_count(scope: str | None = None) -> tuple[int, str | None]:
-    """(reverts performed in ``scope``, the revision of the last one reverted)."""
+    """Count the reverts performed in ``scope``; return it and the revision of the last one
+    reverted."""
     try:
         directory = _existing_dir(scope)
         raw = (statedir.read_record(directory, REVERTS) if directory else None) or {}
@@ -182,21 +185,21 @@ def _docker_now(handles: HostHandles, scope: str) -> tuple[NetworkPoint, ...]:
 
 
 def _with_sysctls(live: LiveState) -> LiveState:
-    """``live`` with the sysctls a checkpoint records that observation did not read."""
+    """Add to ``live`` the sysctls a checkpoint records that observation did not read."""
     extra = {k: v for k in sysctl_keys(live) if k not in live.sysctls
              and (v := sysctl.read(k)) is not None}
     return dataclasses.replace(live, sysctls={**live.sysctls, **extra}) if extra else live
 
 
 def checkpoint_of(handles: HostHandles, live: LiveState, *, docker: bool) -> Checkpoint:
-    """The checkpoint of ``live`` (an observation), with our Docker networks of this scope
+    """Take the checkpoint of ``live`` (an observation), with our Docker networks of this scope
     read from the daemon when ``docker``."""
     nets = _docker_now(handles, docker_scope()) if docker else None
     return take(_with_sysctls(live), nets)
 
 
 def uses_docker(live: LiveState) -> bool:
-    """Whether a checkpoint of ``live`` covers Docker: the observation saw the daemon (it
+    """Tell whether a checkpoint of ``live`` covers Docker: the observation saw the daemon (it
     does when networks are declared or we own some here)."""
     return live.docker is not None and live.docker.available
 
@@ -270,7 +273,7 @@ class RevertResult:
 
 
 def observe_for(rec: Any, cp: Checkpoint) -> tuple[LiveState, tuple[NetworkPoint, ...] | None]:
-    """Everything owned, as a checkpoint sees it: every owned namespace (an empty desired
+    """Observe everything owned, as a checkpoint sees it: every owned namespace (an empty desired
     state lists all of them) and, if the checkpoint covers Docker, our networks."""
     live = _with_sysctls(rec.observe(DesiredState()))
     nets = _docker_now(rec.observer.handles, docker_scope()) if cp.docker is not None else None
@@ -357,7 +360,7 @@ def spawn_reverter(p: Pending) -> int:
 
 
 def held_namespaces(plan: Plan) -> set[str]:
-    """The allocation namespaces ``plan`` deletes that processes are in (not this one)."""
+    """Find the allocation namespaces ``plan`` deletes that processes are in (not this one)."""
     names = [c.name for c in plan.actionable if c.kind == "alloc" and c.action.value == "delete"]
     if not names:
         return set()
@@ -376,7 +379,7 @@ def held_namespaces(plan: Plan) -> set[str]:
 def begin(live: LiveState | None, handles: HostHandles, plan: Plan, *, seconds: float,
           probe: Any = None, hostname: str | None = None,
           revision: str | None = None) -> tuple[Pending, Plan]:
-    """Before the first op of a change made under a window: postpone what cannot be
+    """Begin a change made under a window, before its first op: postpone what cannot be
     undone, record the checkpoint of ``live`` (the plan's observation) and start the
     reverter; the record and the plan to run. ``probe``: the ``ProbeRequest`` the change
     is applied with (None: not probed). PreconditionError (nothing changed, no record
@@ -399,7 +402,7 @@ def begin(live: LiveState | None, handles: HostHandles, plan: Plan, *, seconds: 
 
 
 def started(p: Pending, seconds: float) -> Pending:
-    """The change is made: its window of ``seconds`` starts now (a kill before this point
+    """Mark the change made: its window of ``seconds`` starts now (a kill before this point
     leaves the deadline counted from the record, which is earlier), and the reverter may
     probe it."""
     return update(p, applied=True, deadline=time.time() + seconds)
@@ -447,7 +450,7 @@ def wait(token: str, *, probe: Callable[[Pending], bool] | None = None,
 
 
 def reverter_alive(p: Pending) -> bool:
-    """Whether ``p``'s reverter runs: its pid is a live process (not a zombie) whose
+    """Tell whether ``p``'s reverter runs: its pid is a live process (not a zombie) whose
     command line names ``p``'s token (a pid reused by another process is not it)."""
     if not p.reverter_pid:
         return False
@@ -466,7 +469,7 @@ def reverter_alive(p: Pending) -> bool:
 
 
 def respawn_if_dead(p: Pending) -> Pending:
-    """``p``, with a new reverter if its own is gone (killed, crashed): without one nothing
+    """Return ``p``, with a new reverter if its own is gone (killed, crashed): without one nothing
     reverts on a host no agent watches."""
     if reverter_alive(p):
         return p
@@ -481,6 +484,6 @@ def respawn_if_dead(p: Pending) -> Pending:
 
 
 def still_pending(token: str) -> Pending | None:
-    """Under the lock: the record ``token`` if it is still there."""
+    """Return the record ``token`` under the lock if it is still there."""
     p = pending()
     return p if p is not None and p.token == token else None

@@ -1,4 +1,7 @@
-"""The planner: a pure function (desired, live, options) -> Plan. No I/O here."""
+"""The planner: a pure function (desired, live, options) -> Plan. No I/O here.
+
+See docs/decisions/016-loopback-guard.md.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ __all__ = ["PlanOptions", "change_order", "links_that_matter", "make_plan"]
 
 
 def links_that_matter(desired: DesiredState, live: LiveState) -> dict[str, LiveLink]:
-    """The host links a plan can depend on; a change to any other link leaves it unchanged.
+    """Return the host links a plan can depend on; a change to any other link leaves it unchanged.
 
     The planner reads host links only by the names it manages (declared and
     subnet bridges, the veths of declared and live allocations), sweeps over
@@ -59,7 +62,7 @@ def _sysctl_changes(ctx: PlanContext) -> list[Change]:
 
 
 def undeclared_adoptions(desired: DesiredState, options: PlanOptions) -> list[str]:
-    """The ``--adopt KIND/NAME`` addresses no file declares, sorted.
+    """List the ``--adopt KIND/NAME`` addresses no file declares, sorted.
 
     Adopting takes an object over in order to make it what a file says; without a file
     there is nothing to make it, and a typo would otherwise go unnoticed (the object stays
@@ -157,7 +160,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
 
 
 def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:
-    """The firewall change, then the deletion of the conntrack entries its rules leave stale.
+    """Follow the firewall change with the deletion of the conntrack entries its rules leave stale.
 
     After the restore in the same change: the next packet of each flow meets the new rules.
     """
@@ -170,7 +173,7 @@ def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:
 
 
 def _loopback_guards(ctx: PlanContext) -> None:
-    """The loopback guard on every managed bridge that serves a subnet or has route_localnet on.
+    """Add the loopback guard on every managed bridge that serves a subnet or has route_localnet on.
 
     Port maps turn ``route_localnet`` on (never off again): a bridge whose subnet went
     away keeps it, and so keeps its guard.
@@ -183,7 +186,7 @@ def _loopback_guards(ctx: PlanContext) -> None:
 
 
 def _keep_undeclared_rules(ctx: PlanContext) -> None:
-    """With --no-prune, the rules of subnets and allocs no file declares stay as they are."""
+    """Keep, with --no-prune, the rules of subnets and allocs no file declares as they are."""
     declared = {f"subnet={n}" for n in ctx.desired.subnets} | {
         f"alloc={n}" for n in ctx.desired.allocs} | {f"bridge={n}" for n in ctx.desired.bridges}
     for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
@@ -198,7 +201,7 @@ def _keep_undeclared_rules(ctx: PlanContext) -> None:
 
 
 def change_order(c: Change) -> tuple[int, int, str]:
-    """The sort key of a plan's changes: deletes first, in reverse dependency order; then
+    """Order a plan's changes: deletes first, in reverse dependency order; then
     everything else in order (``planner.gc`` orders what it collects the same way)."""
     rank = _ORDER.get(c.kind, len(_ORDER))
     if c.action is Action.DELETE:

@@ -19,6 +19,9 @@ pools) is ``planner.hostspace``.
   and warns about a ``host_ip`` that is not on the host right now.
 * :func:`relevant` is what of the host these depend on: the plan agent keeps a
   plan while it stays the same.
+
+See docs/decisions/004-ipam-and-ports-from-live-state.md.
+See docs/decisions/005-one-address-space.md.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class _Taken:
         return i >= 0 and spans[i][1] >= span[1]
 
     def first_free(self, auto: AutoPrefix) -> Net | None:
-        """The lowest /size in the pool that overlaps nothing taken."""
+        """Find the lowest /size in the pool that overlaps nothing taken."""
         pool = auto.pool
         block = 1 << (pool.max_prefixlen - auto.size)
         base, end = int(pool.network_address), int(pool.broadcast_address)
@@ -114,7 +117,8 @@ def _fits(net: Net | None, auto: AutoPrefix) -> bool:
 
 
 def _rule_prefixes(live: LiveState, subnet: str, family: int) -> list[Net]:
-    """Prefixes a subnet's live rules name (``-d CIDR -o BRIDGE``): ours by their comment."""
+    """Return the prefixes a subnet's live rules name (``-d CIDR -o BRIDGE``): ours by their
+    comment."""
     live_rules = live.firewall4 if family == 4 else live.firewall6
     out = []
     for _chain, rule in firewall.live_by_owner(live_rules).get(f"subnet={subnet}", ()):
@@ -127,7 +131,7 @@ def _rule_prefixes(live: LiveState, subnet: str, family: int) -> list[Net]:
 
 
 def _named_by_other_rules(live: LiveState, subnet: str, version: int) -> set[Net]:
-    """Prefixes the live rules of every other subnet (declared or not) name."""
+    """Return the prefixes the live rules of every other subnet (declared or not) name."""
     out: set[Net] = set()
     for owner in firewall.live_by_owner(live.firewall4 if version == 4 else live.firewall6):
         kind, _, name = owner.partition("=")
@@ -137,7 +141,7 @@ def _named_by_other_rules(live: LiveState, subnet: str, version: int) -> set[Net
 
 
 def _gateway_prefixes(live: LiveState, bridge: str, version: int) -> list[Net]:
-    """Prefixes whose first host address is an owned address of the (managed) bridge."""
+    """Return the prefixes whose first host address is an owned address of the (managed) bridge."""
     link = live.links.get(bridge)
     if link is None or link.kind != "bridge":
         return []
@@ -162,7 +166,7 @@ def _live_docker_prefixes(live: LiveState, name: str, version: int) -> list[Net]
 
 
 def _requests(desired: DesiredState) -> list[tuple[str, str, str, AutoPrefix]]:
-    """(address, name, field, auto) of every ``auto`` prefix, subnets first, in name order."""
+    """List (address, name, field, auto) of every ``auto`` prefix, subnets first, in name order."""
     out: list[tuple[str, str, str, AutoPrefix]] = []
     for name in sorted(desired.subnets):
         s = desired.subnets[name]
@@ -178,7 +182,8 @@ def _requests(desired: DesiredState) -> list[tuple[str, str, str, AutoPrefix]]:
 
 
 def _live_evidence(live: LiveState, address: str, name: str, auto: AutoPrefix) -> list[Net]:
-    """Prefixes the live state names for this resource: its rules, or its Docker network."""
+    """Return the prefixes the live state names for this resource: its rules, or its Docker
+    network."""
     version = auto.pool.version
     if address.startswith("subnet/"):
         return _rule_prefixes(live, name, version)
@@ -186,7 +191,7 @@ def _live_evidence(live: LiveState, address: str, name: str, auto: AutoPrefix) -
 
 
 def _fixed(desired: DesiredState) -> Iterator[tuple[str, str, Net]]:
-    """(address, field, prefix) of every fixed declared prefix."""
+    """Yield (address, field, prefix) of every fixed declared prefix."""
     for name in sorted(desired.subnets):
         s = desired.subnets[name]
         for field, net in (("cidr", s.prefix), ("cidr6", s.prefix6)):
@@ -207,7 +212,7 @@ def _host_ips(desired: DesiredState) -> Iterator[IPAddr]:
 
 
 def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Resolution:
-    """``desired`` with every ``auto`` prefix picked (see the module docstring)."""
+    """Resolve every ``auto`` prefix of ``desired`` (see the module docstring)."""
     requests = _requests(desired)
     if not requests:
         return Resolution(desired)
@@ -278,8 +283,8 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
 
 
 def _refuse_collisions(chosen: dict[tuple[str, str], Net], res: Resolution) -> None:
-    """Picks are made against everything taken so far, so they cannot collide; say so if
-    they ever do rather than plan two resources on one prefix."""
+    """Refuse collisions: picks are made against everything taken so far, so they cannot collide;
+    say so if they ever do rather than plan two resources on one prefix."""
     items = sorted(chosen.items(), key=lambda kv: span_of(kv[1]))
     for (k1, n1), (k2, n2) in zip(items, items[1:], strict=False):
         if overlaps(span_of(n1), span_of(n2)):
@@ -324,7 +329,7 @@ class Findings:
 
 
 def _declared(desired: DesiredState) -> Iterator[tuple[str, str, str, Net, bool]]:
-    """(address, name, field, prefix, is_docker) of every (resolved) declared prefix."""
+    """Yield (address, name, field, prefix, is_docker) of every (resolved) declared prefix."""
     for name in sorted(desired.subnets):
         s = desired.subnets[name]
         yield f"subnet/{name}", name, "cidr", s.cidr, False
@@ -344,7 +349,7 @@ def _named(items: Sequence[str]) -> str:
 
 def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
           picked: dict[str, dict[str, str]] | None = None) -> Findings:
-    """Conflicts and warnings of the declared (resolved) prefixes and host_ips."""
+    """Check the declared (resolved) prefixes and host_ips: conflicts and warnings."""
     picked = picked or {}
     found = Findings()
     occ = PrefixIndex(occupants(desired, live, prune=prune))
@@ -384,7 +389,7 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
 
 
 def _host_ips_inside(desired: DesiredState, picked: dict[str, dict[str, str]]) -> list[str]:
-    """A host_ip inside an ``auto`` subnet's (kept) prefix: validate could not tell."""
+    """Find a host_ip inside an ``auto`` subnet's (kept) prefix: validate could not tell."""
     out = []
     for aid in sorted(desired.allocs):
         a = desired.allocs[aid]
@@ -403,7 +408,8 @@ def _host_ips_inside(desired: DesiredState, picked: dict[str, dict[str, str]]) -
 
 
 def host_ip_warnings(desired: DesiredState, live: LiveState) -> list[str]:
-    """A unicast ``host_ip`` not on the host right now (a floating VIP): one line per map."""
+    """Warn of a unicast ``host_ip`` not on the host right now (a floating VIP): one line per
+    map."""
     exact, loopback = local_addresses(live)
     out = []
     for aid in sorted(desired.allocs):
@@ -421,7 +427,8 @@ def host_ip_warnings(desired: DesiredState, live: LiveState) -> list[str]:
 
 
 def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> object:
-    """What of the host :func:`resolve` and :func:`check` can depend on, as a comparable value.
+    """Return what of the host :func:`resolve` and :func:`check` can depend on, as a comparable
+    value.
 
     The occupants and unassigned Docker pool ranges overlapping a declared fixed
     prefix or an ``auto`` pool, whether Docker answered, and which declared host_ips

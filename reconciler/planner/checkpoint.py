@@ -14,6 +14,8 @@ restore plan of that must be empty.
 The firewall is put back as one transaction per family built by the planner's own
 ``firewall.diff`` from the recorded chains, so the jumps into them are the ones every
 apply writes, and with it go the conntrack entries the restored port maps leave stale.
+
+See docs/decisions/025-safe-change-checkpoint.md.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def route_localnet_key(bridge: str) -> str:
 
 
 def bridge_sysctl_keys(bridge: str) -> tuple[str, ...]:
-    """The per-bridge sysctls an apply may set: route_localnet (port maps from loopback)
+    """Return the per-bridge sysctls an apply may set: route_localnet (port maps from loopback)
     and the IPv6 address generation an IPv6 gateway turns on (``engine.hostops``: the
     kernel then makes a link-local address, which goes again when generation is set back
     to none)."""
@@ -84,7 +86,7 @@ def bridge_sysctl_keys(bridge: str) -> tuple[str, ...]:
 
 
 def sysctl_keys(live: LiveState) -> list[str]:
-    """The sysctls a checkpoint of ``live`` records (the engine reads the per-bridge ones
+    """Return the sysctls a checkpoint of ``live`` records (the engine reads the per-bridge ones
     that the observation did not)."""
     return [*HOST_SYSCTLS, *(k for n, lk in sorted(live.links.items())
                              if _recorded_link(lk) and lk.kind == "bridge"
@@ -97,7 +99,7 @@ def _recorded_link(lk: LiveLink) -> bool:
 
 
 def _veth_ours(live: LiveState, name: str) -> bool:
-    """May a revert delete the host link ``name`` (an allocation's veth name)? As the
+    """Tell whether a revert may delete the host link ``name`` (an allocation's veth name). As the
     planner decides (``planner.allocs``): its name proves nothing, only our mark or a
     peer inside an owned allocation namespace does (a crash before its marking)."""
     lk = live.links.get(name)
@@ -110,7 +112,7 @@ def _veth_ours(live: LiveState, name: str) -> bool:
 
 
 def _foreign_link(live: LiveState, name: str) -> str | None:
-    """The one-line description of a link called ``name`` that is there and not ours
+    """Return the one-line description of a link called ``name`` that is there and not ours
     (a revert must not delete, re-create over or set it), None if there is none."""
     lk = live.links.get(name)
     if lk is None or _recorded_link(lk) or _veth_ours(live, name):
@@ -121,7 +123,7 @@ def _foreign_link(live: LiveState, name: str) -> str | None:
 
 
 def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Checkpoint:
-    """The owned state of ``live``; ``docker``: our networks of this scope with their
+    """Take the owned state of ``live``; ``docker``: our networks of this scope with their
     attachments (``drivers.docker``), None when Docker is not part of it."""
     links = {}
     for name, lk in sorted(live.links.items()):
@@ -175,7 +177,7 @@ class _Changes:
             self.changes.append(Change(kind, name, action, reason, tuple(attrs), encoded))
 
     def conflict(self, kind: str, name: str, reason: str, *links: str) -> None:
-        """Something in the way that is not ours: no ops, and the revert is not done
+        """Record something in the way that is not ours: no ops, and the revert is not done
         (``engine.safechange``: a residual conflict fails it with this one line)."""
         self.changes.append(Change(kind, name, Action.CONFLICT, reason))
         self.blocked.update(links)
@@ -183,7 +185,7 @@ class _Changes:
 
 def restore_plan(cp: Checkpoint, live: LiveState,
                  docker: Iterable[NetworkPoint] | None = None) -> Plan:
-    """The plan that makes the owned state of ``live`` what ``cp`` recorded.
+    """Plan what makes the owned state of ``live`` what ``cp`` recorded.
 
     Its changes run in order: what the change created goes first (allocations, then
     bridges), then bridges, allocations, the links' settings (after their ports are
@@ -315,11 +317,13 @@ def _alloc(cp: Checkpoint, point: AllocPoint, now: Checkpoint, live: LiveState,
 
 
 def _settings(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
-    """MTU, master, hairpin, MAC and up of a link that is (or is now being made) there again.
+    """Set back the MTU, master, hairpin, MAC and up of a link that is (or is now being made) there
+    again.
 
     A re-created link is predicted from how it is made: a bridge with its MAC and the
     default MTU, a veth on its bridge with eth0's MTU and hairpin but a MAC of the
-    kernel's. The revert's verification compares the result and plans again if needed.
+    kernel's; a link moved to another bridge, with hairpin off. The revert's verification
+    compares the result and plans again if needed.
     """
     if have is None:
         have = (LinkPoint(point.name, point.kind, DEFAULT_MTU, point.up, mac=point.mac)
@@ -336,6 +340,8 @@ def _settings(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
 
     if differs("master", have.master, point.master):
         ops.append(LinkSet(point.name, master=point.master or ""))
+        # a link that changes bridge is a new port there: the kernel starts it hairpin off
+        have = dataclasses.replace(have, hairpin=False if point.master else None)
     if differs("mtu", have.mtu, point.mtu):
         ops.append(LinkSet(point.name, mtu=point.mtu))
     if point.hairpin is not None and differs("hairpin", have.hairpin, point.hairpin):
@@ -377,9 +383,9 @@ def _firewall(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
 
 def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Changes,
             foreign: set[str]) -> None:
-    """What the change created first (it may hold the subnet a restored network needs),
-    then networks with containers (they wait without a network until it is back), then
-    the rest.
+    """Restore Docker networks: what the change created first (it may hold the subnet a restored
+    network needs), then networks with containers (they wait without a network until it is back),
+    then the rest.
 
     A network is restored when it is gone or its settings differ, never because its
     containers did: they start, stop and are attached by others in the window, and a
@@ -405,7 +411,7 @@ def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Chan
 # -- irreversible changes ------------------------------------------------------------------
 
 def postpone(plan: Plan, held: Iterable[str]) -> tuple[Plan, tuple[Change, ...]]:
-    """``plan`` with the deletions of the allocation namespaces ``held`` (by processes: a
+    """Return ``plan`` with the deletions of the allocation namespaces ``held`` (by processes: a
     revert could not bring them back into a new namespace) taken out, and those changes.
 
     Each becomes its veth set down: within the window the allocation is cut off (its
@@ -431,7 +437,7 @@ def postpone(plan: Plan, held: Iterable[str]) -> tuple[Plan, tuple[Change, ...]]
 
 
 def without_postponed(residual: Plan, postponed: Iterable[str]) -> Plan:
-    """A verification's residual without the deletions that wait for the confirm."""
+    """Drop from a verification's residual the deletions that wait for the confirm."""
     names = set(postponed)
     return dataclasses.replace(residual, changes=tuple(
         c for c in residual.changes

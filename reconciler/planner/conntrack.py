@@ -13,6 +13,8 @@ after its restore (``ConntrackDelete``):
   reset by the next one instead of hanging);
 * a map that is new: its UDP entries that are not NATed to it (TCP flows to a port
   nothing listened on were refused, so none are left).
+
+See docs/decisions/013-clean-transitions.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ _Dest = tuple[IPAddress, int]
 
 
 def dnat_targets(rules: tuple[str, ...] | list[str]) -> dict[_Key, _Dest]:
-    """Our allocations' DNAT rules (``RECONCILER-DNAT``) by what they match -> where they send."""
+    """Map our allocations' DNAT rules (``RECONCILER-DNAT``) by what they match -> where they
+    send."""
     out: dict[_Key, _Dest] = {}
     for d in firewall.dnat_rules(rules):
         out.setdefault((d.proto, d.port, d.host_ip), (d.dest, d.to))
@@ -34,7 +37,7 @@ def dnat_targets(rules: tuple[str, ...] | list[str]) -> dict[_Key, _Dest]:
 
 
 def stale_maps(desired: firewall.RuleSet, live: LiveChainSet) -> list[StaleMap]:
-    """The port maps of one family whose conntrack entries must go once the rules change."""
+    """Find the port maps of one family whose conntrack entries must go once the rules change."""
     want = dnat_targets(desired.chains.get(firewall.DNAT, []))
     have = dnat_targets(live.chains.get(("nat", firewall.DNAT), ()))
     out = []

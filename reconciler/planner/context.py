@@ -23,7 +23,7 @@ class PlanOptions:
 
 def index_neighbours(neighbours: Iterable[LiveNeighbour]
                      ) -> dict[tuple[int, str], list[tuple[int, LiveNeighbour]]]:
-    """Neighbour entries by (link index, address), each with its place in ``neighbours``:
+    """Index neighbour entries by (link index, address), each with its place in ``neighbours``:
     looked up once per allocation (or deletion), a scan of all of them each time was
     quadratic."""
     out: dict[tuple[int, str], list[tuple[int, LiveNeighbour]]] = {}
@@ -61,14 +61,14 @@ class PlanContext:
     _neighbours: dict[tuple[int, str], list[tuple[int, LiveNeighbour]]] | None = None
 
     def live_rules(self, family: int) -> dict[str, list[tuple[str, str]]]:
-        """Live rules by owner (``alloc=ID``), indexed once per plan: every kind asks."""
+        """Index the live rules by owner (``alloc=ID``), once per plan: every kind asks."""
         if family not in self._live_rules:
             live = self.live.firewall4 if family == 4 else self.live.firewall6
             self._live_rules[family] = firewall.live_by_owner(live)
         return self._live_rules[family]
 
     def neighbours_of(self, index: int, addresses: set[str]) -> list[LiveNeighbour]:
-        """The live neighbour entries on link ``index`` for ``addresses``, in observation
+        """Return the live neighbour entries on link ``index`` for ``addresses``, in observation
         order; indexed once per plan (every allocation asks: a scan of the whole table for
         each was quadratic, ~30 ms of a plan of 500 and growing fourfold per doubling)."""
         if self._neighbours is None:

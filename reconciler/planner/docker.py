@@ -8,6 +8,8 @@ when all are ours. Networks are global to the daemon: one that another
 reconciler made (another ``SCOPE_LABEL``: the host's, another sandbox's) is a
 conflict, never replaced, deduped or pruned. Pruning removes owned networks of
 this reconciler's scope that no file declares any more.
+
+See docs/decisions/019-docker-scope-label.md.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _unavailable_line(docker: LiveDocker | None) -> str:
 
 
 def plan_docker_networks(ctx: PlanContext) -> list[Change]:
-    """Changes for every declared Docker network, and prunes of owned ones no longer declared."""
+    """Plan every declared Docker network, and the prunes of owned ones no longer declared."""
     docker = ctx.live.docker
     if docker is None and not ctx.desired.docker_networks:
         return []  # nothing declared and the daemon is absent: host-only run
@@ -196,7 +198,7 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
 
 def _plan_pruned(ctx: PlanContext, docker: LiveDocker,
                  by_name: dict[str, list[LiveDockerNetwork]]) -> list[Change]:
-    """Owned networks of our scope that no file declares any more."""
+    """Plan the removal of owned networks of our scope that no file declares any more."""
     changes = []
     for name, nets in sorted(by_name.items()):
         if name in ctx.desired.docker_networks or name in PROTECTED_NETWORKS:

@@ -24,7 +24,7 @@ def _show(values: Sequence[object]) -> str:
 
 def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
                  default_mtu: int | None) -> list[tuple[str, str, str, bool]]:
-    """What differs between a declared network and the live one.
+    """Compare a declared network with the live one: what differs.
 
     Returns ``(field, live_value, desired_value, replace_needed)`` tuples, only
     for what the file declares (or what has a default in the file format):
@@ -83,7 +83,8 @@ def diff_network(spec: DockerNetwork, live: LiveDockerNetwork,
 
 
 def ipv6_fell_back(spec: DockerNetwork, live: LiveDockerNetwork) -> bool:
-    """``live`` was created IPv4-only for ``spec`` because the daemon could not do IPv6."""
+    """Tell whether ``live`` was created IPv4-only for ``spec`` because the daemon could not do
+    IPv6."""
     return (spec.subnet6 is None and not live.enable_ipv6
             and live.labels.get(IPV6_FALLBACK_LABEL) == "true")
 

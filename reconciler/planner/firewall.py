@@ -1,9 +1,14 @@
 """Desired iptables rules (pure) and the one restore transaction that converges them.
 
 Every rule we write is in a chain we own (``RECONCILER-*``) except one jump
-per chain from the built-in chain that feeds it. Rules carry a comment naming
+per chain from the built-in chain that feeds it (and, where dockerd has it, one first in
+``DOCKER-USER``), kept ahead of every rule of others that could accept what our isolation
+drops. Rules carry a comment naming
 the resource they serve (``reconciler:subnet=NAME``) so live rules can be
 attributed, and an unknown owner is recognisably stale.
+
+See docs/decisions/014-iptables-owned-chains.md.
+See docs/decisions/015-subnet-isolation.md.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ _OWNER = re.compile(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)")
 
 
 def owner_of(rule: str) -> str | None:
-    """``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
+    """Read ``subnet=NAME`` / ``alloc=ID`` from a rule's comment, if it is one of ours."""
     m = _OWNER.search(rule)
     return m.group(1) if m else None
 
@@ -82,7 +87,7 @@ class DnatRule:
 
 
 def parse_dnat(rule: str) -> DnatRule | None:
-    """The DNAT rule of an allocation (``reconciler:alloc=ID``), or None for any other rule
+    """Parse the DNAT rule of an allocation (``reconciler:alloc=ID``), or None for any other rule
     or one whose tokens do not read."""
     owner = owner_of(rule)
     if not owner or not owner.startswith("alloc="):
@@ -100,12 +105,12 @@ def parse_dnat(rule: str) -> DnatRule | None:
 
 
 def dnat_rules(rules: Iterable[str]) -> list[DnatRule]:
-    """The allocations' DNAT rules among ``rules``, in order (others skipped)."""
+    """Return the allocations' DNAT rules among ``rules``, in order (others skipped)."""
     return [d for r in rules if (d := parse_dnat(r)) is not None]
 
 
 def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tuple[str, str]]]:
-    """Our rules grouped by the resource they serve (``subnet=NAME``), as (chain, rule)."""
+    """Group our rules by the resource they serve (``subnet=NAME``), as (chain, rule)."""
     out: dict[str, list[tuple[str, str]]] = {}
     for chain, rules in chains:
         for r in rules:
@@ -116,7 +121,7 @@ def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tupl
 
 
 def live_by_owner(live: LiveChainSet) -> dict[str, list[tuple[str, str]]]:
-    """:func:`by_owner` over the live chains of one family (built-in and owned)."""
+    """Apply :func:`by_owner` to the live chains of one family (built-in and owned)."""
     return by_owner((chain, rules) for (_t, chain), rules in sorted(live.chains.items()))
 
 
@@ -145,7 +150,7 @@ class RuleSet:
         self.add_rule(chain, " ".join(toks), head=head)
 
     def add_rule(self, chain: str, rule: str, *, head: bool = False) -> None:
-        """A rule already in iptables-save form (a kept live one: ``--no-prune``)."""
+        """Add a rule already in iptables-save form (a kept live one: ``--no-prune``)."""
         rules = self.chains.setdefault(chain, [])
         if head:
             n = self._heads.get(chain, 0)
@@ -159,7 +164,8 @@ class RuleSet:
 
 
 def subnet_rules(rs: RuleSet, s: Subnet) -> None:
-    """What is forwarded into the subnet (its isolation), what leaves it, masquerade of egress.
+    """Add the rules of a subnet: what is forwarded into it (its isolation), what leaves it,
+    masquerade of egress.
 
     ``isolation: ports`` admits from outside the subnet only replies and what a
     declared port map DNATed (conntrack keeps the original destination), plus
@@ -189,12 +195,14 @@ def subnet_rules(rs: RuleSet, s: Subnet) -> None:
 
 
 def is_ingress(chain: str, rule: str) -> bool:
-    """A rule of ``RECONCILER-FORWARD`` that decides what enters a subnet (goes in the head)."""
+    """Tell whether a rule of ``RECONCILER-FORWARD`` decides what enters a subnet (goes in the
+    head)."""
     return chain == FORWARD and " -o " in f" {rule} "
 
 
 def live_isolation(live: LiveChainSet, subnet: str) -> str | None:
-    """The isolation the live rules of ``subnet`` give it: "ports", "open", or None (no rules)."""
+    """Read the isolation the live rules of ``subnet`` give it: "ports", "open", or None (no
+    rules)."""
     ingress = [r for r in live.chains.get(("filter", FORWARD), ())
                if owner_of(r) == f"subnet={subnet}" and is_ingress(FORWARD, r)]
     if not ingress:
@@ -229,7 +237,7 @@ def loopback_guard(rs: RuleSet, bridge: str) -> None:
 
 def change_notes(desired: DesiredState, live: LiveChainSet, family: int,
                  subnets: Iterable[str]) -> list[str]:
-    """What a firewall change opens or closes, for the people reading the plan.
+    """Say what a firewall change opens or closes, for the people reading the plan.
 
     The first plan after an upgrade to ``isolation: ports`` as the default says so here.
     """
@@ -261,7 +269,7 @@ _OUR_JUMP_MARK = f"--comment {RULE_COMMENT} -j {CHAIN_PREFIX}"
 
 
 def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
-    """Our jump rules (carrying our comment) in chains we do not own, by (table, chain)."""
+    """Find our jump rules (carrying our comment) in chains we do not own, by (table, chain)."""
     out: dict[tuple[str, str], list[str]] = {}
     for (table, chain), rules in live.chains.items():
         if chain.startswith(CHAIN_PREFIX):
@@ -273,7 +281,7 @@ def _live_jumps(live: LiveChainSet) -> dict[tuple[str, str], list[str]]:
 
 
 def _foreign_references(live: LiveChainSet, table: str, chain: str) -> list[str]:
-    """Rules someone else wrote that jump or go to ``chain``: we never delete those."""
+    """Find rules someone else wrote that jump or go to ``chain``: we never delete those."""
     refs = []
     for (t, c), rules in live.chains.items():
         if t != table or c.startswith(CHAIN_PREFIX):
@@ -293,8 +301,8 @@ DOCKER_USER = "DOCKER-USER"
 
 
 def guarded_flows(rules: Iterable[str]) -> list[fwpaths.Flow]:
-    """What each DROP rule among ``rules`` (a chain of ours) is there to drop: the packets it
-    matches that our accepts before it leave to it (neither replies nor DNATed)."""
+    """Return what each DROP rule among ``rules`` (a chain of ours) is there to drop: the
+    packets it matches that our accepts before it leave to it (neither replies nor DNATed)."""
     out = []
     for r in rules:
         if fwpaths.target(r) != ("DROP", False):
@@ -315,8 +323,8 @@ def guarded_flows(rules: Iterable[str]) -> list[fwpaths.Flow]:
 
 def accepts_ahead(chains: Mapping[tuple[str, str], Sequence[str]], table: str, builtin: str,
                   chain: str, flows: Iterable[fwpaths.Flow]) -> list[fwpaths.Hit]:
-    """Rules of others that can accept some of ``flows`` before our jump to ``chain`` in
-    ``builtin`` is reached (through the chains they jump to: a ``DOCKER-USER`` holding our
+    """Find the rules of others that can accept some of ``flows`` before our jump to ``chain``
+    in ``builtin`` is reached (through the chains they jump to: a ``DOCKER-USER`` holding our
     jump first lets nothing by). In the order met, each once."""
     ours = jump_rule(chain, ())
     out: dict[tuple[str, str, str, str | None], fwpaths.Hit] = {}
@@ -329,7 +337,8 @@ def accepts_ahead(chains: Mapping[tuple[str, str], Sequence[str]], table: str, b
 
 
 def describe_ahead(hits: Iterable[fwpaths.Hit], chain: str) -> str:
-    """``filter/FORWARD: -A FORWARD ... -j ACCEPT accepts ahead of the jump to CHAIN``."""
+    """Say what accepts ahead of our jump: ``filter/FORWARD: -A FORWARD ... -j ACCEPT accepts
+    ahead of the jump to CHAIN``."""
     hits = list(hits)
     text = "; ".join(h.where() + (f" (from -j {h.via.split()[-1]})" if h.via else "")
                      for h in hits[:3])
@@ -457,9 +466,9 @@ def _docker_user(rules: tuple[str, ...], table: str, chain: str, want: str,
                  flows: list[fwpaths.Flow], chains: Mapping[tuple[str, str], Sequence[str]],
                  script: list[str], attrs: list[AttrChange],
                  ahead: list[str]) -> tuple[str, ...]:
-    """Our jump first in dockerd's ``DOCKER-USER`` (it exists: we never create another
+    """Put our jump first in dockerd's ``DOCKER-USER`` (it exists: we never create another
     manager's chain), so dockerd's later accepts above our jump in ``FORWARD`` (a network
-    created, a restart) are never reached first; the chain as it will be."""
+    created, a restart) are never reached first; return the chain as it will be."""
     mine = [r for r in rules if r == want]
     field_ = f"{table}/{DOCKER_USER} jump to {chain}"
     if not mine:

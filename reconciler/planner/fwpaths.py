@@ -77,7 +77,7 @@ class Verdict:
 
 
 def split(rule: str) -> list[str]:
-    """A rule's tokens (iptables-save quotes a token with spaces in double quotes)."""
+    """Split a rule into its tokens (iptables-save double-quotes a token with spaces)."""
     if '"' not in rule and "'" not in rule and "\\" not in rule:
         return rule.split()
     try:
@@ -87,7 +87,7 @@ def split(rule: str) -> list[str]:
 
 
 def target(rule: str) -> tuple[str, bool]:
-    """The rule's target and whether it is a goto (``-g``); ("", False) without one."""
+    """Return the rule's target and whether it is a goto (``-g``); ("", False) without one."""
     t = split(rule)
     for i, tok in enumerate(t[:-1]):
         if tok in ("-j", "--jump"):
@@ -95,6 +95,20 @@ def target(rule: str) -> tuple[str, bool]:
         if tok in ("-g", "--goto"):
             return t[i + 1], True
     return "", False
+
+
+def chains_of_counters(text: str) -> dict[tuple[str, str], list[str]]:
+    """Read the rules of an ``iptables-save -c`` snapshot by (table, chain), counters left out."""
+    out: dict[tuple[str, str], list[str]] = {}
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith("[") and "] -A " in line:
+            words = line.split("] ", 1)[1].split(maxsplit=2)
+            if len(words) == 3:
+                out.setdefault((table, words[1]), []).append(words[2])
+    return out
 
 
 def _net(text: str) -> IPNet | None:
@@ -222,7 +236,7 @@ _INERT = frozenset({"-m", "--match", "--comment"})
 
 
 def match(rule: str, flow: Flow) -> Verdict:
-    """Whether ``rule`` (its matches, not its target) matches none, some or all of ``flow``."""
+    """Tell whether ``rule`` (its matches, not its target) matches none, some or all of ``flow``."""
     t = split(rule)
     result, names_it = Match.ALL, False
     i, negated = 0, False
@@ -283,6 +297,7 @@ class Hit:
     via: str | None = None
 
     def where(self) -> str:
+        """Say where the rule is: ``TABLE/CHAIN: -A CHAIN ...`` (or ``policy X``)."""
         text = self.rule if self.rule.startswith("policy ") else f"-A {self.chain} {self.rule}"
         return f"{self.table}/{self.chain}: {text}"
 

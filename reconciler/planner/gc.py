@@ -27,6 +27,8 @@ into a deletion fails here rather than on the host.
 Nothing declared in the files is collected: a declared allocation whose veth or
 namespace went is healed by ``apply``, and its rules (its ``auto`` host ports)
 are kept for it.
+
+See docs/decisions/022-gc-is-the-planners-removals.md.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ Holders = Mapping[str, tuple[int, ...]]
 
 
 def broken_namespaces(live: LiveState) -> list[str]:
-    """Owned allocation namespaces of this host whose veth pair is not whole:
+    """Find owned allocation namespaces of this host whose veth pair is not whole:
     ``engine.gc`` asks who is inside these before planning."""
     return sorted(name for name, ns in live.netns.items()
                   if owned_ns(live.host_id, ns)
@@ -70,7 +72,7 @@ def broken_namespaces(live: LiveState) -> list[str]:
 
 def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
             holders: Holders | None = None) -> Plan:
-    """The removals of `reconcile gc`: broken halves, and with ``desired`` also what a prune
+    """Plan the removals of `reconcile gc`: broken halves, and with ``desired`` also what a prune
     of it removes. ``holders``: who is inside each of :func:`broken_namespaces` (a held
     one is left alone without files, see :func:`_namespaces_without_veth`)."""
     declared = set(desired.allocs) if desired is not None else set()
@@ -115,7 +117,8 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
 
 
 def _declared_alloc(c: Change, declared: Collection[str]) -> bool:
-    """A change of a declared allocation (its namespace, or its veth by name)."""
+    """Tell whether ``c`` is a change of a declared allocation (its namespace, or its veth by
+    name)."""
     if c.kind == "alloc":
         return c.name in declared
     return c.kind == "veth" and c.name in {alloc_veth_name(a) for a in declared}
@@ -127,14 +130,14 @@ Neighbours = Mapping[tuple[int, str], Sequence[tuple[int, LiveNeighbour]]]
 
 def _marked(c: Change, live: LiveState,
             entries: Neighbours) -> bool:
-    """The object ``c`` removes carries our mark itself (not only our kind of name)."""
+    """Tell whether the object ``c`` removes carries our mark itself (not only our kind of name)."""
     return _marked_neighbours(c, live, entries) and _marked_object(c, live)
 
 
 def _marked_neighbours(c: Change, live: LiveState,
                        entries: Neighbours) -> bool:
-    """Each neighbour entry ``c`` deletes (an orphan's, or a pruned allocation's with it)
-    is one of ours as the planner tells them (``allocs.neighbours.own_neighbour``)."""
+    """Tell whether each neighbour entry ``c`` deletes (an orphan's, or a pruned allocation's with
+    it) is one of ours as the planner tells them (``allocs.neighbours.own_neighbour``)."""
     for op in (decode(raw) for raw in c.ops if raw.name == NeighDelete.NAME):
         assert isinstance(op, NeighDelete)
         link = live.links.get(op.link)
@@ -172,7 +175,8 @@ def _marked_object(c: Change, live: LiveState) -> bool:
 
 
 def _keeps_mtu(c: Change, live: LiveState) -> bool:
-    """A declared bridge's MTU set again after its last ports went: the value it has now.
+    """Tell whether ``c`` sets a declared bridge's MTU again after its last ports went: the value it
+    has now.
 
     The kernel would set it to 1500 when the removal takes its last port
     (``hostlinks.keep_mtu_of_emptied_bridges``); setting it to what it is keeps it.
@@ -187,8 +191,8 @@ def _keeps_mtu(c: Change, live: LiveState) -> bool:
 
 def _namespaces_without_veth(live: LiveState, holders: Holders,
                              warnings: list[str]) -> list[Change]:
-    """Owned namespaces whose veth pair is gone (deleted, or never made: a kill between
-    creating the namespace and attaching its veth).
+    """Plan the removal of owned namespaces whose veth pair is gone (deleted, or never made: a kill
+    between creating the namespace and attaching its veth).
 
     One with processes inside is left alone, with a warning: without the files it may be
     a declared allocation's, whose next apply gives it a veth again; removed, its
@@ -216,7 +220,8 @@ def _live_owners(live: LiveState) -> set[str]:
 
 
 def _vanished_allocs(live: LiveState, collected: Mapping[str, Change]) -> set[str]:
-    """``alloc=ID`` owners of live rules whose allocation namespace is gone (or goes now)."""
+    """Find the ``alloc=ID`` owners of live rules whose allocation namespace is gone (or goes
+    now)."""
     alive = {name for name, ns in live.netns.items()
              if owned_ns(live.host_id, ns) and f"alloc/{name}" not in collected}
     return {o for o in _live_owners(live)
@@ -224,7 +229,7 @@ def _vanished_allocs(live: LiveState, collected: Mapping[str, Change]) -> set[st
 
 
 def _kept_rules_warning(owners: Collection[str]) -> str:
-    """Without files, the rules of allocations whose namespace is gone stay: one line.
+    """Warn that without files, the rules of allocations whose namespace is gone stay: one line.
 
     Their namespace may have gone by hand (``ip netns del``) while the files still declare
     them, and their DNAT rules are what holds their ``auto`` host ports: removed, the next
@@ -238,7 +243,7 @@ def _kept_rules_warning(owners: Collection[str]) -> str:
 
 
 def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:
-    """Owners of live rules that no file declares (what a prune's transaction drops)."""
+    """Find the owners of live rules that no file declares (what a prune's transaction drops)."""
     declared = ({f"subnet={n}" for n in desired.subnets} | {f"alloc={n}" for n in desired.allocs}
                 | {f"bridge={n}" for n in desired.bridges})
     return {o for o in _live_owners(live) if o not in declared}
@@ -246,7 +251,7 @@ def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:
 
 def _rules_without(family: int, live: LiveChainSet, drop: set[str],
                    warnings: list[str]) -> Change | None:
-    """The firewall change that removes the rules of the owners in ``drop``, nothing else.
+    """Plan the firewall change that removes the rules of the owners in ``drop``, nothing else.
 
     The owned chains are written back as they are without those rules (a chain left
     empty goes with its jumps, as after a prune); no rule and no jump is added.
@@ -305,8 +310,8 @@ def only_removals(plan: Plan, live: LiveState) -> None:
 
 
 def _removal_script(script: str, live: LiveChainSet) -> bool:
-    """Every line of a restore script declares, flushes or deletes, and every ``-A`` is a
-    live rule of that chain (a chain rewritten without some of its rules)."""
+    """Tell whether every line of a restore script declares, flushes or deletes, and every ``-A`` is
+    a live rule of that chain (a chain rewritten without some of its rules)."""
     table = ""
     for line in script.splitlines():
         if line.startswith("*"):

@@ -1,4 +1,7 @@
-"""Planning of bridges and subnets (pure)."""
+"""Planning of bridges and subnets (pure).
+
+See docs/decisions/013-clean-transitions.md.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def _link_view(link: LiveLink | None) -> object:
 
 
 def _managed_bridge(ctx: PlanContext, name: str) -> LiveLink | None:
-    """The live bridge if it is ours (or being adopted); None otherwise."""
+    """Return the live bridge if it is ours (or being adopted); None otherwise."""
     link = ctx.live.links.get(name)
     if link is None or link.kind != "bridge":
         return None
@@ -92,7 +95,7 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
 
 
 def _mac_pin(link: LiveLink) -> str | None:
-    """The MAC to pin a bridge to when its MAC still follows its ports; None when it is set.
+    """Choose the MAC to pin a bridge to when its MAC still follows its ports; None when it is set.
 
     A bridge made before stable MACs keeps the MAC it has (its allocations have it
     cached as their gateway's); one without ports has none (00:00:..) and gets the
@@ -113,7 +116,8 @@ def _wanted_addresses(s: Subnet) -> list[str]:
 
 
 def mark_blocked_bridges(ctx: PlanContext) -> None:
-    """Bridges that are conflicts block their subnets and allocs: know it before planning them."""
+    """Mark bridges that are conflicts, which block their subnets and allocs: know it before
+    planning them."""
     for name in ctx.desired.bridges:
         link = ctx.live.links.get(name)
         if link is not None and (link.kind != "bridge" or
@@ -233,7 +237,7 @@ def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 
 
 def plan_pruned_subnets(ctx: PlanContext) -> list[Change]:
-    """Subnets whose rules are live but which no file declares any more."""
+    """Plan the removal of subnets whose rules are live but which no file declares any more."""
     found: dict[str, tuple[str | None, set[str]]] = {}
     for family in (4, 6):
         for owner, rules in ctx.live_rules(family).items():
@@ -272,12 +276,14 @@ _TEMP_BRIDGE = re.compile(r"^rcltmp[0-9a-f]{8}$")
 
 
 def is_temp_bridge_name(name: str) -> bool:
-    """The name links.ensure_bridge gives a bridge until it is marked and renamed."""
+    """Tell whether ``name`` is the one links.ensure_bridge gives a bridge until it is marked and
+    renamed."""
     return bool(_TEMP_BRIDGE.match(name))
 
 
 def interrupted_creation(links: Mapping[str, LiveLink], name: str) -> bool:
-    """The temporary bridge of a creation killed before it was renamed (links.ensure_bridge).
+    """Tell whether ``name`` is the temporary bridge of a creation killed before it was renamed
+    (links.ensure_bridge).
 
     Bare (no ports, no addresses, down) under a temporary name, and marked: its alias
     once the creation got that far, before that the MAC it was created with
@@ -319,7 +325,7 @@ KEEPS_MTU_REASON = "its last ports go: the kernel resets its MTU then"
 
 
 def keep_mtu_of_emptied_bridges(ctx: PlanContext, changes: list[Change]) -> list[Change]:
-    """A declared bridge whose last ports the plan removes keeps its MTU, in the same run.
+    """Keep the MTU of a declared bridge whose last ports the plan removes, in the same run.
 
     The kernel sets the MTU of a bridge to 1500 when its last port leaves unless the
     MTU was set by a change after creation (``br_mtu_auto_adjust``; an MTU given at

@@ -5,6 +5,8 @@ LAN's), every live Docker network (global to the daemon, whichever namespace we
 act on), and the parts of Docker's default address pools it has not handed out
 yet; what we own ourselves, for the agent's alarm (:func:`live_overlaps`).
 ``planner.addrspace`` checks and picks declared prefixes against them.
+
+See docs/decisions/005-one-address-space.md.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def parse_prefix(text: str) -> Net | None:
 
 
 def _unroutable(net: Net) -> bool:
-    """Routes every host has that no declared prefix can mean: multicast, IPv6 link-local."""
+    """Tell whether a route is one every host has that no declared prefix can mean: multicast, IPv6
+    link-local."""
     return net.is_multicast or (net.version == 6 and net.is_link_local)
 
 
@@ -58,13 +61,14 @@ def _unroutable(net: Net) -> bool:
 
 
 def _our_links(desired: DesiredState, live: LiveState) -> set[int]:
-    """Links whose addresses and routes are ours: owned, or a declared bridge (a foreign
+    """Find the links whose addresses and routes are ours: owned, or a declared bridge (a foreign
     bridge of that name is a conflict of its own, an adopted one becomes ours)."""
     return {lk.index for lk in live.links.values() if lk.owned or lk.name in desired.bridges}
 
 
 def _docker_bridges(live: LiveState) -> set[str]:
-    """Linux bridges of live Docker networks: their addresses are the networks themselves."""
+    """Find the Linux bridges of live Docker networks: their addresses are the networks
+    themselves."""
     space = live.docker_space
     if space is None or not space.available:
         return set()
@@ -72,7 +76,8 @@ def _docker_bridges(live: LiveState) -> set[str]:
 
 
 def _pruned_docker(desired: DesiredState, live: LiveState, prune: bool) -> set[str]:
-    """Ids of owned Docker networks this plan removes (no file declares them, no containers)."""
+    """Find the ids of owned Docker networks this plan removes (no file declares them, no
+    containers)."""
     docker = live.docker
     if not prune or docker is None or not docker.available:
         return set()
@@ -83,7 +88,7 @@ def _pruned_docker(desired: DesiredState, live: LiveState, prune: bool) -> set[s
 
 def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
               not_foreign: Iterable[str] = ()) -> list[Occupant]:
-    """What on the host holds address space a declared prefix must not overlap.
+    """List what on the host holds address space a declared prefix must not overlap.
 
     Addresses of foreign links (a link's connected route is its address), other
     routes of the main table through foreign links or through none (blackhole,
@@ -166,7 +171,7 @@ class PrefixIndex:
         self._starts = {v: [e[0] for e in entries] for v, entries in self._order.items()}
 
     def overlapping(self, net: Net) -> list[Occupant]:
-        """Occupants overlapping ``net``, in the order they were given."""
+        """Return the occupants overlapping ``net``, in the order they were given."""
         version, first, last = span_of(net)
         found: dict[int, Occupant] = {}
         starts = self._starts[version]
@@ -197,7 +202,7 @@ class PoolRange:
         return self.pool.version
 
     def chunk_at(self, address: int) -> Net:
-        """The /size Docker would hand out that holds ``address``."""
+        """Return the /size Docker would hand out that holds ``address``."""
         block = 1 << (self.pool.max_prefixlen - self.size)
         start = int(self.pool.network_address)
         first = start + (address - start) // block * block
@@ -220,7 +225,7 @@ def _subtract(first: int, last: int, holes: Iterable[tuple[int, int]]) -> Iterat
 
 
 def unassigned_pools(live: LiveState) -> list[PoolRange]:
-    """Docker's default pools less every chunk that overlaps a live Docker network.
+    """Return Docker's default pools less every chunk that overlaps a live Docker network.
 
     Docker never hands out a chunk that overlaps a network; with the daemon down its
     networks are unknown, so the pools count whole. Empty without Docker on the host.
@@ -250,7 +255,8 @@ def unassigned_pools(live: LiveState) -> list[PoolRange]:
 
 
 def local_addresses(live: LiveState) -> tuple[set[IPAddr], list[Net]]:
-    """Addresses of the host: those on its links, and every address of ``lo``'s prefixes."""
+    """Return the addresses of the host: those on its links, and every address of ``lo``'s
+    prefixes."""
     exact: set[IPAddr] = set()
     loopback: list[Net] = []
     for lk in live.links.values():
@@ -273,7 +279,7 @@ class LiveOverlap:
 
 
 def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None]]:
-    """(prefix, what, its link) of the owned addresses on owned links: our gateways."""
+    """List (prefix, what, its link) of the owned addresses on owned links: our gateways."""
     out: list[tuple[Net, str, str | None]] = []
     for lk in sorted(links, key=lambda x: x.name):
         if lk.owned:
@@ -284,7 +290,8 @@ def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None
 
 def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | None]],
                                                      set[str]]:
-    """The subnets of owned Docker networks, and their Linux bridges (not foreign to them)."""
+    """Return the subnets of owned Docker networks, and their Linux bridges (not foreign to
+    them)."""
     prefixes: list[tuple[Net, str, str | None]] = []
     bridges: set[str] = set()
     if live.docker is not None and live.docker.available:
@@ -299,7 +306,7 @@ def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | N
 def live_overlaps(owned: Sequence[tuple[Net, str, str | None]], links: Iterable[LiveLink],
                   routes: Iterable[LiveRoute], docker_bridges: Iterable[str] = ()
                   ) -> list[LiveOverlap]:
-    """Foreign addresses and routes of the host over an owned prefix, from fresh dumps.
+    """Find foreign addresses and routes of the host over an owned prefix, from fresh dumps.
 
     The owned prefixes' own links (our bridges, owned Docker networks' bridges) are
     not foreign; everything else is, as in a plan's :func:`occupants`.

@@ -13,6 +13,8 @@ conntrack entries the engine reads for exactly these items once a plan has an
 impact (:func:`flow_query`): TCP flows in state ESTABLISHED and answered UDP
 ones, without the probes' reserved source ports (they are ours and short-lived).
 A plan made without them says nothing about flows (``Impact.flows`` None).
+
+See docs/decisions/020-impact-before-it-happens.md.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def assess(ctx: PlanContext, changes: list[Change]) -> list[Change]:
-    """``changes`` with their ``impact`` filled in (flows counted when ``ctx.live`` has them)."""
+    """Assess the ``impact`` of ``changes`` (flows counted when ``ctx.live`` has them)."""
     deleted = {c.name for c in changes if c.kind == "alloc" and c.action is Action.DELETE}
     out = []
     for c in changes:
@@ -99,7 +101,8 @@ def _addresses(ns: LiveNetns | None, *, owned_only: bool = True) -> tuple[str, .
 
 
 def _live_ns(ctx: PlanContext, name: str) -> LiveNetns | None:
-    """The live allocation namespace ``name`` when it is one of this host's (usable, marked)."""
+    """Return the live allocation namespace ``name`` when it is one of this host's (usable,
+    marked)."""
     ns = ctx.live.netns.get(name)
     if ns is None or not ns.usable:
         return None
@@ -110,7 +113,7 @@ def _live_ns(ctx: PlanContext, name: str) -> LiveNetns | None:
 
 
 def _alloc(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> Impact | None:
-    """One entry per allocation, whatever of it the change takes away."""
+    """Describe one entry per allocation, whatever of it the change takes away."""
     ns = ctx.live.netns.get(c.name)
     usable = ns if ns is not None and ns.usable else None
     if any(isinstance(op, NetnsDelete) for op in ops):
@@ -151,14 +154,15 @@ def _alloc(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> Impact | None:
 
 
 def _is_owned_address(ns: LiveNetns | None, address: str) -> bool:
-    """Whether ``address`` is one of eth0's own (an unmarked one re-added as ours is no loss)."""
+    """Tell whether ``address`` is one of eth0's own (an unmarked one re-added as ours is no
+    loss)."""
     eth0 = next((lk for lk in (ns.links if ns else ()) if lk.name == ALLOC_IFNAME), None)
     return any(a.owned and str(a.address) == address for a in (eth0.addresses if eth0 else ()))
 
 
 def _on_bridge(ctx: PlanContext, c: Change, ops: list[TypedOp],
                deleted: set[str]) -> list[Impact]:
-    """Allocations whose bridge goes, or whose gateway address is taken off it.
+    """Find the allocations whose bridge goes, or whose gateway address is taken off it.
 
     Allocations deleted by the same plan are not repeated here: their own change says it.
     """
@@ -194,7 +198,7 @@ def _on_bridge(ctx: PlanContext, c: Change, ops: list[TypedOp],
 
 
 def _port_maps(ctx: PlanContext, family: int) -> list[Impact]:
-    """Live port maps of ``family`` the new rules close or send elsewhere."""
+    """Find the live port maps of ``family`` the new rules close or send elsewhere."""
     live = ctx.live.firewall4 if family == 4 else ctx.live.firewall6
     live_rules = live.chains.get(("nat", firewall.DNAT), ())
     desired = (ctx.rules4 if family == 4 else ctx.rules6).chains.get(firewall.DNAT, [])
@@ -226,7 +230,7 @@ def _port_maps(ctx: PlanContext, family: int) -> list[Impact]:
 
 
 def port_map_name(proto: str, port: int, host_ip: IPAddr | None) -> str:
-    """``8080/tcp``, or ``127.0.0.1:8080/tcp`` for a map on one host address."""
+    """Name a port map: ``8080/tcp``, or ``127.0.0.1:8080/tcp`` for a map on one host address."""
     return f"{_hostport(host_ip, port)}/{proto}" if host_ip is not None else f"{port}/{proto}"
 
 
@@ -235,7 +239,7 @@ def _hostport(ip: IPAddr | None, port: int) -> str:
 
 
 def _containers(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> list[Impact]:
-    """The containers a replace disconnects (then reconnects, with the addresses the new
+    """Find the containers a replace disconnects (then reconnects, with the addresses the new
     network still holds: the driver keeps the live subnets unless the file declares others),
     or a removal disconnects (the planner removes only networks without containers, and the
     driver refuses one that gained some meanwhile: listed should that ever change)."""
@@ -268,7 +272,7 @@ def _containers(ctx: PlanContext, c: Change, ops: list[TypedOp]) -> list[Impact]
 
 
 def _kept(spec: DockerNetwork | None, address: str) -> bool:
-    """Whether a container keeps ``address`` when it is reconnected to the new network."""
+    """Tell whether a container keeps ``address`` when it is reconnected to the new network."""
     ip = ipaddress.ip_address(address)
     declared = None if spec is None else (spec.subnet if ip.version == 4 else spec.subnet6)
     return declared is None or ip in declared
@@ -278,7 +282,7 @@ def _kept(spec: DockerNetwork | None, address: str) -> bool:
 
 
 def flow_query(plan: Plan) -> dict[int, tuple[frozenset[IPAddr], frozenset[tuple[str, int]]]]:
-    """Which conntrack entries the plan's impact counts: per IP family, the addresses
+    """Say which conntrack entries the plan's impact counts: per IP family, the addresses
     (flows they start or answer) and the (protocol, host port) of port maps."""
     out: dict[int, tuple[set[IPAddr], set[tuple[str, int]]]] = {}
     for i in (i for c in plan.actionable for i in c.impact):
@@ -295,7 +299,7 @@ def flow_query(plan: Plan) -> dict[int, tuple[frozenset[IPAddr], frozenset[tuple
 
 
 def with_flows(plan: Plan, live: LiveState) -> Plan:
-    """``plan`` with each impact's flows counted from ``live.flows``."""
+    """Count each impact's flows of ``plan`` from ``live.flows``."""
     if live.flows is None:
         return plan
     changes = tuple(dataclasses.replace(c, impact=tuple(_counted(c.impact, live.flows)))
@@ -312,7 +316,7 @@ def _counted(found: Iterable[Impact], flows: Sequence[LiveFlow] | None) -> list[
 
 
 def counts_as_flow(f: LiveFlow) -> bool:
-    """An established TCP or answered UDP flow that is not one of the probes'."""
+    """Tell whether a flow counts: established TCP or answered UDP, and not one of the probes'."""
     lo, hi = PROBE_PORTS
     return f.established and not lo <= f.sport <= hi
 

@@ -50,7 +50,7 @@ def _host(net: ipaddress.IPv4Address | ipaddress.IPv6Address) -> fwpaths.IPNet:
 
 def declared_paths(desired: DesiredState, rules: firewall.RuleSet,
                    family: int) -> dict[tuple[str, str], list[Flow]]:
-    """The declared paths of one family, by the (table, chain) they cross."""
+    """Return the declared paths of one family, by the (table, chain) they cross."""
     out: dict[tuple[str, str], list[Flow]] = {}
 
     def add(table: str, chain: str, flow: Flow) -> None:
@@ -95,7 +95,7 @@ def declared_paths(desired: DesiredState, rules: firewall.RuleSet,
 
 def findings(desired: DesiredState, rules: firewall.RuleSet, legacy: LiveChainSet,
              family: int) -> list[Finding]:
-    """The legacy rules and policies on the declared paths of ``family``, one each."""
+    """Find the legacy rules and policies on the declared paths of ``family``, one each."""
     tool = "iptables-legacy" if family == 4 else "ip6tables-legacy"
     if not legacy.available:
         return [Finding(False, f"{tool}: legacy tables exist beside the nf_tables backend "

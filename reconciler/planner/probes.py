@@ -26,6 +26,8 @@ namespace of ours through the host address on its link (or ``host_ip``);
 ``direct``: that namespace straight to the allocation's address and container
 port, expected reached only with ``isolation: open``. Both for IPv4 and IPv6
 maps: the link has a /30 and a /126 (``domain.probes.VANTAGE_NET6``).
+
+See docs/decisions/031-probes-capture-decides.md.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Vantage:
 
 
 def alloc_addresses(ns: LiveNetns | None, host_id: str) -> dict[int, str]:
-    """The owned address of each family on the allocation's ``eth0`` (live); none when the
+    """Return the owned address of each family on the allocation's ``eth0`` (live); none when the
     namespace is not this host's allocation."""
     out: dict[int, str] = {}
     if not owned_ns(host_id, ns):
@@ -81,14 +83,14 @@ def alloc_addresses(ns: LiveNetns | None, host_id: str) -> dict[int, str]:
 
 
 def eth0_mtu(ns: LiveNetns | None, host_id: str) -> int | None:
-    """The MTU of the allocation's ``eth0`` (live), the size of the full echo."""
+    """Return the MTU of the allocation's ``eth0`` (live), the size of the full echo."""
     if ns is None or not owned_ns(host_id, ns):
         return None
     return next((lk.mtu for lk in ns.links if lk.name == ALLOC_IFNAME), None)
 
 
 def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
-    """(family, map) of every live DNAT rule of ours, by alloc id."""
+    """Map every live DNAT rule of ours to (family, map), by alloc id."""
     out: dict[str, list[tuple[int, Mapped]]] = {}
     for family, chains in ((4, live.firewall4), (6, live.firewall6)):
         for d in firewall.dnat_rules(chains.chains.get(("nat", firewall.DNAT), ())):
@@ -97,16 +99,16 @@ def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
 
 
 def _usable_host_address(ip: IPAddr) -> bool:
-    """Not loopback, link-local, multicast or unspecified, and not the external vantage's
-    pair (``VANTAGE_NETS``: whoever holds it, another prober's vantage is no address of
-    the host; the IPv4 /30 is link-local anyway, the IPv6 /126 is not)."""
+    """Tell whether an address is usable: not loopback, link-local, multicast or unspecified, and
+    not the external vantage's pair (``VANTAGE_NETS``: whoever holds it, another prober's vantage is
+    no address of the host; the IPv4 /30 is link-local anyway, the IPv6 /126 is not)."""
     return not (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified
                 or any(ip in net for net, _ in VANTAGE_NETS))
 
 
 def host_addresses(live: LiveState, desired: DesiredState,
                    exclude: Collection[str] = ()) -> dict[int, str]:
-    """Per family, a local address of the host not on a link we own (lowest first).
+    """Find, per family, a local address of the host not on a link we own (lowest first).
 
     Our bridges' gateways are left out (a probe to them proves less: they are on
     the allocations' own link), and so are loopback, link-local addresses and the
@@ -129,7 +131,7 @@ def host_addresses(live: LiveState, desired: DesiredState,
 
 
 def _declared(a: Alloc, proto: str, m: Mapped) -> PortMap | None:
-    """The declared port map a live rule serves (host port fixed or auto, same target)."""
+    """Find the declared port map a live rule serves (host port fixed or auto, same target)."""
     for p in a.ports:
         if (proto in p.protocols and p.to == m.to and p.host_ip == m.host_ip
                 and p.host in (None, m.host)):
@@ -150,7 +152,7 @@ def probe_specs(desired: DesiredState, live: LiveState, *,
                 vantage: Vantage | None = None,
                 host_exclude: Collection[str] = (),
                 br_netfilter: Mapping[int, bool] | None = None) -> list[ProbeSpec]:
-    """Every probe of the allocations named (all declared ones for None), in report order.
+    """List every probe of the allocations named (all declared ones for None), in report order.
 
     ``auto`` prefixes are picked the way the plan picks them (kept from live state).
     ``br_netfilter``: per family, whether ``bridge-nf-call-ip(6)tables`` is 1 (None: take
@@ -248,7 +250,7 @@ def _map_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
 def _external_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
                     addrs: dict[int, str], vantage: Vantage,
                     spec: Callable[..., ProbeSpec]) -> list[ProbeSpec]:
-    """``external`` through the map and ``direct`` to the allocation's own address, from the
+    """Make ``external`` through the map and ``direct`` to the allocation's own address, from the
     vantage's address of the map's family (its /30 or its /126): the same paths and
     expectations for IPv4 and IPv6."""
     out: list[ProbeSpec] = []
@@ -269,8 +271,8 @@ def _external_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
 
 
 def has_ipv6_maps(live: LiveState) -> bool:
-    """Some allocation has an IPv6 port map (a DNAT rule of ours in ip6tables): only then
-    does the vantage's IPv6 pair need looking at."""
+    """Tell whether some allocation has an IPv6 port map (a DNAT rule of ours in ip6tables): only
+    then does the vantage's IPv6 pair need looking at."""
     return bool(live.firewall6.chains.get(("nat", firewall.DNAT)))
 
 
@@ -294,7 +296,7 @@ class Sighting:
         return self.answer in ("connected", "refused")
 
     def holds(self, spec: ProbeSpec) -> bool:
-        """The outcome is the expected one. A TCP probe that must arrive must also be
+        """Tell whether the outcome is the expected one. A TCP probe that must arrive must also be
         answered: its SYN arriving while nothing comes back is a broken return path (a
         timeout does not count as reached)."""
         if self.error is not None or self.big is False or self.reached != spec.expect:
@@ -363,7 +365,8 @@ _Counted = dict[tuple[str, str, str, int], tuple[int, str]]
 
 
 def parse_counters(text: str) -> _Counted:
-    """``iptables-save -c`` as {(table, chain, rule or "policy X", n): (packets, target)} (pure).
+    """Parse ``iptables-save -c`` as {(table, chain, rule or "policy X", n): (packets, target)}
+    (pure).
 
     Rules are keyed by their text (and its occurrence), not position, so a rule
     inserted between two snapshots shifts nothing.
@@ -397,10 +400,12 @@ def _packets(counter: str) -> int:
 
 
 def foreign_hits(family: int, before: str, after: str, *, legacy: bool = False) -> list[RuleHit]:
-    """Foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose counters
-    rose between two ``iptables-save -c`` snapshots, in any table (raw included). With
-    ``legacy`` (snapshots of iptables-legacy beside our nf_tables backend) also its DNAT
-    and REDIRECT rules: one that takes a mapped host port sends the probe elsewhere."""
+    """Find the foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose
+    counters rose between two ``iptables-save -c`` snapshots, in any table (raw included).
+
+    With ``legacy`` (snapshots of iptables-legacy beside our nf_tables backend) also its
+    DNAT and REDIRECT rules: one that takes a mapped host port sends the probe elsewhere.
+    """
     old = parse_counters(before)
     targets = ("DROP", "REJECT", "DNAT", "REDIRECT") if legacy else ("DROP", "REJECT")
     hits = []
@@ -413,25 +418,11 @@ def foreign_hits(family: int, before: str, after: str, *, legacy: bool = False) 
     return hits
 
 
-def _chains(text: str) -> dict[tuple[str, str], list[str]]:
-    """The rules of an ``iptables-save -c`` snapshot by (table, chain), counters left out."""
-    out: dict[tuple[str, str], list[str]] = {}
-    table = ""
-    for line in text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-        elif line.startswith("[") and "] -A " in line:
-            words = line.split("] ", 1)[1].split(maxsplit=2)
-            if len(words) == 3:
-                out.setdefault((table, words[1]), []).append(words[2])
-    return out
-
-
 def accepts_ahead(family: int, before: str, after: str) -> list[RuleHit]:
-    """Others' accepts above our jump to RECONCILER-FORWARD that let through some of what
-    our isolation drops (``firewall.accepts_ahead``, read from the snapshot after the
+    """Find others' accepts above our jump to RECONCILER-FORWARD that let through some of
+    what our isolation drops (``firewall.accepts_ahead``, read from the snapshot after the
     re-run): those whose counter rose between the snapshots first."""
-    chains = _chains(after)
+    chains = fwpaths.chains_of_counters(after)
     flows = firewall.guarded_flows(chains.get(("filter", firewall.FORWARD), ()))
     found = firewall.accepts_ahead(chains, "filter", "FORWARD", firewall.FORWARD, flows)
     if not found:
@@ -447,7 +438,7 @@ _FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through 
 
 
 def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cause:
-    """The cause line of a probe whose outcome was not the expected one, and whether a
+    """Classify a probe whose outcome was not the expected one: its cause line, and whether a
     reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
     if seen.error is not None:
         return Cause(seen.error)
@@ -492,7 +483,7 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
 
 
 def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
-    """The first cause the facts show, most specific first."""
+    """Name the first cause the facts show, most specific first."""
     v = spec.family
     forwarding = "net/ipv4/ip_forward" if v == 4 else "net/ipv6/conf/all/forwarding"
     if spec.path in _FORWARDED and f.sysctls.get(forwarding) == "0":
@@ -546,7 +537,7 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
 
 
 def _pick(spec: ProbeSpec, hits: Sequence[RuleHit]) -> RuleHit | None:
-    """The hit that names this probe's packet (its ports or addresses), else the first."""
+    """Pick the hit that names this probe's packet (its ports or addresses), else the first."""
     mine = [h for h in hits if h.family == spec.family]
     if not mine:
         return None
@@ -563,7 +554,7 @@ def _pick(spec: ProbeSpec, hits: Sequence[RuleHit]) -> RuleHit | None:
 
 
 def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
-    """Alloc ids a plan's changes touch: allocations changed with ops, the allocations of a
+    """Find the alloc ids a plan's changes touch: allocations changed with ops, the allocations of a
     changed subnet or bridge (or of a bridge whose sysctl changed), every allocation when a
     host-wide sysctl changed, and allocations with port maps when a firewall change ran."""
     out: set[str] = set()

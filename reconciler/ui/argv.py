@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def normalise_argv(argv: list[str]) -> list[str]:
-    """`reconcile --plan PATH…` is `reconcile plan PATH…`."""
+    """Read `reconcile --plan PATH…` as `reconcile plan PATH…`."""
     out = list(argv)
     i = 0
     while i < len(out):

@@ -41,7 +41,7 @@ def _mark(action: argparse.Action, what: Completes) -> None:
 
 
 def script(shell: str) -> str:
-    """The completion script for ``shell`` (one of :data:`SHELLS`)."""
+    """Return the completion script for ``shell`` (one of :data:`SHELLS`)."""
     parser = build_parser(_mark)
     text: str = shtab.complete(parser, shell=shell, preamble=_PREAMBLE[shell])
     return text if text.endswith("\n") else text + "\n"

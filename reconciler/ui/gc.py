@@ -16,9 +16,9 @@ from reconciler.ui.render import EXIT_CHANGES, EXIT_ERROR, EXIT_OK, emit_json, r
 
 
 def exit_code(result: GcResult) -> int:
-    """``--plan``: 0 nothing to collect, 2 something (or a killed run's journal pending),
-    1 an error; else 0 when everything went (and the host was found clean after), 1
-    otherwise."""
+    """Return the exit code of ``--plan``: 0 nothing to collect, 2 something (or a killed run's
+    journal pending), 1 an error; else 0 when everything went (and the host was found clean after),
+    1 otherwise."""
     if not result.collected:
         if result.plan.errors:
             return EXIT_ERROR
@@ -28,7 +28,7 @@ def exit_code(result: GcResult) -> int:
 
 
 def counted(result: GcResult) -> str:
-    """``2 objects (1 alloc, 1 veth) and 1 file`` for people."""
+    """Count for people: ``2 objects (1 alloc, 1 veth) and 1 file``."""
     kinds = Counter(c.kind for c in result.plan.actionable)
     if result.vantage is not None:
         kinds["probe vantage"] += 1

@@ -11,6 +11,8 @@ objects no file declares are dotted; with ``--plan`` each node is filled in its
 action's colour, its label starts with the plan's symbol (``+ ~ - -/+ !``), a
 legend spells them, and a note lists the changes that are not topology (firewall
 transactions, sysctls, orphan veths).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ _BARE_ATTRS = frozenset({"address", "address6", "ports", "cidr", "cidr6"})
 
 
 def quote(text: str) -> str:
-    """A DOT ID as a quoted string: quotes escaped, no raw newline.
+    """Quote a DOT ID: quotes escaped, no raw newline.
 
     In an ID the lexer keeps every backslash that does not escape a quote, so none can
     be written safely (a trailing one would escape the closing quote): IDs spell it
@@ -54,19 +56,19 @@ def quote(text: str) -> str:
 
 
 def _escaped(text: str) -> str:
-    """Text inside a label (an escString, where ``\\\\`` is one backslash and ``\\l`` a
+    """Escape text inside a label (an escString, where ``\\\\`` is one backslash and ``\\l`` a
     break): nothing a name holds can end the string or add an escape of its own."""
     return (text.replace("\\", "\\\\").replace('"', '\\"')
             .replace("\r", " ").replace("\n", " "))
 
 
 def text_label(text: str) -> str:
-    """A one-line label."""
+    """Make a one-line label."""
     return f'"{_escaped(text)}"'
 
 
 def _label(lines: Iterable[str]) -> str:
-    """A label of left-justified lines."""
+    """Make a label of left-justified lines."""
     return '"' + "".join(_escaped(line) + "\\l" for line in lines) + '"'
 
 
@@ -140,7 +142,7 @@ def _live_nodes(g: Graph, topo: Topology) -> None:
 
 
 def _declared_nodes(g: Graph, desired: DesiredState) -> None:
-    """What the files say, for what the host does not have (yet): facts only if empty."""
+    """Draw what the files say, for what the host does not have (yet): facts only if empty."""
     for b in desired.bridges.values():
         n = g.node("bridge", b.name)
         n.declared, n.cluster = True, b.name
@@ -169,7 +171,7 @@ def _declared_nodes(g: Graph, desired: DesiredState) -> None:
 
 
 def _plan_facts(g: Graph, plan: Plan) -> None:
-    """Each change on its node: the planned values where the host has none, what an
+    """Put each change on its node: the planned values where the host has none, what an
     update changes, why a conflict blocks (the legend lists the changes that are no node)."""
     for c in plan.changes:
         if c.kind not in KINDS:
@@ -197,7 +199,7 @@ def _plan_facts(g: Graph, plan: Plan) -> None:
 
 def build(topo: Topology, desired: DesiredState | None = None,
           plan: Plan | None = None) -> Graph:
-    """The nodes of the graph: the live topology, then the declared one over it, then
+    """Build the nodes of the graph: the live topology, then the declared one over it, then
     the plan's changes (where the plan says what the host will get)."""
     g = Graph()
     _live_nodes(g, topo)
@@ -237,7 +239,7 @@ def _cell(text: str, attrs: str = "") -> str:
 
 def _legend(plan: Plan | None, others: list[Change], *, with_files: bool,
             title: str = "") -> str | None:
-    """The graph's label, an HTML-like table (not a node, so the layout of the topology
+    """Draw the graph's label, an HTML-like table (not a node, so the layout of the topology
     does not make room for it): the title, a row of the plan's symbols in their colours,
     a row of the borders (declared / undeclared), the plan's summary and the changes that
     are no node (firewall transactions, sysctls, orphan veths). None: nothing to explain."""
@@ -269,7 +271,7 @@ def _legend(plan: Plan | None, others: list[Change], *, with_files: bool,
     width = max(r.count("<TD") for r in rows)
 
     def spanned(row: str) -> str:
-        """Every row spans the table: a row of fewer cells stretches its last one."""
+        """Tell whether every row spans the table: a row of fewer cells stretches its last one."""
         n = row.count("<TD")
         head, sep, last = row.rpartition("<TD")
         return row if n == width else f'{head}{sep} COLSPAN="{width - n + 1}"{last}'
@@ -281,7 +283,7 @@ def _legend(plan: Plan | None, others: list[Change], *, with_files: bool,
 
 def dot(topo: Topology, desired: DesiredState | None = None, plan: Plan | None = None, *,
         actions: bool = False, title: str = "") -> str:
-    """The DOT text: ``desired`` adds the files' view (declared vs live), ``plan`` what
+    """Write the DOT text: ``desired`` adds the files' view (declared vs live), ``plan`` what
     apply would give what is not on the host yet, and with ``actions`` the colours and
     symbols of what it would change, with their legend."""
     g = build(topo, desired, plan)

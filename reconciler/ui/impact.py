@@ -6,7 +6,7 @@ from reconciler.domain.plan import Change, Impact, Plan, impact_detail, impact_n
 
 
 def flows_phrase(flows: int | None) -> str:
-    """``2 established flows``; empty when they were not counted."""
+    """Say ``2 established flows``; empty when they were not counted."""
     if flows is None:
         return ""
     if flows == 0:
@@ -15,7 +15,8 @@ def flows_phrase(flows: int | None) -> str:
 
 
 def line(i: Impact) -> str:
-    """``alloc web: deleted: loses connectivity (10.78.0.10); 2 established flows``"""
+    """Describe an impact in one line: ``alloc web: deleted: loses connectivity (10.78.0.10);
+    2 established flows``"""
     text = f"{impact_noun(i.type)} {i.name}: {i.effect}"
     if i.addresses:
         text += f" ({', '.join(i.addresses)})"
@@ -24,12 +25,12 @@ def line(i: Impact) -> str:
 
 
 def change_lines(c: Change) -> list[str]:
-    """The lines under one change of the text plan."""
+    """Write the lines under one change of the text plan."""
     return [f"      impact: {line(i)}" for i in c.impact]
 
 
 def summary(plan: Plan) -> str | None:
-    """``Impact: 3 items disrupted (2 allocs, 1 port map).``, or None.
+    """Sum up the impact: ``Impact: 3 items disrupted (2 allocs, 1 port map).``, or None.
 
     No total of flows: one flow is counted under each item it goes through (an
     allocation and its port map), so a sum would count it twice.

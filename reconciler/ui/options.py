@@ -1,4 +1,8 @@
-"""Plan options from the command line (or from a saved plan)."""
+"""Plan options from the command line (or from a saved plan).
+
+See docs/decisions/003-guard-rails-before-the-planner.md.
+See docs/decisions/032-probes-in-apply-and-watch.md.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ ADOPT_KINDS = ("bridge", "subnet", "alloc", "docker_network")
 
 
 def adopt_problem(address: object) -> str | None:
-    """Why ``address`` is not a ``KIND/NAME`` of :data:`ADOPT_KINDS`; None when it is."""
+    """Return why ``address`` is not a ``KIND/NAME`` of :data:`ADOPT_KINDS`; None when it is."""
     if not isinstance(address, str):
         return "expected a KIND/NAME string"
     kind, _, name = address.partition("/")
@@ -32,14 +36,14 @@ ADOPT_UNDER_WINDOW = (
 
 
 def refuse_adopt_under_window(options: PlanOptions, window: float | None) -> None:
-    """``--adopt`` (given, or in a saved plan's options) with a window: one ConfigError
+    """Refuse ``--adopt`` (given, or in a saved plan's options) with a window: one ConfigError
     line before anything runs."""
     if window is not None and options.adopt:
         raise ConfigError(ADOPT_UNDER_WINDOW)
 
 
 def plan_options(args: argparse.Namespace) -> PlanOptions:
-    """The options `plan`, `apply` and `watch` were given (``--adopt`` checked here, and
+    """Read the options `plan`, `apply` and `watch` were given (``--adopt`` checked here, and
     refused under ``--confirm-within``)."""
     adopt = frozenset(args.adopt or ())
     for a in sorted(adopt):
@@ -53,7 +57,7 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
 
 
 def probe_request(args: argparse.Namespace) -> ProbeRequest | None:
-    """The probes `apply`, `verify` and `watch` were asked for; None with ``--no-probe``.
+    """Read the probes `apply`, `verify` and `watch` were asked for; None with ``--no-probe``.
 
     The external vantage point is on by default in a sandbox (``--netns``) and off on the
     host itself: it adds a namespace and a veth to the host, which a sandbox (and so every
@@ -91,7 +95,7 @@ SAVED_OPTIONS: dict[str, Callable[[object], str | None]] = {
 
 
 def saved_plan_options(options: Mapping[str, object], *, file: str | None = None) -> PlanOptions:
-    """The options a saved plan (``plan --out``) was made with; a malformed one is one
+    """Read the options a saved plan (``plan --out``) was made with; a malformed one is one
     ``ConfigError`` line naming the file and the option (a saved plan is a file anyone may
     have edited)."""
     if not isinstance(options, Mapping):

@@ -24,14 +24,14 @@ Marker = Callable[[argparse.Action, Completes], None]
 
 
 def _unmarked(_action: argparse.Action, _what: Completes) -> None:
-    """Plain runs need no completion hints (and so do not import shtab)."""
+    """Mark nothing: plain runs need no completion hints (and so do not import shtab)."""
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def duration(text: str) -> float:
-    """``DURATION`` values: seconds (``90``, ``1.5``) or with a unit (``250ms``, ``30s``,
+    """Parse ``DURATION`` values: seconds (``90``, ``1.5``) or with a unit (``250ms``, ``30s``,
     ``5m``, ``1h``); positive and finite. An argparse ``type``: a bad one is a usage error."""
     value = text.strip().lower()
     unit = next((u for u in ("ms", "s", "m", "h") if value.endswith(u)), "")
@@ -52,7 +52,7 @@ MAX_WINDOW = 7 * 86400.0
 
 
 def window(text: str) -> float:
-    """``--confirm-within``: a :func:`duration` of at most :data:`MAX_WINDOW` (a usage
+    """Parse ``--confirm-within``: a :func:`duration` of at most :data:`MAX_WINDOW` (a usage
     error beyond: ``1e20`` once made every later apply crash formatting its deadline)."""
     seconds = duration(text)
     if seconds > MAX_WINDOW:
@@ -66,7 +66,7 @@ def _interval_or_off(text: str) -> float | None:
 
 
 def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
-    """The probe options `apply`, `verify` and `watch` share (SPEC §7)."""
+    """Add the probe options `apply`, `verify` and `watch` share (SPEC §7)."""
     sp.add_argument("--no-probe", action="store_true", help=no_probe)
     sp.add_argument("--probe-external", action=argparse.BooleanOptionalAction, default=None,
                     help="also probe from a vantage namespace of ours that stands in for "
@@ -76,7 +76,7 @@ def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
                     help="how long each probe waits for its packet (default 1s)")
 
 def _count(text: str) -> int:
-    """A whole number of items, 0 or more (an argparse ``type``)."""
+    """Parse a whole number of items, 0 or more (an argparse ``type``)."""
     try:
         value = int(text.strip())
     except ValueError:
@@ -87,7 +87,7 @@ def _count(text: str) -> int:
 
 
 def _max_disruption(sp: argparse.ArgumentParser, refused: str) -> None:
-    """`--max-disruption`, shared by `plan`, `apply` and `watch` (SPEC §8)."""
+    """Add `--max-disruption`, shared by `plan`, `apply` and `watch` (SPEC §8)."""
     sp.add_argument("--max-disruption", type=_count, default=None, metavar="N",
                     help="refuse a plan whose impact lists more than N items (allocations "
                          "losing connectivity, containers disconnected, port maps closed or "
@@ -104,7 +104,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
-    """The parser; ``mark`` is told which arguments complete as files or namespace names."""
+    """Build the parser; ``mark`` is told which arguments complete as files or namespace names."""
     p = _Parser(
         prog="reconcile",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -14,7 +14,7 @@ from reconciler.domain.probes import ProbeResult
 
 
 def where(r: ProbeResult) -> str:
-    """``alloc A path P (tcp 1080)``: which probe, for people."""
+    """Say which probe, for people: ``alloc A path P (tcp 1080)``."""
     proto = r.proto if r.port is None else f"{r.proto} {r.port}"
     fam = "" if r.family == 4 else f", ipv{r.family}"
     return f"alloc {r.alloc} path {r.path} ({proto}{fam})"
@@ -25,12 +25,12 @@ def failed(r: ProbeResult) -> bool:
 
 
 def failure_line(r: ProbeResult) -> str:
-    """One line for a probe that did not hold: where, and the cause it could see."""
+    """Write one line for a probe that did not hold: where, and the cause it could see."""
     return f"probe failed: {where(r)}: {r.cause or 'no cause found'}"
 
 
 def summary(results: Sequence[ProbeResult], took: float | None = None) -> str:
-    """``Probes: 10 held, 1 failed, 2 skipped (no host address) in 34 ms.``"""
+    """Sum up the probes: ``Probes: 10 held, 1 failed, 2 skipped (no host address) in 34 ms.``"""
     n_failed = sum(1 for r in results if failed(r))
     skipped = [r for r in results if r.skipped]
     held = len(results) - n_failed - len(skipped)
@@ -46,7 +46,7 @@ def summary(results: Sequence[ProbeResult], took: float | None = None) -> str:
 
 def text(results: Sequence[ProbeResult], *, verbose: bool = False,
          took: float | None = None) -> str:
-    """Every failure (every probe with ``verbose``), then the summary line."""
+    """List every failure (every probe with ``verbose``), then the summary line."""
     lines = []
     for r in results:
         if failed(r):

@@ -7,6 +7,8 @@ same line (``\\r`` and erase-to-end), at most every ``interval`` and only once t
 has run for ``delay`` (a short apply prints exactly what it printed before). It is only
 ever made for a terminal: never on a pipe or a file, never with ``--output json``, and
 the line is erased before the summary, so logs and pipes see none of it.
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ _ERASE = "\r\033[K"
 
 
 def wanted(stream: TextIO, output: str, verbose: int) -> bool:
-    """A terminal, text output, no log lines to interleave with (``-v`` logs each change)."""
+    """Tell whether the line is wanted: a terminal, text output, no log lines to interleave with
+    (``-v`` logs each change)."""
     if output != "text" or verbose:
         return False
     try:
@@ -62,7 +65,7 @@ class Progress(logging.Filter):
         self._drawn_at: float | None = None
 
     def plan(self, plan: Plan) -> None:
-        """The plan about to be executed: its actionable changes are the total."""
+        """Take the plan about to be executed: its actionable changes are the total."""
         self.changes = plan.actionable
         self.done = self.failed = 0
         self._draw()
@@ -74,7 +77,7 @@ class Progress(logging.Filter):
         self._draw()
 
     def line(self) -> str:
-        """What the line says now (without the erase), e.g. ``[120/300] alloc web-120``."""
+        """Return what the line says now (without the erase), e.g. ``[120/300] alloc web-120``."""
         total = len(self.changes)
         width = len(str(total))
         head = f"[{self.done:>{width}}/{total}]"
@@ -102,8 +105,9 @@ class Progress(logging.Filter):
         self.stream.flush()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Every handler of the root logger asks this before it writes a record: the line
-        goes first (and is drawn again at the next change, whatever the interval)."""
+        """Tell whether to write a record; every handler of the root logger asks this before it
+        writes: the line goes first (and is drawn again at the next change, whatever the
+        interval)."""
         self.finish()
         return True
 

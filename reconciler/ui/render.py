@@ -29,7 +29,7 @@ def colour(args: argparse.Namespace) -> bool:
 
 
 def plan_text(plan: Plan, output: str, *, colour: bool, verbose: bool) -> str:
-    """What `plan` prints (the plan agent answers with exactly this too)."""
+    """Return what `plan` prints (the plan agent answers with exactly this too)."""
     if output == "json":
         buf = io.StringIO()
         write_json(plan, buf)
@@ -63,7 +63,7 @@ def _fmt(value: Json) -> str:
 
 
 def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> str:
-    """Terraform-style text: one block per change, then a summary line."""
+    """Render Terraform-style text: one block per change, then a summary line."""
     lines: list[str] = []
     for c in plan.changes:
         if c.action is Action.NOOP:
@@ -111,7 +111,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
 
 
 def emit_json(doc: object, out: TextIO | None = None) -> None:
-    """``doc`` as indented JSON and a newline, in one write (``json.dump`` writes each
+    """Write ``doc`` as indented JSON and a newline, in one write (``json.dump`` writes each
     token on its own: 340,000 writes, ~0.25 s, for an apply of 500 with its probes), to
     ``out`` or the ``sys.stdout`` of the moment (a redirected one too)."""
     (out if out is not None else sys.stdout).write(json.dumps(doc, indent=2) + "\n")
@@ -123,6 +123,6 @@ def write_json(plan: Plan, out: TextIO | None = None) -> None:
 
 
 def residual_error(residual: Plan) -> VerifyError:
-    """What is still different after an apply, as the error commands and the agent report."""
+    """Say what is still different after an apply, as the error commands and the agent report."""
     return VerifyError("apply finished but the host still differs from the desired state:\n"
                        + render_text(residual).rstrip())

@@ -6,6 +6,8 @@ bridge of ours, the owned firewall chains, leftover namespaces, the probes' vant
 Docker networks with their containers. ``--output json`` keeps the keys it always had
 (``links``, ``firewall``, ``netns``, ``probe_vantage``, ``docker_networks``: scripts
 read them) and adds ``bridges`` (the same tree as the text) and ``allocs`` (flat).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _subnet_json(topo: Topology, s: SubnetView) -> dict[str, Any]:
 
 
 def view(live: LiveState, probe_vantage: str | None) -> dict[str, Any]:
-    """The JSON document of ``show`` (and what its text is printed from)."""
+    """Build the JSON document of ``show`` (and what its text is printed from)."""
     topo = live_topology(live, all_scopes=True)
     owned_links = {n: lk for n, lk in sorted(live.links.items()) if lk.owned}
     bridge_names = [*topo.bridges, *sorted({s.bridge for s in topo.subnets.values()
@@ -80,7 +82,7 @@ def _alloc_lines(a: dict[str, Any], indent: str) -> list[str]:
 
 
 def text(doc: dict[str, Any]) -> str:
-    """The text of ``show``: the tree first, then everything that is in no tree."""
+    """Write the text of ``show``: the tree first, then everything that is in no tree."""
     lines: list[str] = []
     in_tree = {a["veth"] for a in doc["allocs"] if a["veth"]}
     shown_ns = {a["id"] for a in doc["allocs"]}

@@ -8,6 +8,8 @@ it is the host's truth: subnets are known by their rules' comments
 (``reconciler:subnet=NAME``, with the bridge and prefixes those rules match), an
 allocation by the mark on its namespace's ``lo``, its port maps by the comments of
 its DNAT rules (``planner.firewall.dnat_rules``, the one reader of them).
+
+See docs/decisions/033-show-and-graph-read-the-host.md.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def _inner(ns: LiveNetns, name: str) -> LiveLink | None:
 
 
 def _live_subnets(live: LiveState) -> dict[str, SubnetView]:
-    """Subnets as their rules name them: ``-o BRIDGE`` / ``-d PREFIX`` of each family."""
+    """Read subnets as their rules name them: ``-o BRIDGE`` / ``-d PREFIX`` of each family."""
     found: dict[str, tuple[str | None, list[str]]] = {}
     for fw in (live.firewall4, live.firewall6):
         for owner, rules in firewall.live_by_owner(fw).items():
@@ -144,7 +146,7 @@ def _within(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, cidr: str) -> boo
 
 
 def live_topology(live: LiveState, *, all_scopes: bool = False) -> Topology:
-    """Everything this host's reconciler owns in ``live``, grouped as people think of it.
+    """Group everything this host's reconciler owns in ``live`` as people think of it.
 
     Docker networks are the daemon's, shared by every reconciler that talks to it:
     only those of this one's scope (the host, or the sandbox it acts on) unless

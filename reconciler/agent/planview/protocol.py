@@ -56,7 +56,7 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def code_id() -> str:
-    """Which code this is: name, size and mtime of every file of the package.
+    """Return which code this is: name, size and mtime of every file of the package.
 
     A client and an agent answer a plan the same way only when they run the
     same code; an upgrade under a running agent makes clients plan in-process
@@ -86,7 +86,7 @@ def current_env() -> dict[str, str | None]:
 
 
 def tool_paths() -> dict[str, str | None]:
-    """Where this PATH finds the tools an observation runs (their real files)."""
+    """Find where this PATH finds the tools an observation runs (their real files)."""
     out: dict[str, str | None] = {}
     dirs = os.environ.get("PATH", os.defpath).split(os.pathsep)
     for tool in ("iptables-save", "ip6tables-save"):

@@ -1,6 +1,8 @@
 """Sentinels: what tells the plan view which part of the host changed since it was read.
 
 See ``reconciler.agent.planview.view`` for how they are used.
+
+See docs/decisions/029-drift-sources-side-by-side.md.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Sentinel:
     unit = EVERYTHING  # what ``changed()`` being true makes dirty
 
     def arm(self) -> None:
-        """Called just before reading its part of the host: changes from now on count."""
+        """Arm just before its part of the host is read: changes from now on count."""
 
     def changed(self) -> bool:
         raise NotImplementedError
@@ -49,7 +51,7 @@ class Sentinel:
         return {self.unit} if self.changed() else set()
 
     def rearm(self) -> None:
-        """After ``dirty()`` said something, before that part is read again."""
+        """Rearm after ``dirty()`` said something, before that part is read again."""
         self.arm()
 
     def close(self) -> None:
@@ -60,7 +62,7 @@ _CMSG_SPACE = socket.CMSG_SPACE(4)
 
 
 def _only_routes(data: bytes) -> bool:
-    """Does this datagram hold route notifications only?"""
+    """Tell whether this datagram holds route notifications only."""
     kinds = {HDR.unpack_from(raw)[1] for raw in split_messages(data)}
     return bool(kinds) and kinds <= {RTM_NEWROUTE, RTM_DELROUTE}
 
@@ -81,7 +83,7 @@ class NetlinkSentinel(Sentinel):
         self.sock = sock
 
     def dirty(self) -> set[str]:
-        """"links" for a link or address event of this namespace, "routes" for a datagram of
+        """Return "links" for a link or address event of this namespace, "routes" for a datagram of
         its route events only, "nsid:N" for an event of namespace N."""
         out: set[str] = set()
         while True:
@@ -107,7 +109,7 @@ class NetlinkSentinel(Sentinel):
         self.dirty()  # drop what is queued: the observation that follows sees it
 
     def rearm(self) -> None:
-        """Nothing: ``dirty()`` drained exactly what it reported."""
+        """Do nothing: ``dirty()`` drained exactly what it reported."""
 
     def close(self) -> None:
         self.sock.close()
@@ -164,7 +166,7 @@ class MountSentinel(Sentinel):
 
 
 def nft_backend() -> bool:
-    """Do iptables and ip6tables both use the nf_tables backend?"""
+    """Tell whether iptables and ip6tables both use the nf_tables backend."""
     return all(IptablesDriver(family).backend() == "nf_tables" for family in (4, 6))
 
 

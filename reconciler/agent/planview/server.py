@@ -195,7 +195,7 @@ class PlanServer:
         send_message(conn, reply)
 
     def answer(self, request: dict[str, Any], blobs: list[bytes]) -> dict[str, Any]:
-        """The reply to one request (status "ok"), or raise Declined."""
+        """Return the reply to one request (status "ok"), or raise Declined."""
         expect = {"protocol": PROTOCOL, "code": self.code, "mnt": self.mnt,
                   "net": self.net, "env": self.env}
         for field, value in expect.items():
@@ -249,7 +249,8 @@ class PlanServer:
 
     def _load(self, entries: list[tuple[str, str]], blobs: list[bytes],
               host: str) -> tuple[DesiredState, Any]:
-        """The desired state of these files ((name, absolute path) and bytes), and its key."""
+        """Return the desired state of these files ((name, absolute path) and bytes), and its
+        key."""
         key = (tuple((n, a, hashlib.sha256(b).hexdigest())
                      for (n, a), b in zip(entries, blobs, strict=True)), host)
         desired = self._desired.get(key)

@@ -38,6 +38,8 @@ namespace without an nsid, an error in a sentinel -- means observing
 everything again, exactly as a fresh process would. Desired-state files come from the client
 (read in its own directory); they are parsed again only when their bytes change.
 The socket and its server are ``server.py``.
+
+See docs/decisions/028-plan-answered-by-the-agent.md.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class LiveView:
         self.live, self.key = live, key
 
     def _survey(self, desired: DesiredState) -> dict[str, tuple[int | None, str | None]]:
-        """Before reading namespaces: each name's nsid, and the ``lo`` alias of undeclared ones.
+        """Survey before reading namespaces: each name's nsid, and the ``lo`` alias of undeclared
+        ones.
 
         Taken before the read, so that any change after it is announced (nsid) or
         noticed (alias re-read): a namespace that had no nsid when it was read
@@ -127,7 +130,7 @@ class LiveView:
 
     def _adopt(self, survey: dict[str, tuple[int | None, str | None]],
                observed: dict[str, LiveNetns]) -> None:
-        """Which nsid is which names; which namespaces cannot be heard and must be re-read.
+        """Learn which nsid is which names; which namespaces cannot be heard and must be re-read.
 
         An allocation namespace of ours without an nsid sends us no events:
         nothing is cached then. A foreign one without an nsid has its ``lo``
@@ -153,7 +156,8 @@ class LiveView:
     # -- refresh ------------------------------------------------------------------------
 
     def _refresh(self, desired: DesiredState) -> dict[str, Any] | None:
-        """The LiveState parts that may have changed, read again; None: observe everything."""
+        """Return the LiveState parts that may have changed, read again; None: observe
+        everything."""
         assert self.live is not None
         dirty: set[str] = set()
         for s in self.sentinels:  # drain every one before reading anything
@@ -205,7 +209,7 @@ class LiveView:
     # -- answer -------------------------------------------------------------------------
 
     def plan(self, desired: DesiredState, key: Any, options: PlanOptions) -> tuple[Plan, str]:
-        """The plan, and how its live state was had: "cached", "refreshed" or "observed"."""
+        """Return the plan, and how its live state was had: "cached", "refreshed" or "observed"."""
         how = "observed"
         if key == self.key and self.live is not None and self.cacheable:
             try:
@@ -246,7 +250,8 @@ class LiveView:
 
 
 def build_view(observer: Observer | None = None) -> LiveView:
-    """The sentinels this host supports; what has none is read on every request."""
+    """Build the view over the sentinels this host supports; what has none is read on every
+    request."""
     sentinels: list[Sentinel] = [NetlinkSentinel(), NetnsDirSentinel(), MountSentinel()]
     firewall_volatile = True
     if nft_backend():

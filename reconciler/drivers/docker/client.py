@@ -180,7 +180,8 @@ class DockerDriver(DockerNetworks):
             return self._carry_out(replacement, steps, done)
 
     def _carry_out(self, rep: Replacement, steps: Steps, done: frozenset[str]) -> EnsureResult:
-        """The destructive steps of a replace from ``done`` on; called inside ``_errors``."""
+        """Carry out the destructive steps of a replace from ``done`` on; called inside
+        ``_errors``."""
         name = rep.name
         what = f"docker network {name}: replace"
         old_attrs = None if "remove" in done else self._inspect(rep.old_id)
@@ -251,7 +252,7 @@ class DockerDriver(DockerNetworks):
 
     @staticmethod
     def _only_ours(rep: Replacement, networks: Iterable[LiveDockerNetwork]) -> None:
-        """``StrandedConflict`` unless every one of ``networks`` is ours and of the scope the
+        """Raise ``StrandedConflict`` unless every one of ``networks`` is ours and of the scope the
         replace was made in: the containers are off their network, and attaching them to
         another reconciler's (or a foreign) network of that name is worse than waiting."""
         mine = network_scope(rep.new.labels)
@@ -300,7 +301,7 @@ class DockerDriver(DockerNetworks):
         return reconnected, gone, failures, warnings
 
     def _attached_to(self, container_id: str, name: str) -> str | None:
-        """The ID of the network called ``name`` the container is on ("" none); None when
+        """Return the ID of the network called ``name`` the container is on ("" none); None when
         the container is gone."""
         try:
             cattrs = self._api.inspect_container(container_id)
@@ -311,7 +312,7 @@ class DockerDriver(DockerNetworks):
 
     def _connect_anyhow(self, net_id: str, name: str, ep: Endpoint,
                         why: docker.errors.APIError) -> str | None:
-        """The fixed addresses were refused (taken meanwhile): attached without them
+        """Connect without the fixed addresses, refused (taken meanwhile): attached without them
         rather than not at all. The failure line, or None when it worked."""
         if ep.ipv4 is None and ep.ipv6 is None:
             return f"{ep.container_name}: {one_line(explanation(why))}"
@@ -397,7 +398,7 @@ class DockerDriver(DockerNetworks):
     # -- checkpoints of pending changes (``snapshot``) -------------------------
 
     def snapshot(self, scope: str) -> tuple[NetworkPoint, ...]:
-        """Our networks of ``scope`` with their attachments, as a checkpoint records them."""
+        """Return our networks of ``scope`` with their attachments, as a checkpoint records them."""
         return snapshot.snapshot(self._api, scope)
 
     def restore_network(self, point: NetworkPoint,
@@ -408,7 +409,7 @@ class DockerDriver(DockerNetworks):
 
 
 def _old_args(attrs: NetworkInspect) -> CreateArgs:
-    """The create call that makes the network ``attrs`` describes again (an undo)."""
+    """Return the create call that makes the network ``attrs`` describes again (an undo)."""
     old = parse_network(attrs)
     v4, v6 = _networks_of(old.subnets)
     gateways = _gateways(attrs)

@@ -8,5 +8,5 @@ import docker
 
 
 def events_client(timeout: float = 10.0) -> Any:
-    """A client of the daemon ``DOCKER_HOST`` names, for ``client.events(...)``."""
+    """Return a client of the daemon ``DOCKER_HOST`` names, for ``client.events(...)``."""
     return docker.from_env(timeout=timeout)

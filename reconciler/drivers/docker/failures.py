@@ -30,12 +30,12 @@ def explanation(exc: docker.errors.APIError) -> str:
 
 
 def one_line(text: str) -> str:
-    """For messages to people: the daemon's text on one line."""
+    """Put the daemon's text on one line, for messages to people."""
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def walk(exc: BaseException, depth: int = 0) -> Iterator[BaseException]:
-    """The exception, its cause/context chain and exceptions in its args."""
+    """Yield the exception, its cause/context chain and exceptions in its args."""
     if depth > 8:
         return
     yield exc

@@ -166,7 +166,7 @@ class DockerNetworks:
         return sorted(found, key=lambda a: order[a.get("Id", "")])
 
     def observe(self, names: Iterable[str]) -> LiveDocker:
-        """Networks called ``names`` plus every network we own, and the default MTU.
+        """Observe the networks called ``names`` plus every network we own, and the default MTU.
 
         Never raises: when the daemon is down or refuses, the result is
         ``LiveDocker(available=False, error=...)`` with one clear line.
@@ -206,7 +206,7 @@ class DockerNetworks:
         return LiveDocker(available=True, default_mtu=default_mtu, networks=tuple(networks))
 
     def default_mtu(self) -> int | None:
-        """The MTU of Docker's default ``bridge`` network (None when unknown)."""
+        """Return the MTU of Docker's default ``bridge`` network (None when unknown)."""
         with self._errors("docker network bridge: inspect"):
             attrs = self._inspect("bridge")
         return None if attrs is None else parse_default_mtu(attrs)
@@ -289,7 +289,7 @@ class DockerNetworks:
     # -- creating -----------------------------------------------------------
 
     def _create(self, args: CreateArgs) -> str:
-        """One create call; returns the new ID. APIError propagates."""
+        """Make one create call; returns the new ID. APIError propagates."""
         pools = []
         if args.subnet is not None:
             pools.append(IPAMPool(subnet=str(args.subnet), gateway=args.gateway))
@@ -322,7 +322,7 @@ class DockerNetworks:
         return [parse_network(a) for a in self._with_name(name)]
 
     def _subnet_in_use(self, subnet: ipaddress.IPv4Network) -> str | None:
-        """The name of a network whose IPv4 subnet overlaps ``subnet``."""
+        """Return the name of a network whose IPv4 subnet overlaps ``subnet``."""
         for entry in self._api.networks():
             v4, _ = _networks_of(parse_network(entry).subnets)
             if any(net.overlaps(subnet) for net in v4):
@@ -330,7 +330,7 @@ class DockerNetworks:
         return None
 
     def ensure(self, spec: DockerNetwork, default_mtu: int | None) -> EnsureResult:
-        """kind's ensureNetwork: the network exists afterwards, exactly once.
+        """Ensure the network exists afterwards, exactly once (kind's ensureNetwork).
 
         An existing network (ours) is kept as it is — comparing its settings is
         ``diff_network``'s job. Raises ``ConflictError`` when a network with
@@ -347,7 +347,7 @@ class DockerNetworks:
     @staticmethod
     def _check_scope(what: str, spec: DockerNetwork,
                      networks: Iterable[LiveDockerNetwork]) -> None:
-        """``ConflictError`` when one of ``networks`` is another reconciler's: its scope label
+        """Raise ``ConflictError`` when one of ``networks`` is another reconciler's: its scope label
         is not the one ``spec`` carries (the planner says so first; this is the last word
         at the moment of the change)."""
         mine = dict(spec.labels).get(SCOPE_LABEL)
@@ -434,7 +434,7 @@ class DockerNetworks:
     def _after_create(self, name: str, net_id: str | None,
                       subnet6: ipaddress.IPv6Network | None,
                       attempt: int | None) -> EnsureResult:
-        """kind's createNetworkNoDuplicates tail: re-list and remove duplicates."""
+        """Re-list and remove duplicates (kind's createNetworkNoDuplicates tail)."""
         existing = self._named(name)
         if not existing:
             raise DriverError(f"docker network {name}: created but not found afterwards")
@@ -449,7 +449,7 @@ class DockerNetworks:
 
 
 def _name_filters(name: str) -> dict[str, str] | None:
-    """An anchored name filter (the daemon matches a Go regexp), as kind uses.
+    """Return an anchored name filter (the daemon matches a Go regexp), as kind uses.
 
     None (list everything) for a name with characters we would have to escape;
     callers compare names exactly either way.

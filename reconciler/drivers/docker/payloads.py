@@ -44,7 +44,7 @@ class NetworkInspect(TypedDict, total=False):
 
 
 def daemon_message(msg: str) -> str:
-    """The daemon's explanation, without the CLI's ``Error response from daemon:``.
+    """Return the daemon's explanation, without the CLI's ``Error response from daemon:``.
 
     The CLI prints ``Error response from daemon: <text>``; the SDK's
     ``APIError.explanation`` is ``<text>`` and ``str(APIError)`` wraps it as
@@ -84,25 +84,26 @@ _EXIT_STATUS = re.compile(r"exit status \d+")
 
 
 def is_ipv6_unavailable(msg: str) -> bool:
-    """The daemon cannot set up IPv6 on this host (kind falls back to IPv4-only)."""
+    """Tell whether the daemon cannot set up IPv6 on this host (kind falls back to IPv4-only)."""
     text = daemon_message(msg)
     return any(known in text for known in _IPV6_UNAVAILABLE)
 
 
 def is_pool_overlap(msg: str) -> bool:
-    """A requested subnet overlaps one in use (kind probes the next subnet)."""
+    """Tell whether a requested subnet overlaps one in use (kind probes the next subnet)."""
     text = daemon_message(msg)
     return any(known in text for known in _POOL_OVERLAP)
 
 
 def is_already_exists(msg: str) -> bool:
-    """``network with name X already exists`` (a create race; benign)."""
+    """Tell whether the message is ``network with name X already exists`` (a create race;
+    benign)."""
     text = daemon_message(msg)
     return "network with name" in text and "already exists" in text
 
 
 def is_no_such_network(msg: str) -> bool:
-    """The network is gone (benign while deleting or inspecting).
+    """Tell whether the network is gone (benign while deleting or inspecting).
 
     The CLI has printed ``Error: No such network: X``; the 20.10 API says
     ``network X not found``. The status code alone is no proof: the daemon
@@ -117,12 +118,12 @@ def is_no_such_network(msg: str) -> bool:
 
 
 def is_ipv4_pool_exhausted(msg: str) -> bool:
-    """Docker's default IPv4 address pools are all in use."""
+    """Tell whether Docker's default IPv4 address pools are all in use."""
     return _IPV4_POOL_EXHAUSTED in daemon_message(msg)
 
 
 def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
-    """A ``LiveDockerNetwork`` from a network inspect (or list) payload."""
+    """Parse a ``LiveDockerNetwork`` from a network inspect (or list) payload."""
     ipam = attrs.get("IPAM") or {}
     subnets = tuple(
         str(pool["Subnet"]) for pool in (ipam.get("Config") or []) if pool.get("Subnet")
@@ -142,13 +143,13 @@ def parse_network(attrs: Mapping[str, Any]) -> LiveDockerNetwork:
 
 
 def _bare(address: object) -> str | None:
-    """``172.18.0.2/16`` -> ``172.18.0.2``; None for an empty or missing one."""
+    """Strip the prefix: ``172.18.0.2/16`` -> ``172.18.0.2``; None for an empty or missing one."""
     text = str(address or "").split("/", 1)[0].strip()
     return text or None
 
 
 def endpoints(attrs: Mapping[str, Any]) -> tuple[LiveEndpoint, ...]:
-    """The containers a network inspect lists (a list call lists none), by name."""
+    """Return the containers a network inspect lists (a list call lists none), by name."""
     found = [LiveEndpoint(str(ep.get("Name") or cid[:12]), _bare(ep.get("IPv4Address")),
                           _bare(ep.get("IPv6Address")),
                           tuple(str(ep[k]) for k in ("IPv4Address", "IPv6Address") if ep.get(k)))
@@ -157,13 +158,13 @@ def endpoints(attrs: Mapping[str, Any]) -> tuple[LiveEndpoint, ...]:
 
 
 def network_use(attrs: Mapping[str, Any]) -> DockerNetworkUse:
-    """Where a listed network sits in the address space: its subnets and its Linux bridge."""
+    """Place a listed network in the address space: its subnets and its Linux bridge."""
     n = parse_network(attrs)
     return DockerNetworkUse(n.name, n.id, n.subnets, bridge_of(n.id, n.options), n.owned)
 
 
 def parse_default_mtu(bridge_attrs: Mapping[str, Any]) -> int | None:
-    """The MTU option of Docker's default ``bridge`` network, or None.
+    """Return the MTU option of Docker's default ``bridge`` network, or None.
 
     None when the option is absent, empty or not a positive number; kind then
     omits the MTU option and Docker uses its own default.

@@ -6,6 +6,8 @@ to be asked; importing the Docker SDK and negotiating a client costs ~100 ms,
 one ``GET /networks`` costs a few. Only a local unix socket is asked (a
 remote daemon's networks are not on this host). The daemon's default address
 pools come from its configuration file: the API does not report them.
+
+See docs/decisions/007-start-up-costs.md.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ MAX_ANSWER = 64 << 20
 
 
 def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
-    """(status, body) of one ``GET target`` over the unix socket ``path``, HTTP/1.0,
+    """Return (status, body) of one ``GET target`` over the unix socket ``path``, HTTP/1.0,
     within ``timeout`` seconds in all.
 
     Not ``http.client``: it imports ``ssl`` and ``email`` (~12 ms of every run) for one
@@ -90,7 +92,7 @@ def _get(path: str, target: str, timeout: float) -> tuple[int, bytes]:
 
 
 def _split(data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
-    """(status, headers by lower-case name, body) of an answer; _BadAnswer if it is none."""
+    """Return (status, headers by lower-case name, body) of an answer; _BadAnswer if it is none."""
     head, sep, body = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     status = lines[0].split(None, 2)
@@ -103,7 +105,7 @@ def _split(data: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
 
 
 def _complete(data: bytearray, body_at: int | None, need: int | None) -> bool:
-    """Whether ``data`` holds a whole answer already (else: read on, or to the end):
+    """Tell whether ``data`` holds a whole answer already (else: read on, or to the end):
     ``need`` its length from Content-Length, -1 for a chunked body (complete once its last
     chunk is in), None to read until the daemon closes. Nothing here re-reads what came
     before (a big answer read again at each receive was quadratic)."""
@@ -137,7 +139,8 @@ def _unchunk(data: bytes) -> bytes:
 
 
 def socket_path() -> str | None:
-    """The unix socket DOCKER_HOST names (or the default); None for a non-unix DOCKER_HOST."""
+    """Return the unix socket DOCKER_HOST names (or the default); None for a non-unix
+    DOCKER_HOST."""
     host = os.environ.get("DOCKER_HOST", "")
     if not host:
         return DEFAULT_SOCKET
@@ -159,7 +162,7 @@ class Listing:
 
 
 def list_networks(timeout: float = 2.0) -> Listing | None:
-    """Every network of the local daemon; None when there is none to ask here.
+    """Return every network of the local daemon; None when there is none to ask here.
 
     None: no socket (no Docker on this host), or a DOCKER_HOST that is not a unix
     socket (a remote daemon: its networks are not on this host).
@@ -191,7 +194,7 @@ def list_networks(timeout: float = 2.0) -> Listing | None:
 
 
 def owned_scopes(listing: Listing | None = None, timeout: float = 2.0) -> set[str] | None:
-    """Scope labels of the networks we own, or None when this call cannot tell.
+    """Return scope labels of the networks we own, or None when this call cannot tell.
 
     An absent socket is an empty set: no daemon, nothing of ours to prune.
     """
@@ -209,7 +212,7 @@ def owned_scopes(listing: Listing | None = None, timeout: float = 2.0) -> set[st
 
 
 def address_pools(path: str = DAEMON_CONFIG) -> tuple[tuple[str, int], ...]:
-    """``default-address-pools`` of the daemon's configuration, else Docker's defaults."""
+    """Return ``default-address-pools`` of the daemon's configuration, else Docker's defaults."""
     try:
         with open(path, "rb") as fh:
             config = json.loads(fh.read(1 << 20))
@@ -219,7 +222,7 @@ def address_pools(path: str = DAEMON_CONFIG) -> tuple[tuple[str, int], ...]:
 
 
 def address_space(listing: Listing | None) -> DockerAddressSpace | None:
-    """Every listed network's place in the address space, and the pools; None: no Docker."""
+    """Return every listed network's place in the address space, and the pools; None: no Docker."""
     if listing is None:
         return None
     pools = address_pools()

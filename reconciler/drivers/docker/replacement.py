@@ -15,6 +15,8 @@ Step names: ``disconnect:<container id>``, ``remove``, ``create:<network id>``,
 old settings are being restored instead), and ``abandon`` (a step before the
 removal failed for good: every container goes back onto the old network, each
 ``put-back:<container id>``; a run that finds it finishes that, not the replace).
+
+See docs/decisions/023-journals.md.
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ class Replacement:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Replacement:
-        """Raises ValueError (or KeyError, TypeError) for anything this version did not
-        write."""
+        """Read a replacement back; raise ValueError (or KeyError, TypeError) for anything this
+        version did not write."""
         if raw.get("format") != FORMAT:
             raise ValueError(f"replacement format {raw.get('format')!r} is not {FORMAT}")
         mtu = raw.get("default_mtu")
@@ -148,7 +150,7 @@ class Steps(Protocol):
         does not happen if this raises."""
 
     def done(self, step: str) -> None:
-        """``step`` completed."""
+        """Record that ``step`` completed."""
 
 
 class _NoSteps:

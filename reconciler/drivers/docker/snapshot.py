@@ -84,7 +84,7 @@ def _point(api: Any, attrs: dict[str, Any]) -> NetworkPoint:
 
 
 def snapshot(api: Any, scope: str) -> tuple[NetworkPoint, ...]:
-    """Our networks of ``scope`` (label ``io.reconciler.scope``) with their attachments."""
+    """Return our networks of ``scope`` (label ``io.reconciler.scope``) with their attachments."""
     with _errors("docker: reading networks for the checkpoint"):
         found = []
         for entry in api.networks(filters={"label": f"{DOCKER_LABEL}={DOCKER_LABEL_VALUE}"}):

@@ -36,7 +36,7 @@ import os
 
 
 def enable_ndisc_notify(ifname: str) -> None:
-    """``ndisc_notify`` on for ``ifname`` of the namespace the calling thread is in.
+    """Turn ``ndisc_notify`` on for ``ifname`` of the namespace the calling thread is in.
     A missing file (no IPv6) is skipped."""
     with contextlib.suppress(FileNotFoundError):
         fd = os.open(f"/proc/sys/net/ipv6/conf/{ifname}/ndisc_notify",

@@ -3,6 +3,9 @@
 ``NetlinkChanges`` adds them to the reads (``read.NetlinkReader``); ``client.Netlink``
 adds what building an allocation needs (the veth into its namespace, what is
 configured inside it). Idempotent where the kernel allows.
+
+See docs/decisions/002-allocations-prove-ownership-from-their-namespace.md.
+See docs/decisions/012-our-neighbour-entries.md.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def mac_bytes(mac: str) -> bytes:
 
 def our_neighbour(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, index: int,
                   mac: bytes) -> bytes:
-    """The body of a neighbour entry we make: STALE, exempt from the kernel's GC and
+    """Return the body of a neighbour entry we make: STALE, exempt from the kernel's GC and
     marked ours (NTF_EXT_LEARNED, NDA_PROTOCOL: see ``wire.NTF_EXT_LEARNED``)."""
     family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
     return (NDMSG.pack(family, index, NUD_STALE, NTF_EXT_LEARNED, 0) + attr(NDA_DST, ip.packed)
@@ -102,7 +105,7 @@ class NetlinkChanges(NetlinkReader):
         self._bridge_mac: dict[int, str | None] = {}
 
     def new_pass(self) -> None:
-        """A new plan is executed: what was read of the bridges may be stale now."""
+        """Forget what was read of the bridges: a new plan is executed, it may be stale now."""
         self._bridge_mac.clear()
 
     def ensure_bridge(self, name: str, mtu: int | None = None,
@@ -346,7 +349,7 @@ class NetlinkChanges(NetlinkReader):
 
     def create_netns(self, name: str, *, replace_stale: bool = False,
                      mark: str | None = None) -> bool:
-        """``ip netns add`` in-process (see :func:`netns.create`).
+        """Run ``ip netns add`` in-process (see :func:`netns.create`).
 
         With ``mark``, ``lo`` inside is brought up and given that alias before the
         namespace is mounted, so an allocation namespace is never visible unmarked;

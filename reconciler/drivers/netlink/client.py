@@ -15,6 +15,10 @@ inside allocation namespaces, dumps), ``changes`` (``NetlinkChanges``: the
 host's changes), this module (``Netlink``: those and an allocation's veth and
 what is configured inside it) and ``listen`` (subscriptions). Not thread-safe:
 one instance per thread.
+
+See docs/decisions/008-raw-rtnetlink.md.
+See docs/decisions/009-nothing-on-the-wire-undeclared.md.
+See docs/decisions/011-neighbours-told-up-front.md.
 """
 
 from __future__ import annotations
@@ -244,8 +248,8 @@ class Netlink(NetlinkChanges):
                          *, ifname: str = "eth0", mtu: int | None = None,
                          ipv6_link_local: bool = False, mark: str | None = None,
                          announce: bool = False) -> None:
-        """Inside an allocation namespace: ``lo`` up, ``ifname`` up (MTU, ownership alias),
-        owned addresses, default route(s) via the gateway(s) with our route proto.
+        """Configure an allocation namespace from inside: ``lo`` up, ``ifname`` up (MTU, ownership
+        alias), owned addresses, default route(s) via the gateway(s) with our route proto.
         Idempotent.
 
         IPv6 address generation on ``ifname`` is off (unless ``ipv6_link_local``),
@@ -346,7 +350,7 @@ class Netlink(NetlinkChanges):
                          addrs: Sequence[IPInterface],
                          gateways: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address],
                          where: str) -> None:
-        """What a new allocation's first packets would otherwise ask every allocation on the
+        """Seed what a new allocation's first packets would otherwise ask every allocation on the
         bridge, told up front: its MAC on its port of the bridge (an fdb entry that ages
         like a learnt one), its addresses' neighbour entries on the bridge, and inside, the
         gateways' at the bridge's MAC.
@@ -397,7 +401,7 @@ class Netlink(NetlinkChanges):
                 log.debug("%s: not seeded: %s", what, e.args[0] if e.args else e)
 
     def _wait_forwarding(self, index: int, limit: float = 0.2) -> None:
-        """Until the bridge port ``index`` forwards (linkwatch has seen its carrier; with
+        """Wait until the bridge port ``index`` forwards (linkwatch has seen its carrier; with
         STP off at once after that), at most ``limit`` seconds: usually it already does."""
         deadline = time.monotonic() + limit
         body = ifinfo(index=index) + u32_attr(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS)

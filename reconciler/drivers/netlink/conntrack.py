@@ -12,6 +12,8 @@ namespace: a ``--netns`` run has entered its sandbox). A dump is one request per
 family; each delete names the entry by its original tuple, zone and id, so an
 entry that was replaced meanwhile by a new flow with the same tuple is left alone
 (ENOENT: gone already, fine). Parsing is pure (:func:`parse_entry`) and tested on bytes.
+
+See docs/decisions/013-clean-transitions.md.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def _tuple(buf: bytes) -> Tuple | None:
 
 
 def parse_entry(raw: bytes) -> Entry | None:
-    """One IPCTNL_MSG_CT_NEW message of a dump (nlmsghdr included); None if not an entry."""
+    """Parse one IPCTNL_MSG_CT_NEW message of a dump (nlmsghdr included); None if not an entry."""
     if len(raw) < HDR.size + NFGENMSG.size:
         return None
     length = HDR.unpack_from(raw, 0)[0]
@@ -167,7 +169,7 @@ def parse_entry(raw: bytes) -> Entry | None:
 
 def dump_filter(proto: int | None = None, orig_dport: int | None = None,
                 orig_src: IPAddress | None = None, reply_src: IPAddress | None = None) -> bytes:
-    """The ``CTA_FILTER`` attributes of a dump (empty: every entry).
+    """Return the ``CTA_FILTER`` attributes of a dump (empty: every entry).
 
     Original-direction matches (protocol, its destination port, its source address) and
     the reply direction's source address; the kernel ANDs what it is given.
@@ -218,7 +220,7 @@ def _tuple_attr(kind: int, t: Tuple) -> bytes:
 
 
 def delete_request(entry: Entry) -> bytes:
-    """The body of the IPCTNL_MSG_CT_DELETE that removes exactly ``entry``."""
+    """Return the body of the IPCTNL_MSG_CT_DELETE that removes exactly ``entry``."""
     body = NFGENMSG.pack(_FAMILIES[entry.family], 0, 0) + _tuple_attr(CTA_TUPLE_ORIG, entry.orig)
     if entry.zone:
         body += attr(CTA_ZONE, BE16.pack(entry.zone))
@@ -228,7 +230,7 @@ def delete_request(entry: Entry) -> bytes:
 
 
 def delete_orig_request(orig: Tuple) -> bytes:
-    """The body of the IPCTNL_MSG_CT_DELETE of the entry whose original tuple is ``orig``
+    """Return the body of the IPCTNL_MSG_CT_DELETE of the entry whose original tuple is ``orig``
     (zone 0, any id): for flows we made ourselves and know exactly."""
     family = _FAMILIES[orig.src.version]
     return NFGENMSG.pack(family, 0, 0) + _tuple_attr(CTA_TUPLE_ORIG, orig)
@@ -253,7 +255,7 @@ class Conntrack:
     def dump(self, family: int, *, proto: str | None = None,
              orig_dport: int | None = None, orig_src: IPAddress | None = None,
              reply_src: IPAddress | None = None) -> list[Entry]:
-        """The entries of IP ``family`` (4 or 6), optionally of one protocol (and original
+        """Dump the entries of IP ``family`` (4 or 6), optionally of one protocol (and original
         destination port), or from one original source or reply source address.
 
         The kernel filters them (``CTA_FILTER``): parsing every entry of a busy table
@@ -278,7 +280,7 @@ class Conntrack:
 
     def flows(self, family: int, addresses: Iterable[IPAddress],
               ports: Iterable[tuple[str, int]]) -> list[Entry]:
-        """The TCP and UDP entries of ``family`` that one of ``addresses`` started or
+        """Return the TCP and UDP entries of ``family`` that one of ``addresses`` started or
         answers, or that go to one of the (protocol, original destination port) ``ports``;
         each once.
 
@@ -354,7 +356,7 @@ class Conntrack:
         return deleted
 
     def local_addresses(self) -> frozenset[IPAddress]:
-        """The addresses of this namespace's links: what ``--dst-type LOCAL`` matches."""
+        """Return the addresses of this namespace's links: what ``--dst-type LOCAL`` matches."""
         if self._route is None:
             self._route = Socket()
         msgs = self._route.dump(RTM_GETADDR, ADDR_DUMP, "conntrack: dump local addresses")
@@ -371,7 +373,8 @@ class Conntrack:
 
 
 def stale_for(m: StaleMap, e: Entry, local: frozenset[IPAddress]) -> bool:
-    """Entry ``e`` is a flow to map ``m``'s host port that its rule no longer sends there.
+    """Tell whether entry ``e`` is a flow to map ``m``'s host port that its rule no longer sends
+    there.
 
     Only flows to this host's own addresses (what the DNAT rules match: ``--dst-type
     LOCAL``; loopback included): a forwarded flow to a remote port of the same number
@@ -392,7 +395,7 @@ def stale_for(m: StaleMap, e: Entry, local: frozenset[IPAddress]) -> bool:
 
 
 def describe(entry: Entry) -> str:
-    """``udp 10.0.0.2:40000 -> 10.0.0.1:5353 (replies from 10.78.0.10:53)`` for logs."""
+    """Return ``udp 10.0.0.2:40000 -> 10.0.0.1:5353 (replies from 10.78.0.10:53)`` for logs."""
     name = {v: k for k, v in PROTOCOLS.items()}.get(entry.orig.proto, str(entry.orig.proto))
 
     def end(ip: IPAddress, port: int | None) -> str:
@@ -405,7 +408,7 @@ def describe(entry: Entry) -> str:
 
 
 def live_flow(entry: Entry) -> LiveFlow | None:
-    """The domain value of a TCP or UDP entry (None for other protocols)."""
+    """Return the domain value of a TCP or UDP entry (None for other protocols)."""
     names = {v: k for k, v in PROTOCOLS.items()}
     proto = names.get(entry.orig.proto)
     if proto is None:

@@ -61,7 +61,7 @@ SOCKET_RCVBUF = 4 << 20
 
 
 def open_socket(groups: int, rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
-    """An rtnetlink socket subscribed to ``groups`` (a bitmask of RTMGRP_*)."""
+    """Open an rtnetlink socket subscribed to ``groups`` (a bitmask of RTMGRP_*)."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                          NETLINK_ROUTE)
     try:
@@ -77,7 +77,7 @@ def open_socket(groups: int, rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
 
 
 def dump_links() -> list[NetlinkEvent]:
-    """All links of the current namespace, as link events (seeds the filter)."""
+    """Dump all links of the current namespace, as link events (seeds the filter)."""
     with open_socket(0) as sock:
         body = IFINFO.pack(0, 0, 0, 0, 0)
         sock.sendto(HDR.pack(HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
@@ -109,7 +109,8 @@ NFNLGRP_NFTABLES = 7
 
 
 def open_nft_socket(timeout: float = 5.0) -> socket.socket:
-    """A netfilter netlink socket for asking the nf_tables generation (:func:`nft_generation`)."""
+    """Open a netfilter netlink socket for asking the nf_tables generation
+    (:func:`nft_generation`)."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                          NETLINK_NETFILTER)
     try:
@@ -122,7 +123,7 @@ def open_nft_socket(timeout: float = 5.0) -> socket.socket:
 
 
 def open_nft_events(rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
-    """A netfilter netlink socket subscribed to this namespace's nf_tables notifications.
+    """Open a netfilter netlink socket subscribed to this namespace's nf_tables notifications.
 
     Parse what it reads with ``parse.parse_nft_notices``. An ``ENOBUFS`` from it
     means notifications were dropped: anything may have been committed.
@@ -142,7 +143,7 @@ def open_nft_events(rcvbuf: int = SOCKET_RCVBUF) -> socket.socket:
 
 
 def nft_generation(sock: socket.socket, seq: int) -> int:
-    """The nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
+    """Return the nf_tables ruleset generation of this namespace (NFT_MSG_GETGEN)."""
     body = NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
     sock.send(HDR.pack(16 + len(body), (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
                           NLM_F_REQUEST, seq, 0) + body)

@@ -1,4 +1,7 @@
-"""Bodies of the rtnetlink requests the client sends (link info, addresses, dumps)."""
+"""Bodies of the rtnetlink requests the client sends (link info, addresses, dumps).
+
+See docs/decisions/009-nothing-on-the-wire-undeclared.md.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ NEIGH_DUMP = NDMSG.pack(0, 0, 0, 0, 0)  # both families, every link
 
 
 def no_ipv6_ll() -> bytes:
-    """IFLA_AF_SPEC: no IPv6 link-local address on this link (addrgenmode none).
+    """Build the IFLA_AF_SPEC that gives this link no IPv6 link-local address (addrgenmode none).
 
     Empty when the kernel has no IPv6 (``ipv6.disable=1``): it would refuse the
     whole message for an AF_INET6 block (EAFNOSUPPORT), and there is no
@@ -68,7 +71,8 @@ def no_ipv6_ll() -> bytes:
 
 
 def arp_notify_on() -> bytes:
-    """IFLA_AF_SPEC: ``arp_notify`` on for this link (its IPv4 devconf, no /proc write).
+    """Build the IFLA_AF_SPEC that turns ``arp_notify`` on for this link (its IPv4 devconf, no /proc
+    write).
 
     The kernel applies IFLA_AF_SPEC after the flags of the message, so sent with
     the one that brings the link up it is off at NETDEV_UP and on from then on.

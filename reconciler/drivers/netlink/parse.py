@@ -70,13 +70,14 @@ from reconciler.drivers.netlink.wire import (
 
 
 def mac_text(raw: bytes) -> str | None:
-    """``aa:bb:..`` (lower case, as ``ip`` prints it) of a link-layer address; None if empty."""
+    """Write a link-layer address as ``aa:bb:..`` (lower case, as ``ip`` prints it); None if
+    empty."""
     return raw.hex(":") if raw else None
 
 
 def parse_link(msg: NlMsg, names_by_index: dict[int, str],
                addresses: tuple[LiveAddress, ...] = ()) -> LiveLink:
-    """A LiveLink from an RTM_NEWLINK message, with ``addresses`` attached.
+    """Parse a LiveLink from an RTM_NEWLINK message, with ``addresses`` attached.
 
     ``names_by_index`` resolves IFLA_MASTER to the bridge's name. Hairpin
     comes from the bridge-port attributes the kernel puts in
@@ -118,7 +119,7 @@ def parse_link(msg: NlMsg, names_by_index: dict[int, str],
 
 
 def parse_addr(msg: NlMsg) -> tuple[int, LiveAddress] | None:
-    """(ifindex, LiveAddress) from an RTM_NEWADDR message; None for IPv6 link-local."""
+    """Parse (ifindex, LiveAddress) from an RTM_NEWADDR message; None for IPv6 link-local."""
     family, prefixlen, _flags, _scope, index = msg.header
     a = msg.attrs
     raw = a.get(IFA_LOCAL) or a.get(IFA_ADDRESS)
@@ -143,7 +144,7 @@ ROUTE_TYPES = {1: "unicast", 2: "local", 3: "broadcast", 4: "anycast", 5: "multi
 
 
 def parse_route(msg: NlMsg) -> LiveRoute | None:
-    """A LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
+    """Parse a LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
 
     ``dst`` is ``"default"`` for a zero-length prefix of either family (the
     gateway's family tells them apart), else ``"prefix/len"``.
@@ -168,7 +169,7 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
 
 
 def bridge_port_state(msg: NlMsg) -> int | None:
-    """IFLA_BRPORT_STATE of a bridge port's RTM_NEWLINK (BR_STATE_*); None for others."""
+    """Read IFLA_BRPORT_STATE of a bridge port's RTM_NEWLINK (BR_STATE_*); None for others."""
     li = parse_attrs(msg.attrs.get(IFLA_LINKINFO, b""))
     if IFLA_INFO_SLAVE_KIND not in li or cstr(li[IFLA_INFO_SLAVE_KIND]) != "bridge":
         return None
@@ -183,12 +184,12 @@ NUD_WORDS = ((0x01, "INCOMPLETE"), (0x02, "REACHABLE"), (0x04, "STALE"), (0x08, 
 
 
 def neigh_state(state: int) -> str:
-    """``STALE``, ``REACHABLE,...``: a neighbour entry's state as ``ip neigh`` words it."""
+    """Word a neighbour entry's state as ``ip neigh`` does: ``STALE``, ``REACHABLE,...``."""
     return ",".join(w for bit, w in NUD_WORDS if state & bit) or "NONE"
 
 
 def parse_neigh_entry(msg: NlMsg) -> tuple[int, str, str | None, int] | None:
-    """(ifindex, IP address, MAC or None, NUD state) of any IPv4/IPv6 RTM_NEWNEIGH message
+    """Parse (ifindex, IP address, MAC or None, NUD state) of any IPv4/IPv6 RTM_NEWNEIGH message
     (incomplete and failed entries included: the probes' diagnosis words them)."""
     family, index, state, _flags, _type = msg.header
     dst = msg.attrs.get(NDA_DST)
@@ -198,7 +199,7 @@ def parse_neigh_entry(msg: NlMsg) -> tuple[int, str, str | None, int] | None:
 
 
 def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:
-    """A LiveNeighbour from an RTM_NEWNEIGH message; None without an IP and a link-layer
+    """Parse a LiveNeighbour from an RTM_NEWNEIGH message; None without an IP and a link-layer
     address (incomplete or failed entries, NOARP ones: nothing to be stale about)."""
     entry = parse_neigh_entry(msg)
     if entry is None:
@@ -212,7 +213,7 @@ def parse_neigh(msg: NlMsg) -> LiveNeighbour | None:
 
 
 def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> list[LiveLink]:
-    """Links with their addresses attached, from one link dump and one address dump."""
+    """Attach their addresses to links, from one link dump and one address dump."""
     link_msgs = list(link_msgs)
     names: dict[int, str] = {}
     for m in link_msgs:

@@ -116,7 +116,7 @@ class NetlinkReader:
         self.close()
 
     def _entry(self, name: str) -> _NsEntry:
-        """The cached socket inside ``name``, (re)opened if the namespace changed."""
+        """Return the cached socket inside ``name``, (re)opened if the namespace changed."""
         path = netns.path_of(name)
         try:
             st = os.stat(path)
@@ -163,7 +163,7 @@ class NetlinkReader:
             entry.sock.close()
 
     def cached_names(self) -> frozenset[str]:
-        """Namespaces this object holds a socket into (and so keeps alive)."""
+        """Return the namespaces this object holds a socket into (and so keeps alive)."""
         return frozenset(self._ns)
 
     def prune_cache(self, keep: Iterable[str]) -> None:
@@ -176,7 +176,7 @@ class NetlinkReader:
         return self._host if ns is None else self._entry(ns).sock
 
     def get_nsid(self, name: str) -> int | None:
-        """The nsid the current namespace uses for ``name``; None when none is assigned."""
+        """Return the nsid the current namespace uses for ``name``; None when none is assigned."""
         fd = netns.open_fd(name)
         try:
             replies = self._host.request(RTM_GETNSID, 0, RTGEN.pack(0) + u32_attr(NETNSA_FD, fd),
@@ -191,7 +191,7 @@ class NetlinkReader:
         return None
 
     def link_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
-        """Raw link dump (stats skipped); ``nsid``: of another namespace via target nsid."""
+        """Dump links, raw (stats skipped); ``nsid``: of another namespace via target nsid."""
         body = LINK_DUMP if nsid is None else LINK_DUMP + attr(IFLA_TARGET_NETNSID,
                                                                   I32.pack(nsid))
         where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
@@ -199,7 +199,7 @@ class NetlinkReader:
                                                             f"dump links{where}")]
 
     def addr_messages(self, ns: str | None = None, *, nsid: int | None = None) -> list[NlMsg]:
-        """Raw address dump, here, inside ``ns`` or (``nsid``) via target nsid."""
+        """Dump addresses, raw: here, inside ``ns`` or (``nsid``) via target nsid."""
         body = ADDR_DUMP if nsid is None else ADDR_DUMP + attr(IFA_TARGET_NETNSID,
                                                                   I32.pack(nsid))
         where = f" in {ns}" if ns else (f" in nsid {nsid}" if nsid is not None else "")
@@ -207,13 +207,13 @@ class NetlinkReader:
                                                             f"dump addresses{where}")]
 
     def route_messages(self, ns: str | None = None) -> list[NlMsg]:
-        """Raw main-table route dump (both families); targets by nsid are not supported."""
+        """Dump main-table routes, raw (both families); targets by nsid are not supported."""
         where = f" in {ns}" if ns else ""
         return [NlMsg.decode(r) for r in self._sock(ns).dump(RTM_GETROUTE, ROUTE_DUMP,
                                                             f"dump routes{where}")]
 
     def dump_neighbours(self, indexes: Iterable[int]) -> tuple[LiveNeighbour, ...]:
-        """Neighbour entries (ARP and NDP, with a link-layer address) of the links with
+        """Dump the neighbour entries (ARP and NDP, with a link-layer address) of the links with
         those indexes, here: one dump of every link's, filtered."""
         wanted = set(indexes)
         if not wanted:
@@ -226,7 +226,7 @@ class NetlinkReader:
         return tuple(sorted(out, key=lambda n: (n.index, n.address)))
 
     def neighbour_states(self, index: int) -> dict[str, tuple[str | None, str]]:
-        """The neighbour entries on link ``index`` here that ``ip neigh show`` lists (failed
+        """List the neighbour entries on link ``index`` here that ``ip neigh show`` lists (failed
         ones included, NOARP ones not): address -> (MAC or None, state as ``ip neigh``
         words it). For the probes' diagnosis."""
         out: dict[str, tuple[str | None, str]] = {}
@@ -237,8 +237,8 @@ class NetlinkReader:
         return out
 
     def route_get(self, address: str) -> tuple[str | None, str]:
-        """(output link, route type) the routing here (rules included) picks for ``address``
-        (``RTM_GETROUTE``, what ``ip route get`` asks); (None, the error's words, lower
+        """Ask which (output link, route type) the routing here (rules included) picks for
+        ``address`` (``RTM_GETROUTE``, what ``ip route get`` asks); (None, the error's words, lower
         case) when there is no route."""
         ip = ipaddress.ip_address(address)
         family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
@@ -266,12 +266,12 @@ class NetlinkReader:
         return parse_link(NlMsg.decode(replies[0]), {}).name if replies else None
 
     def dump_links(self, ns: str | None = None) -> dict[str, LiveLink]:
-        """Every link of the namespace (host by default) by name, addresses attached."""
+        """Dump every link of the namespace (host by default) by name, addresses attached."""
         links = assemble_links(self.link_messages(ns), self.addr_messages(ns))
         return {link.name: link for link in links}
 
     def dump_routes(self, ns: str | None = None) -> tuple[LiveRoute, ...]:
-        """Main-table routes of the namespace (host by default)."""
+        """Dump the main-table routes of the namespace (host by default)."""
         out = []
         for m in self.route_messages(ns):
             r = parse_route(m)
@@ -280,7 +280,7 @@ class NetlinkReader:
         return tuple(out)
 
     def observe_netns(self, names: Iterable[str], *, prune: bool = True) -> dict[str, LiveNetns]:
-        """Links (with addresses) and main routes inside each named namespace.
+        """Observe links (with addresses) and main routes inside each named namespace.
 
         Names whose file is missing are left out; an empty file (or anything
         that cannot be entered) is reported ``usable=False`` rather than
@@ -314,7 +314,8 @@ class NetlinkReader:
         return out
 
     def _lookup(self, name: str, ns: str | None) -> bytes | None:
-        """The raw RTM_NEWLINK reply for ``name`` (here or inside ``ns``), None when absent."""
+        """Look up the raw RTM_NEWLINK reply for ``name`` (here or inside ``ns``), None when
+        absent."""
         try:
             replies = self._sock(ns).request(
                 RTM_GETLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
@@ -326,17 +327,17 @@ class NetlinkReader:
         return replies[0] if replies else None
 
     def link_index(self, name: str, ns: str | None = None) -> int | None:
-        """ifindex of ``name`` (here or inside ``ns``), None when absent."""
+        """Return the ifindex of ``name`` (here or inside ``ns``), None when absent."""
         raw = self._lookup(name, ns)
         return None if raw is None else int(IFINFO.unpack_from(raw, 16)[2])
 
     def get_link(self, name: str, ns: str | None = None) -> LiveLink | None:
-        """One link without addresses (master shown as ``if<N>``), None when absent."""
+        """Get one link without addresses (master shown as ``if<N>``), None when absent."""
         raw = self._lookup(name, ns)
         return None if raw is None else parse_link(NlMsg.decode(raw), {})
 
     def peek_lo_alias(self, name: str) -> str | None:
-        """The alias of ``lo`` inside namespace ``name``, without caching a socket there.
+        """Return the alias of ``lo`` inside namespace ``name``, without caching a socket there.
 
         Cheap enough to ask of every namespace under /run/netns: it tells our
         allocation namespaces from everyone else's without holding theirs open.

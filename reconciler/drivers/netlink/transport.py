@@ -161,7 +161,7 @@ class Socket:
 
 
 def _ext_ack(raw: bytes, flags: int) -> str:
-    """The kernel's extended-ACK message text, if any."""
+    """Return the text of the kernel's extended-ACK message, if any."""
     if not flags & NLM_F_ACK_TLVS:
         return ""
     if flags & NLM_F_CAPPED or len(raw) < 36:

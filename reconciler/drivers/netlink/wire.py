@@ -1,4 +1,7 @@
-"""The rtnetlink wire format: constants, attributes, message framing (the only nlmsghdr codec)."""
+"""The rtnetlink wire format: constants, attributes, message framing (the only nlmsghdr codec).
+
+See docs/decisions/008-raw-rtnetlink.md.
+"""
 
 from __future__ import annotations
 
@@ -326,7 +329,7 @@ def u8_attr(kind: int, value: int) -> bytes:
 
 
 def parse_attrs(buf: bytes, off: int = 0, end: int | None = None) -> dict[int, bytes]:
-    """TLV attributes of ``buf[off:end]`` by type (nested/byte-order flags stripped)."""
+    """Parse the TLV attributes of ``buf[off:end]`` by type (nested/byte-order flags stripped)."""
     if end is None:
         end = len(buf)
     out: dict[int, bytes] = {}

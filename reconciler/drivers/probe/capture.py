@@ -32,7 +32,7 @@ _Insn = tuple[str | None, int, int, str | None, str | None]
 
 
 def _assemble(prog: Sequence[_Insn]) -> bytes:
-    """Classic BPF from labelled instructions (jump offsets count from the next one)."""
+    """Assemble classic BPF from labelled instructions (jump offsets count from the next one)."""
     at = {label: i for i, (label, *_rest) in enumerate(prog) if label}
     out = b""
     for i, (_label, code, k, jt, jf) in enumerate(prog):
@@ -45,7 +45,7 @@ def _assemble(prog: Sequence[_Insn]) -> bytes:
 
 
 def capture_filter(lo: int = PROBE_PORTS[0], hi: int = PROBE_PORTS[1]) -> bytes:
-    """A filter that passes IPv4/IPv6 TCP and UDP leaving a link from source ports lo..hi.
+    """Build a filter that passes IPv4/IPv6 TCP and UDP leaving a link from source ports lo..hi.
 
     The socket is ``SOCK_DGRAM``: offset 0 is the IP header. IPv4 fragments after
     the first carry no ports and are dropped; IPv6 is matched without extension
@@ -90,7 +90,7 @@ SOL_PACKET, PACKET_STATISTICS = 263, 6
 
 
 def open_capture() -> socket.socket:
-    """The capture of every link of the namespace the calling thread is in (filter first).
+    """Open the capture of every link of the namespace the calling thread is in (filter first).
 
     Created bound to all links (``ETH_P_ALL``), so what arrived before the filter was
     attached is drained here.
@@ -112,7 +112,7 @@ def open_capture() -> socket.socket:
 
 
 def capture_stamp(ancdata: Sequence[tuple[int, int, bytes]]) -> float | None:
-    """The SCM_TIMESTAMPNS of a received packet (wall-clock seconds), or None."""
+    """Return the SCM_TIMESTAMPNS of a received packet (wall-clock seconds), or None."""
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == SCM_TIMESTAMPNS and \
                 len(data) >= _TIMESPEC.size:
@@ -122,7 +122,8 @@ def capture_stamp(ancdata: Sequence[tuple[int, int, bytes]]) -> float | None:
 
 
 def capture_drops(s: socket.socket) -> int:
-    """Packets the capture lost for want of buffer since the last call (PACKET_STATISTICS)."""
+    """Count the packets the capture lost for want of buffer since the last call
+    (PACKET_STATISTICS)."""
     try:
         _packets, drops = struct.unpack("II", s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
     except OSError:
@@ -131,7 +132,7 @@ def capture_drops(s: socket.socket) -> int:
 
 
 def parse_l4(data: bytes) -> tuple[int, str, int, str, int, int] | None:
-    """(family, src, sport, dst, dport, ip proto) of an IP packet with TCP/UDP, or None."""
+    """Parse (family, src, sport, dst, dport, ip proto) of an IP packet with TCP/UDP, or None."""
     if len(data) < 1:
         return None
     version = data[0] >> 4

@@ -6,7 +6,7 @@ import subprocess
 
 
 def save_counters(family: int, *, legacy: bool = False) -> str | None:
-    """``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
+    """Run ``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
 
     Only around a failed probe's re-run: which foreign rule's counter rose says which
     rule dropped it. The same tools as the iptables driver, read-only. ``legacy``: the
@@ -22,7 +22,7 @@ def save_counters(family: int, *, legacy: bool = False) -> str | None:
 
 
 def netstat_counter(name: str, text: str | None = None) -> int:
-    """A ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
+    """Read a ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
     if text is None:
         try:
             with open("/proc/thread-self/net/netstat", encoding="ascii") as fh:

@@ -23,7 +23,7 @@ def _checksum(data: bytes) -> int:
 
 
 def echo_request(family: int, ident: int, seq: int, size: int = 0) -> bytes:
-    """An ICMP (or ICMPv6) echo request with ``size`` bytes of payload."""
+    """Build an ICMP (or ICMPv6) echo request with ``size`` bytes of payload."""
     payload = b"reconciler-probe"[:size].ljust(size, b"\0") if size else b""
     if family == 4:
         head = struct.pack("!BBHHH", ICMP_ECHO, 0, 0, ident, seq)
@@ -34,7 +34,7 @@ def echo_request(family: int, ident: int, seq: int, size: int = 0) -> bytes:
 
 
 def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
-    """(id, seq) of an echo reply (IPv4 raw sockets deliver the IP header too), or None."""
+    """Parse (id, seq) of an echo reply (IPv4 raw sockets deliver the IP header too), or None."""
     if family == 4:
         if len(data) < 20:
             return None
@@ -49,7 +49,7 @@ def parse_echo_reply(family: int, data: bytes) -> tuple[int, int] | None:
 
 
 def open_icmp(family: int) -> socket.socket:
-    """A raw echo socket that never fragments (DF): a full-size echo finds a smaller MTU."""
+    """Open a raw echo socket that never fragments (DF): a full-size echo finds a smaller MTU."""
     s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_RAW,
                       socket.IPPROTO_ICMP if family == 4 else socket.IPPROTO_ICMPV6)
     try:
@@ -66,5 +66,5 @@ def open_icmp(family: int) -> socket.socket:
 
 
 def echo_payload(family: int, size: int) -> int:
-    """Payload bytes of an echo whose IP packet is ``size`` bytes long."""
+    """Return the payload bytes of an echo whose IP packet is ``size`` bytes long."""
     return max(0, size - (20 if family == 4 else 40) - 8)

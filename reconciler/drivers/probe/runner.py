@@ -25,6 +25,8 @@ namespace we act on (``Outcome.flow``, its exact original tuple), which
 ``engine.probes`` deletes through the conntrack driver
 (``drivers/netlink/conntrack.Conntrack.delete_flows``). Runs larger than the
 file descriptors left under ``RLIMIT_NOFILE`` go in batches.
+
+See docs/decisions/031-probes-capture-decides.md.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def _dest(spec: ProbeSpec) -> _Dest:
 
 
 def _client(spec: ProbeSpec, ports: _Ports) -> tuple[socket.socket, int]:
-    """A client socket bound to a reserved source port (in the calling thread's namespace),
+    """Open a client socket bound to a reserved source port (in the calling thread's namespace),
     one no other probe of the run towards the same destination (``_dest``) has."""
     fam = socket.AF_INET if spec.family == 4 else socket.AF_INET6
     kind = socket.SOCK_STREAM if spec.proto == "tcp" else socket.SOCK_DGRAM
@@ -365,7 +367,7 @@ class ProbeRun:
     # -- the loop
 
     def _answer(self, p: _Probe, answer: str) -> None:
-        """The sender is finished (connected, refused, an answer or an ICMP error)."""
+        """Record that the sender is finished (connected, refused, an answer or an ICMP error)."""
         if p.answered or p.done:
             return
         p.answered = True
@@ -377,7 +379,8 @@ class ProbeRun:
             self._finish(p)
 
     def _arrived(self, p: _Probe, stamp: float | None = None) -> None:
-        """``stamp``: the kernel's wall-clock time of the packet (the capture's), if any."""
+        """Note a probe's arrival; ``stamp``: the kernel's wall-clock time of the packet (the
+        capture's), if any."""
         if p.captured:
             return
         p.captured = p.outcome.reached = True
@@ -526,7 +529,7 @@ def run(specs: Sequence[ProbeSpec], *, timeout: float = 1.0,
 
 
 def fd_budget(margin: int = 64) -> int:
-    """How many probes one batch may hold open (about a descriptor each) under the soft
+    """Count how many probes one batch may hold open (about a descriptor each) under the soft
     ``RLIMIT_NOFILE`` (systemd's default is 1024), keeping ``margin`` for everything else."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -44,13 +44,13 @@ VANTAGE_HOST_MAC, VANTAGE_PEER_MAC = "02:72:63:70:00:01", "02:72:63:70:00:02"
 
 
 def _mark_lo() -> None:
-    """Inside the new vantage namespace, before it is mounted: ``lo`` carries the mark, so a
+    """Mark ``lo`` inside the new vantage namespace, before it is mounted, so a
     namespace of that name is provably ours (or provably not) from outside."""
     _ip(batch=f'link set lo alias "{PROBE_VANTAGE_ALIAS}"\nlink set lo up\n')
 
 
 def create_vantage(ns: str, link: str) -> None:
-    """The external vantage: namespace ``ns`` joined to this one by the veth ``link``.
+    """Create the external vantage: namespace ``ns`` joined to this one by the veth ``link``.
 
     The host end has ``VANTAGE_HOST``/30, the namespace's ``eth0`` ``VANTAGE_PEER``/30
     and a default route through the host, so its connections arrive the way another
@@ -96,7 +96,7 @@ def create_vantage(ns: str, link: str) -> None:
 
 
 def _add_ipv6(ns: str, link: str) -> None:
-    """The vantage link's IPv6 pair, after its IPv4 side: a host without IPv6 (or with it
+    """Add the vantage link's IPv6 pair, after its IPv4 side: a host without IPv6 (or with it
     disabled on new links) keeps an IPv4 vantage, and its IPv6 maps' external paths say
     why they are skipped (``vantage_ipv6_missing``) instead of every external probe failing."""
     if not os.path.isdir("/proc/sys/net/ipv6"):
@@ -112,7 +112,7 @@ def _add_ipv6(ns: str, link: str) -> None:
 
 
 def vantage_ipv6_missing(link: str) -> str | None:
-    """Why the vantage has no IPv6 pair to probe from, or None when it has: its host end
+    """Return why the vantage has no IPv6 pair to probe from, or None when it has: its host end
     carries ``VANTAGE6_HOST`` (one file read; the namespace's end failing shows as the
     probes' own failure, "network unreachable")."""
     why = _ipv6_unavailable(link)
@@ -124,8 +124,8 @@ def vantage_ipv6_missing(link: str) -> str | None:
 
 
 def vantage_lacks_ipv6_pair(link: str) -> bool:
-    """The link could carry the IPv6 pair and does not: a vantage made by a version before
-    the pair, or one whose pair someone removed (made again, see ``VantageLease``)."""
+    """Tell whether the link could carry the IPv6 pair and does not: a vantage made by a version
+    before the pair, or one whose pair someone removed (made again, see ``VantageLease``)."""
     return _ipv6_unavailable(link) is None and not _has_ipv6_pair(link)
 
 
@@ -143,8 +143,8 @@ def _ipv6_unavailable(link: str) -> str | None:
 
 
 def _has_ipv6_pair(link: str) -> bool:
-    """``VANTAGE6_HOST`` is on ``link`` here: a read of ``if_inet6`` (the namespace's IPv6
-    addresses, one per line: hex address, index, prefix, scope, flags, name), not an ``ip``
+    """Tell whether ``VANTAGE6_HOST`` is on ``link`` here: a read of ``if_inet6`` (the namespace's
+    IPv6 addresses, one per line: hex address, index, prefix, scope, flags, name), not an ``ip``
     process per probe run."""
     want = ipaddress.IPv6Address(VANTAGE6_HOST).exploded.replace(":", "")
     try:
@@ -156,7 +156,7 @@ def _has_ipv6_pair(link: str) -> bool:
 
 
 def _json(*args: str) -> list[dict[str, Any]] | None:
-    """What ``ip ARGS`` (with ``-j``) prints, parsed; None when it fails."""
+    """Run ``ip ARGS`` (with ``-j``) and parse what it prints; None when it fails."""
     try:
         p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
                            check=False)
@@ -172,7 +172,8 @@ def _json(*args: str) -> list[dict[str, Any]] | None:
 
 
 def _alias(*args: str) -> str | None:
-    """``ifalias`` of one link (``ip -j link show``), "" when it has none, None if absent."""
+    """Read the ``ifalias`` of one link (``ip -j link show``), "" when it has none, None if
+    absent."""
     links = _json(*args)
     if links is None:
         return None
@@ -180,7 +181,7 @@ def _alias(*args: str) -> str | None:
 
 
 def namespace_mark(ns: str) -> str | None:
-    """The mark of the namespace ``ns``: its ``lo`` alias when it is a live namespace, the
+    """Return the mark of the namespace ``ns``: its ``lo`` alias when it is a live namespace, the
     file's tag when it is an empty file (a crash between unmount and unlink), None when
     there is no such namespace; "" when it carries none."""
     try:
@@ -192,13 +193,15 @@ def namespace_mark(ns: str) -> str | None:
 
 
 def link_mark(link: str) -> str | None:
-    """The alias of the host link ``link`` ("" when none), None when there is no such link."""
+    """Return the alias of the host link ``link`` ("" when none), None when there is no such
+    link."""
     return _alias("-j", "link", "show", "dev", link)
 
 
 def vantage_state(ns: str, link: str) -> str:
-    """``ready`` (both parts there and marked ours), ``absent`` (neither there), ``foreign``
-    (a part of that name is there and not ours), else ``partial`` (ours, half there)."""
+    """Tell the vantage's state: ``ready`` (both parts there and marked ours), ``absent`` (neither
+    there), ``foreign`` (a part of that name is there and not ours), else ``partial`` (ours, half
+    there)."""
     ns_mark, link_mk = namespace_mark(ns), link_mark(link)
     if (ns_mark is not None and ns_mark != PROBE_VANTAGE_ALIAS) or \
             (link_mk is not None and link_mk != PROBE_VANTAGE_ALIAS):

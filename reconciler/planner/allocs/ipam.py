@@ -4,6 +4,8 @@ IPAM is derived from live state, not from a side file: an allocation keeps the
 (owned) address its ``eth0`` already has while that address is still valid;
 new allocations take the lowest free address of the range. Automatic host
 ports are kept the same way, from the live DNAT rules of the allocation.
+
+See docs/decisions/004-ipam-and-ports-from-live-state.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Mapped:
 
     @classmethod
     def of(cls, rule: firewall.DnatRule) -> Mapped:
-        """The map a live DNAT rule serves."""
+        """Return the map a live DNAT rule serves."""
         return cls(rule.proto, rule.port, rule.to, rule.host_ip)
 
 
@@ -42,7 +44,7 @@ def _bounds(s: Subnet, version: int) -> tuple[int, int]:
 
 
 def _assign(ctx: PlanContext, s: Subnet, members: list[Alloc], version: int) -> dict[str, IPAddr]:
-    """Declared addresses, then kept live ones, then the lowest free ones, in id order."""
+    """Assign declared addresses, then kept live ones, then the lowest free ones, in id order."""
     make = ipaddress.IPv4Address if version == 4 else ipaddress.IPv6Address
     gateway = s.gateway if version == 4 else s.gateway6
     lo, hi = _bounds(s, version)
@@ -100,7 +102,7 @@ def assign_addresses(ctx: PlanContext) -> dict[str, tuple[IPAddr | None, IPAddr 
 
 
 def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
-    """Live DNAT rules per alloc id, from their comments (both families)."""
+    """Read the live DNAT rules per alloc id, from their comments (both families)."""
     out: dict[str, list[Mapped]] = {}
     rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
              *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
@@ -110,7 +112,7 @@ def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
 
 
 def _docker_published(ctx: PlanContext) -> dict[tuple[str, int], str]:
-    """Host ports Docker publishes through DNAT (``nat/DOCKER``, userland proxy off)."""
+    """Find the host ports Docker publishes through DNAT (``nat/DOCKER``, userland proxy off)."""
     out: dict[tuple[str, int], str] = {}
     for fw in (ctx.live.firewall4, ctx.live.firewall6):
         for r in fw.chains.get(("nat", "DOCKER"), ()):
@@ -126,7 +128,8 @@ def _docker_published(ctx: PlanContext) -> dict[tuple[str, int], str]:
 
 
 def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
-    """Host port of every port map; ``auto`` ports are kept from live rules when possible."""
+    """Assign the host port of every port map; ``auto`` ports are kept from live rules when
+    possible."""
     allocs = [ctx.desired.allocs[a] for a in sorted(ctx.desired.allocs)]
     lo, hi = ctx.desired.settings.auto_port_range
     docker = _docker_published(ctx)

@@ -1,4 +1,7 @@
-"""What the live state says of an allocation: its namespace, veth pair and addresses."""
+"""What the live state says of an allocation: its namespace, veth pair and addresses.
+
+See docs/decisions/001-ownership-on-the-objects.md.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ def is_ours(ctx: PlanContext, ns: LiveNetns | None) -> bool:
 
 
 def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
-    """An allocation namespace of the host ``host_id``: its ``lo`` carries our mark."""
+    """Tell whether ``ns`` is an allocation namespace of the host ``host_id``: its ``lo`` carries
+    our mark."""
     if ns is None or not ns.usable:
         return False
     lo = inner_link(ns, "lo")
@@ -25,7 +29,8 @@ def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
 
 
 def veth_pair_ok(ns: LiveNetns, veth: LiveLink | None) -> bool:
-    """The allocation's veth pair is whole: the host end and ``eth0`` inside, one pair."""
+    """Tell whether the allocation's veth pair is whole: the host end and ``eth0`` inside, one
+    pair."""
     eth0 = inner_link(ns, ALLOC_IFNAME)
     return (veth is not None and eth0 is not None and eth0.kind == "veth"
             and veth.kind == "veth" and (ns.nsid is None or veth.peer_netnsid in
@@ -39,14 +44,14 @@ def inner_link(ns: LiveNetns | None, name: str) -> LiveLink | None:
 
 
 def is_own_namespace(ctx: PlanContext, ns: LiveNetns | None) -> bool:
-    """The namespace the reconciler runs in (``--netns X``'s X, or the host's own bind-mounted
-    under /run/netns): never an allocation's, to adopt, fill or delete. Its own veth in it
-    would be a loop, and deleting it unmounts the sandbox itself."""
+    """Tell whether ``ns`` is the namespace the reconciler runs in (``--netns X``'s X, or the host's
+    own bind-mounted under /run/netns): never an allocation's, to adopt, fill or delete. Its own
+    veth in it would be a loop, and deleting it unmounts the sandbox itself."""
     return ns is not None and ns.inode is not None and str(ns.inode) == ctx.live.host_id
 
 
 def veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | None) -> bool:
-    """May the host link named ``alloc_veth_name(aid)`` be changed or deleted? Its name
+    """Tell whether the host link named ``alloc_veth_name(aid)`` may be changed or deleted. Its name
     proves nothing (anyone may call a link ``vr`` + 12 hex): a veth that carries our mark,
     or a veth whose peer is inside this allocation's namespace (ours, or being adopted) —
     what a crash between the veth's creation and its marking leaves."""
@@ -60,7 +65,7 @@ def veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | Non
 
 
 def describe_link(lk: LiveLink) -> str:
-    """``veth 10.77.0.50/24`` for a plan line: what a deletion takes with it."""
+    """Describe a link for a plan line, ``veth 10.77.0.50/24``: what a deletion takes with it."""
     addrs = " ".join(sorted(str(x.address) for x in lk.addresses))
     return f"{lk.kind or 'link'}{' ' + addrs if addrs else ''}"
 

@@ -1,4 +1,8 @@
-"""Allocations' MACs and the bridges' neighbour entries they need replaced or deleted."""
+"""Allocations' MACs and the bridges' neighbour entries they need replaced or deleted.
+
+See docs/decisions/010-stable-identities.md.
+See docs/decisions/012-our-neighbour-entries.md.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from reconciler.planner.context import PlanContext
 
 
 def mac_clashes(ctx: PlanContext) -> dict[str, str]:
-    """Declared allocations whose derived MAC another one on the same bridge derives too:
+    """Find declared allocations whose derived MAC another one on the same bridge derives too:
     id -> the conflict's reason. (46 bits of hash: never seen, but two ``eth0`` with one
     MAC on one bridge would steal each other's frames.)"""
     by_mac: dict[tuple[BridgeName, str], list[str]] = {}
@@ -40,9 +44,10 @@ def mac_clashes(ctx: PlanContext) -> dict[str, str]:
 def neighbour_ops(ctx: PlanContext, a: Alloc, bridge: str, addrs: tuple[IPAddr | None, ...],
                    mac: str | None, gone: Sequence[StaleNeighbour] = ()
                    ) -> tuple[list[AttrChange], list[Op]]:
-    """Entries of the bridge's neighbour table for the allocation's addresses that name
-    another MAC than ``mac`` (eth0's: live, or the derived one it is (re)created with),
-    and ``gone``: ours of its MAC for addresses it no longer has (:func:`stale_neighbours`).
+    """Plan what fixes the entries of the bridge's neighbour table for the allocation's
+    addresses that name another MAC than ``mac`` (eth0's: live, or the derived one it is
+    (re)created with), and ``gone``: ours of its MAC for addresses it no longer has
+    (:func:`stale_neighbours`).
 
     Replaced, not waited out: the kernel would keep sending to the old MAC until
     the entry went stale and its probes failed (40 s and more). A permanent entry
@@ -79,7 +84,7 @@ class StaleNeighbour:
 
 
 def own_neighbour(link: LiveLink, n: LiveNeighbour) -> bool:
-    """Did we make neighbour entry ``n``, on ``link``? Only if all of this holds, on the
+    """Tell whether we made neighbour entry ``n``, on ``link``. Only if all of this holds, on the
     object itself: ``link`` is a bridge of ours (our alias) and the entry is on it; it is
     exempt from the kernel's GC (``extern_learn``: the kernel never collects it) and
     carries our protocol (``ownership.NEIGH_PROTO``: what ``Netlink`` seeds and replaces
@@ -96,7 +101,7 @@ def own_neighbour(link: LiveLink, n: LiveNeighbour) -> bool:
 
 def stale_neighbours(ctx: PlanContext, addrs: Mapping[str, tuple[IPAddr | None, IPAddr | None]]
                      ) -> list[StaleNeighbour]:
-    """Our entries (:func:`own_neighbour`) on the declared bridges for addresses no
+    """Find our entries (:func:`own_neighbour`) on the declared bridges for addresses no
     allocation has there: of one pruned, re-addressed or moved to another bridge.
 
     The kernel never collects them (exempt from its GC), so the plan deletes them: with
@@ -134,7 +139,7 @@ def stale_neighbours(ctx: PlanContext, addrs: Mapping[str, tuple[IPAddr | None, 
 
 def neighbour_deletions(ctx: PlanContext, gone: Sequence[StaleNeighbour]
                ) -> tuple[list[AttrChange], list[Op]]:
-    """The attributes and ops that delete ``gone`` (recorded as observed: a saved plan is
+    """Return the attributes and ops that delete ``gone`` (recorded as observed: a saved plan is
     applied only while they are as it saw them)."""
     attrs: list[AttrChange] = []
     ops: list[Op] = []
@@ -146,9 +151,10 @@ def neighbour_deletions(ctx: PlanContext, gone: Sequence[StaleNeighbour]
 
 
 def plan_orphan_neighbours(ctx: PlanContext, gone: Sequence[StaleNeighbour]) -> list[Change]:
-    """Our entries whose allocation is gone (no namespace, nothing declared of that MAC):
-    a crash between a prune and its deletions, or a namespace deleted by hand. Deleted
-    whether pruning or not, like an orphan veth: nothing is left that could use them."""
+    """Plan the deletion of our entries whose allocation is gone (no namespace, nothing
+    declared of that MAC): a crash between a prune and its deletions, or a namespace deleted
+    by hand. Deleted whether pruning or not, like an orphan veth: nothing is left that could
+    use them."""
     changes = []
     for g in gone:
         attrs, ops = neighbour_deletions(ctx, (g,))
@@ -160,7 +166,7 @@ def plan_orphan_neighbours(ctx: PlanContext, gone: Sequence[StaleNeighbour]) -> 
 
 
 def seen_addresses(ctx: PlanContext) -> frozenset[tuple[int | None, str]]:
-    """Addresses some cache on a segment may hold a MAC for: (bridge index, address) of
+    """Return the addresses some cache on a segment may hold a MAC for: (bridge index, address) of
     each neighbour entry of the declared bridges (any state observation keeps), and
     (None, address) of each address an allocation namespace of ours has now (one being
     pruned may hand its address to a new one in the same plan; its peers cached it).
@@ -196,7 +202,7 @@ def was_seen(ctx: PlanContext, seen: frozenset[tuple[int | None, str]], bridge: 
 
 
 def counted_neighbours(ctx: PlanContext) -> dict[int, int]:
-    """IP version -> how many entries of the declared bridges for addresses of their
+    """Count, per IP version, the entries of the declared bridges for addresses of their
     subnets count toward the kernel's limit (neither ``extern_learn`` nor permanent)."""
     served: dict[int, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {}
     for s in ctx.desired.subnets.values():

@@ -49,7 +49,7 @@ from reconciler.planner.context import PlanContext
 
 def alloc_rules(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
                 maps: Iterable[Mapped]) -> None:
-    """DNAT from the host ports to the allocation (host, other hosts, localhost)."""
+    """Add the DNAT from the host ports to the allocation (host, other hosts, localhost)."""
     c = firewall.comment("alloc", a.id)
     for m in maps:
         for rs, addr in ((ctx.rules4, addrs[0]), (ctx.rules6, addrs[1])):
@@ -62,7 +62,8 @@ def alloc_rules(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr |
 
 
 def subnet_port_rules(ctx: PlanContext, s: Subnet) -> None:
-    """Hairpin and localhost port maps need SNAT back through the host (portmap's snat)."""
+    """Add the SNAT back through the host that hairpin and localhost port maps need (portmap's
+    snat)."""
     c = firewall.comment("subnet", s.name)
     ctx.rules4.add(firewall.POSTROUTING, ("-s", str(s.cidr), "-d", str(s.cidr), "-o", s.bridge,
                                           "-m", "conntrack", "--ctstate", "DNAT", *c,
@@ -97,7 +98,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                maps: list[Mapped], clash: str | None = None,
                seen: frozenset[tuple[int | None, str]] = frozenset(),
                left: Sequence[StaleNeighbour] = ()) -> Change:
-    """The change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
+    """Plan the change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
     our neighbour entries of its MAC for addresses it no longer has (deleted)."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
@@ -278,7 +279,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
 
 def plan_pruned(ctx: PlanContext,
                 gone: Mapping[str, Sequence[StaleNeighbour]] | None = None) -> list[Change]:
-    """Owned namespaces no file declares, and owned veths whose namespace is gone.
+    """Plan the owned namespaces no file declares, and owned veths whose namespace is gone.
     ``gone``: our bridge-side neighbour entries of each (by name), deleted with it."""
     changes: list[Change] = []
     veth_of = {alloc_veth_name(n): n for n in ctx.live.netns}
