@@ -9,6 +9,7 @@ attributed, and an unknown owner is recognisably stale.
 
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/015-subnet-isolation.md.
+See docs/decisions/034-forward-jump-kept-first.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ isolation drops before our jump is reached (an accept above the jump is drift), 
 
 Matching is conservative where it cannot tell: a match module or option it does not read
 makes a rule match *some* of a flow, never all and never none.
+
+See docs/decisions/034-forward-jump-kept-first.md and 035-iptables-legacy-named.md.
 """
 
 from __future__ import annotations

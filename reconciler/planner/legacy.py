@@ -19,6 +19,8 @@ still converges everything else, and exits 1 naming it; ``verify`` fails). One t
 part of a path and names it (its subnet, bridge, address or port) is a warning. Rules that
 match a path only by being broad and narrow it by something else (``-i eth0``) are left to
 the probes, whose diagnosis reads the legacy counters.
+
+See docs/decisions/035-iptables-legacy-named.md.
 """
 
 from __future__ import annotations
