@@ -195,6 +195,10 @@ class LiveState:
     links: dict[str, LiveLink] = field(default_factory=dict)
     firewall4: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
     firewall6: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
+    #: iptables-legacy's rules beside the nf_tables backend we write (``planner.legacy``
+    #: names those on a declared path); None: no legacy table here, or legacy is our backend
+    legacy4: LiveChainSet | None = None
+    legacy6: LiveChainSet | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
     netns: dict[str, LiveNetns] = field(default_factory=dict)
     docker: LiveDocker | None = None  # None: not observed (nothing Docker declared or owned)

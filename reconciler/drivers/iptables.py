@@ -14,6 +14,7 @@ each other.
 
 See docs/decisions/007-start-up-costs.md.
 See docs/decisions/014-iptables-owned-chains.md.
+See docs/decisions/035-iptables-legacy-named.md.
 """
 
 from __future__ import annotations
@@ -164,6 +165,30 @@ class IptablesDriver:
             return None
         return backend_of(out.stdout + out.stderr)
 
+    def observe_legacy(self) -> LiveChainSet | None:
+        """Read iptables-legacy's rules beside the nf_tables backend we write, or None: no
+        legacy table in this namespace (one /proc read, no process: the usual host), or legacy is
+        the backend we write ourselves (its rules are then what :meth:`observe` reads).
+
+        Both backends filter (and NAT) every packet: a legacy DROP on a declared path stops
+        it whatever our rules say, and nothing in nf_tables shows it. The legacy tables have
+        no change notification: this is read on every pass and plan.
+        """
+        if not _legacy_tables(self.family) or active_backend(self.family) != "nf_tables":
+            return None
+        save = ("iptables" if self.family == 4 else "ip6tables") + "-legacy-save"
+        if shutil.which(save) is None:
+            return LiveChainSet(available=False, error=f"{save} is not installed")
+        try:
+            out = subprocess.run([save], capture_output=True, text=True,
+                                 errors="surrogateescape", timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return LiveChainSet(available=False, error=f"{save}: {exc}")
+        if out.returncode != 0:
+            msg = (out.stderr.strip().splitlines() or ["failed"])[-1]
+            return LiveChainSet(available=False, error=f"{save}: {msg}")
+        return parse_save(out.stdout)
+
 
 def other_backend_problem(active: str, docker_chains_elsewhere: Sequence[str]) -> str | None:
     """Return a clear message when Docker's chains live in the backend we are not using."""
@@ -189,6 +214,18 @@ def _legacy_tables(family: int) -> bool:
         return False  # x_tables not loaded: no legacy table anywhere
 
 
+def active_backend(family: int) -> str | None:
+    """Return "nf_tables" or "legacy": the backend of the ``iptables-save`` on PATH (where its link
+    leads: ``xtables-nft-multi``), else what ``iptables -V`` says; None if neither tells."""
+    save = _TOOLS[family][0]
+    real = os.path.basename(os.path.realpath(shutil.which(save) or save))
+    if "legacy" in real:
+        return "legacy"
+    if "nft" in real:
+        return "nf_tables"
+    return IptablesDriver(family).backend()
+
+
 def docker_chains(chains: LiveChainSet) -> list[str]:
     """Return the names of Docker's chains (``DOCKER``, ``DOCKER-USER``, ...) in one backend's
     rules."""
@@ -207,13 +244,9 @@ def check_backend_mismatch(family: int = 4) -> str | None:
     rules are (a ``--netns`` sandbox never sees the host's dockerd). Cheap when there is
     nothing to find: the nf_tables side asks the kernel's table list first.
     """
-    save, _restore, cmd = _TOOLS[family]
-    real = os.path.basename(os.path.realpath(shutil.which(save) or save))
-    active = "legacy" if "legacy" in real else "nf_tables" if "nft" in real else None
+    active = active_backend(family)
     if active is None:
-        active = IptablesDriver(family).backend()
-        if active is None:
-            return None
+        return None
     if active == "nf_tables" and not _legacy_tables(family):
         return None
     prefix = "iptables" if family == 4 else "ip6tables"

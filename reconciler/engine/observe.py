@@ -115,15 +115,18 @@ class Observer:
 
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         """Observe the LiveState fields no kernel event announces a change of: sysctls, listening
-        sockets.
+        sockets, iptables-legacy's rules.
 
-        Cheap file reads; the plan agent re-reads them on every request.
+        Cheap file reads (legacy rules: a /proc read, and a save only where legacy tables
+        exist beside our nf_tables backend); the plan agent re-reads them on every request.
         """
         extra_sysctls = tuple(f"net/ipv4/conf/{b}/route_localnet" for b in desired.bridges)
         return {
             "sysctls": {k: v for k in (*SYSCTL_KEYS, *extra_sysctls)
                         if (v := sysctl.read(k)) is not None},
             "listening": listening_ports() if desired.allocs else frozenset(),
+            "legacy4": self.handles.iptables(4).observe_legacy(),
+            "legacy6": self.handles.iptables(6).observe_legacy(),
         }
 
     def observe_allocs(self, desired: DesiredState,

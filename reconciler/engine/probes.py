@@ -344,7 +344,8 @@ class Diagnosis:
     """Failed probes sent again (together, apart from the first run), the host watched around.
 
     Before and after the re-run: ``iptables-save -c`` of the families involved (which
-    foreign rule's counter rose) and the IPReversePathFilter counter; after it, the
+    foreign rule's counter rose; iptables-legacy's too where the observation found legacy
+    tables beside our nf_tables backend) and the IPReversePathFilter counter; after it, the
     sysctls that decide the paths, the hairpin flag of each allocation's bridge port,
     the host's route and neighbour entry for its address and its eth0's MAC. The
     planner names the cause from these (``planner.probes.classify``).
@@ -362,20 +363,32 @@ class Diagnosis:
     def run(self, specs: list[ProbeSpec], *, timeout: float,
             external_ns: str | None) -> list[tuple[runner.Outcome, Cause | None]]:
         families = sorted({s.family for s in specs if s.proto != "icmp"} | {4})
+        # iptables-legacy's tables too, where the observation found some beside our nf_tables
+        # backend: both filter (and NAT) every packet, and only the legacy side would say why
+        legacy = [f for f in families
+                  if (self.live.legacy4 if f == 4 else self.live.legacy6) is not None]
         before = {f: diagnosis.save_counters(f) for f in families}
+        before_legacy = {f: diagnosis.save_counters(f, legacy=True) for f in legacy}
         rp_before = diagnosis.netstat_counter("IPReversePathFilter")
         outcomes = send(self.handles, specs, timeout=timeout, external_ns=external_ns)
         rp_drops = diagnosis.netstat_counter("IPReversePathFilter") - rp_before
         hits: list[plan_probes.RuleHit] = []
+        ahead: list[plan_probes.RuleHit] = []
         for f in families:
             old, new = before[f], diagnosis.save_counters(f)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new)
+                if any(s.path == "direct" and s.family == f for s in specs):
+                    ahead += plan_probes.accepts_ahead(f, old, new)
+        for f in legacy:
+            old, new = before_legacy[f], diagnosis.save_counters(f, legacy=True)
+            if old is not None and new is not None:
+                hits += plan_probes.foreign_hits(f, old, new, legacy=True)
         try:
             links = self.handles.netlink.dump_links()
         except DriverError:
             links = dict(self.live.links)
-        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits)}
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "ahead": tuple(ahead)}
         out: list[tuple[runner.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)

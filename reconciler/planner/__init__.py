@@ -14,7 +14,7 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import ConntrackDelete, StaleMap, SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import addrspace, conntrack, docker, firewall, hostlinks, impact
+from reconciler.planner import addrspace, conntrack, docker, firewall, hostlinks, impact, legacy
 from reconciler.planner.allocs import plan as alloc_plan
 from reconciler.planner.context import PlanContext, PlanOptions
 
@@ -148,6 +148,10 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
                                       firewall.change_notes(desired, live_rules, family, planned))
         if ch is not None:
             changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
+    for family, rules, old in ((4, ctx.rules4, live.legacy4), (6, ctx.rules6, live.legacy6)):
+        # iptables-legacy beside our nf_tables rules: a rule there on a declared path is named
+        for seen in ([] if old is None else legacy.findings(desired, rules, old, family)):
+            (ctx.errors if seen.blocks else ctx.warnings).append(seen.line)
     changes.sort(key=change_order)
     changes = impact.assess(ctx, changes)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),

@@ -1,19 +1,22 @@
 """Desired iptables rules (pure) and the one restore transaction that converges them.
 
 Every rule we write is in a chain we own (``RECONCILER-*``) except one jump
-per chain from the built-in chain that feeds it. Rules carry a comment naming
+per chain from the built-in chain that feeds it (and, where dockerd has it, one first in
+``DOCKER-USER``), kept ahead of every rule of others that could accept what our isolation
+drops. Rules carry a comment naming
 the resource they serve (``reconciler:subnet=NAME``) so live rules can be
 attributed, and an unknown owner is recognisably stale.
 
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/015-subnet-isolation.md.
+See docs/decisions/034-forward-jump-kept-first.md.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveChainSet
@@ -21,6 +24,7 @@ from reconciler.domain.model import DesiredState, Subnet, SubnetName
 from reconciler.domain.ops import FirewallRestore, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, RULE_COMMENT
 from reconciler.domain.plan import Action, AttrChange, Change
+from reconciler.planner import fwpaths
 
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
@@ -292,6 +296,57 @@ def _foreign_references(live: LiveChainSet, table: str, chain: str) -> list[str]
     return refs
 
 
+#: dockerd's chain for its users' rules, which it keeps first in ``FORWARD`` (it jumps there
+#: before its own accepts, and puts that jump back on top after every change it makes)
+DOCKER_USER = "DOCKER-USER"
+
+
+def guarded_flows(rules: Iterable[str]) -> list[fwpaths.Flow]:
+    """Return what each DROP rule among ``rules`` (a chain of ours) is there to drop: the
+    packets it matches that our accepts before it leave to it (neither replies nor DNATed)."""
+    out = []
+    for r in rules:
+        if fwpaths.target(r) != ("DROP", False):
+            continue
+        t = r.split()
+        # our rules: plain options, each with one value, "!" only before --ctstate
+        opts = {t[i]: t[i + 1] for i in range(len(t) - 1)
+                if t[i].startswith("-") and (i == 0 or t[i - 1] != "!")}
+        src, dst = opts.get("-s"), opts.get("-d")
+        owner = owner_of(r) or "?"
+        out.append(fwpaths.Flow(
+            f"what {owner.replace('=', ' ')} drops",
+            src=None if src is None else ipaddress.ip_network(src, strict=False),
+            dst=None if dst is None else ipaddress.ip_network(dst, strict=False),
+            iif=opts.get("-i"), oif=opts.get("-o"), states=fwpaths.UNADMITTED))
+    return out
+
+
+def accepts_ahead(chains: Mapping[tuple[str, str], Sequence[str]], table: str, builtin: str,
+                  chain: str, flows: Iterable[fwpaths.Flow]) -> list[fwpaths.Hit]:
+    """Find the rules of others that can accept some of ``flows`` before our jump to ``chain``
+    in ``builtin`` is reached (through the chains they jump to: a ``DOCKER-USER`` holding our
+    jump first lets nothing by). In the order met, each once."""
+    ours = jump_rule(chain, ())
+    out: dict[tuple[str, str, str, str | None], fwpaths.Hit] = {}
+    for flow in flows:
+        w = fwpaths.walk(chains, table, builtin, flow, fwpaths.ACCEPTS,
+                         stop_at=lambda r: r == ours)
+        for h in w.hits:
+            out.setdefault((h.table, h.chain, h.rule, h.via), h)
+    return list(out.values())
+
+
+def describe_ahead(hits: Iterable[fwpaths.Hit], chain: str) -> str:
+    """Say what accepts ahead of our jump: ``filter/FORWARD: -A FORWARD ... -j ACCEPT accepts
+    ahead of the jump to CHAIN``."""
+    hits = list(hits)
+    text = "; ".join(h.where() + (f" (from -j {h.via.split()[-1]})" if h.via else "")
+                     for h in hits[:3])
+    more = f" and {len(hits) - 3} more" if len(hits) > 3 else ""
+    return f"{text}{more} accept{'s' if len(hits) == 1 else ''} ahead of the jump to {chain}"
+
+
 @dataclass(frozen=True)
 class FirewallDiff:
     script: str
@@ -301,6 +356,8 @@ class FirewallDiff:
     empty_desired: bool
     empty_live: bool
     warnings: tuple[str, ...] = ()
+    #: what others' accepts above our jumps let by (position drift), for the reason
+    ahead: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -323,6 +380,7 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
 
     attrs: list[AttrChange] = []
     warnings: list[str] = []
+    ahead: list[str] = []
     missing: set[str] = set()
     stale: set[str] = set()
     desired_keys = {(rs.table_of(ch), ch) for ch, rules in rs.chains.items() if rules}
@@ -356,6 +414,24 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
             if extra:
                 attrs.append(AttrChange(f"{table}/{builtin} jump to {chain}",
                                         f"{len(jumps)} copies", "1 copy"))
+            flows = guarded_flows(rules) if table == "filter" and add_jumps else []
+            if not flows:
+                continue
+            # kept ahead of every accept another manager puts above it: observed every pass
+            chains = dict(live.chains)
+            if builtin == "FORWARD" and (table, DOCKER_USER) in chains:
+                chains[(table, DOCKER_USER)] = _docker_user(
+                    live.chains[(table, DOCKER_USER)], table, chain, want, flows, chains,
+                    bucket(table, 2), attrs, ahead)
+            # what they let by now (a missing jump is said as missing, above)
+            now = accepts_ahead(live.chains, table, builtin, chain, flows) if want in jumps \
+                else []
+            if now:
+                ahead.append(describe_ahead(now, chain))
+            if want in jumps and accepts_ahead(chains, table, builtin, chain, flows):
+                bucket(table, 2).extend((f"-D {builtin} {want}", f"-I {builtin} 1 {want}"))
+                attrs.append(AttrChange(f"{table}/{builtin} jump to {chain}",
+                                        "behind accepting rules", "first"))
 
     # owned chains nobody wants any more: drop their jumps, flush, delete
     for (table, chain) in sorted(owned):
@@ -384,7 +460,31 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
         if lines:
             script += f"*{table}\n" + "\n".join(lines) + "\nCOMMIT\n"
     return FirewallDiff(script, tuple(attrs), frozenset(missing), frozenset(stale),
-                        not desired_keys, not owned, tuple(warnings))
+                        not desired_keys, not owned, tuple(warnings), tuple(ahead))
+
+
+def _docker_user(rules: tuple[str, ...], table: str, chain: str, want: str,
+                 flows: list[fwpaths.Flow], chains: Mapping[tuple[str, str], Sequence[str]],
+                 script: list[str], attrs: list[AttrChange],
+                 ahead: list[str]) -> tuple[str, ...]:
+    """Put our jump first in dockerd's ``DOCKER-USER`` (it exists: we never create another
+    manager's chain), so dockerd's later accepts above our jump in ``FORWARD`` (a network
+    created, a restart) are never reached first; return the chain as it will be."""
+    mine = [r for r in rules if r == want]
+    field_ = f"{table}/{DOCKER_USER} jump to {chain}"
+    if not mine:
+        script.append(f"-I {DOCKER_USER} 1 {want}")
+        attrs.append(AttrChange(field_, None, "present"))
+    else:
+        script.extend(f"-D {DOCKER_USER} {want}" for _ in mine[1:])
+        found = accepts_ahead(chains, table, DOCKER_USER, chain, flows)
+        if found:
+            ahead.append(describe_ahead(found, chain))
+            script.extend((f"-D {DOCKER_USER} {want}", f"-I {DOCKER_USER} 1 {want}"))
+            attrs.append(AttrChange(field_, "behind accepting rules", "first"))
+        elif len(mine) > 1:
+            attrs.append(AttrChange(field_, f"{len(mine)} copies", "1 copy"))
+    return (want, *(r for r in rules if r != want))
 
 
 def firewall_change(family: int, d: FirewallDiff, notes: Iterable[str] = ()) -> Change | None:
@@ -400,6 +500,7 @@ def firewall_change(family: int, d: FirewallDiff, notes: Iterable[str] = ()) -> 
             parts.append("rules missing for " + ", ".join(sorted(d.missing_owners)))
         if d.stale_owners - d.missing_owners:
             parts.append("stale rules of " + ", ".join(sorted(d.stale_owners - d.missing_owners)))
+        parts += d.ahead
         action, reason = Action.UPDATE, "; ".join(parts) or "rules or jumps differ"
     reason = "; ".join((reason, *notes))
     return Change("firewall", f"ipv{family}", action, reason, d.attrs,

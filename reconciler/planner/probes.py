@@ -42,7 +42,7 @@ from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
-from reconciler.planner import addrspace, firewall
+from reconciler.planner import addrspace, firewall, fwpaths
 from reconciler.planner.allocs.ipam import Mapped
 from reconciler.planner.allocs.live import owned_ns
 
@@ -306,16 +306,28 @@ class Sighting:
 
 @dataclass(frozen=True)
 class RuleHit:
-    """A foreign DROP/REJECT rule (or a chain's DROP policy) whose counter rose."""
+    """A foreign rule that decided a probe's packet: a DROP/REJECT rule (or a chain's DROP
+    policy) whose counter rose, a legacy DNAT/REDIRECT that sent it elsewhere, an accept
+    above our jump that let it by."""
 
     family: int
     table: str
     chain: str
     rule: str  # "-A CHAIN ..." as iptables-save prints it, or "policy DROP"
+    #: in iptables-legacy's tables, beside the nf_tables backend the reconciler writes
+    legacy: bool = False
 
     def __str__(self) -> str:
-        v6 = "ip6tables " if self.family == 6 else ""
-        return f"{v6}{self.table}/{self.chain}: {self.rule}"
+        tool = ("iptables" if self.family == 4 else "ip6tables") + ("-legacy" if self.legacy
+                                                                    else "")
+        prefix = "" if tool == "iptables" else f"{tool} "
+        return f"{prefix}{self.table}/{self.chain}: {self.rule}"
+
+    @property
+    def target(self) -> str:
+        if self.rule.startswith("policy "):
+            return self.rule.split()[1]
+        return fwpaths.target(self.rule)[0]
 
 
 @dataclass(frozen=True)
@@ -339,6 +351,8 @@ class Facts:
     #: (address, output link) of the host's route back to where the probe came from, when
     #: that is not the allocation (the external vantage)
     route_back: tuple[str, str | None] | None = None
+    #: others' accepts above our jump to RECONCILER-FORWARD (those whose counter rose first)
+    ahead: tuple[RuleHit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -385,18 +399,39 @@ def _packets(counter: str) -> int:
         return 0
 
 
-def foreign_hits(family: int, before: str, after: str) -> list[RuleHit]:
-    """Find the foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose counters
-    rose between two ``iptables-save -c`` snapshots, in any table (raw included)."""
+def foreign_hits(family: int, before: str, after: str, *, legacy: bool = False) -> list[RuleHit]:
+    """Find the foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose
+    counters rose between two ``iptables-save -c`` snapshots, in any table (raw included).
+
+    With ``legacy`` (snapshots of iptables-legacy beside our nf_tables backend) also its
+    DNAT and REDIRECT rules: one that takes a mapped host port sends the probe elsewhere.
+    """
     old = parse_counters(before)
+    targets = ("DROP", "REJECT", "DNAT", "REDIRECT") if legacy else ("DROP", "REJECT")
     hits = []
     for key, (packets, target) in parse_counters(after).items():
         table, chain, rule, _n = key
-        if chain.startswith(CHAIN_PREFIX) or target not in ("DROP", "REJECT"):
+        if chain.startswith(CHAIN_PREFIX) or target not in targets:
             continue
         if packets > old.get(key, (0, ""))[0]:
-            hits.append(RuleHit(family, table, chain, rule))
+            hits.append(RuleHit(family, table, chain, rule, legacy))
     return hits
+
+
+def accepts_ahead(family: int, before: str, after: str) -> list[RuleHit]:
+    """Find others' accepts above our jump to RECONCILER-FORWARD that let through some of
+    what our isolation drops (``firewall.accepts_ahead``, read from the snapshot after the
+    re-run): those whose counter rose between the snapshots first."""
+    chains = fwpaths.chains_of_counters(after)
+    flows = firewall.guarded_flows(chains.get(("filter", firewall.FORWARD), ()))
+    found = firewall.accepts_ahead(chains, "filter", "FORWARD", firewall.FORWARD, flows)
+    if not found:
+        return []
+    old, new = parse_counters(before), parse_counters(after)
+    rose = {(t, c, r) for (t, c, r, _n), (packets, _t) in new.items()
+            if packets > old.get((t, c, r, _n), (0, ""))[0]}
+    hits = [RuleHit(family, h.table, h.chain, f"-A {h.chain} {h.rule}") for h in found]
+    return sorted(hits, key=lambda h: (h.table, h.chain, h.rule) not in rose)
 
 
 _FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through FORWARD
@@ -408,6 +443,11 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if seen.error is not None:
         return Cause(seen.error)
     if spec.path == "direct" and seen.reached:
+        ahead = [h for h in (facts.ahead if facts is not None else ()) if h.family == spec.family]
+        if ahead:
+            return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
+                         f"is ports: {ahead[0]} accepts it ahead of the jump to "
+                         f"{firewall.FORWARD} (a pass moves the jump back above it)", ours=True)
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
                      "is ports: something accepts it before RECONCILER-FORWARD drops it")
     if spec.path == "hairpin" and seen.reached and not spec.expect:
@@ -465,6 +505,8 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
                 and hit.chain in ("FORWARD", "PREROUTING", "POSTROUTING", "INPUT"))):
             exposed = (" (bridge-nf-call-iptables=1: br_netfilter hands what crosses the "
                        "bridge to it)")
+        if hit.target in ("DNAT", "REDIRECT"):
+            return Cause(f"a foreign rule sends it elsewhere: {hit}")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()

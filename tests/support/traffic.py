@@ -24,7 +24,12 @@ def serve(port):
     s.bind(("0.0.0.0", port)); s.listen(64)
     def loop():
         while True:
-            c, _ = s.accept(); c.sendall(b"ok %d\n" % port); c.close()
+            c, _ = s.accept()
+            try:
+                c.sendall(b"ok %d\n" % port)
+            except OSError:
+                pass  # reset first: the probes close with SO_LINGER 0; the next one is served
+            c.close()
     threading.Thread(target=loop, daemon=True).start()
 for p in sys.argv[1:]:
     serve(int(p))
@@ -42,7 +47,12 @@ def tcp(port):
     s.bind(("::", port)); s.listen(64)
     def loop():
         while True:
-            c, _ = s.accept(); c.sendall(b"ok %d\n" % port); c.close()
+            c, _ = s.accept()
+            try:
+                c.sendall(b"ok %d\n" % port)
+            except OSError:
+                pass  # reset first: the probes close with SO_LINGER 0; the next one is served
+            c.close()
     threading.Thread(target=loop, daemon=True).start()
 def udp(port):
     s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)

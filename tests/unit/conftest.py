@@ -22,6 +22,7 @@ def _tripwire(*_a: object, **_k: object) -> None:
 def no_real_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(iptables.IptablesDriver, "observe", _tripwire)
     monkeypatch.setattr(iptables.IptablesDriver, "start_observe", _tripwire)
+    monkeypatch.setattr(iptables.IptablesDriver, "observe_legacy", _tripwire)
     monkeypatch.setattr(iptables.IptablesDriver, "restore", _tripwire)
     monkeypatch.setattr(sysctl, "write", _tripwire)
     monkeypatch.setattr(NetlinkReader, "__init__", _tripwire)  # Netlink's too (a subclass)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import subprocess
 
 
-def save_counters(family: int) -> str | None:
+def save_counters(family: int, *, legacy: bool = False) -> str | None:
     """Run ``iptables-save -c`` (``ip6tables-save -c``): every rule with its counters, or None.
 
     Only around a failed probe's re-run: which foreign rule's counter rose says which
-    rule dropped it. The same tools as the iptables driver, read-only.
+    rule dropped it. The same tools as the iptables driver, read-only. ``legacy``: the
+    iptables-legacy tables instead (``iptables-legacy-save -c``).
     """
-    cmd = "iptables-save" if family == 4 else "ip6tables-save"
+    cmd = ("iptables" if family == 4 else "ip6tables") + ("-legacy" if legacy else "") + "-save"
     try:
         p = subprocess.run([cmd, "-c"], capture_output=True, text=True, timeout=30,
                            errors="surrogateescape", check=False)
