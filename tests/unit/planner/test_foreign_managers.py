@@ -33,10 +33,8 @@ from reconciler.planner.probes import (
     classify,
     foreign_hits,
 )
-
-from .fakehost import FakeHost
-from .test_allocs_planner import alloc, port, state, subnet
-from .test_planner import converge
+from tests.support.fakehost import FakeHost
+from tests.support.planning import alloc, converge, port, state, subnet
 
 #: the real one (the unit tests' autouse fixture puts a tripwire in its place)
 OBSERVE_LEGACY = iptables.IptablesDriver.observe_legacy

@@ -36,10 +36,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Netns, sh, unique, write
-from tests.figures import report
-from tests.integration.test_coexistence import NFT_INTERVAL, Cell
-from tests.integration.traffic import (
+from tests.support.cells import NFT_INTERVAL, Cell
+from tests.support.figures import report
+from tests.support.host import Netns, sh, unique, write
+from tests.support.traffic import (
     HOST_IP,
     HOST_IP6,
     client_of,
