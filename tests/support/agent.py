@@ -23,8 +23,15 @@ from typing import Any, Protocol
 from tests.support.cli import Result, reconcile
 from tests.support.host import REPO, Netns, wait_for, write
 
-#: the environment of an agent: this tree's package first
-ENV = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+def agent_env() -> dict[str, str]:
+    """Return the environment of an agent: this tree's package first.
+
+    Read at each start, never at import: the initial conftests import this module before
+    ``pytest_configure`` gives the run its state directory, and an agent without it would
+    keep its journals and leases in the machine's own /var/lib/reconciler.
+    """
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 class Named(Protocol):
@@ -59,7 +66,7 @@ class Agent:
         cmd = [sys.executable, "-m", "reconciler", "--netns", host.name, "watch", *paths,
                "--status-addr", self.addr, "--log-format", "json", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=ENV, cwd=REPO, start_new_session=True)
+                                     text=True, env=agent_env(), cwd=REPO, start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

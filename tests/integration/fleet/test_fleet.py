@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.agent import ENV, Agent, free_port
+from tests.support.agent import Agent, agent_env, free_port
 from tests.support.host import REPO, Netns, sh, unique, wait_for
 
 RULES = os.path.join(REPO, "examples", "prometheus", "reconciler-alerts.yaml")
@@ -416,7 +416,7 @@ def checkout(repo: str, rev: str) -> None:
 def status_json(agent: Agent) -> dict[str, Any]:
     p = subprocess.run([sys.executable, "-m", "reconciler", "status", "--addr", agent.addr,
                         "--output", "json"], capture_output=True, text=True, timeout=30,
-                       env=ENV, cwd=REPO)
+                       env=agent_env(), cwd=REPO)
     doc: dict[str, Any] = json.loads(p.stdout)
     return doc
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import ENV, bridge_yaml, confdir
+from tests.support.agent import agent_env, bridge_yaml, confdir
 from tests.support.host import REPO, Netns, sh, wait_for
 from tests.support.host import save as write
 
@@ -51,7 +51,7 @@ def test_edit_is_applied_and_status_metrics_health_are_served(host_ns: Netns, ag
     assert agent.get("/healthz").strip() == "ok"
 
     out = subprocess.run([sys.executable, "-m", "reconciler", "status", "--addr", agent.addr],
-                         capture_output=True, text=True, env=ENV, cwd=REPO, timeout=30)
+                         capture_output=True, text=True, env=agent_env(), cwd=REPO, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "last pass: #" in out.stdout and d in out.stdout
     assert agent.stop() == 0
@@ -72,7 +72,7 @@ def test_invalid_edit_keeps_state_and_shows_the_error(host_ns: Netns, agents: An
     doc = agent.wait_status(lambda d: d.get("config_error"), what="the config error")
     assert f"{b}:4" in doc["config_error"]["message"], doc["config_error"]
     out = subprocess.run([sys.executable, "-m", "reconciler", "status", "--addr", agent.addr],
-                         capture_output=True, text=True, env=ENV, cwd=REPO, timeout=30)
+                         capture_output=True, text=True, env=agent_env(), cwd=REPO, timeout=30)
     assert out.returncode == 1 and f"{b}:4" in out.stdout
     time.sleep(1.0)
     assert {"rtw1", "rtw2"} <= host_ns.bridges()
@@ -266,7 +266,7 @@ def test_manual_apply_while_watching_is_serialised(host_ns: Netns, agents: Any,
         manual = subprocess.Popen(
             [sys.executable, "-m", "reconciler", "--netns", host_ns.name, "apply",
              "--lock-timeout", "30", d], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=ENV, cwd=REPO)
+            text=True, env=agent_env(), cwd=REPO)
         time.sleep(0.5)
         assert manual.poll() is None and host_ns.mtu("rtl0") == 1400
     finally:
