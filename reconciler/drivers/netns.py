@@ -290,9 +290,9 @@ def hidden_namespaces(names: Iterable[str], *, marked: str | None = None) -> lis
     and checked here again (mounted meanwhile: it propagated, nothing is hidden). In
     init's own mount namespace an empty file is empty there too: nothing is hidden.
 
-    ``marked``: also every name under /run/netns whose empty file carries a mark that
-    starts so (an allocation's, whatever the plan says of it: a hidden one reads as
-    garbage to ``gc``).
+    ``marked``: also every name under /run/netns whose empty file carries that mark
+    (this host's allocations', whatever the plan says of them: a hidden one reads as
+    garbage to ``gc``). The names of ``names`` come first.
     """
     dev = nsfs_dev()
     declared = set(names)
@@ -308,8 +308,7 @@ def hidden_namespaces(names: Iterable[str], *, marked: str | None = None) -> lis
                 continue
         except OSError:
             continue  # gone: nothing hidden
-        if name in declared or (marked is not None and (_mark_of(path_of(name)) or "")
-                             .startswith(marked)):
+        if name in declared or (marked is not None and _mark_of(path_of(name)) == marked):
             empty.append(name)
     if not empty:
         return []
@@ -318,7 +317,7 @@ def hidden_namespaces(names: Iterable[str], *, marked: str | None = None) -> lis
     except OSError:
         return []  # init cannot be read: nothing to compare with
     out = []
-    for name in empty:
+    for name in sorted(empty, key=lambda n: (n not in declared, n)):
         try:
             if name in mounted and os.stat(path_of(name)).st_dev != dev:
                 out.append(name)

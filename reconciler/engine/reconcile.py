@@ -19,10 +19,10 @@ from reconciler.domain.errors import ConflictError, PreconditionError, StalePlan
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
-from reconciler.domain.ownership import LINK_ALIAS
+from reconciler.domain.ownership import alloc_ns_alias
 from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_NETS, ProbeResult
-from reconciler.drivers import firewalld, iptables, netns
+from reconciler.drivers import firewalld, iptables, netns, nsfs
 from reconciler.engine import finish, impact
 from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
 from reconciler.engine.finish import finish_journals, touched_host
@@ -333,7 +333,8 @@ def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:
     # a mount namespace whose /run/netns hides the namespaces mounted before it (``mount
     # --bind``): the allocations the plan touches were read as gone
     problem = netns.hidden_namespaces_problem(
-        (c.name for c in plan.actionable if c.kind == "alloc"), marked=LINK_ALIAS)
+        (c.name for c in plan.actionable if c.kind == "alloc"),
+        marked=alloc_ns_alias(str(nsfs.current_inode())))
     if problem is not None:
         raise PreconditionError(problem)
     families = {typed.family for c in plan.actionable for op in c.ops

@@ -10,7 +10,7 @@ import pytest
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.ops import NetnsCreate, encode
 from reconciler.domain.plan import Action, Change, Plan
-from reconciler.drivers import netns
+from reconciler.drivers import netns, nsfs
 from reconciler.engine import reconcile
 
 # ------------------------------------------------------------------ the hidden namespaces
@@ -45,6 +45,7 @@ def test_preflight_refuses_where_the_allocations_namespaces_are_hidden(
 
     monkeypatch.setattr(netns, "private_mount_namespace_problem", lambda: None)
     monkeypatch.setattr(netns, "hidden_namespaces", hidden)
+    monkeypatch.setattr(nsfs, "current_inode", lambda: 4026531840)
     with pytest.raises(PreconditionError, match=r"/run/netns/web-1 is a live network namespace"):
         reconcile.preflight(_creating("web-1"))
-    assert asked == [(["web-1"], "managed-by=reconciler")]
+    assert asked == [(["web-1"], "managed-by=reconciler alloc-of=4026531840")]
