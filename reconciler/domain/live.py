@@ -52,6 +52,9 @@ class LiveRoute:
     oif: int = 0
     #: the route type when it is not a plain unicast route: "blackhole", "unreachable", ...
     type: str = "unicast"
+    #: its routing table (RTA_TABLE): 254 is main; the host's routes of other tables are
+    #: those an ``ip rule`` selects (Tailscale's 52, WireGuard's fwmark table)
+    table: int = 254
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,8 @@ class LiveState:
     netns: dict[str, LiveNetns] = field(default_factory=dict)
     docker: LiveDocker | None = None  # None: not observed (nothing Docker declared or owned)
     listening: frozenset[tuple[str, int]] = frozenset()  # (proto, port) bound on the host
-    #: main-table routes of the host (read when subnets or Docker networks are declared)
+    #: routes of the host in every table an ``ip rule`` selects (read when subnets or Docker
+    #: networks are declared)
     routes: tuple[LiveRoute, ...] = ()
     #: all Docker networks and pools; None: no Docker here, or nothing that needs it declared
     docker_space: DockerAddressSpace | None = None

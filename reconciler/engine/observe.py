@@ -160,14 +160,15 @@ class Observer:
         return observed
 
     def observe_routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
-        """Observe the host's main-table routes, when declared prefixes must be checked against
-        them.
+        """Observe the host's routes of every table an ``ip rule`` selects, when declared prefixes
+        must be checked against them.
 
-        One dump; skipped when nothing declares a prefix (a router's full table is large).
+        Two dumps (the rules, the routes); skipped when nothing declares a prefix (a
+        router's full table is large).
         """
         if not (desired.subnets or desired.docker_networks):
             return ()
-        return self.handles.netlink.dump_routes()
+        return self.handles.netlink.dump_host_routes()
 
     def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
         """Observe ``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker

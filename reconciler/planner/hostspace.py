@@ -25,6 +25,8 @@ Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: an inclusive range of addresses of one family: (version, first, last)
 Span = tuple[int, int, int]
+#: the main routing table: its routes are named without their table
+RT_TABLE_MAIN = 254
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,10 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
     """List what on the host holds address space a declared prefix must not overlap.
 
     Addresses of foreign links (a link's connected route is its address), other
-    routes of the main table through foreign links or through none (blackhole,
-    unreachable), and every Docker network the daemon lists -- except those this
-    plan prunes. Default routes, multicast and IPv6 link-local routes are left out.
+    routes through foreign links or through none (blackhole, unreachable), in every
+    table an ``ip rule`` selects (named when it is not main: Tailscale's 52), and
+    every Docker network the daemon lists -- except those this plan prunes. Default
+    routes, multicast and IPv6 link-local routes are left out.
     Links named in ``not_foreign`` count as ours.
     """
     ours = _our_links(desired, live)
@@ -142,16 +145,17 @@ def _route_occupant(r: LiveRoute, by_index: dict[int, LiveLink],
     net = parse_prefix(r.dst)
     if net is None or net.prefixlen == 0 or _unroutable(net):
         return None
+    table = "" if r.table == RT_TABLE_MAIN else f" in table {r.table}"
     if not r.oif:
         kind = "" if r.type == "unicast" else f"{r.type} "
-        return Occupant(net, f"{kind}route {net}")
+        return Occupant(net, f"{kind}route {net}{table}")
     lk = by_index.get(r.oif)
     if lk is not None and not foreign(lk):
         return None
     if (r.oif, net) in connected:
         return None  # the connected route of an address already named
     via = f" via {r.gateway}" if r.gateway else ""
-    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}")
+    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}{table}")
 
 
 class PrefixIndex:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from reconciler.domain.ownership import alloc_veth_name
-from tests.conftest import REPO, Netns, Result, unique, write
+from tests.conftest import REPO, Netns, Result, sh, unique, write
 
 pytestmark = pytest.mark.root
 
@@ -101,3 +101,36 @@ def test_a_mount_namespace_that_hides_earlier_namespaces_is_refused_before_any_c
     assert host_ns.link(veth) is not None
     again = host_ns.reconcile("plan", "--no-agent", path)
     assert again.rc == 0, again.all
+
+
+# ------------------------------------------------------------------ item 4: address space
+
+
+def _foreign_link(host: Netns) -> str:
+    """A veth pair of someone else's in the sandbox (a VPN's tunnel, say), up."""
+    name = unique("v")
+    sh("ip", "-n", host.name, "link", "add", name, "type", "veth", "peer", "name", name + "p")
+    sh("ip", "-n", host.name, "link", "set", name, "up")
+    sh("ip", "-n", host.name, "link", "set", name + "p", "up")
+    return name
+
+
+def test_a_route_in_a_table_an_ip_rule_selects_is_a_conflict_naming_the_table(
+        host_ns: Netns, tmp_path: Any) -> None:
+    """Tailscale's table 52 (selected by its rule 5270); a table no rule selects is nobody's
+    routing and is left out."""
+    link = _foreign_link(host_ns)
+    sh("ip", "-n", host_ns.name, "route", "add", "10.232.0.0/16", "dev", link, "table", "52")
+    sh("ip", "-n", host_ns.name, "rule", "add", "pref", "5270", "lookup", "52")
+    sh("ip", "-n", host_ns.name, "route", "add", "10.233.0.0/16", "dev", link, "table", "4242")
+    bridge = unique("b")
+    clash = _config(tmp_path, bridge, "10.232.7.0/24", [], "clash.yaml")
+    plan = host_ns.reconcile("plan", "--no-agent", clash)
+    assert plan.rc == 1, plan.all
+    assert f"overlaps route 10.232.0.0/16 on {link} in table 52" in plan.out, plan.all
+    applied = host_ns.reconcile("apply", clash)
+    assert applied.rc == 1 and "refusing to apply" in applied.err, applied.all
+    assert host_ns.link(bridge) is None
+    free = _config(tmp_path, bridge, "10.233.7.0/24", [], "free.yaml")
+    plan = host_ns.reconcile("plan", "--no-agent", free)
+    assert plan.rc == 2 and "overlaps" not in plan.all, plan.all
