@@ -152,6 +152,7 @@ class DockerNetworkUse:
     subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
     bridge: str  # its Linux bridge: docker0, br-<id[:12]>, or the bridge.name option
     owned: bool = False
+    driver: str = "bridge"
 
 
 @dataclass(frozen=True)

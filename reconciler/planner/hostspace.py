@@ -36,6 +36,8 @@ class Occupant:
     net: Net
     what: str  # "route 10.8.0.0/16 via 192.0.2.7 on eth0", "docker network kind (…)"
     docker: str | None = None  # the Docker network's name, for its own declaration
+    #: a Docker network whose bridge is in another network namespace (``docker_elsewhere``)
+    elsewhere: bool = False
 
 
 def span_of(net: Net) -> Span:
@@ -66,6 +68,18 @@ def _our_links(desired: DesiredState, live: LiveState) -> set[int]:
     """Find the links whose addresses and routes are ours: owned, or a declared bridge (a foreign
     bridge of that name is a conflict of its own, an adopted one becomes ours)."""
     return {lk.index for lk in live.links.values() if lk.owned or lk.name in desired.bridges}
+
+
+def docker_elsewhere(live: LiveState) -> bool:
+    """Tell whether Docker's networks live in another network namespace than the one we act on:
+    the daemon lists bridge networks and none of their Linux bridges is a link here (a
+    ``--netns`` sandbox beside the host's dockerd). Their prefixes then cannot collide
+    with the routing here. Without a bridge network to tell by, they are taken as here."""
+    space = live.docker_space
+    if space is None or not space.available:
+        return False
+    bridges = [n.bridge for n in space.networks if n.driver == "bridge"]
+    return bool(bridges) and not any(b in live.links for b in bridges)
 
 
 def _docker_bridges(live: LiveState) -> set[str]:
@@ -126,6 +140,7 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
     space = live.docker_space
     if space is not None and space.available:
         pruned = _pruned_docker(desired, live, prune)
+        elsewhere = docker_elsewhere(live)
         for n in sorted(space.networks, key=lambda x: (x.name, x.id)):
             if n.id in pruned:
                 continue
@@ -133,7 +148,7 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
                 net = parse_prefix(text)
                 if net is not None:
                     out.append(Occupant(net, f"docker network {n.name} ({net} on {n.bridge})",
-                                        docker=n.name))
+                                        docker=n.name, elsewhere=elsewhere))
     return out
 
 
@@ -295,9 +310,11 @@ def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None
 def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | None]],
                                                      set[str]]:
     """Return the subnets of owned Docker networks, and their Linux bridges (not foreign to
-    them)."""
+    them); none when Docker's networks live in another namespace (``docker_elsewhere``)."""
     prefixes: list[tuple[Net, str, str | None]] = []
     bridges: set[str] = set()
+    if docker_elsewhere(live):
+        return prefixes, bridges  # in the daemon's namespace: the routing here is not theirs
     if live.docker is not None and live.docker.available:
         for n in live.docker.networks:
             if n.owned:

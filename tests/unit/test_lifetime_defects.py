@@ -5,6 +5,7 @@ Their real-kernel twins are in ``tests/integration/test_lifetime_defects.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import threading
@@ -14,15 +15,33 @@ import pytest
 from reconciler.agent.planview import sentinels
 from reconciler.agent.sources import DriftFilter, OverlapAlarm
 from reconciler.domain.errors import PreconditionError
-from reconciler.domain.live import LiveAddress, LiveLink, LiveRoute, LiveState
-from reconciler.domain.model import DesiredState
+from reconciler.domain.live import (
+    DockerAddressSpace,
+    DockerNetworkUse,
+    LiveAddress,
+    LiveDocker,
+    LiveDockerNetwork,
+    LiveLink,
+    LiveRoute,
+    LiveState,
+)
+from reconciler.domain.model import (
+    Bridge,
+    BridgeName,
+    DesiredState,
+    DockerNetwork,
+    DockerNetworkName,
+    Subnet,
+    SubnetName,
+)
 from reconciler.domain.ops import NetnsCreate, encode
+from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.drivers import netns, nsfs
 from reconciler.drivers.netlink import listen, parse, wire
 from reconciler.drivers.netlink.wire import NlMsg
 from reconciler.engine import reconcile
-from reconciler.planner import hostspace
+from reconciler.planner import addrspace, hostspace
 
 # ------------------------------------------------------------------ the hidden namespaces
 
@@ -142,3 +161,65 @@ def test_the_alarm_reads_the_routes_of_every_selected_table() -> None:
     alarm = OverlapAlarm(lambda _found: None, threading.Event())
     (found,) = alarm.check(Reader())  # type: ignore[arg-type]
     assert found.foreign == "route 10.66.0.0/25 on tailscale0 in table 52"
+
+
+# ------------------------------------------------------------------ Docker in another namespace
+
+
+def _subnet(name: str, cidr: str) -> Subnet:
+    return Subnet(SubnetName(name), BridgeName("b0"), ipaddress.IPv4Network(cidr), None, None)
+
+
+def _docker(name: str, subnet: str) -> DockerNetwork:
+    return DockerNetwork(DockerNetworkName(name), subnet=ipaddress.IPv4Network(subnet))
+
+
+SPACE = DockerAddressSpace(True, (
+    DockerNetworkUse("bridge", "d" * 64, ("172.17.0.0/16",), "docker0"),
+    DockerNetworkUse("ten", "e" * 64, ("10.240.77.0/24",), "br-eeeeeeeeeeee"),
+    DockerNetworkUse("host", "f" * 64, (), "br-ffffffffffff", driver="host")))
+
+
+def _sandbox(*links: LiveLink) -> LiveState:
+    tun = LiveLink("tun0", 6, "", 1280, True, False)
+    return LiveState(links={lk.name: lk for lk in (tun, *links)}, docker_space=SPACE,
+                     routes=(LiveRoute("10.250.0.0/16", None, False, oif=6),))
+
+
+def test_in_a_sandbox_docker_networks_and_the_routing_here_are_a_warning_apart() -> None:
+    d = DesiredState(bridges={BridgeName("b0"): Bridge(BridgeName("b0"))},
+                     subnets={SubnetName("cni"): _subnet("cni", "10.0.0.0/8")},
+                     docker_networks={DockerNetworkName("ci"): _docker("ci", "10.250.3.0/24"),
+                                      DockerNetworkName("dup"): _docker("dup", "10.240.77.0/25")})
+    live = _sandbox()
+    assert hostspace.docker_elsewhere(live)
+    found = addrspace.check(d, live)
+    # the sandbox's own route is still a conflict, and so are two networks of one daemon
+    assert found.conflicts == {
+        "subnet/cni": "cidr 10.0.0.0/8 overlaps route 10.250.0.0/16 on tun0",
+        "docker_network/dup": "subnet 10.240.77.0/25 overlaps docker network ten "
+                              "(10.240.77.0/24 on br-eeeeeeeeeeee)"}
+    apart = [w for w in found.warnings if "no conflict here" in w]
+    assert len(apart) == 2, found.warnings
+    assert apart[0].startswith("subnet 'cni': cidr 10.0.0.0/8 overlaps docker network ten "
+                               "(10.240.77.0/24 on br-eeeeeeeeeeee):"), apart
+    assert apart[1].startswith("docker network 'ci': subnet 10.250.3.0/24 overlaps route "
+                               "10.250.0.0/16 on tun0"), apart
+    # the daemon's bridges are links here (the host, or a daemon inside the sandbox): conflicts
+    here = _sandbox(LiveLink("docker0", 9, "bridge", 1500, True, False))
+    assert not hostspace.docker_elsewhere(here)
+    assert set(addrspace.check(d, here).conflicts) == {"subnet/cni", "docker_network/ci",
+                                                        "docker_network/dup"}
+
+
+def test_the_alarm_leaves_owned_docker_networks_of_another_namespace_out() -> None:
+    docker = LiveDocker(True, networks=(LiveDockerNetwork(
+        "e" * 64, "ten", "bridge", {DOCKER_LABEL: DOCKER_LABEL_VALUE}, {}, False, False,
+        ("10.240.77.0/24",), 0),))
+    sandbox = dataclasses.replace(_sandbox(), docker=docker)
+    assert hostspace.owned_docker_prefixes(sandbox) == ([], set())
+    here = dataclasses.replace(sandbox, links={**sandbox.links, "docker0": LiveLink(
+        "docker0", 9, "bridge", 1500, True, False)})
+    prefixes, bridges = hostspace.owned_docker_prefixes(here)
+    assert [str(p) for p, _w, _l in prefixes] == ["10.240.77.0/24"]
+    assert bridges == {"br-eeeeeeeeeeee"}
