@@ -26,6 +26,7 @@ from reconciler.domain.live import (
     LiveAddress,
     LiveDocker,
     LiveDockerNetwork,
+    LiveFlow,
     LiveLink,
     LiveRoute,
     LiveState,
@@ -42,12 +43,14 @@ from reconciler.domain.model import (
 from reconciler.domain.ops import NetnsCreate, encode
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.domain.plan import Action, Change, Plan
+from reconciler.domain.probes import VANTAGE_PEER
 from reconciler.drivers import netns, nsfs
 from reconciler.drivers.netlink import listen, parse, wire
 from reconciler.drivers.netlink.wire import NlMsg
 from reconciler.engine import lock, reconcile, safechange
 from reconciler.planner import addrspace, hostspace
 from reconciler.planner.checkpoint import take
+from reconciler.planner.impact import ProbeSources, counts_as_flow
 
 # ------------------------------------------------------------------ the hidden namespaces
 
@@ -322,3 +325,25 @@ def test_the_agent_starts_a_missing_reverter_and_drops_a_change_that_never_start
     _record(applied=False, pid=None)
     assert watch.gate(None, None, "rev", contextlib.nullcontext) is None  # type: ignore[arg-type]
     assert safechange.pending(SCOPE) is None
+
+
+# ------------------------------------------------------------------ impact's flows
+
+
+def _flow(src: str, sport: int, reply_src: str = "10.0.0.2") -> LiveFlow:
+    return LiveFlow(4, "tcp", src, sport, "192.0.2.1", 8080, reply_src, 80, True)
+
+
+def test_a_clients_flow_from_the_probes_port_range_counts_a_probes_does_not() -> None:
+    host = LiveState(links={
+        "eth0": LiveLink("eth0", 2, "", 1500, True, False, addresses=(
+            LiveAddress(ipaddress.ip_interface("192.0.2.1/24"), False),)),
+        "lo": LiveLink("lo", 1, "", 65536, True, False, addresses=(
+            LiveAddress(ipaddress.ip_interface("127.0.0.1/8"), False),))})
+    probes = ProbeSources.of(host)
+    assert counts_as_flow(_flow("198.51.100.7", 61234), probes)  # a client's ephemeral port
+    assert counts_as_flow(_flow("192.0.2.1", 40000), probes)  # the host's own, not a probe's
+    for probe in (_flow("192.0.2.1", 61000), _flow("127.0.0.5", 61999),  # host, loopback
+                  _flow(VANTAGE_PEER, 61500),  # the external vantage
+                  _flow("10.0.0.2", 61500)):  # hairpin: answered by where it started
+        assert not counts_as_flow(probe, probes), probe
