@@ -213,3 +213,7 @@ class LiveState:
     #: conntrack entries of the flows a plan's impact counts; None: not read (they are read
     #: only for a plan that disrupts something, and only those: ``engine.impact``)
     flows: tuple[LiveFlow, ...] | None = None
+    #: nsid (here) -> name under /run/netns of a live namespace that ``netns`` does not hold,
+    #: where the peer of an owned veth whose allocation namespace was not found is (read
+    #: only for such veths): such a veth is no orphan, whatever the marks say
+    peer_namespaces: dict[int, str] = field(default_factory=dict)
