@@ -40,13 +40,18 @@ import reconciler
 from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoint
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.live import LiveState
-from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Change, Plan
 from reconciler.drivers import netns, procfs, statedir, sysctl
 from reconciler.engine.executor import Executor, Outcome
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.observe import docker_scope
-from reconciler.planner.checkpoint import postpone, restore_plan, sysctl_keys, take
+from reconciler.planner.checkpoint import (
+    observation,
+    postpone,
+    restore_plan,
+    sysctl_keys,
+    take,
+)
 
 log = logging.getLogger("reconciler")
 
@@ -274,8 +279,10 @@ class RevertResult:
 
 def observe_for(rec: Any, cp: Checkpoint) -> tuple[LiveState, tuple[NetworkPoint, ...] | None]:
     """Observe everything owned, as a checkpoint sees it: every owned namespace (an empty desired
-    state lists all of them) and, if the checkpoint covers Docker, our networks."""
-    live = _with_sysctls(rec.observe(DesiredState()))
+    state lists all of them), our neighbour entries on the recorded bridges
+    (``planner.checkpoint.observation``) and, if the checkpoint covers Docker, our
+    networks."""
+    live = _with_sysctls(rec.observe(observation(cp)))
     nets = _docker_now(rec.observer.handles, docker_scope()) if cp.docker is not None else None
     return live, nets
 

@@ -241,6 +241,7 @@ def test_a_killed_reverter_is_replaced_by_the_next_command(box: Netns, tmp_path:
     assert _alive(now["reverter_pid"]), "no reverter runs for the pending change"
     _wait(lambda: _pending(box) is None, rec["deadline"] - time.time() + 30, "the revert")
     assert not os.path.exists(f"/run/netns/{b}") and os.path.exists(f"/run/netns/{a}")
+    assert box.reconcile("plan", "--no-agent", base).rc == 0  # its neighbour entries too
 
 
 #: in the sandbox's network namespace: record a pending change as `apply --confirm-within`
@@ -368,3 +369,30 @@ def test_gc_leaves_the_veth_of_a_live_namespace_whatever_the_marks_say(
 def host_alias(host: Netns) -> str:
     """The ``lo`` alias the reconciler of the sandbox writes (to put the mark back)."""
     return alloc_ns_alias(str(os.stat(f"/run/netns/{host.name}").st_ino))
+
+
+# ------------------------------------------------------------------ gap: a revert's neighbours
+
+
+def test_a_revert_of_an_added_allocation_takes_its_neighbour_entries(
+        box: Netns, tmp_path: Any) -> None:
+    """The change added an allocation (its bridge-side neighbour entries seeded with it):
+    after `revert`, none of them is left, so plan and verify are clean at once."""
+    a, b, bridge = unique("n") + "-a", unique("n") + "-b", unique("b")
+    base = _config(tmp_path, bridge, "10.238.0.0/24", [{"id": a, "address": "10.238.0.10"}],
+                   "base.yaml")
+    more = _config(tmp_path, bridge, "10.238.0.0/24", [{"id": a, "address": "10.238.0.10"},
+                                                       {"id": b, "address": "10.238.0.11"}],
+                   "more.yaml")
+    assert box.reconcile("apply", "--no-probe", base).rc == 0
+    assert box.reconcile("apply", "--no-probe", more, "--confirm-within", "5m").rc == 0
+    neigh = sh("ip", "-n", box.name, "neigh", "show", "dev", bridge).stdout
+    assert "10.238.0.11 " in neigh, neigh  # seeded with the allocation
+    r = box.reconcile("revert")
+    assert r.rc == 0, r.all
+    neigh = sh("ip", "-n", box.name, "neigh", "show", "dev", bridge).stdout
+    assert "10.238.0.11 " not in neigh, neigh
+    plan = box.reconcile("plan", "--no-agent", base)
+    assert plan.rc == 0, plan.all
+    verify = box.reconcile("verify", base)
+    assert verify.rc == 0, verify.all
