@@ -29,6 +29,10 @@ A change the agent does not own (an operator's, or its own from before a restart
 of the unit kills the reverter with the agent, see examples/systemd/reconciler.service)
 is reverted by the agent's first pass past its deadline: a held pass asks for one then.
 
+A pending change whose reverter is gone (killed) gets a new one at the agent's next
+pass, and one whose apply was killed before its first op (no reverter was ever
+recorded) is dropped: it changed nothing.
+
 Published in the status document (``pending``, ``reverted_revision``) and the metrics
 ``reconciler_pending_change`` and ``reconciler_reverts_total``.
 
@@ -117,7 +121,10 @@ class SafeWatch:
         if p is not None:
             with lock():
                 p = safechange.pending()
-                if p is not None and p.overdue:
+                if p is not None and safechange.abandoned(p):
+                    safechange.drop(p)  # killed before its first op: nothing to revert
+                    p = None
+                elif p is not None and p.overdue:
                     self._revert(rec, p, "overdue")
                     p = None
                 elif p is not None and self._due(p):
@@ -135,6 +142,10 @@ class SafeWatch:
                     else:
                         self._revert(rec, p, "probes failed")
                         p = None
+                elif p is not None:
+                    # its reverter killed: without one nothing probes it, and nothing
+                    # reverts it at its deadline unless a pass runs then
+                    p = safechange.respawn_if_dead(p)
             self.publish()
             if p is not None:
                 if self.own is not None and p.token == self.own.token:

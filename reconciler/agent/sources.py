@@ -113,6 +113,8 @@ class DriftFilter:
                 if ev.proto == ownership.ADDR_PROTO:
                     return True
                 return not ev.link_local and self._index_relevant(ev.index)
+            if ev.what == "rule":
+                return False  # other tools' policy routing: the address-space alarm's
             return ev.proto == ownership.ROUTE_PROTO
 
 
@@ -284,9 +286,10 @@ def start_nft_watcher(on_drift: Callable[[str], None],
 class OverlapAlarm:
     """Foreign addresses and routes over prefixes we own, reported within a second.
 
-    Address and route events of the host (other than IPv6 link-local ones), and
-    links going away, only wake it; in its own thread it then reads the host's
-    links and routes again (two dumps, not a pass), compares the owned prefixes
+    Address, route and rule events of the host (other than IPv6 link-local ones),
+    and links going away, only wake it; in its own thread it then reads the host's
+    links and its routes of every table an ``ip rule`` selects again (three dumps,
+    not a pass), compares the owned prefixes
     -- owned addresses on our bridges, and the subnets of owned Docker networks
     the last pass saw -- with everything foreign
     (``planner.hostspace.live_overlaps``) and calls ``report`` with the current
@@ -319,8 +322,8 @@ class OverlapAlarm:
             self._docker = (list(prefixes), frozenset(bridges))
 
     def hear(self, ev: NetlinkEvent) -> bool:
-        """Hear a netlink event of the host; True when it woke the check (addresses, routes and
-        links going away do; IPv6 link-local ones and new or changed links do not)."""
+        """Hear a netlink event of the host; True when it woke the check (addresses, routes, rules
+        and links going away do; IPv6 link-local ones and new or changed links do not)."""
         if ev.link_local or (ev.what == "link" and not ev.deleted):
             return False
         self._wake.set()
@@ -334,7 +337,7 @@ class OverlapAlarm:
         with self._lock:
             docker, bridges = self._docker
         links = reader.dump_links()
-        routes = reader.dump_routes()
+        routes = reader.dump_host_routes()
         owned = [*owned_prefixes(links.values()), *docker]
         return live_overlaps(owned, links.values(), routes, bridges) if owned else []
 

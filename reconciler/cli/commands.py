@@ -67,6 +67,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from reconciler.cli.safe import tend
     from reconciler.engine.impact import refusal
     from reconciler.engine.reconcile import Reconciler
     from reconciler.ui.options import plan_options
@@ -85,6 +86,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes = rec.journal_notes()  # "No changes" is not the whole truth then
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    tend()  # a pending change whose reverter is gone gets another
     if out is not None:
         try:
             with out:

@@ -82,12 +82,18 @@ def _revision(files: list[str]) -> str | None:
 
 def guard(rec: Reconciler, *, err: bool = False) -> None:
     """Guard a change under the host lock: revert an overdue pending change first; refuse
-    while one is pending (PreconditionError, one line). ``err``: every line to stderr
-    (``--output json``)."""
+    while one is pending (PreconditionError, one line), after starting a reverter for it
+    if its own is gone (nothing else would revert it on a host no agent watches); drop the
+    record of a change killed before its first op (it changed nothing). ``err``: every
+    line to stderr (``--output json``)."""
     p = safechange.pending()
     if p is None:
         return
+    if safechange.abandoned(p):
+        safechange.drop(p)
+        return
     if not p.overdue:
+        safechange.respawn_if_dead(p)
         raise PreconditionError(safechange.refusal(p))
     why = "overdue: " + ("applied before a reboot" if p.boot_id != safechange.current_boot_id()
                          else f"its deadline {safechange.iso(p.deadline)} passed")
@@ -180,6 +186,27 @@ class Window:
         return rc
 
 
+def tend() -> None:
+    """Start a reverter for a pending change whose own is gone, from a command that only reads
+    (``plan``): under the host lock if it is free at once (the record is written again,
+    and only under it), else not at all (its holder is changing the host: ``guard``
+    tends it, or the reverter reverts). A change killed before its first op is left to
+    the next ``guard``, which drops it."""
+    try:
+        p = safechange.pending()
+    except PreconditionError:
+        return
+    if p is None or safechange.reverter_alive(p) or safechange.abandoned(p):
+        return
+    try:
+        with host_lock(0):
+            p = safechange.pending()
+            if p is not None and not safechange.abandoned(p):
+                safechange.respawn_if_dead(p)
+    except (LockedError, PreconditionError) as exc:
+        log.debug("pending change not tended: %s", exc)
+
+
 def cmd_confirm(args: argparse.Namespace) -> int:
     rec = Reconciler()
     try:
@@ -211,7 +238,13 @@ def _confirm(rec: Reconciler, seen: safechange.Pending | None) -> int:
             return EXIT_ERROR
         _say("error: nothing is pending: no change waits for a confirm", err=True)
         return EXIT_ERROR
+    if safechange.abandoned(p):
+        safechange.drop(p)
+        _say("error: nothing to confirm: the pending change was killed before its first "
+             "change", err=True)
+        return EXIT_ERROR
     if not p.applied and not p.overdue:
+        safechange.respawn_if_dead(p)
         _say(f"error: {p.describe()}, but its apply has not finished (it runs, or it was "
              "stopped or killed): `reconcile revert` undoes it now, or wait for the apply; "
              "only a change applied whole can be confirmed", err=True)

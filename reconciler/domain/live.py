@@ -52,6 +52,9 @@ class LiveRoute:
     oif: int = 0
     #: the route type when it is not a plain unicast route: "blackhole", "unreachable", ...
     type: str = "unicast"
+    #: its routing table (RTA_TABLE): 254 is main; the host's routes of other tables are
+    #: those an ``ip rule`` selects (Tailscale's 52, WireGuard's fwmark table)
+    table: int = 254
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ class DockerNetworkUse:
     subnets: tuple[str, ...]  # IPAM config subnets as Docker reports them
     bridge: str  # its Linux bridge: docker0, br-<id[:12]>, or the bridge.name option
     owned: bool = False
+    driver: str = "bridge"
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,8 @@ class LiveState:
     netns: dict[str, LiveNetns] = field(default_factory=dict)
     docker: LiveDocker | None = None  # None: not observed (nothing Docker declared or owned)
     listening: frozenset[tuple[str, int]] = frozenset()  # (proto, port) bound on the host
-    #: main-table routes of the host (read when subnets or Docker networks are declared)
+    #: routes of the host in every table an ``ip rule`` selects (read when subnets or Docker
+    #: networks are declared)
     routes: tuple[LiveRoute, ...] = ()
     #: all Docker networks and pools; None: no Docker here, or nothing that needs it declared
     docker_space: DockerAddressSpace | None = None
@@ -212,3 +217,7 @@ class LiveState:
     #: conntrack entries of the flows a plan's impact counts; None: not read (they are read
     #: only for a plan that disrupts something, and only those: ``engine.impact``)
     flows: tuple[LiveFlow, ...] | None = None
+    #: nsid (here) -> name under /run/netns of a live namespace that ``netns`` does not hold,
+    #: where the peer of an owned veth whose allocation namespace was not found is (read
+    #: only for such veths): such a veth is no orphan, whatever the marks say
+    peer_namespaces: dict[int, str] = field(default_factory=dict)

@@ -20,7 +20,7 @@ import ctypes
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from reconciler.domain.errors import DriverError, PreconditionError
 from reconciler.drivers.nsfs import NETNS_RUN_DIR, name_ok
@@ -249,6 +249,95 @@ def private_mount_namespace_problem() -> str | None:
             f"namespaces created under {NETNS_RUN_DIR} would be visible only to it and vanish "
             "when it exits; run `reconcile --netns NAME …` or `nsenter --net=/run/netns/NAME` "
             "instead")
+
+
+def nsfs_mount_points(mountinfo: Iterable[str], directory: str) -> set[str]:
+    """Return the names in ``directory`` that are namespace (nsfs) mounts in these lines of a
+    ``/proc/PID/mountinfo`` (pure)."""
+    out = set()
+    prefix = directory.rstrip("/") + "/"
+    for line in mountinfo:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+        except ValueError:
+            continue
+        mpoint = fields[4]
+        if sep + 1 < len(fields) and fields[sep + 1] == "nsfs" and mpoint.startswith(prefix):
+            out.add(mpoint[len(prefix):])
+    return out
+
+
+def _init_namespace_mounts() -> set[str]:
+    """Return the names under /run/netns that are namespace mounts for the init process (its
+    mountinfo, which any process may read)."""
+    with open("/proc/1/mountinfo", encoding="utf-8", errors="replace") as f:
+        return nsfs_mount_points(f, NETNS_RUN_DIR)
+
+
+def hidden_namespaces(names: Iterable[str], *, marked: str | None = None) -> list[str]:
+    """Return those of ``names`` that are empty files under /run/netns here but namespace mounts
+    in the init process's mount namespace.
+
+    A mount namespace made like the coexistence tests' cells (a private ``/run``, and
+    /run/netns bound back with ``mount --bind``, not ``--rbind``) shares /run/netns's
+    peer group with the host, so namespaces mounted *after* it appear in both and the
+    peer-group check of :func:`private_mount_namespace_problem` passes; the mounts made
+    *before* it were not copied, and those namespaces are empty files here. Read
+    through it, a live allocation is "not a live namespace": its veth deleted, its
+    file busy. Only the files can tell: one that is empty here is looked up in init's
+    mountinfo (its ``ns/mnt`` and ``root`` may be closed to us, its mountinfo is not),
+    and checked here again (mounted meanwhile: it propagated, nothing is hidden). In
+    init's own mount namespace an empty file is empty there too: nothing is hidden.
+
+    ``marked``: also every name under /run/netns whose empty file carries that mark
+    (this host's allocations', whatever the plan says of them: a hidden one reads as
+    garbage to ``gc``). The names of ``names`` come first.
+    """
+    dev = nsfs_dev()
+    declared = set(names)
+    wanted = set(declared)
+    if marked is not None:
+        wanted.update(list_names())
+    empty = []
+    for name in sorted(wanted):
+        if not name_ok(name):
+            continue
+        try:
+            if os.stat(path_of(name)).st_dev == dev:
+                continue
+        except OSError:
+            continue  # gone: nothing hidden
+        if name in declared or (marked is not None and _mark_of(path_of(name)) == marked):
+            empty.append(name)
+    if not empty:
+        return []
+    try:
+        mounted = _init_namespace_mounts()
+    except OSError:
+        return []  # init cannot be read: nothing to compare with
+    out = []
+    for name in sorted(empty, key=lambda n: (n not in declared, n)):
+        try:
+            if name in mounted and os.stat(path_of(name)).st_dev != dev:
+                out.append(name)
+        except OSError:
+            continue
+    return out
+
+
+def hidden_namespaces_problem(names: Iterable[str], *, marked: str | None = None) -> str | None:
+    """Return the one line that refuses to act where namespaces of ``names`` (and the files
+    ``marked``) are hidden (:func:`hidden_namespaces`), or None."""
+    hidden = hidden_namespaces(names, marked=marked)
+    if not hidden:
+        return None
+    more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
+    return (f"{NETNS_RUN_DIR}/{hidden[0]}{more} is a live network namespace, but an empty file "
+            "in this process's mount namespace: its /run/netns was bound in without the "
+            "namespaces mounted before it (`mount --bind`, not `--rbind`), so live "
+            "allocations would look gone; run it in the host's mount namespace (or bind "
+            f"{NETNS_RUN_DIR} with --rbind)")
 
 
 def _ensure_rundir() -> None:

@@ -19,7 +19,7 @@ from reconciler.domain.live import (
     LiveState,
 )
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ownership import ZERO_MAC, alloc_ns_alias, bridge_mac
+from reconciler.domain.ownership import ZERO_MAC, alloc_ns_alias, alloc_veth_name, bridge_mac
 from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
 from reconciler.drivers.docker import rawapi
 from reconciler.drivers.nsfs import current_inode
@@ -50,11 +50,13 @@ class Observer:
         try:
             links = self.observe_links(desired)
             host_id = str(current_inode())
+            allocs = self.observe_allocs(desired, host_id)
             fields: dict[str, Any] = {
                 "host_id": host_id,
                 "links": links,
                 "neighbours": self.observe_neighbours(desired, links),
-                "netns": self.observe_allocs(desired, host_id),
+                "netns": allocs,
+                "peer_namespaces": self.observe_peer_namespaces(desired, links, allocs),
                 "routes": self.observe_routes(desired),
                 **self.observe_docker_parts(desired),
                 **self.observe_unannounced(desired),
@@ -150,6 +152,33 @@ class Observer:
                 wanted.add(name)  # ours, undeclared: to be pruned
         return {**self.observe_namespaces(wanted), **stale}
 
+    def observe_peer_namespaces(self, desired: DesiredState, links: dict[str, LiveLink],
+                                allocs: dict[str, LiveNetns]) -> dict[int, str]:
+        """Find, for each owned veth whose allocation namespace was not found (an orphan
+        candidate), the live namespace under /run/netns its peer is in, if any: nsid -> name.
+
+        Such a namespace is mounted and live but not read as an allocation (its ``lo`` mark
+        rewritten, say): its veth is no orphan and must not be cut. Nothing is read when
+        there is no candidate (one nsid request per other namespace then).
+        """
+        known = {alloc_veth_name(n) for n in (*allocs, *desired.allocs)}
+        wanted = {lk.peer_netnsid for lk in links.values()
+                  if lk.kind == "veth" and lk.owned and lk.name not in known
+                  and lk.peer_netnsid is not None}
+        if not wanted:
+            return {}
+        out: dict[int, str] = {}
+        for name in netns.list_names():
+            if name in allocs:
+                continue
+            try:
+                nsid = self.handles.netlink.get_nsid(name)
+            except (OSError, DriverError):
+                continue  # an empty file, or gone meanwhile
+            if nsid in wanted:
+                out[nsid] = name
+        return out
+
     def observe_namespaces(self, names: Iterable[str]) -> dict[str, LiveNetns]:
         """Observe links, addresses and routes inside each named namespace (missing ones left
         out)."""
@@ -163,14 +192,15 @@ class Observer:
         return observed
 
     def observe_routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:
-        """Observe the host's main-table routes, when declared prefixes must be checked against
-        them.
+        """Observe the host's routes of every table an ``ip rule`` selects, when declared prefixes
+        must be checked against them.
 
-        One dump; skipped when nothing declares a prefix (a router's full table is large).
+        Two dumps (the rules, the routes); skipped when nothing declares a prefix (a
+        router's full table is large).
         """
         if not (desired.subnets or desired.docker_networks):
             return ()
-        return self.handles.netlink.dump_routes()
+        return self.handles.netlink.dump_host_routes()
 
     def observe_docker_parts(self, desired: DesiredState) -> dict[str, Any]:
         """Observe ``docker`` (see :meth:`observe_docker`) and ``docker_space``: every Docker

@@ -19,9 +19,10 @@ from reconciler.domain.errors import ConflictError, PreconditionError, StalePlan
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
+from reconciler.domain.ownership import alloc_ns_alias
 from reconciler.domain.plan import Change, Plan
 from reconciler.domain.probes import VANTAGE_NETS, ProbeResult
-from reconciler.drivers import firewalld, iptables, netns
+from reconciler.drivers import firewalld, iptables, netns, nsfs
 from reconciler.engine import finish, impact
 from reconciler.engine.executor import ChangeJournal, Executor, OpRunner, Outcome
 from reconciler.engine.finish import finish_journals, touched_host
@@ -120,6 +121,11 @@ class Reconciler:
         # also when nothing is to change: a bridge taken out of firewalld's zones leaves the
         # rules as they were and the allocations' own traffic rejected
         problem = firewalld.bridges_problem(subnet_bridges(desired))
+        if problem is not None:
+            plan = dataclasses.replace(plan, errors=(*plan.errors, problem))
+        # a plan read through a mount namespace that hides live allocations is wrong
+        problem = netns.hidden_namespaces_problem(c.name for c in plan.changes
+                                                  if c.kind == "alloc")
         if problem is not None:
             plan = dataclasses.replace(plan, errors=(*plan.errors, problem))
         return plan
@@ -308,7 +314,9 @@ def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:
 
     Under ``ip netns exec`` (a private, slave mount namespace) the namespaces we
     would create vanish with the process: refuse up front (one line, exit 1)
-    rather than fail midway after bridges and rules were already changed.
+    rather than fail midway after bridges and rules were already changed. Where
+    /run/netns was bound in without its submounts, the allocations it touches
+    were read as gone (``netns.hidden_namespaces``): refuse too.
 
     Kernels before 5.18 silently drop the IFA_PROTO tag that proves an address is
     ours: from the next run on our own gateways would look foreign. Refuse.
@@ -322,6 +330,13 @@ def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:
         problem = netns.private_mount_namespace_problem()
         if problem is not None:
             raise PreconditionError(problem)
+    # a mount namespace whose /run/netns hides the namespaces mounted before it (``mount
+    # --bind``): the allocations the plan touches were read as gone
+    problem = netns.hidden_namespaces_problem(
+        (c.name for c in plan.actionable if c.kind == "alloc"),
+        marked=alloc_ns_alias(str(nsfs.current_inode())))
+    if problem is not None:
+        raise PreconditionError(problem)
     families = {typed.family for c in plan.actionable for op in c.ops
                 if op.name == FirewallRestore.NAME
                 and isinstance(typed := decode(op), FirewallRestore)}

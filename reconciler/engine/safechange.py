@@ -40,13 +40,18 @@ import reconciler
 from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoint
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.live import LiveState
-from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Change, Plan
 from reconciler.drivers import netns, procfs, statedir, sysctl
 from reconciler.engine.executor import Executor, Outcome
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.observe import docker_scope
-from reconciler.planner.checkpoint import postpone, restore_plan, sysctl_keys, take
+from reconciler.planner.checkpoint import (
+    observation,
+    postpone,
+    restore_plan,
+    sysctl_keys,
+    take,
+)
 
 log = logging.getLogger("reconciler")
 
@@ -274,8 +279,10 @@ class RevertResult:
 
 def observe_for(rec: Any, cp: Checkpoint) -> tuple[LiveState, tuple[NetworkPoint, ...] | None]:
     """Observe everything owned, as a checkpoint sees it: every owned namespace (an empty desired
-    state lists all of them) and, if the checkpoint covers Docker, our networks."""
-    live = _with_sysctls(rec.observe(DesiredState()))
+    state lists all of them), our neighbour entries on the recorded bridges
+    (``planner.checkpoint.observation``) and, if the checkpoint covers Docker, our
+    networks."""
+    live = _with_sysctls(rec.observe(observation(cp)))
     nets = _docker_now(rec.observer.handles, docker_scope()) if cp.docker is not None else None
     return live, nets
 
@@ -468,9 +475,31 @@ def reverter_alive(p: Pending) -> bool:
     return argv == [b""] or p.token.encode() in argv
 
 
+def abandoned(p: Pending) -> bool:
+    """Tell whether ``p`` was left by a change killed before its first op: no reverter was ever
+    recorded for it and its apply never finished.
+
+    Meaningful under the host lock only: :func:`begin` holds it from writing the record
+    to recording the reverter's pid, and the ops come after that, so a record without a
+    pid that the lock's next holder finds is one whose change never started (a kill
+    between the record and the spawn). Nothing to revert: the caller drops it
+    (:func:`drop`) instead of refusing every change until its deadline.
+    """
+    return p.reverter_pid is None and not p.applied
+
+
+def drop(p: Pending) -> None:
+    """Remove the record of a change that never started (:func:`abandoned`); the caller holds
+    the host lock."""
+    statedir.remove_record(scope_dir(p.scope), PENDING)
+    log.warning("dropped the pending change recorded at %s: its apply was killed before its "
+                "first change (nothing to revert)", iso(p.created))
+
+
 def respawn_if_dead(p: Pending) -> Pending:
     """Return ``p``, with a new reverter if its own is gone (killed, crashed): without one nothing
-    reverts on a host no agent watches."""
+    reverts on a host no agent watches. The caller holds the host lock (the record is
+    written again), or knows that nobody else writes it now."""
     if reverter_alive(p):
         return p
     log.warning("the reverter (pid %s) of the pending change is gone; starting a new one",

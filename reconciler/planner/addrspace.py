@@ -42,6 +42,7 @@ from reconciler.planner.hostspace import (
     Net,
     PrefixIndex,
     Span,
+    docker_elsewhere,
     local_addresses,
     occupants,
     overlaps,
@@ -355,12 +356,22 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     occ = PrefixIndex(occupants(desired, live, prune=prune))
     pools = unassigned_pools(live)
     reasons: dict[str, list[str]] = {}
+    elsewhere = docker_elsewhere(live)
     for address, name, field, net, is_docker in _declared(desired):
         span = span_of(net)
-        hits = [o.what for o in occ.overlapping(net) if not (is_docker and o.docker == name)]
+        hits: list[str] = []
+        apart: list[str] = []
+        for o in occ.overlapping(net):
+            if is_docker and o.docker == name:
+                continue
+            # in a sandbox, Docker's networks are in the daemon's namespace: a Docker network
+            # and the routing here cannot collide (two Docker networks still can: one daemon)
+            (apart if elsewhere and (o.docker is None) == is_docker else hits).append(o.what)
         hits += [why for vnet, why in VANTAGE_NETS
                  if vnet.version == net.version and net.overlaps(vnet)]
         auto = " (auto)" if field in picked.get(address, {}) else ""
+        if apart:
+            found.warnings.append(_apart_warning(address, name, field, net, apart))
         if hits:
             reasons.setdefault(address, []).append(
                 f"{field} {net}{auto} overlaps {_named(list(dict.fromkeys(hits)))}")
@@ -386,6 +397,16 @@ def check(desired: DesiredState, live: LiveState, *, prune: bool = True,
     found.warnings += host_ip_warnings(desired, live)
     found.fatal += _host_ips_inside(desired, picked)
     return found
+
+
+def _apart_warning(address: str, name: str, field: str, net: Net, apart: Sequence[str]) -> str:
+    """Warn of overlaps between a Docker network and the routing of a sandbox whose namespace
+    does not hold Docker's networks: no conflict here, one on a host that holds both."""
+    kind = "docker network" if address.startswith("docker_network/") else "subnet"
+    why = ("Docker's networks are in the daemon's network namespace, not this one"
+           if kind == "subnet" else "it is made in the daemon's network namespace, not this one")
+    return (f"{kind} {name!r}: {field} {net} overlaps {_named(list(dict.fromkeys(apart)))}: "
+            f"no conflict here ({why}), but there would be one in a namespace that holds both")
 
 
 def _host_ips_inside(desired: DesiredState, picked: dict[str, dict[str, str]]) -> list[str]:
@@ -442,7 +463,8 @@ def relevant(desired: DesiredState, live: LiveState, *, prune: bool = True) -> o
         return ()
     wanted = [span_of(net) for net in nets]
     index = PrefixIndex(occupants(desired, live, prune=prune))
-    occ = sorted({(o.what, str(o.net), o.docker) for net in nets for o in index.overlapping(net)})
+    occ = sorted({(o.what, str(o.net), o.docker, o.elsewhere) for net in nets
+                  for o in index.overlapping(net)})
     pools = sorted((str(pr.pool), pr.size, pr.first, pr.last) for pr in unassigned_pools(live)
                    if any(overlaps((pr.version, pr.first, pr.last), w) for w in wanted))
     space = live.docker_space

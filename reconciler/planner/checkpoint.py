@@ -32,6 +32,7 @@ from reconciler.domain.checkpoint import (
     network_to_json,
 )
 from reconciler.domain.live import LiveLink, LiveState
+from reconciler.domain.model import Bridge, BridgeName, DesiredState
 from reconciler.domain.ops import (
     AddrAdd,
     AddrDel,
@@ -46,6 +47,8 @@ from reconciler.domain.ops import (
     LinkSet,
     LinkSetHairpin,
     LinkSetMac,
+    NeighDelete,
+    NeighReplace,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -63,6 +66,7 @@ from reconciler.domain.ownership import (
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
 from reconciler.planner import conntrack, firewall
 from reconciler.planner.allocs.live import owned_ns
+from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.hostlinks import is_temp_bridge_name
 
 #: the host-wide sysctls an apply may set (and a revert therefore sets back)
@@ -163,6 +167,18 @@ def take(live: LiveState, docker: Iterable[NetworkPoint] | None = None) -> Check
                       foreign)
 
 
+def observation(cp: Checkpoint) -> DesiredState:
+    """Return what a revert observes with: nothing declared but the checkpoint's bridges.
+
+    Everything owned is read whatever is declared, but our neighbour entries only on
+    declared bridges (a bridge is all the observer can ask the kernel about); with
+    none declared, a revert of a change that added an allocation never saw the
+    entries seeded with it, and left them behind for the next plan to delete.
+    """
+    names = sorted(n for n, point in cp.links.items() if point.kind == "bridge")
+    return DesiredState(bridges={BridgeName(n): Bridge(BridgeName(n)) for n in names})
+
+
 # -- the restore ---------------------------------------------------------------------------
 
 class _Changes:
@@ -203,6 +219,7 @@ def restore_plan(cp: Checkpoint, live: LiveState,
     for name, point in sorted(cp.links.items()):
         if name not in out.blocked:
             _settings(point, now.links.get(name), out)
+    _neighbours(cp, live, out)
     _sysctls(cp, now, out)
     _firewall(cp, live, out)
     if cp.docker is not None and now.docker is not None:
@@ -352,6 +369,38 @@ def _settings(point: LinkPoint, have: LinkPoint | None, out: _Changes) -> None:
         ops.append(LinkSet(point.name, up=point.up))
     out.add(point.kind or "link", point.name, Action.UPDATE, "settings changed by the change",
             ops, attrs)
+
+
+def _neighbours(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
+    """Put our neighbour entries on the recorded bridges back: delete those for an address no
+    recorded allocation has there (seeded with one the change added: the kernel never
+    collects them), replace those naming another MAC than the recorded ``eth0``'s (one
+    the change gave an address of a pruned allocation). Entries that are not ours are
+    never touched (``allocs.neighbours.own_neighbour``); a bridge the revert deletes or
+    makes takes or has none."""
+    for name, point in sorted(cp.links.items()):
+        link = live.links.get(name)
+        if point.kind != "bridge" or link is None or link.kind != "bridge" or not link.owned:
+            continue
+        wanted: dict[str, str | None] = {}
+        for alloc in cp.allocs.values():
+            veth = cp.links.get(alloc_veth_name(alloc.name))
+            if veth is not None and veth.master == name:
+                for a in alloc.addresses:
+                    wanted[str(ipaddress.ip_interface(a).ip)] = alloc.eth0_mac
+        ops: list[TypedOp] = []
+        attrs: list[AttrChange] = []
+        for n in live.neighbours:
+            if not own_neighbour(link, n):
+                continue
+            if n.address not in wanted:
+                ops.append(NeighDelete(name, n.address))
+                attrs.append(AttrChange("neighbour", f"{n.address} at {n.mac}", None))
+            elif (mac := wanted[n.address]) is not None and mac != n.mac:
+                ops.append(NeighReplace(name, n.address, mac))
+                attrs.append(AttrChange("neighbour", f"{n.address} at {n.mac}", mac))
+        out.add("bridge", name, Action.UPDATE, "neighbour entries changed by the change", ops,
+                attrs)
 
 
 def _sysctls(cp: Checkpoint, now: Checkpoint, out: _Changes) -> None:

@@ -122,8 +122,11 @@ def by_owner(chains: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[tupl
 
 
 def live_by_owner(live: LiveChainSet) -> dict[str, list[tuple[str, str]]]:
-    """Apply :func:`by_owner` to the live chains of one family (built-in and owned)."""
-    return by_owner((chain, rules) for (_t, chain), rules in sorted(live.chains.items()))
+    """Apply :func:`by_owner` to our own live chains of one family: a rule in any other chain is
+    someone else's, whatever its comment names (``gc`` warned for good of the "vanished
+    allocation" a foreign rule with ``reconciler:alloc=X`` named)."""
+    return by_owner((chain, rules) for (_t, chain), rules in sorted(live.chains.items())
+                    if chain.startswith(CHAIN_PREFIX))
 
 
 @dataclass

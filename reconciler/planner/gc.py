@@ -53,7 +53,7 @@ from reconciler.domain.ops import (
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
 from reconciler.planner import change_order, firewall, make_plan
-from reconciler.planner.allocs.live import owned_ns, veth_pair_ok
+from reconciler.planner.allocs.live import owned_ns, peer_held, peer_held_warning, veth_pair_ok
 from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.context import PlanOptions, index_neighbours
 from reconciler.planner.hostlinks import KEEPS_MTU_REASON, interrupted_creation
@@ -89,6 +89,9 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
     if desired is None:
         for c in _namespaces_without_veth(live, holders or {}, warnings):
             found[c.address] = c
+        # the planner leaves these alone (its warnings are not carried over): say why here
+        warnings += [peer_held_warning(name, held) for name, lk in sorted(live.links.items())
+                     if lk.kind == "veth" and lk.owned and (held := peer_held(live, lk))]
         kept = _vanished_allocs(live, found)
         if kept:
             warnings.append(_kept_rules_warning(kept))
@@ -224,6 +227,7 @@ def _vanished_allocs(live: LiveState, collected: Mapping[str, Change]) -> set[st
     now)."""
     alive = {name for name, ns in live.netns.items()
              if owned_ns(live.host_id, ns) and f"alloc/{name}" not in collected}
+    alive |= set(live.peer_namespaces.values())  # live, only not read as ours: not gone
     return {o for o in _live_owners(live)
             if o.startswith("alloc=") and o.partition("=")[2] not in alive}
 

@@ -25,6 +25,8 @@ Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: an inclusive range of addresses of one family: (version, first, last)
 Span = tuple[int, int, int]
+#: the main routing table: its routes are named without their table
+RT_TABLE_MAIN = 254
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Occupant:
     net: Net
     what: str  # "route 10.8.0.0/16 via 192.0.2.7 on eth0", "docker network kind (…)"
     docker: str | None = None  # the Docker network's name, for its own declaration
+    #: a Docker network whose bridge is in another network namespace (``docker_elsewhere``)
+    elsewhere: bool = False
 
 
 def span_of(net: Net) -> Span:
@@ -66,6 +70,18 @@ def _our_links(desired: DesiredState, live: LiveState) -> set[int]:
     return {lk.index for lk in live.links.values() if lk.owned or lk.name in desired.bridges}
 
 
+def docker_elsewhere(live: LiveState) -> bool:
+    """Tell whether Docker's networks live in another network namespace than the one we act on:
+    the daemon lists bridge networks and none of their Linux bridges is a link here (a
+    ``--netns`` sandbox beside the host's dockerd). Their prefixes then cannot collide
+    with the routing here. Without a bridge network to tell by, they are taken as here."""
+    space = live.docker_space
+    if space is None or not space.available:
+        return False
+    bridges = [n.bridge for n in space.networks if n.driver == "bridge"]
+    return bool(bridges) and not any(b in live.links for b in bridges)
+
+
 def _docker_bridges(live: LiveState) -> set[str]:
     """Find the Linux bridges of live Docker networks: their addresses are the networks
     themselves."""
@@ -91,9 +107,10 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
     """List what on the host holds address space a declared prefix must not overlap.
 
     Addresses of foreign links (a link's connected route is its address), other
-    routes of the main table through foreign links or through none (blackhole,
-    unreachable), and every Docker network the daemon lists -- except those this
-    plan prunes. Default routes, multicast and IPv6 link-local routes are left out.
+    routes through foreign links or through none (blackhole, unreachable), in every
+    table an ``ip rule`` selects (named when it is not main: Tailscale's 52), and
+    every Docker network the daemon lists -- except those this plan prunes. Default
+    routes, multicast and IPv6 link-local routes are left out.
     Links named in ``not_foreign`` count as ours.
     """
     ours = _our_links(desired, live)
@@ -123,6 +140,7 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
     space = live.docker_space
     if space is not None and space.available:
         pruned = _pruned_docker(desired, live, prune)
+        elsewhere = docker_elsewhere(live)
         for n in sorted(space.networks, key=lambda x: (x.name, x.id)):
             if n.id in pruned:
                 continue
@@ -130,7 +148,7 @@ def occupants(desired: DesiredState, live: LiveState, *, prune: bool = True,
                 net = parse_prefix(text)
                 if net is not None:
                     out.append(Occupant(net, f"docker network {n.name} ({net} on {n.bridge})",
-                                        docker=n.name))
+                                        docker=n.name, elsewhere=elsewhere))
     return out
 
 
@@ -142,16 +160,17 @@ def _route_occupant(r: LiveRoute, by_index: dict[int, LiveLink],
     net = parse_prefix(r.dst)
     if net is None or net.prefixlen == 0 or _unroutable(net):
         return None
+    table = "" if r.table == RT_TABLE_MAIN else f" in table {r.table}"
     if not r.oif:
         kind = "" if r.type == "unicast" else f"{r.type} "
-        return Occupant(net, f"{kind}route {net}")
+        return Occupant(net, f"{kind}route {net}{table}")
     lk = by_index.get(r.oif)
     if lk is not None and not foreign(lk):
         return None
     if (r.oif, net) in connected:
         return None  # the connected route of an address already named
     via = f" via {r.gateway}" if r.gateway else ""
-    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}")
+    return Occupant(net, f"route {net}{via} on {lk.name if lk else f'ifindex {r.oif}'}{table}")
 
 
 class PrefixIndex:
@@ -291,9 +310,11 @@ def owned_prefixes(links: Iterable[LiveLink]) -> list[tuple[Net, str, str | None
 def owned_docker_prefixes(live: LiveState) -> tuple[list[tuple[Net, str, str | None]],
                                                      set[str]]:
     """Return the subnets of owned Docker networks, and their Linux bridges (not foreign to
-    them)."""
+    them); none when Docker's networks live in another namespace (``docker_elsewhere``)."""
     prefixes: list[tuple[Net, str, str | None]] = []
     bridges: set[str] = set()
+    if docker_elsewhere(live):
+        return prefixes, bridges  # in the daemon's namespace: the routing here is not theirs
     if live.docker is not None and live.docker.available:
         for n in live.docker.networks:
             if n.owned:

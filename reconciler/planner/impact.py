@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from reconciler.domain.live import LiveFlow, LiveNetns, LiveState
 from reconciler.domain.model import DockerNetwork, DockerNetworkName
@@ -40,9 +41,10 @@ from reconciler.domain.ops import (
 )
 from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Change, FlowMatch, Impact, Op, Plan
-from reconciler.domain.probes import PROBE_PORTS
+from reconciler.domain.probes import PROBE_PORTS, VANTAGE6_PEER, VANTAGE_PEER
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
+from reconciler.planner.hostspace import local_addresses
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -53,12 +55,14 @@ IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 def assess(ctx: PlanContext, changes: list[Change]) -> list[Change]:
     """Assess the ``impact`` of ``changes`` (flows counted when ``ctx.live`` has them)."""
     deleted = {c.name for c in changes if c.kind == "alloc" and c.action is Action.DELETE}
+    index = None if ctx.live.flows is None else _FlowIndex(ctx.live.flows,
+                                                           ProbeSources.of(ctx.live))
     out = []
     for c in changes:
         found = _impact_of(ctx, c, deleted) if c.action not in (Action.NOOP,
                                                                 Action.CONFLICT) else []
         if found:
-            c = dataclasses.replace(c, impact=tuple(_counted(found, ctx.live.flows)))
+            c = dataclasses.replace(c, impact=tuple(_counted(found, index)))
         out.append(c)
     return out
 
@@ -302,33 +306,61 @@ def with_flows(plan: Plan, live: LiveState) -> Plan:
     """Count each impact's flows of ``plan`` from ``live.flows``."""
     if live.flows is None:
         return plan
-    changes = tuple(dataclasses.replace(c, impact=tuple(_counted(c.impact, live.flows)))
+    index = _FlowIndex(live.flows, ProbeSources.of(live))
+    changes = tuple(dataclasses.replace(c, impact=tuple(_counted(c.impact, index)))
                     if c.impact else c for c in plan.changes)
     return dataclasses.replace(plan, changes=changes)
 
 
-def _counted(found: Iterable[Impact], flows: Sequence[LiveFlow] | None) -> list[Impact]:
-    if flows is None:
+def _counted(found: Iterable[Impact], index: _FlowIndex | None) -> list[Impact]:
+    if index is None:
         return list(found)
-    index = _FlowIndex(flows)
     return [dataclasses.replace(i, flows=index.count(i.match)) if i.match is not None else i
             for i in found]
 
 
-def counts_as_flow(f: LiveFlow) -> bool:
-    """Tell whether a flow counts: established TCP or answered UDP, and not one of the probes'."""
+@dataclass(frozen=True)
+class ProbeSources:
+    """Where the probes' flows start: the host itself (any address of its links, loopback
+    included) and the external vantage's peer; the hairpin probe starts in the allocation
+    it reaches again (its replies come from where it started)."""
+
+    local: frozenset[str]
+    loopback: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    @classmethod
+    def of(cls, live: LiveState) -> ProbeSources:
+        exact, loopback = local_addresses(live)
+        return cls(frozenset({*(str(ip) for ip in exact), VANTAGE_PEER, VANTAGE6_PEER,
+                              "127.0.0.1", "::1"}), tuple(loopback))
+
+    def started(self, f: LiveFlow) -> bool:
+        """Tell whether a probe could have started ``f``: from the host, the vantage, or hairpin."""
+        if f.src in self.local or f.src == f.reply_src:
+            return True
+        ip = ipaddress.ip_address(f.src)
+        return any(ip in net for net in self.loopback)
+
+
+def counts_as_flow(f: LiveFlow, probes: ProbeSources) -> bool:
+    """Tell whether a flow counts: established TCP or answered UDP, and not one of the probes'.
+
+    A probe's flow is one from the probes' reserved source ports *and* from where
+    probes start (``ProbeSources``): the port range alone is also a real client's
+    (Windows and many NATs hand out 49152-65535), whose flows from another host count.
+    """
     lo, hi = PROBE_PORTS
-    return f.established and not lo <= f.sport <= hi
+    return f.established and not (lo <= f.sport <= hi and probes.started(f))
 
 
 class _FlowIndex:
     """The counted flows by the addresses that start them and those that answer them."""
 
-    def __init__(self, flows: Iterable[LiveFlow]) -> None:
+    def __init__(self, flows: Iterable[LiveFlow], probes: ProbeSources) -> None:
         self.by_src: dict[str, list[LiveFlow]] = {}
         self.by_reply: dict[str, list[LiveFlow]] = {}
         for f in flows:
-            if counts_as_flow(f):
+            if counts_as_flow(f, probes):
                 self.by_src.setdefault(f.src, []).append(f)
                 self.by_reply.setdefault(f.reply_src, []).append(f)
 

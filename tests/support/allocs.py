@@ -10,6 +10,7 @@ import select
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from tests.support.host import sh, unique, write
 
@@ -125,3 +126,12 @@ def config(tmp_path: object, allocs: list[dict[str, object]], *, hairpin: bool =
 def veth_name(alloc_id: str) -> str:
     """The documented host-side name: vr + 12 hex of sha1(id), computed independently."""
     return "vr" + hashlib.sha1(alloc_id.encode()).hexdigest()[:12]
+
+
+def subnet_config(tmp_path: Any, bridge: str, cidr: str, allocs: list[dict[str, Any]],
+                  name: str = "c.yaml") -> str:
+    """Write a desired state of one bridge, one subnet ``net`` on it and ``allocs``."""
+    doc = {"version": 1, "bridges": [{"name": bridge}],
+           "subnets": [{"name": "net", "bridge": bridge, "cidr": cidr}],
+           "allocs": [{"subnet": "net", **a} for a in allocs]}
+    return write(tmp_path, name, json.dumps(doc) + "\n")

@@ -166,7 +166,9 @@ class FakeHost:
                          listening=frozenset(self.listening) if desired.allocs
                          else frozenset(), routes=self._routes(desired),
                          docker_space=self.docker_space,
-                         neighbours=self._neighbours(desired))
+                         neighbours=self._neighbours(desired),
+                         peer_namespaces={ns.nsid: name for name, ns in self.netns.items()
+                                          if ns.usable and name not in netns})
 
     def _neighbours(self, desired: DesiredState) -> tuple[LiveNeighbour, ...]:
         """Like the real observer: entries on the declared bridges."""

@@ -22,7 +22,9 @@ from reconciler.drivers.netlink.listen import (
 from reconciler.drivers.netlink.wire import (
     HDR,
     RTM_DELROUTE,
+    RTM_DELRULE,
     RTM_NEWROUTE,
+    RTM_NEWRULE,
     SOL_NETLINK,
     split_messages,
 )
@@ -62,9 +64,10 @@ _CMSG_SPACE = socket.CMSG_SPACE(4)
 
 
 def _only_routes(data: bytes) -> bool:
-    """Tell whether this datagram holds route notifications only."""
+    """Tell whether this datagram holds route (or rule: which tables count) notifications
+    only."""
     kinds = {HDR.unpack_from(raw)[1] for raw in split_messages(data)}
-    return bool(kinds) and kinds <= {RTM_NEWROUTE, RTM_DELROUTE}
+    return bool(kinds) and kinds <= {RTM_NEWROUTE, RTM_DELROUTE, RTM_NEWRULE, RTM_DELRULE}
 
 
 class NetlinkSentinel(Sentinel):

@@ -204,6 +204,9 @@ class LiveView:
             if set(again) != namespaces:
                 return None  # one vanished without a /run/netns event: be safe
             fresh["netns"] = {**self.live.netns, **again}
+        if "links" in fresh or "netns" in fresh:
+            fresh["peer_namespaces"] = self.observer.observe_peer_namespaces(
+                desired, fresh.get("links", self.live.links), fresh.get("netns", self.live.netns))
         return fresh
 
     # -- answer -------------------------------------------------------------------------

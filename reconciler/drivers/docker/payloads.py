@@ -160,7 +160,8 @@ def endpoints(attrs: Mapping[str, Any]) -> tuple[LiveEndpoint, ...]:
 def network_use(attrs: Mapping[str, Any]) -> DockerNetworkUse:
     """Place a listed network in the address space: its subnets and its Linux bridge."""
     n = parse_network(attrs)
-    return DockerNetworkUse(n.name, n.id, n.subnets, bridge_of(n.id, n.options), n.owned)
+    return DockerNetworkUse(n.name, n.id, n.subnets, bridge_of(n.id, n.options), n.owned,
+                            n.driver)
 
 
 def parse_default_mtu(bridge_attrs: Mapping[str, Any]) -> int | None:

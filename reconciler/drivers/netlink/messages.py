@@ -10,6 +10,7 @@ import socket
 
 from reconciler.domain.live import IPInterface
 from reconciler.drivers.netlink.wire import (
+    FIB_RULE_HDR,
     IFA_ADDRESS,
     IFA_F_NODAD,
     IFA_FLAGS,
@@ -52,6 +53,14 @@ ADDR_DUMP = IFADDR.pack(0, 0, 0, 0, 0)
 
 
 ROUTE_DUMP = RTMSG.pack(0, 0, 0, 0, RT_TABLE_MAIN, 0, 0, 0, 0)
+
+
+#: every table's routes (a strict dump filters by the header's table: 0 is none)
+ROUTE_DUMP_ALL = RTMSG.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+#: every rule of both families (``ip rule`` and ``ip -6 rule``)
+RULE_DUMP = FIB_RULE_HDR.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 NEIGH_DUMP = NDMSG.pack(0, 0, 0, 0, 0)  # both families, every link

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from reconciler.domain import ownership
 from reconciler.domain.live import IPInterface, LiveAddress, LiveLink, LiveNeighbour, LiveRoute
 from reconciler.drivers.netlink.wire import (
+    FIB_RULE_HDR,
+    FR_ACT_TO_TBL,
+    FRA_TABLE,
     HDR,
     I32,
     IFA_ADDRESS,
@@ -56,10 +59,12 @@ from reconciler.drivers.netlink.wire import (
     RTM_DELADDR,
     RTM_DELLINK,
     RTM_DELROUTE,
+    RTM_DELRULE,
     RTM_F_CLONED,
     RTM_NEWADDR,
     RTM_NEWLINK,
     RTM_NEWROUTE,
+    RTM_NEWRULE,
     RTMSG,
     U32,
     NlMsg,
@@ -143,8 +148,10 @@ ROUTE_TYPES = {1: "unicast", 2: "local", 3: "broadcast", 4: "anycast", 5: "multi
                6: "blackhole", 7: "unreachable", 8: "prohibit", 9: "throw", 10: "nat"}
 
 
-def parse_route(msg: NlMsg) -> LiveRoute | None:
-    """Parse a LiveRoute from an RTM_NEWROUTE message of the main table; None for others.
+def parse_route(msg: NlMsg, tables: Mapping[int, Container[int]] | None = None
+                ) -> LiveRoute | None:
+    """Parse a LiveRoute from an RTM_NEWROUTE message of the main table (or, with ``tables``, of
+    the tables it names for the route's family); None for others.
 
     ``dst`` is ``"default"`` for a zero-length prefix of either family (the
     gateway's family tells them apart), else ``"prefix/len"``.
@@ -153,7 +160,8 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     a = msg.attrs
     if RTA_TABLE in a:
         table = U32.unpack_from(a[RTA_TABLE])[0]
-    if table != RT_TABLE_MAIN or rflags & RTM_F_CLONED:
+    wanted = (RT_TABLE_MAIN,) if tables is None else tables.get(family, ())
+    if table not in wanted or rflags & RTM_F_CLONED:
         return None
     if family not in (socket.AF_INET, socket.AF_INET6):
         return None
@@ -164,7 +172,20 @@ def parse_route(msg: NlMsg) -> LiveRoute | None:
     gw = str(ipaddress.ip_address(a[RTA_GATEWAY])) if RTA_GATEWAY in a else None
     oif = U32.unpack_from(a[RTA_OIF])[0] if len(a.get(RTA_OIF, b"")) >= 4 else 0
     return LiveRoute(dst=dst, gateway=gw, owned=proto == ownership.ROUTE_PROTO, oif=oif,
-                     type=ROUTE_TYPES.get(rtype, f"type {rtype}"))
+                     type=ROUTE_TYPES.get(rtype, f"type {rtype}"), table=table)
+
+
+def parse_rule_table(msg: NlMsg) -> tuple[int, int] | None:
+    """Return (family, table) of an RTM_NEWRULE message whose action is a lookup in a table (``ip
+    rule ... lookup T``); None for the others (goto, nop, blackhole, unreachable, prohibit,
+    and a VRF's ``l3mdev`` lookup, whose table is the device's, not the host's)."""
+    family, _dst, _src, _tos, table, _r1, _r2, action, _flags = msg.header
+    if action != FR_ACT_TO_TBL or family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    raw = msg.attrs.get(FRA_TABLE, b"")
+    if len(raw) >= 4:
+        table = U32.unpack_from(raw)[0]
+    return (family, table) if table else None
 
 
 
@@ -227,7 +248,7 @@ def assemble_links(link_msgs: Iterable[NlMsg], addr_msgs: Iterable[NlMsg]) -> li
     return [parse_link(m, names, tuple(by_index.get(m.header[2], ()))) for m in link_msgs]
 
 
-What = Literal["link", "addr", "route"]
+What = Literal["link", "addr", "route", "rule"]
 
 
 @dataclass(frozen=True)
@@ -278,6 +299,9 @@ def _parse_one(kind: int, raw: bytes) -> NetlinkEvent | None:
         return NetlinkEvent("route", kind == RTM_DELROUTE,
                             U32.unpack_from(oif)[0] if oif and len(oif) >= 4 else 0,
                             proto=rtm[5], link_local=link_local)
+    if kind in (RTM_NEWRULE, RTM_DELRULE) and len(raw) - body >= FIB_RULE_HDR.size:
+        # which tables the host's routing selects: the address space's routes
+        return NetlinkEvent("rule", kind == RTM_DELRULE, 0)
     return None
 
 

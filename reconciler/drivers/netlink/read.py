@@ -27,6 +27,8 @@ from reconciler.drivers.netlink.messages import (
     LINK_DUMP,
     NEIGH_DUMP,
     ROUTE_DUMP,
+    ROUTE_DUMP_ALL,
+    RULE_DUMP,
     ifinfo,
 )
 from reconciler.drivers.netlink.parse import (
@@ -37,6 +39,7 @@ from reconciler.drivers.netlink.parse import (
     parse_neigh,
     parse_neigh_entry,
     parse_route,
+    parse_rule_table,
 )
 from reconciler.drivers.netlink.transport import Socket, netlink_error
 from reconciler.drivers.netlink.wire import (
@@ -49,6 +52,8 @@ from reconciler.drivers.netlink.wire import (
     NETNSA_FD,
     NETNSA_NSID,
     NUD_NOARP,
+    RT_TABLE_LOCAL,
+    RT_TABLE_MAIN,
     RTA_DST,
     RTA_OIF,
     RTEXT_FILTER_SKIP_STATS,
@@ -58,6 +63,7 @@ from reconciler.drivers.netlink.wire import (
     RTM_GETNEIGH,
     RTM_GETNSID,
     RTM_GETROUTE,
+    RTM_GETRULE,
     RTMSG,
     U32,
     NlMsg,
@@ -275,6 +281,34 @@ class NetlinkReader:
         out = []
         for m in self.route_messages(ns):
             r = parse_route(m)
+            if r is not None:
+                out.append(r)
+        return tuple(out)
+
+    def rule_tables(self) -> dict[int, frozenset[int]]:
+        """Return, per family (``socket.AF_INET``, ``AF_INET6``), the tables an ``ip rule`` of the
+        host selects: main and default, and whatever Tailscale (52), ``wg-quick`` (its fwmark
+        table) or an operator added. Not the local table: its routes are the links'
+        addresses, read as addresses."""
+        out: dict[int, set[int]] = {socket.AF_INET: set(), socket.AF_INET6: set()}
+        for raw in self._host.dump(RTM_GETRULE, RULE_DUMP, "dump rules"):
+            found = parse_rule_table(NlMsg.decode(raw))
+            if found is not None and found[1] != RT_TABLE_LOCAL:
+                out[found[0]].add(found[1])
+        return {family: frozenset(tables) for family, tables in out.items()}
+
+    def dump_host_routes(self) -> tuple[LiveRoute, ...]:
+        """Dump the host's routes of every table an ``ip rule`` selects (:meth:`rule_tables`),
+        each with its table: what a declared prefix must not overlap. Main only when the
+        rules cannot be read."""
+        try:
+            tables: dict[int, frozenset[int]] = self.rule_tables()
+        except DriverError:
+            tables = {socket.AF_INET: frozenset({RT_TABLE_MAIN}),
+                      socket.AF_INET6: frozenset({RT_TABLE_MAIN})}
+        out = []
+        for raw in self._host.dump(RTM_GETROUTE, ROUTE_DUMP_ALL, "dump routes"):
+            r = parse_route(NlMsg.decode(raw), tables)
             if r is not None:
                 out.append(r)
         return tuple(out)

@@ -82,6 +82,9 @@ RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
 RTM_NEWNEIGH, RTM_DELNEIGH, RTM_GETNEIGH = 28, 29, 30
 
 
+RTM_NEWRULE, RTM_DELRULE, RTM_GETRULE = 32, 33, 34
+
+
 RTM_NEWNSID, RTM_GETNSID = 88, 90
 
 
@@ -200,6 +203,17 @@ RTA_TABLE = 15
 RT_TABLE_MAIN = 254
 
 
+RT_TABLE_LOCAL = 255
+
+
+#: a FIB rule's attribute: its table when the id does not fit the header's byte
+FRA_TABLE = 15
+
+
+#: a FIB rule's action "lookup TABLE" (the others: goto, nop, blackhole, unreachable...)
+FR_ACT_TO_TBL = 1
+
+
 RTN_UNICAST = 1
 
 
@@ -280,6 +294,10 @@ IFADDR = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
 RTMSG = struct.Struct("=BBBBBBBBI")  # family dst_len src_len tos table proto scope type flags
 
 
+#: struct fib_rule_hdr: family dst_len src_len tos table res1 res2 action flags (RTMSG's layout)
+FIB_RULE_HDR = RTMSG
+
+
 RTGEN = struct.Struct("=Bxxx")
 
 
@@ -304,6 +322,7 @@ HDR_SIZES = {
     RTM_NEWROUTE: RTMSG, RTM_DELROUTE: RTMSG, RTM_GETROUTE: RTMSG,
     RTM_NEWNSID: RTGEN, RTM_GETNSID: RTGEN,
     RTM_NEWNEIGH: NDMSG, RTM_DELNEIGH: NDMSG, RTM_GETNEIGH: NDMSG,
+    RTM_NEWRULE: FIB_RULE_HDR, RTM_DELRULE: FIB_RULE_HDR, RTM_GETRULE: FIB_RULE_HDR,
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from reconciler.domain.live import LiveLink, LiveNetns
+from reconciler.domain.live import LiveLink, LiveNetns, LiveState
 from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias
 from reconciler.planner.context import PlanContext
 
@@ -62,6 +62,18 @@ def veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | Non
     return (ns is not None and ns.usable and ns.nsid is not None
             and veth.peer_netnsid == ns.nsid
             and (is_ours(ctx, ns) or ctx.adopted("alloc", aid)))
+
+
+def peer_held(live: LiveState, veth: LiveLink) -> str | None:
+    """Return the name of the live namespace under /run/netns that holds the peer of ``veth``
+    while it is not read as an allocation of ours (``LiveState.peer_namespaces``), or None:
+    such a veth is no orphan, whatever the marks say."""
+    return live.peer_namespaces.get(veth.peer_netnsid) if veth.peer_netnsid is not None else None
+
+
+def peer_held_warning(veth: str, namespace: str) -> str:
+    return (f"veth {veth}: its peer is in /run/netns/{namespace}, a live namespace without "
+            "this host's mark: left alone, not an orphan")
 
 
 def describe_link(lk: LiveLink) -> str:

@@ -30,6 +30,8 @@ from reconciler.planner.allocs.live import (
     inner_link,
     is_ours,
     is_own_namespace,
+    peer_held,
+    peer_held_warning,
     veth_is_ours,
     veth_pair_ok,
 )
@@ -305,6 +307,13 @@ def plan_pruned(ctx: PlanContext,
                                   tuple(attrs), (encode(NetnsDelete(name)), *neigh_ops)))
     for lname, lk in sorted(ctx.live.links.items()):
         if lk.kind != "veth" or not lk.owned or lname in veth_of:
+            continue
+        held = peer_held(ctx.live, lk)
+        if held is not None:
+            # its peer is in a namespace mounted under /run/netns and live, one not read as
+            # an allocation of ours (its mark rewritten): cut off, its workload would lose
+            # its network; whatever the marks say, that is no orphan
+            ctx.warnings.append(peer_held_warning(lname, held))
             continue
         # an owned veth whose allocation namespace is gone (kill -9 mid-create, or the
         # namespace file was removed while something kept the namespace alive)

@@ -4,8 +4,8 @@ What a plan says it disrupts is compared with what an apply then disrupts, seen 
 tools of their own: established TCP connections through each port map (do they still
 answer, and from whom), a connection from inside each allocation to its gateway,
 ``/run/netns``, ``docker inspect``'s endpoints. Flow counts are checked against
-connections the test holds open (and one from a probe's reserved source port, which
-must not count). ``--max-disruption`` must refuse with nothing changed: ``iptables-save``
+connections the test holds open (and one from the host itself on a probe's reserved
+source port, which is what a probe looks like and must not count). ``--max-disruption`` must refuse with nothing changed: ``iptables-save``
 and ``ip -j`` the same before and after.
 
 The host is a throwaway namespace (``host_ns``), the client another one routed to it.
@@ -36,7 +36,7 @@ BRIDGE, GATEWAY = "rcimp0", "10.79.0.1"
 ADDR = {"a": "10.79.0.10", "b": "10.79.0.20", "c": "10.79.0.30"}
 PORT_A, PORT_B, PORT_C = 18080, 18081, 18083
 GATE_PORT = 7000  # a listener of the host's on every address: what allocations dial
-PROBE_SPORT = 61500  # in the probes' reserved range: such a flow is never counted
+PROBE_SPORT = 61500  # in the probes' reserved range: from the host, such a flow is a probe's
 
 #: answers every line of every TCP connection with its tag (argv[1]) on port argv[2]
 SERVE = r"""
@@ -181,7 +181,7 @@ def test_predicted_disconnections_are_exactly_the_observed_ones(
         stack.enter_context(serving(f"/run/netns/{host_ns.name}", "gw", GATE_PORT))
         kept = {name: Kept(client, port) for name, port in
                 (("a", PORT_A), ("b", PORT_B), ("c", PORT_C))}
-        probe_like = Kept(client, PORT_A, PROBE_SPORT)
+        probe_like = Kept(host_ns.name, PORT_A, PROBE_SPORT)
         for k in (*kept.values(), probe_like):
             stack.callback(k.close)
         assert {n: k.ask() for n, k in kept.items()} == {"a": "A", "b": "B", "c": "C"}
@@ -210,7 +210,7 @@ def test_predicted_disconnections_are_exactly_the_observed_ones(
         assert set(want) == {("alloc", a), ("port_map", f"{PORT_A}/tcp"),
                              ("port_map", f"{PORT_B}/tcp")}, want
         assert want[("alloc", a)]["addresses"] == [ADDR["a"]]
-        # the client's connection to a; the one from a probe's port is not counted
+        # the client's connection to a; the host's own from a probe's port is not counted
         assert want[("alloc", a)]["flows"] == 1
         assert want[("port_map", f"{PORT_A}/tcp")]["flows"] == 1
         assert want[("port_map", f"{PORT_B}/tcp")]["flows"] == 1

@@ -4,6 +4,8 @@ its own change by probing what it applied, not what the files say now."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -244,7 +246,9 @@ def test_the_agent_is_held_back_by_an_operators_pending_change(watch: Any,
     sw, board, metrics = watch
     monkeypatch.setenv(safechange.BOOT_ID_ENV, "b")
     assert board.doc == {"pending": None, "reverted_revision": None}
-    safechange._write(safechange.scope_dir("netns/x"), pending_record(time.time() + 60, "b"))
+    monkeypatch.setattr(safechange, "reverter_alive", lambda _p: True)  # the operator's
+    safechange._write(safechange.scope_dir("netns/x"), dataclasses.replace(
+        pending_record(time.time() + 60, "b"), applied=True, reverter_pid=os.getpid()))
     held = sw.gate(None, None, "rev1", _lock)
     assert held is not None and "pending until" in held
     assert board.doc["pending"]["deadline"].endswith("Z") and metrics.pending_change.value == 1

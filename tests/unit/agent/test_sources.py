@@ -184,7 +184,7 @@ def test_the_overlap_alarm_wakes_on_addresses_and_routes_and_reports_changes() -
                 LiveAddress(ipaddress.ip_interface("10.66.0.1/24"), True),))
             return {"br0": br, "tun0": LiveLink("tun0", 6, "", 1500, True, False)}
 
-        def dump_routes(self) -> tuple[LiveRoute, ...]:
+        def dump_host_routes(self) -> tuple[LiveRoute, ...]:
             return self.routes
 
         def close(self) -> None:

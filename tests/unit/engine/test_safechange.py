@@ -97,9 +97,10 @@ def test_a_record_with_a_deadline_that_is_no_time_is_one_line(state: str, bad: s
     assert "\n" not in str(exc.value)
 
 
-def test_a_record_far_in_the_future_refuses_in_one_line(state: str) -> None:
+def test_a_record_far_in_the_future_refuses_in_one_line(state: str, monkeypatch: Any) -> None:
     """A record an older version wrote with a huge window: the refusal is a line, not an
     OverflowError from formatting its deadline."""
+    monkeypatch.setattr(safechange, "reverter_alive", lambda _p: True)
     safechange._write(state, _pending(1e20))
     with pytest.raises(PreconditionError, match="pending until"):
         safe.guard(_Rec())  # type: ignore[arg-type]
@@ -146,7 +147,8 @@ def test_a_revert_that_changed_nothing_is_not_counted(state: str, monkeypatch: A
 def test_confirm_refuses_a_change_whose_apply_did_not_finish(state: str, monkeypatch: Any,
                                                              capsys: Any) -> None:
     monkeypatch.setattr(safe, "Reconciler", _Rec)
-    safechange._write(state, _pending(time.time() + 60, applied=False))
+    monkeypatch.setattr(safechange, "reverter_alive", lambda _p: True)  # the apply's own
+    safechange._write(state, _pending(time.time() + 60, applied=False, pid=os.getpid()))
     assert safe.cmd_confirm(_args()) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not finished" in err[0] and "revert" in err[0], err

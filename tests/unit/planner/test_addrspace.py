@@ -208,7 +208,9 @@ def test_a_declared_prefix_over_foreign_addresses_routes_and_docker_networks_nam
     d = desired(sub("lan", "b1", "192.168.1.128/25"), sub("vpn", "b1", "10.9.3.0/24"),
                 sub("hole", "b1", "10.20.0.0/16"), sub("dock", "b2", "172.17.5.0/24"),
                 sub("kinda", "b2", "10.30.0.0/24", "fc00:1::/64"), sub("free", "b2", "10.31.0.0/24"))
-    got = conflicts(d, live(eth0, tun0, routes=routes, space=space))
+    # the daemon's bridges are links here: its networks share this namespace's routing
+    docker0 = link("docker0", 4, "172.17.0.1/16", kind="bridge")
+    got = conflicts(d, live(eth0, tun0, docker0, routes=routes, space=space))
     assert got == {
         "subnet/lan": "cidr 192.168.1.128/25 overlaps address 192.168.1.10/24 on eth0",
         "subnet/vpn": "cidr 10.9.3.0/24 overlaps route 10.9.0.0/16 via 10.8.0.1 on tun0",
@@ -218,7 +220,7 @@ def test_a_declared_prefix_over_foreign_addresses_routes_and_docker_networks_nam
         "subnet/kinda": "cidr6 fc00:1::/64 overlaps docker network kind (fc00:1::/64 on "
                         f"{use('kind').bridge})",
     }
-    plan = make_plan(d, live(eth0, tun0, routes=routes, space=space))
+    plan = make_plan(d, live(eth0, tun0, docker0, routes=routes, space=space))
     text = render_text(plan)
     assert "! subnet vpn: cidr 10.9.3.0/24 overlaps route 10.9.0.0/16 via 10.8.0.1 on tun0" \
         in text
@@ -266,7 +268,7 @@ def test_an_owned_docker_network_this_plan_prunes_frees_its_subnet():
     docker = LiveDocker(True, networks=(LiveDockerNetwork(
         nid, "old", "bridge", {DOCKER_LABEL: DOCKER_LABEL_VALUE, "io.reconciler.scope": "host"},
         {}, False, False, ("10.6.0.0/24",), 0),))
-    lv = live(space=space, docker=docker)
+    lv = live(link("br-x", 4, "10.6.0.1/24", kind="bridge"), space=space, docker=docker)
     d = desired(sub("s", "b", "10.6.0.0/24"))
     assert addrspace.check(d, lv, prune=True).conflicts == {}
     assert "docker network old" in addrspace.check(d, lv, prune=False).conflicts["subnet/s"]

@@ -182,7 +182,8 @@ def test_flows_are_counted_for_what_is_disrupted_and_probes_are_left_out() -> No
     host.conntrack.entries = [
         tcp_flow("198.51.100.7", 40000, 8080, "10.0.0.2", 80),  # through a's map
         tcp_flow("198.51.100.7", 40001, 8080, "10.0.0.2", 80),  # and another
-        tcp_flow("198.51.100.7", 61500, 8080, "10.0.0.2", 80),  # a probe's source port
+        tcp_flow("10.0.0.1", 61500, 8080, "10.0.0.2", 80),  # a probe: the host, its port
+        tcp_flow("10.0.0.2", 61501, 8080, "10.0.0.2", 80),  # a hairpin probe
         tcp_flow("198.51.100.7", 40002, 8080, "10.0.0.2", 80, state_=1),  # SYN_SENT
         tcp_flow("198.51.100.7", 40003, 8081, "10.0.0.3", 80),  # through b's map: kept
         udp_flow("10.0.0.2", 5353, "192.0.2.53", 53, answered=True),  # a's own, answered

@@ -120,6 +120,10 @@ class FakeObserver:
         self.alloc_reads += 1
         return dict(self.namespaces)
 
+    def observe_peer_namespaces(self, desired: DesiredState, links: Any,
+                                allocs: Any) -> dict[int, str]:
+        return {}
+
     def observe_docker(self, desired: DesiredState) -> Any:
         return None
 
