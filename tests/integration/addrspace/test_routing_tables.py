@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.allocs import subnet_config as _config
+from tests.support.dockerscratch import DockerScratch
 from tests.support.host import Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
@@ -54,39 +55,32 @@ def test_a_route_in_a_table_an_ip_rule_selects_is_a_conflict_naming_the_table(
 
 @pytest.mark.docker
 def test_in_a_sandbox_a_docker_network_of_another_namespace_is_a_warning(
-        host_ns: Netns, tmp_path: Any) -> None:
+        host_ns: Netns, tmp_path: Any, docker_scratch: DockerScratch) -> None:
     """The shared daemon's networks live in its own namespace, not the sandbox's: a subnet
     over one (the CNI test vector 10.0.0.0/8) cannot collide with the sandbox's routing.
     A declared Docker network over another one still conflicts: one daemon."""
-    from tests.integration import docker_fixtures as fx  # noqa: PLC0415 (skips without docker)
+    import docker  # noqa: PLC0415 (the fixture skipped the test without it)
 
-    client = fx._client_or_skip()
-    scratch = fx.DockerScratch(client, None)
-    try:
-        other, subnet = scratch.name("ten"), None
-        for third in range(240, 256):
-            candidate = f"10.{third}.77.0/24"
-            try:
-                client.api.create_network(other, driver="bridge", ipam=fx.docker.types.IPAMConfig(
-                    pool_configs=[fx.docker.types.IPAMPool(subnet=candidate)]))
-            except fx.docker.errors.APIError as exc:
-                if "overlap" not in str(exc):
-                    raise
-                continue
-            subnet = candidate
-            break
-        assert subnet is not None, "no free 10.x/24 for the test's Docker network"
-        path = _config(tmp_path, unique("b"), "10.0.0.0/8", [])
-        plan = host_ns.reconcile("plan", "--no-agent", path)
-        assert plan.rc == 2, plan.all
-        assert f"docker network {other} ({subnet}" in plan.all and "warning" in plan.all, plan.all
-        mine = scratch.name("mine")
-        clash = write(tmp_path, "docker.yaml", json.dumps(
-            {"version": 1, "docker_networks": [{"name": mine, "subnet": subnet}]}) + "\n")
-        plan = host_ns.reconcile("plan", "--no-agent", clash)
-        assert plan.rc == 1 and f"docker network {other} ({subnet}" in plan.out, plan.all
-    finally:
-        scratch.cleanup()
-        client.close()
-
-
+    client = docker_scratch.client
+    other, subnet = docker_scratch.name("ten"), None
+    for third in range(240, 256):
+        candidate = f"10.{third}.77.0/24"
+        try:
+            client.api.create_network(other, driver="bridge", ipam=docker.types.IPAMConfig(
+                pool_configs=[docker.types.IPAMPool(subnet=candidate)]))
+        except docker.errors.APIError as exc:
+            if "overlap" not in str(exc):
+                raise
+            continue
+        subnet = candidate
+        break
+    assert subnet is not None, "no free 10.x/24 for the test's Docker network"
+    path = _config(tmp_path, unique("b"), "10.0.0.0/8", [])
+    plan = host_ns.reconcile("plan", "--no-agent", path)
+    assert plan.rc == 2, plan.all
+    assert f"docker network {other} ({subnet}" in plan.all and "warning" in plan.all, plan.all
+    mine = docker_scratch.name("mine")
+    clash = write(tmp_path, "docker.yaml", json.dumps(
+        {"version": 1, "docker_networks": [{"name": mine, "subnet": subnet}]}) + "\n")
+    plan = host_ns.reconcile("plan", "--no-agent", clash)
+    assert plan.rc == 1 and f"docker network {other} ({subnet}" in plan.out, plan.all
