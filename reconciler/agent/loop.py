@@ -222,8 +222,6 @@ class Agent(AgentProbes):
             self.board.update(event_sources=src)
         elif self.docker is not None:
             self.docker.set_names(())
-        if self.files is not None:
-            self.files.ensure()
 
     def _held_namespaces(self) -> frozenset[str]:
         """Return the namespaces the observer keeps a socket into: undeclared ones of ours, too.
@@ -337,12 +335,18 @@ class Agent(AgentProbes):
         rev = git_revision(self.options.paths) or {}
         try:
             files = expand_paths(self.options.paths)
-        except ConfigError:
+        except (ConfigError, OSError):
             files = []
         rev["files_sha256"] = files_digest(files)
         return rev
 
     def _load(self) -> tuple[DesiredState | None, dict[str, Any], str | None]:
+        """Load the files: (desired state, revision, None), or (None, revision, why not).
+
+        Whatever the files' paths do meanwhile (removed, made again, swapped) is a reason
+        not to load them now, never an exception out of the loop: the last good state is
+        kept and reported, as for an invalid edit (SPEC §5).
+        """
         rev = self._revision()
         try:
             for _attempt in range(3):
@@ -368,6 +372,9 @@ class Agent(AgentProbes):
                                         "read (3 tries); trying again at the next pass")
         except (ConfigError, PreconditionError) as exc:
             return None, rev, str(exc)
+        except OSError as exc:  # a look at a path that went meanwhile, in a check of ours
+            where = f"{exc.filename}: " if exc.filename else ""
+            return None, rev, f"{where}cannot read: {exc.strerror or exc}"
         return desired, rev, None
 
     def run_pass(self, reasons: list[str]) -> PassReport:
@@ -376,6 +383,8 @@ class Agent(AgentProbes):
         t0, w0 = self.clock(), self.wall()
         report = PassReport(n, reasons, "ok", w0, w0, 0.0)
         desired, rev, config_error = self._load()
+        if self.files is not None:  # a watched directory removed and made again: watch it
+            self.files.ensure()
         if config_error is not None:
             self.metrics.config_errors.inc()
             self.metrics.config_valid.set(0)

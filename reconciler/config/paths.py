@@ -21,22 +21,31 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
     """Return the files named directly, plus every *.yaml/*.yml directly inside named
-    directories."""
+    directories.
+
+    Each path is looked at once, by the call that uses it (no ``isdir`` before the
+    ``listdir``): a directory someone removes meanwhile is a ``ConfigError`` like any
+    missing path, never an exception of the look's own (it killed the agent, SPEC §5).
+    """
     if not paths:
         raise ConfigError("no desired-state path given")
     files: list[str] = []
     for p in paths:
-        if os.path.isdir(p):
-            found = sorted(os.path.join(p, n) for n in os.listdir(p)
-                           if n.endswith(YAML_SUFFIXES) and not n.startswith("."))
-            found = [f for f in found if os.path.isfile(f)]
-            if not found:
-                raise ConfigError("directory holds no *.yaml or *.yml file", file=p)
-            files.extend(found)
-        elif os.path.exists(p):
-            files.append(p)
-        else:
-            raise ConfigError("no such file or directory", file=p)
+        try:
+            names = os.listdir(p)
+        except NotADirectoryError:
+            files.append(p)  # a file: read_bytes says what is wrong with it, when anything is
+            continue
+        except FileNotFoundError:
+            raise ConfigError("no such file or directory", file=p) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read: {exc.strerror or exc}", file=p) from None
+        found = sorted(os.path.join(p, n) for n in names
+                       if n.endswith(YAML_SUFFIXES) and not n.startswith("."))
+        found = [f for f in found if os.path.isfile(f)]  # isfile: False, never an error
+        if not found:
+            raise ConfigError("directory holds no *.yaml or *.yml file", file=p)
+        files.extend(found)
     seen: set[str] = set()
     unique = []
     for f in files:
