@@ -31,12 +31,18 @@ from prometheus_client import (
     generate_latest,
 )
 
+from reconciler.agent.logs import RateLimit
 from reconciler.agent.readiness import Verdict
 from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
 
 DEFAULT_ADDR = "127.0.0.1:9477"
 
 log = logging.getLogger("reconciler.status")
+#: everything the status servers log is what a client caused: 20 lines at once, then one a
+#: second, for all clients of all servers together (each client also gets at most one a
+#: second of its own: ``StatusServer._note``)
+CLIENT_LINES = RateLimit(rate=1.0, burst=20)
+log.addFilter(CLIENT_LINES)
 
 
 class Metrics:
@@ -182,7 +188,9 @@ class StatusServer:
     pushes out the oldest that has not finished its request, so a flood of idle
     connections cannot keep `/healthz` from answering. What a client causes is
     logged as one line (at most one a second per peer, with a count), never a
-    traceback.
+    traceback; all clients together get 20 lines, then one a second (``CLIENT_LINES``:
+    another 127.x source per connection is another peer), and the count of what was
+    held back is said.
     """
 
     MAX_CONNECTIONS = 64
@@ -266,6 +274,10 @@ class StatusServer:
                 else:
                     self._io(key.data, mask)
             self._expire()
+            held = CLIENT_LINES.flush()
+            if held:
+                log.warning("status server: %d more line(s) about clients suppressed (log rate "
+                            "limit)", held)
 
     def _accept(self) -> None:
         for _ in range(256):  # then serve the others: a flood must not starve them

@@ -9,16 +9,19 @@ user is ``nobody``; the only traffic goes to this machine's loopback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
 from tests.conftest import Netns, unique, write
-from tests.integration.test_hardening import Watch
+from tests.figures import report
+from tests.integration.test_hardening import NOBODY, PUBLIC_PYTHON, Watch
 
 pytestmark = pytest.mark.root
 
@@ -80,3 +83,56 @@ def test_a_watched_directory_removed_and_made_again_in_a_loop_stops_nothing(host
     assert rounds[0] > 100, rounds
     assert "internal error" not in out and "Traceback" not in out, out
     assert agent.proc.returncode == 0, out
+
+
+# ----------------------------------------------------------------- the log's rate
+
+#: one connection per loopback source address, each sending a malformed request
+SOURCES = r"""
+import socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sent = 0
+for i in range(n):
+    src = f"127.{1 + i // 65000}.{(i // 250) % 256}.{1 + i % 250}"
+    try:
+        s = socket.socket()
+        s.bind((src, 0))
+        s.settimeout(3)
+        s.connect((host, port))
+        s.sendall(b"NOT HTTP\r\n\r\n")
+        s.recv(1024)
+        s.close()
+        sent += 1
+    except OSError:
+        pass
+print(sent, flush=True)
+"""
+
+
+def test_clients_from_many_loopback_sources_cannot_flood_the_log(host_ns: Netns, tmp_path,
+                                                                 request):
+    """An unprivileged process that uses another 127.x source per connection gets a bounded
+    number of log lines in all, and a line says how many were held back."""
+    n = 3000
+    cfg = write(tmp_path, "s.yaml", _bridge_state(unique("lb")))
+    agent = Watch(host_ns, cfg)
+    try:
+        agent.converged()
+        host, port = agent.addr.split(":")
+        flood = subprocess.run([PUBLIC_PYTHON, "-c", SOURCES, host, port, str(n)], user=NOBODY,
+                               group=NOBODY, capture_output=True, text=True, cwd="/",
+                               timeout=300)
+        sent = int(flood.stdout.strip() or 0)
+        assert sent >= n * 0.9, flood.stderr
+        # the line that reports what was held back comes a second or so later
+        with contextlib.suppress(AssertionError):
+            agent.wait(lambda: any("suppressed" in ln for ln in agent.lines), 10,
+                       "the line counting what was held back")
+    finally:
+        out = agent.stop()
+    lines = [ln for ln in out.splitlines() if "status server:" in ln]
+    report(request, f"{sent} malformed requests from {sent} loopback sources by uid {NOBODY}: "
+                    f"{len(lines)} log lines about them")
+    assert 0 < len(lines) <= 100, f"{len(lines)} lines: {lines[:3]} ... {lines[-3:]}"
+    assert any("suppressed" in ln for ln in lines), lines
+    assert "Traceback" not in out

@@ -5,6 +5,7 @@ one's inode. Pure logic and loopback only."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from reconciler.agent.files import FileWatcher
+from reconciler.agent.logs import RateLimit
 from reconciler.cli.apply import is_saved_plan
 from reconciler.cli.commands import main as cli_main
 from reconciler.config import paths as config_paths
@@ -90,3 +92,27 @@ def test_a_watched_directory_made_again_is_watched_again(tmp_path):
         assert str(conf / "a.yaml") in heard, f"not heard in the new directory: {heard}"
     finally:
         watcher.close()
+
+
+# ----------------------------------------------------------------- the log's rate
+
+
+def test_the_log_rate_is_bounded_over_all_clients_and_says_what_it_held_back():
+    now = [0.0]
+    limit = RateLimit(rate=1.0, burst=20, clock=lambda: now[0])
+    logger = logging.getLogger("reconciler.test-rate")
+    records = [logger.makeRecord(logger.name, logging.WARNING, __file__, 1,
+                                 "closed a connection from 127.0.%d.%d", (i // 250, i % 250),
+                                 None) for i in range(1000)]
+    passed = [r for r in records if limit.filter(r)]
+    assert len(passed) == 20
+    now[0] = 0.5
+    assert limit.flush() == 0  # no line may be written yet: the count is kept
+    now[0] = 1.0
+    late = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "one more", (), None)
+    assert limit.filter(late)
+    assert late.getMessage() == ("one more (980 more line(s) like these suppressed before "
+                                 "this one: log rate limit)")
+    assert not any(limit.filter(r) for r in records[:10])
+    now[0] = 2.0
+    assert limit.flush() == 10 and limit.flush() == 0
