@@ -200,9 +200,11 @@ class StatusServer:
     def __init__(self, sock: socket.socket, board: StatusBoard, metrics: Metrics,
                  healthy: Callable[[], tuple[bool, str]], *,
                  ready: Callable[[], Verdict] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, private: bool = False) -> None:
         def status() -> tuple[int, str, bytes]:
             doc = board.snapshot()
+            if not private:
+                doc = public_view(doc)
             if ready is not None:
                 doc["ready"] = ready().to_json()
             return 200, "application/json", json.dumps(doc, indent=2).encode() + b"\n"
@@ -392,6 +394,16 @@ class StatusServer:
             self._noted = {peer: self._noted[peer]}
 
 
+def public_view(doc: dict[str, Any]) -> dict[str, Any]:
+    """Return the status document as anyone on the host may read it: a config error says
+    where (file:line:col, the key path) and what, never a value of the files, which may be
+    root's alone (its whole text, ``detail``, is for the root-only socket)."""
+    cfg = doc.get("config_error")
+    if isinstance(cfg, dict) and "detail" in cfg:
+        doc = dict(doc, config_error={k: v for k, v in cfg.items() if k != "detail"})
+    return doc
+
+
 def _pair(v: Verdict) -> tuple[bool, str]:
     return v.ready, v.reason
 
@@ -497,7 +509,8 @@ def render(doc: dict[str, Any], now: float | None = None) -> str:
     if cfg:
         lines.append(f"config error (keeping the last good desired state) since "
                      f"{_ago(cfg.get('since'), now)}:")
-        lines.extend(f"  {ln}" for ln in str(cfg.get("message", "")).splitlines())
+        lines.extend(f"  {ln}" for ln in str(cfg.get("detail") or cfg.get("message", ""))
+                     .splitlines())
     return "\n".join(lines) + "\n"
 
 

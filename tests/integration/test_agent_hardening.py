@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from tests.conftest import Netns, unique, write
 from tests.figures import report
-from tests.integration.test_hardening import NOBODY, PUBLIC_PYTHON, Watch
+from tests.integration.test_hardening import NOBODY, PUBLIC_PYTHON, Watch, _as_nobody
 
 pytestmark = pytest.mark.root
 
@@ -136,3 +137,41 @@ def test_clients_from_many_loopback_sources_cannot_flood_the_log(host_ns: Netns,
     assert 0 < len(lines) <= 100, f"{len(lines)} lines: {lines[:3]} ... {lines[-3:]}"
     assert any("suppressed" in ln for ln in lines), lines
     assert "Traceback" not in out
+
+
+# ----------------------------------------------------------------- no values in /status
+
+FETCH = r"""
+import sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+for path in sys.argv[2:]:
+    try:
+        with opener.open(f"http://{sys.argv[1]}{path}", timeout=10) as r:
+            print(r.read().decode())
+    except urllib.error.HTTPError as exc:
+        print(exc.read().decode())
+"""
+
+
+def test_status_shows_anyone_where_a_config_error_is_never_the_files_values(host_ns: Netns,
+                                                                          tmp_path):
+    """The files are root's alone (0600 in a 0700 directory); an invalid edit must not reach
+    uid nobody through /status or /readyz on loopback: positions and key paths only."""
+    bridge = unique("sb")
+    conf = tmp_path / "conf"
+    conf.mkdir(mode=0o700)
+    path = write(conf, "a.yaml", _bridge_state(bridge))
+    os.chmod(path, 0o600)
+    agent = Watch(host_ns, str(conf))
+    try:
+        agent.converged()
+        with open(path, "w") as fh:
+            fh.write(f'version: 1\nbridges:\n  - {{name: {bridge}, mtu: "s3cr3t-mtu"}}\n')
+        agent.wait(lambda: agent.status().get("config_error"), 30, "the config error")
+        seen = _as_nobody(FETCH, agent.addr, "/status", "/readyz")
+    finally:
+        agent.stop()
+    assert seen.returncode == 0, seen.stderr
+    assert "s3cr3t" not in seen.stdout, seen.stdout
+    assert re.search(re.escape(path) + r":3:\d+: bridges\[0\]\.mtu: must be of type integer",
+                     seen.stdout), seen.stdout

@@ -5,6 +5,7 @@ one's inode. Pure logic and loopback only."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -14,11 +15,13 @@ from typing import Any
 
 import pytest
 
+from reconciler.agent import status
 from reconciler.agent.files import FileWatcher
 from reconciler.agent.logs import RateLimit
 from reconciler.cli.apply import is_saved_plan
 from reconciler.cli.commands import main as cli_main
 from reconciler.config import paths as config_paths
+from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError
 
 # ----------------------------------------------------------------- a vanishing directory
@@ -116,3 +119,57 @@ def test_the_log_rate_is_bounded_over_all_clients_and_says_what_it_held_back():
     assert not any(limit.filter(r) for r in records[:10])
     now[0] = 2.0
     assert limit.flush() == 10 and limit.flush() == 0
+
+
+# ----------------------------------------------------------------- no values in /status
+
+SECRET_STATE = """version: 1
+bridges:
+  - {name: nomad, mtu: "s3cr3t-mtu"}
+  - {name: "s3cr3t-name!"}
+docker_networks:
+  - {name: dn, labels: {token: "s3cr3t-label\\x01"}}
+allocs:
+  - {id: web, subnet: sn, address: s3cr3t-address}
+"""
+
+
+def test_config_errors_for_anyone_name_positions_and_keys_never_values(tmp_path):
+    path = str(tmp_path / "a.yaml")
+    with open(path, "w") as fh:
+        fh.write(SECRET_STATE)
+    with pytest.raises(ConfigError) as exc:
+        load([path])
+    assert "s3cr3t" in str(exc.value)  # root's own view: the whole message
+    public = exc.value.public_text()
+    assert "s3cr3t" not in public, public
+    assert f"{path}:6:" in public and "docker_networks[0].labels.token: control character " \
+        "U+0001 is not allowed" in public, public
+    broken = str(tmp_path / "b.yaml")
+    with open(broken, "w") as fh:
+        fh.write("version: 1\nbridges: [{name: nomad}\n  s3cr3t-yaml: [\n")
+    with pytest.raises(ConfigError) as exc:
+        load([broken])
+    assert "s3cr3t" not in exc.value.public_text()
+    assert exc.value.public_text().startswith(f"{broken}:") and "invalid YAML" in \
+        exc.value.public_text()
+    schema_only = str(tmp_path / "c.yaml")
+    with open(schema_only, "w") as fh:
+        fh.write('version: 1\nbridges:\n  - {name: nomad, mtu: "s3cr3t-mtu"}\n'
+                 '  - {name: "s3cr3t-name!"}\n')
+    with pytest.raises(ConfigError) as exc:
+        load([schema_only])
+    assert exc.value.public_text().splitlines() == [
+        f"{schema_only}:3:24: bridges[0].mtu: must be of type integer",
+        f"{schema_only}:4:12: bridges[1].name: not allowed here: A kernel interface name: "
+        "1-15 characters of [A-Za-z0-9_.-] (IFNAMSIZ)."], exc.value.public_text()
+
+
+def test_status_for_anyone_drops_the_whole_config_error():
+    doc = {"config_error": {"message": "a.yaml:3:24: bridges[0].mtu: must be of type "
+                                       "integer", "detail": "a.yaml:3:24: 's3cr3t' ...",
+                            "since": 1.0}, "paths": ["a.yaml"]}
+    public = status.public_view(doc)
+    assert "s3cr3t" not in json.dumps(public) and public["paths"] == ["a.yaml"]
+    assert public["config_error"]["message"].startswith("a.yaml:3:24: bridges[0].mtu:")
+    assert "s3cr3t" in status.render(doc)  # what root's `reconcile status` prints
