@@ -10,6 +10,7 @@ user is ``nobody``; the only traffic goes to this machine's loopback.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,13 @@ import pytest
 
 from tests.conftest import Netns, unique, write
 from tests.figures import report
-from tests.integration.test_hardening import NOBODY, PUBLIC_PYTHON, Watch, _as_nobody
+from tests.integration.test_hardening import (
+    NOBODY,
+    PUBLIC_PYTHON,
+    Watch,
+    _as_nobody,
+    _free_port,
+)
 
 pytestmark = pytest.mark.root
 
@@ -175,3 +182,74 @@ def test_status_shows_anyone_where_a_config_error_is_never_the_files_values(host
     assert "s3cr3t" not in seen.stdout, seen.stdout
     assert re.search(re.escape(path) + r":3:\d+: bridges\[0\]\.mtu: must be of type integer",
                      seen.stdout), seen.stdout
+
+
+# ----------------------------------------------------------------- the status address taken
+
+#: a local user's server on the agent's status address: a forged "ready" to every request
+SQUAT = r"""
+import json, socket, sys
+doc = json.dumps({"pid": 1, "hostname": "forged", "state": "running",
+                  "last_pass": {"result": "ok", "number": 1}, "errors": [],
+                  "ready": {"ready": True, "reason": "ready: forged"}}).encode()
+s = socket.socket()
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(16)
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(2)
+    try:
+        c.recv(4096)
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + doc)
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+def test_a_squatter_on_the_status_address_neither_stops_the_agent_nor_speaks_for_it(
+        host_ns: Netns, tmp_path):
+    """uid nobody binds the status address first and answers "ready" to everyone. The agent
+    starts and heals all the same, ``reconcile status`` gets the real agent's answer from its
+    root-only socket, refuses the squatter's over TCP naming it, and once the squatter is
+    gone the agent takes its address back."""
+    bridge = unique("qb")
+    cfg = write(tmp_path, "s.yaml", _bridge_state(bridge))
+    port = _free_port()
+    addr = f"127.0.0.1:{port}"
+    squatter = subprocess.Popen([PUBLIC_PYTHON, "-c", SQUAT, "127.0.0.1", str(port)],
+                                user=NOBODY, group=NOBODY, stdout=subprocess.PIPE, text=True,
+                                cwd="/")
+    agent = None
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "listening\n"
+        agent = Watch(host_ns, cfg, addr=addr)
+        deadline = time.monotonic() + 60
+        while host_ns.link(bridge) is None and agent.proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert agent.proc.poll() is None, f"the agent did not start: {agent.output()}"
+        assert host_ns.link(bridge) is not None, "the agent did not heal anything"
+        mine = host_ns.reconcile("status", "--output", "json")
+        assert mine.rc in (0, 1), mine.all
+        doc = json.loads(mine.out)
+        assert doc["pid"] == agent.proc.pid and doc["hostname"] != "forged", mine.out
+        ready = host_ns.reconcile("status", "--probe", "readyz")
+        assert "forged" not in ready.all, ready.all
+        forged = host_ns.reconcile("status", "--addr", addr)
+        assert forged.rc == 1 and forged.err.count("\n") == 1, forged.all
+        assert f"held by uid {NOBODY}" in forged.err and f"pid {squatter.pid}" in forged.err, \
+            forged.err
+        squatter.kill()
+        squatter.wait()
+        agent.wait(lambda: agent.get("/healthz") == (200, "ok\n"), 120,
+                   "the agent on its address once the squatter is gone")
+        back = host_ns.reconcile("status", "--addr", addr, "--output", "json")
+        assert json.loads(back.out)["pid"] == agent.proc.pid, back.all
+    finally:
+        if squatter.poll() is None:
+            squatter.kill()
+            squatter.wait()
+        out = agent.stop() if agent is not None else ""
+    assert "Traceback" not in out, out

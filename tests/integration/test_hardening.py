@@ -69,8 +69,9 @@ def _free_port() -> int:
 class Watch:
     """A `reconcile watch` of ``paths`` in namespace ``ns`` with status on loopback."""
 
-    def __init__(self, ns: Netns, *paths: str, extra: tuple[str, ...] = ()) -> None:
-        self.addr = f"127.0.0.1:{_free_port()}"
+    def __init__(self, ns: Netns, *paths: str, extra: tuple[str, ...] = (),
+                 addr: str | None = None) -> None:
+        self.addr = addr or f"127.0.0.1:{_free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reconciler", "--netns", ns.name, "watch", *paths,
              "--status-addr", self.addr, "--log-format", "json", "--no-docker-events",

@@ -5,10 +5,12 @@ one's inode. Pure logic and loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from typing import Any
@@ -173,3 +175,75 @@ def test_status_for_anyone_drops_the_whole_config_error():
     assert "s3cr3t" not in json.dumps(public) and public["paths"] == ["a.yaml"]
     assert public["config_error"]["message"].startswith("a.yaml:3:24: bridges[0].mtu:")
     assert "s3cr3t" in status.render(doc)  # what root's `reconcile status` prints
+
+
+# ----------------------------------------------------------------- `reconcile status`
+
+
+class _Answer:
+    """A server on loopback that answers every request with ``body`` (then closes), counting
+    the bytes it got out."""
+
+    def __init__(self, body: bytes | None = None, stream: int = 0) -> None:
+        self.body = body
+        self.stream = stream  # bytes of an endless-looking answer, sent as long as read
+        self.sent = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            c, _ = self.sock.accept()
+            with c:
+                c.recv(4096)
+                c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n")
+                if self.body is not None:
+                    c.sendall(self.body)
+                chunk = b" " * 65536
+                while self.sent < self.stream:
+                    self.sent += c.send(chunk)
+
+    def close(self) -> None:
+        self.sock.close()
+        self._thread.join(timeout=10)
+
+
+def test_status_reads_a_bounded_answer(capsys):
+    huge = _Answer(b'{"pid": 1, "x": "', stream=256 * 1024 * 1024)
+    try:
+        rc = cli_main(["status", "--addr", huge.addr])
+    finally:
+        huge.close()
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "bad answer" in err, err
+    assert huge.sent < 64 * 1024 * 1024, f"the client read {huge.sent} bytes"
+
+
+@pytest.mark.parametrize("body", [b'{"pid": ', b"[1, 2]", b'{"paths": 5, "revision": 7}',
+                                  b'"\xff\xfe"', b"[" * 100_000])
+def test_status_of_a_malformed_answer_is_one_error_line(body, capsys):
+    answer = _Answer(body)
+    try:
+        rc = cli_main(["status", "--addr", answer.addr])
+    finally:
+        answer.close()
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("error: bad answer"), err
+
+
+def test_status_prints_no_terminal_escapes_of_the_answer(capsys):
+    doc = {"pid": 1, "hostname": "\x1b]0;pwned\x07\x1b[2J", "state": "running",
+           "paths": ["/etc/\x1b[31mred"], "last_pass": {"result": "ok", "error": "\x9b1m"},
+           "errors": []}
+    answer = _Answer(json.dumps(doc).encode())
+    try:
+        rc = cli_main(["status", "--addr", answer.addr])
+    finally:
+        answer.close()
+    out = capsys.readouterr().out
+    assert rc == 0 and "\x1b" not in out and "\x07" not in out and "\x9b" not in out, out
+    assert "\\x1b]0;pwned\\x07" in out, out
