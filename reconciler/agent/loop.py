@@ -128,6 +128,8 @@ class Agent(AgentProbes):
         self.docker: Any = None
         self.alarm: OverlapAlarm | None = None
         self._loaded_sig: tuple[str, str] | None = None
+        #: the last load's error as anyone may read it: where and what, no value of the files
+        self.config_error_public: str | None = None
         #: called with each pass's report (the plan server warms its view)
         self.after_pass: Callable[[PassReport], None] | None = None
         #: every probe's latest result, and since when each failing one fails (wall time)
@@ -222,8 +224,6 @@ class Agent(AgentProbes):
             self.board.update(event_sources=src)
         elif self.docker is not None:
             self.docker.set_names(())
-        if self.files is not None:
-            self.files.ensure()
 
     def _held_namespaces(self) -> frozenset[str]:
         """Return the namespaces the observer keeps a socket into: undeclared ones of ours, too.
@@ -337,18 +337,26 @@ class Agent(AgentProbes):
         rev = git_revision(self.options.paths) or {}
         try:
             files = expand_paths(self.options.paths)
-        except ConfigError:
+        except (ConfigError, OSError):
             files = []
         rev["files_sha256"] = files_digest(files)
         return rev
 
     def _load(self) -> tuple[DesiredState | None, dict[str, Any], str | None]:
+        """Load the files: (desired state, revision, None), or (None, revision, why not).
+
+        Whatever the files' paths do meanwhile (removed, made again, swapped) is a reason
+        not to load them now, never an exception out of the loop: the last good state is
+        kept and reported, as for an invalid edit (SPEC §5).
+        """
         rev = self._revision()
+        self.config_error_public = None
         try:
             for _attempt in range(3):
                 if self.options.expect_revision is not None:
                     problem = expected_problem(rev, self.options.expect_revision)
                     if problem is not None:
+                        self.config_error_public = problem  # commit ids, no file's values
                         return None, rev, problem
                 before = check_permissions(self.options.paths) if self.options.strict else ()
                 desired = load(self.options.paths, hostname=self.hostname)
@@ -366,8 +374,16 @@ class Agent(AgentProbes):
             else:
                 raise PreconditionError("the desired-state files kept moving while they were "
                                         "read (3 tries); trying again at the next pass")
-        except (ConfigError, PreconditionError) as exc:
+        except ConfigError as exc:
+            self.config_error_public = exc.public_text()
             return None, rev, str(exc)
+        except PreconditionError as exc:  # paths, owners and modes: nothing of the files
+            self.config_error_public = str(exc)
+            return None, rev, str(exc)
+        except OSError as exc:  # a look at a path that went meanwhile, in a check of ours
+            where = f"{exc.filename}: " if exc.filename else ""
+            self.config_error_public = f"{where}cannot read: {exc.strerror or exc}"
+            return None, rev, self.config_error_public
         return desired, rev, None
 
     def run_pass(self, reasons: list[str]) -> PassReport:
@@ -376,14 +392,20 @@ class Agent(AgentProbes):
         t0, w0 = self.clock(), self.wall()
         report = PassReport(n, reasons, "ok", w0, w0, 0.0)
         desired, rev, config_error = self._load()
+        if self.files is not None:  # a watched directory removed and made again: watch it
+            self.files.ensure()
         if config_error is not None:
             self.metrics.config_errors.inc()
             self.metrics.config_valid.set(0)
             prev = self.board.get("config_error")
-            since = prev["since"] if prev and prev.get("message") == config_error else w0
-            self.board.update(config_error={"message": config_error, "since": since,
-                                            "revision": rev})
-            if not prev or prev.get("message") != config_error:
+            same = prev is not None and prev.get("detail") == config_error
+            since = prev["since"] if prev and same else w0
+            # "message" never quotes the files (anyone may read /status on loopback);
+            # "detail" is the whole error, for root (``status.public_view``)
+            self.board.update(config_error={
+                "message": self.config_error_public or config_error, "detail": config_error,
+                "since": since, "revision": rev})
+            if not same:
                 keep = ("keeping the last good desired state"
                         f" ({describe_revision(self.good_revision)})"
                         if self.good_revision is not None else "nothing applied yet")

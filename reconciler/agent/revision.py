@@ -177,10 +177,13 @@ def check_permissions(paths: Sequence[str]) -> Chain:
     chain: list[tuple[str, int, int]] = []
     done: set[str] = set()
     for p in [*paths, *files]:
-        if not os.path.lexists(p):
-            continue
         try:
             steps = resolution(p)
+        except (FileNotFoundError, NotADirectoryError):
+            # not there (now): nothing is read from it, and the load says it is missing;
+            # no look before (a path removed between the look and the walk was refused
+            # as "cannot resolve it")
+            continue
         except OSError as exc:
             raise PreconditionError(f"{p}: refusing to watch: cannot resolve it: "
                                     f"{exc.strerror or exc}") from None

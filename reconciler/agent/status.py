@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import ipaddress
 import json
 import logging
+import os
 import selectors
 import socket
+import stat
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -31,12 +33,21 @@ from prometheus_client import (
     generate_latest,
 )
 
+from reconciler.agent.logs import RateLimit
 from reconciler.agent.readiness import Verdict
-from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
-
-DEFAULT_ADDR = "127.0.0.1:9477"
+from reconciler.agent.statusclient import fetch as fetch  # (re-exported: tests, callers)
+from reconciler.agent.statusclient import healthy_doc as healthy_doc
+from reconciler.agent.statusclient import parse_addr
+from reconciler.agent.statusclient import render as render
+from reconciler.domain.errors import PreconditionError
+from reconciler.drivers import rundir
 
 log = logging.getLogger("reconciler.status")
+#: everything the status servers log is what a client caused: 20 lines at once, then one a
+#: second, for all clients of all servers together (each client also gets at most one a
+#: second of its own: ``StatusServer._note``)
+CLIENT_LINES = RateLimit(rate=1.0, burst=20)
+log.addFilter(CLIENT_LINES)
 
 
 class Metrics:
@@ -118,17 +129,6 @@ class StatusBoard:
             return copy.deepcopy(self._doc)
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); ConfigError when malformed."""
-    text = addr.strip()
-    if text.startswith("http://"):
-        text = text[len("http://"):].rstrip("/")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"bad address {addr!r}: expected HOST:PORT, e.g. {DEFAULT_ADDR}")
-    return host.strip("[]"), int(port)
-
-
 def bind(addr: str) -> socket.socket:
     """Open a listening TCP socket for the status server (made before entering --netns)."""
     host, port = parse_addr(addr)
@@ -147,6 +147,67 @@ def bind(addr: str) -> socket.socket:
         sock.close()
         raise PreconditionError(f"--status-addr {addr}: cannot listen: {exc.strerror or exc}; "
                                 "choose another address or --status-addr off") from None
+    return sock
+
+
+@dataclass
+class TcpStatus:
+    """The ``--status-addr`` listener: its socket, or why it could not be bound (yet) and the
+    network namespace to bind it in (the operator's, not the one ``--netns`` enters)."""
+
+    addr: str
+    sock: socket.socket | None = None
+    error: str | None = None
+    #: an fd of the namespace the address belongs to, for the retries
+    home: int | None = None
+
+
+def prepare_tcp(addr: str) -> TcpStatus:
+    """Bind ``addr`` now (before ``--netns`` moves the process); when that fails the agent
+    starts all the same and binds it later (``process``): a local user who took the
+    address first must not keep the agent from healing the host. A malformed address is
+    a usage error (ConfigError)."""
+    parse_addr(addr)
+    try:
+        return TcpStatus(addr, bind(addr))
+    except PreconditionError as exc:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        return TcpStatus(addr, None, str(exc), home)
+
+
+def bind_unix(path: str) -> socket.socket:
+    """Open the root-only status socket ``path`` (0600, in the 0700 run directory); OSError
+    when another agent serves it (it answers) or it cannot be made.
+
+    Unlike the TCP address, nobody but root can take it first: the run directory is root's
+    and refused when it is not (``rundir.ensure_dir``)."""
+    rundir.ensure_dir(os.path.dirname(path))
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except FileNotFoundError:
+        pass
+    except OSError:  # refused: a dead agent's socket (or not a socket: refused by unlink)
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket of ours") from None
+        os.unlink(path)
+    else:
+        raise OSError(errno.EADDRINUSE, f"another agent serves {path}")
+    finally:
+        probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        old = os.umask(0o177)  # 0600 from the first instant
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(16)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -182,7 +243,9 @@ class StatusServer:
     pushes out the oldest that has not finished its request, so a flood of idle
     connections cannot keep `/healthz` from answering. What a client causes is
     logged as one line (at most one a second per peer, with a count), never a
-    traceback.
+    traceback; all clients together get 20 lines, then one a second (``CLIENT_LINES``:
+    another 127.x source per connection is another peer), and the count of what was
+    held back is said.
     """
 
     MAX_CONNECTIONS = 64
@@ -192,9 +255,11 @@ class StatusServer:
     def __init__(self, sock: socket.socket, board: StatusBoard, metrics: Metrics,
                  healthy: Callable[[], tuple[bool, str]], *,
                  ready: Callable[[], Verdict] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, private: bool = False) -> None:
         def status() -> tuple[int, str, bytes]:
             doc = board.snapshot()
+            if not private:
+                doc = public_view(doc)
             if ready is not None:
                 doc["ready"] = ready().to_json()
             return 200, "application/json", json.dumps(doc, indent=2).encode() + b"\n"
@@ -222,7 +287,10 @@ class StatusServer:
 
     @property
     def address(self) -> str:
-        host, port = self.sock.getsockname()[:2]
+        name = self.sock.getsockname()
+        if isinstance(name, str):  # the root-only unix socket
+            return name
+        host, port = name[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
@@ -266,6 +334,10 @@ class StatusServer:
                 else:
                     self._io(key.data, mask)
             self._expire()
+            held = CLIENT_LINES.flush()
+            if held:
+                log.warning("status server: %d more line(s) about clients suppressed (log rate "
+                            "limit)", held)
 
     def _accept(self) -> None:
         for _ in range(256):  # then serve the others: a flood must not starve them
@@ -380,6 +452,16 @@ class StatusServer:
             self._noted = {peer: self._noted[peer]}
 
 
+def public_view(doc: dict[str, Any]) -> dict[str, Any]:
+    """Return the status document as anyone on the host may read it: a config error says
+    where (file:line:col, the key path) and what, never a value of the files, which may be
+    root's alone (its whole text, ``detail``, is for the root-only socket)."""
+    cfg = doc.get("config_error")
+    if isinstance(cfg, dict) and "detail" in cfg:
+        doc = dict(doc, config_error={k: v for k, v in cfg.items() if k != "detail"})
+    return doc
+
+
 def _pair(v: Verdict) -> tuple[bool, str]:
     return v.ready, v.reason
 
@@ -387,110 +469,3 @@ def _pair(v: Verdict) -> tuple[bool, str]:
 def _health(healthy: Callable[[], tuple[bool, str]]) -> tuple[int, str, bytes]:
     ok, why = healthy()
     return (200 if ok else 503), "text/plain", (why + "\n").encode()
-
-
-# --------------------------------------------------------------------------- client
-
-
-def fetch(addr: str, timeout: float = 5.0) -> dict[str, Any]:
-    """Fetch GET /status from a running agent; one-line ReconcilerError when it cannot."""
-    host, port = parse_addr(addr)
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/status"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
-    try:
-        with opener.open(url, timeout=timeout) as resp:
-            doc: dict[str, Any] = json.loads(resp.read().decode())
-            return doc
-    except urllib.error.URLError as exc:
-        reason = getattr(exc, "reason", exc)
-        why = getattr(reason, "strerror", None) or str(reason)
-        raise ReconcilerError(f"cannot reach the watch agent at {url}: {why} "
-                              "(is `reconcile watch` running with this --status-addr?)") from None
-    except (OSError, ValueError) as exc:
-        raise ReconcilerError(f"bad answer from the watch agent at {url}: {exc}") from None
-
-
-def _ago(ts: float | None, now: float) -> str:
-    if not ts:
-        return "never"
-    d = max(0.0, now - ts)
-    if d < 120:
-        return f"{d:.0f}s ago"
-    if d < 7200:
-        return f"{d / 60:.0f}m ago"
-    return f"{d / 3600:.1f}h ago"
-
-
-def render(doc: dict[str, Any], now: float | None = None) -> str:
-    """Render the status document as a few lines for people."""
-    now = time.time() if now is None else now
-    lines = []
-    rev = doc.get("revision") or {}
-    commit = rev.get("commit")
-    where = f"commit {commit[:12]}{' (dirty)' if rev.get('dirty') else ''}" if commit \
-        else f"files sha256 {str(rev.get('files_sha256', ''))[:12] or '-'}"
-    lines.append(f"agent: pid {doc.get('pid')} on {doc.get('hostname')}, {doc.get('state')}, "
-                 f"up since {_ago(doc.get('started_at'), now)}")
-    lines.append(f"desired: {' '.join(doc.get('paths', []))} at {where}"
-                 + (f" (expected {doc['expected_revision']})" if doc.get("expected_revision")
-                    else ""))
-    counts = doc.get("desired") or {}
-    if counts:
-        lines.append("         " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-    ready = doc.get("ready")
-    if ready:  # the /readyz verdict; its reason of a ready agent starts with "ready:"
-        lines.append(str(ready.get("reason")) if ready.get("ready")
-                     else f"not ready: {ready.get('reason')}")
-    last = doc.get("last_pass") or {}
-    if last:
-        ch = last.get("changes") or {}
-        lines.append(f"last pass: #{last.get('number')} {last.get('result')} "
-                     f"{_ago(last.get('finished_at'), now)} in "
-                     f"{last.get('duration_seconds', 0):.2f}s "
-                     f"({ch.get('applied', 0)} applied, {ch.get('failed', 0)} failed, "
-                     f"{ch.get('skipped', 0)} skipped; "
-                     f"because: {', '.join(last.get('reasons', [])) or '-'})")
-        if last.get("error"):
-            lines.append(f"  error: {last['error']}")
-    else:
-        lines.append("last pass: none yet")
-    lines.append(f"passes: {doc.get('pass_count', 0)}; last converged "
-                 f"{_ago(doc.get('last_success_at'), now)}; consecutive failures "
-                 f"{doc.get('consecutive_failures', 0)}")
-    for e in doc.get("errors") or []:
-        lines.append(f"  {e.get('resource')}: {e.get('error')}")
-    probes = doc.get("probes") or {}
-    if probes:
-        lines.append(f"probes: {probes.get('held', 0)} held, {probes.get('failed', 0)} failed, "
-                     f"{probes.get('skipped', 0)} skipped (last {_ago(probes.get('at'), now)})")
-        for f in probes.get("failures") or []:
-            port = "" if f.get("port") is None else f" {f.get('port')}"
-            lines.append(f"  alloc {f.get('alloc')} path {f.get('path')} "
-                         f"({f.get('proto')}{port}): {f.get('cause') or 'no cause found'} "
-                         f"(since {_ago(f.get('since'), now)})")
-    pending = doc.get("pending")
-    if pending:
-        rev = f" of revision {pending['revision']}" if pending.get("revision") else ""
-        lines.append(f"pending: a change{rev} until {pending.get('deadline')} (`reconcile "
-                     "confirm` keeps it, `reconcile revert` undoes it)")
-    if doc.get("reverted_revision"):
-        lines.append(f"reverted: revision {doc['reverted_revision']} (not applied again "
-                     "until the files change)")
-    overlaps = doc.get("address_overlaps") or []
-    if overlaps:
-        lines.append(f"address overlaps: {len(overlaps)} (foreign, left alone):")
-        lines.extend(f"  {o.get('foreign')} overlaps owned {o.get('owned')} "
-                     f"(since {_ago(o.get('since'), now)})" for o in overlaps)
-    cfg = doc.get("config_error")
-    if cfg:
-        lines.append(f"config error (keeping the last good desired state) since "
-                     f"{_ago(cfg.get('since'), now)}:")
-        lines.extend(f"  {ln}" for ln in str(cfg.get("message", "")).splitlines())
-    return "\n".join(lines) + "\n"
-
-
-def healthy_doc(doc: dict[str, Any]) -> bool:
-    """Return True when the last pass converged, the files load cleanly and no probe fails."""
-    last = doc.get("last_pass") or {}
-    return (not doc.get("config_error") and last.get("result") in ("ok", "applied")
-            and not doc.get("errors") and not (doc.get("probes") or {}).get("failed"))

@@ -50,8 +50,11 @@ def is_saved_plan(paths: Sequence[str]) -> bool:
     """Tell whether ``paths`` is one file that ``plan --out`` wrote."""
     if len(paths) != 1 or not os.path.isfile(paths[0]):
         return False
-    with open(paths[0], "rb") as fh:
-        head = fh.read(64).lstrip()
+    try:
+        with open(paths[0], "rb") as fh:
+            head = fh.read(64).lstrip()
+    except OSError:  # gone (or changed) since the look: the loader says what it is
+        return False
     # `plan --out` writes JSON that starts with its format version; a desired-state file in
     # YAML flow style (or JSON) starts with "{" too, but never like this
     return head.startswith(b'{\n  "format_version"') or head.startswith(b'{"format_version"')

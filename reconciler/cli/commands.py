@@ -17,6 +17,7 @@ import argparse
 import gc
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -32,7 +33,7 @@ from reconciler.cli.apply import (
 )
 from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
-from reconciler.domain.errors import ConfigError, ReconcilerError
+from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
 from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
@@ -245,10 +246,12 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def _watch_prepare(args: argparse.Namespace) -> None:
-    """Bind the status socket before --netns, where the operator is (loopback of the host)."""
-    from reconciler.agent.status import bind
+    """Bind the status socket before --netns, where the operator is (loopback of the host);
+    a taken address is bound later, the agent starts all the same (``agent.process``)."""
+    from reconciler.agent.status import prepare_tcp
 
-    args.status_socket = None if args.status_addr in ("off", "") else bind(args.status_addr)
+    args.status_socket = None if args.status_addr in ("off", "") else \
+        prepare_tcp(args.status_addr)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -281,14 +284,29 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reconciler.agent import status
+    from reconciler.agent import statusclient
+    from reconciler.drivers.nsfs import current_inode
 
-    doc = status.fetch(args.addr)
+    try:
+        inode = os.stat(netns.path_of(args.netns)).st_ino if args.netns else current_inode()
+    except OSError as exc:
+        raise PreconditionError(f"network namespace {args.netns}: {exc.strerror}") from None
+    target = statusclient.where_to_ask(args.addr, inode)
+    if args.probe is not None:  # the rollout engines' exec check: the code, the reason
+        try:
+            code, body = statusclient.http_get(target, f"/{args.probe}")
+        except (OSError, ValueError) as exc:
+            raise ReconcilerError(f"{args.probe}: no answer from the watch agent: "
+                                  f"{statusclient.escape(str(exc))[:200]}") from None
+        sys.stdout.write(statusclient.escape(body[:4096].decode("utf-8", "replace").strip())
+                         + "\n")
+        return EXIT_OK if code == 200 else EXIT_ERROR
+    doc = statusclient.fetch_from(target)
     if args.output == "json":
-        emit_json(doc)
+        emit_json(doc)  # JSON escapes every control character
     else:
-        sys.stdout.write(status.render(doc))
-    return EXIT_OK if status.healthy_doc(doc) else EXIT_ERROR
+        sys.stdout.write(statusclient.render(doc))
+    return EXIT_OK if statusclient.healthy_doc(doc) else EXIT_ERROR
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from reconciler.config.build import Collector, defined_at
+from reconciler.config.document import format_path
 from reconciler.domain.errors import ConfigError
 
 MAX_BRIDGE_PORTS = 1023  # the kernel's BR_MAX_PORTS (1024) less port number 0
@@ -19,7 +20,8 @@ def cross_checks(c: Collector) -> Iterator[ConfigError]:
         d = c.seen[(kind, name)]
         path = (*d.path, field)
         pos = d.doc.where(path)
-        return ConfigError(message, file=d.doc.file, line=pos.line, col=pos.col)
+        return ConfigError(message, file=d.doc.file, line=pos.line, col=pos.col,
+                           key=format_path(path))
 
     for s in c.subnets.values():
         if s.bridge not in c.bridges:

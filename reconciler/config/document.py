@@ -59,9 +59,13 @@ class Document:
     def source(self, path: Path) -> Source:
         return Source(self.file, self.where(path).line)
 
-    def error(self, path: Path, message: str, *, key: bool = False) -> ConfigError:
+    def error(self, path: Path, message: str, *, key: bool = False,
+              public: str | None = None) -> ConfigError:
+        """Return the error ``message`` at ``path``; ``public`` words it without the file's
+        values (``ConfigError.public_text``), when it can be."""
         pos = self.where(path, key=key)
-        return ConfigError(message, file=self.file, line=pos.line, col=pos.col)
+        return ConfigError(message, file=self.file, line=pos.line, col=pos.col,
+                           key=format_path(path), public=public)
 
 
 def format_path(path: Iterable[str | int]) -> str:
@@ -87,15 +91,18 @@ class _Builder:
         self.count = 0
         self.constructor = yaml.constructor.SafeConstructor()
 
-    def fail(self, node: yaml.Node, message: str) -> ConfigError:
+    def fail(self, node: yaml.Node, message: str, path: Path | None = None,
+             public: str | None = None) -> ConfigError:
         return ConfigError(message, file=self.file, line=node.start_mark.line + 1,
-                           col=node.start_mark.column + 1)
+                           col=node.start_mark.column + 1,
+                           key=None if path is None else format_path(path), public=public)
 
     def build(self, node: yaml.Node, path: Path) -> Any:
         self.count += 1
         if self.count > MAX_NODES:
             raise self.fail(node, f"document too large: more than {MAX_NODES} values "
-                                  "(after expanding aliases)")
+                                  "(after expanding aliases)",
+                            public=f"document too large: more than {MAX_NODES} values")
         self.values.setdefault(path, Pos(node.start_mark.line + 1, node.start_mark.column + 1))
         if isinstance(node, yaml.MappingNode):
             self.constructor.flatten_mapping(node)  # resolves "<<" merge keys
@@ -105,11 +112,13 @@ class _Builder:
                     if isinstance(key_node, yaml.ScalarNode) else None
                 if not isinstance(key, str):
                     raise self.fail(key_node, f"{format_path(path)}: keys must be strings, "
-                                              f"got {clip(repr(key))}")
+                                              f"got {clip(repr(key))}", path,
+                                    "keys must be strings")
                 if key in out:
                     first = self.keys[(*path, key)]
                     raise self.fail(key_node, f"{format_path((*path, key))}: duplicate key "
-                                              f"(first at line {first.line})")
+                                              f"(first at line {first.line})", (*path, key),
+                                    f"duplicate key (first at line {first.line})")
                 self.keys[(*path, key)] = Pos(key_node.start_mark.line + 1,
                                               key_node.start_mark.column + 1)
                 out[key] = self.build(value_node, (*path, key))
@@ -119,7 +128,8 @@ class _Builder:
         try:
             return self.constructor.construct_object(node, deep=True)
         except (yaml.YAMLError, ValueError, OverflowError) as exc:
-            raise self.fail(node, f"{format_path(path)}: bad value: {clip(str(exc))}") from None
+            raise self.fail(node, f"{format_path(path)}: bad value: {clip(str(exc))}", path,
+                            "bad value") from None
 
 
 #: libyaml's parser when PyYAML has it, for the size pre-check (an order of magnitude faster)
@@ -153,7 +163,8 @@ def _check_size(text: str, file: str) -> None:
                 count += 1
                 if count > limit:
                     raise ConfigError(f"document too large: more than {limit} YAML nodes",
-                                      file=file, line=line)
+                                      file=file, line=line,
+                                      public=f"document too large: more than {limit} YAML nodes")
     except yaml.YAMLError:
         return
 
@@ -168,36 +179,46 @@ def parse_yaml(text: str, file: str) -> Document:
         problem = exc.problem or exc.context or "invalid YAML"
         if "nesting depth" in problem:  # newer libyaml has a depth limit of its own
             problem = "nesting too deep"
+        # PyYAML's words may quote the file (a character, an alias, a tag): the position
+        # is what readers who may not read the file get
         if mark is None:
-            raise ConfigError(f"invalid YAML: {clip(problem)}", file=file) from None
+            raise ConfigError(f"invalid YAML: {clip(problem)}", file=file,
+                              public="invalid YAML") from None
         raise ConfigError(f"invalid YAML: {clip(problem)}", file=file, line=mark.line + 1,
-                          col=mark.column + 1) from None
+                          col=mark.column + 1, public="invalid YAML") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {clip(str(exc))}", file=file) from None
+        raise ConfigError(f"invalid YAML: {clip(str(exc))}", file=file,
+                          public="invalid YAML") from None
     except RecursionError:
-        raise ConfigError("invalid YAML: nesting too deep", file=file) from None
+        raise ConfigError("invalid YAML: nesting too deep", file=file,
+                          public="invalid YAML: nesting too deep") from None
     if not nodes:
-        raise ConfigError("empty file: expected a mapping with 'version: 1'", file=file, line=1)
+        raise ConfigError("empty file: expected a mapping with 'version: 1'", file=file, line=1,
+                          public="empty file: expected a mapping with 'version: 1'")
     if len(nodes) > 1:
         second = nodes[1]
         raise ConfigError("more than one YAML document in a file", file=file,
-                          line=second.start_mark.line + 1)
+                          line=second.start_mark.line + 1,
+                          public="more than one YAML document in a file")
     builder = _Builder(file)
     try:
         data = builder.build(nodes[0], ())
     except RecursionError:
-        raise ConfigError("invalid YAML: nesting too deep", file=file) from None
+        raise ConfigError("invalid YAML: nesting too deep", file=file,
+                          public="invalid YAML: nesting too deep") from None
     return Document(file, data, builder.values, builder.keys)
 
 
 def parse_document(raw: bytes, path: str) -> Document:
     """Parse one file's bytes as a positioned YAML document, named ``path`` in messages."""
     if len(raw) > MAX_FILE_BYTES:
-        raise ConfigError(f"file too large (over {MAX_FILE_BYTES} bytes)", file=path)
+        raise ConfigError(f"file too large (over {MAX_FILE_BYTES} bytes)", file=path,
+                          public=f"file too large (over {MAX_FILE_BYTES} bytes)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"not UTF-8 text (byte {exc.start})", file=path) from None
+        raise ConfigError(f"not UTF-8 text (byte {exc.start})", file=path,
+                          public=f"not UTF-8 text (byte {exc.start})") from None
     doc = parse_yaml(text, path)
     doc.sha256 = hashlib.sha256(raw).hexdigest()
     return doc

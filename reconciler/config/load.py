@@ -51,7 +51,9 @@ class NoFileForHost(ConfigError):
         listed = "; ".join(f"{f}: {', '.join(p) or '(none)'}" for f, p in unmatched)
         super().__init__(f"no desired-state file is for host {host!r}: the hosts: patterns "
                          f"({listed}) match other hosts; nothing planned or pruned (a file "
-                         "whose hosts: matches this host, with empty lists, empties it)")
+                         "whose hosts: matches this host, with empty lists, empties it)",
+                         public="no desired-state file is for this host: their hosts: "
+                                "patterns match other hosts; nothing planned or pruned")
 
 
 def load_sources(sources: Sequence[tuple[str, str, bytes | ConfigError]], *,

@@ -83,6 +83,24 @@ def _pregenerated() -> Callable[[Any], Any] | None:
     return validate
 
 
+def _public_words(err: jsonschema.ValidationError) -> str:
+    """Word a schema error by the rule it breaks, never by the value (jsonschema's own message
+    quotes it): ``ConfigError.public_text``."""
+    rule, want = str(err.validator), err.validator_value
+    if rule == "type":
+        return f"must be of type {want}"
+    if rule == "enum" and isinstance(want, list):
+        return "must be one of " + ", ".join(repr(v) for v in want[:10])
+    if rule in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        return f"out of range ({rule} {want})"
+    if rule in ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+                "maxProperties"):
+        return f"wrong size ({rule} {want})"
+    if rule == "format":
+        return f"not a valid {want}"
+    return f"does not satisfy the schema's {rule!r} rule"
+
+
 def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigError:
     path: Path = tuple(err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):
@@ -93,17 +111,22 @@ def _schema_message(doc: Document, err: jsonschema.ValidationError) -> ConfigErr
             hint = difflib.get_close_matches(key, allowed, n=1)
             tip = f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
             return doc.error((*path, key), f"{format_path((*path, key))}: unknown key "
-                                           f"{clip(repr(key), 60)}{tip}", key=True)
-    if err.validator == "required":
-        return doc.error(path, f"{format_path(path)}: {clip(err.message)}")
+                                           f"{clip(repr(key), 60)}{tip}", key=True,
+                             public=f"unknown key{tip}")
+    if err.validator == "required":  # names a key of the schema, never a value
+        return doc.error(path, f"{format_path(path)}: {clip(err.message)}",
+                         public=clip(err.message))
     if err.validator == "pattern":
         what = err.schema.get("description", "") if isinstance(err.schema, dict) else ""
         msg = f"{clip(repr(err.instance), 60)} is not allowed here"
-        return doc.error(path, f"{format_path(path)}: {msg}{': ' + what if what else ''}")
+        return doc.error(path, f"{format_path(path)}: {msg}{': ' + what if what else ''}",
+                         public=f"not allowed here{': ' + what if what else ''}")
     if err.validator == "oneOf" and path and path[-1] == "host":
         return doc.error(path, f"{format_path(path)}: must be a port 1-65535 or 'auto', "
-                               f"got {clip(repr(err.instance), 60)}")
-    return doc.error(path, f"{format_path(path)}: {clip(err.message)}")
+                               f"got {clip(repr(err.instance), 60)}",
+                         public="must be a port 1-65535 or 'auto'")
+    return doc.error(path, f"{format_path(path)}: {clip(err.message)}",
+                     public=_public_words(err))
 
 
 def _control_chars(doc: Document, data: Any, path: Path) -> Iterator[ConfigError]:
@@ -124,7 +147,8 @@ def _control_chars(doc: Document, data: Any, path: Path) -> Iterator[ConfigError
         bad = next((ch for ch in data if ord(ch) < 0x20 or 0x7f <= ord(ch) < 0xa0), None)
         if bad is not None:
             yield doc.error(path, f"{clip(format_path(path), 60)}: control character "
-                                  f"U+{ord(bad):04X} is not allowed in {clip(repr(data), 60)}")
+                                  f"U+{ord(bad):04X} is not allowed in {clip(repr(data), 60)}",
+                            public=f"control character U+{ord(bad):04X} is not allowed")
 
 
 def validate_schema(doc: Document) -> list[ConfigError]:

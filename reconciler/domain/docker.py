@@ -49,6 +49,18 @@ def network_scope(labels: Mapping[str, str]) -> str:
     return labels.get(SCOPE_LABEL, "host")
 
 
+def declared_scope_matches(label: str, scope: str) -> bool:
+    """Tell whether a *declared* network labelled with scope ``label`` is ``scope``'s: its own,
+    or the label an earlier version gave a namespace without a name (``netns-inode/N``,
+    now ``netns-inode/N-<cookie>``). That inode alone cannot tell this namespace from a
+    deleted one that had it, so such a network is taken only where it is declared here,
+    never pruned."""
+    if label == scope:
+        return True
+    head, sep, _cookie = scope.rpartition("-")
+    return bool(sep) and scope.startswith("netns-inode/") and label == head
+
+
 #: Docker's default address pools (libnetwork ipamutils, Docker 20.10 and later):
 #: 172.17.0.0/16 … 172.31.0.0/16 handed out whole, 192.168.0.0/16 as /20s. The API
 #: does not report them; ``/etc/docker/daemon.json`` ``default-address-pools`` replaces them.

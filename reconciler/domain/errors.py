@@ -13,26 +13,47 @@ class ReconcilerError(Exception):
 
 
 class ConfigError(ReconcilerError, ValueError):
-    """The desired-state files are wrong (syntax, schema or semantics)."""
+    """The desired-state files are wrong (syntax, schema or semantics).
+
+    ``key`` is the key path the problem is at (``allocs[0].ports[1].host``), when known;
+    ``public`` words the problem without quoting the file (``str`` may quote its values):
+    see :meth:`public_text`.
+    """
+
+    #: what :meth:`public_text` says of a problem whose words would quote the file
+    HIDDEN = "invalid value (details: the agent's log, or `reconcile validate` as root)"
 
     def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
-                 col: int | None = None) -> None:
+                 col: int | None = None, key: str | None = None,
+                 public: str | None = None) -> None:
         self.file = file
         self.line = line
         self.col = col
         self.message = message
+        self.key = key
+        self.public = public
         super().__init__(self.__str__())
 
+    def where(self) -> str:
+        """Return ``file:line:col: `` (as much of it as is known), or ''."""
+        if self.file is None:
+            return ""
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.col is not None:
+                where += f":{self.col}"
+        return where + ": "
+
     def __str__(self) -> str:
-        where = ""
-        if self.file is not None:
-            where = self.file
-            if self.line is not None:
-                where += f":{self.line}"
-                if self.col is not None:
-                    where += f":{self.col}"
-            where += ": "
-        return f"{where}{self.message}"
+        return f"{self.where()}{self.message}"
+
+    def public_text(self) -> str:
+        """Say where the problem is (file:line:col, the key path) and what kind it is, never a
+        value of the file: for readers who may not read the files (the agent's ``/status``,
+        which any local user can fetch, of files only root can read)."""
+        key = f"{self.key}: " if self.key else ""
+        return f"{self.where()}{key}{self.public or self.HIDDEN}"
 
 
 class ConfigErrors(ConfigError):
@@ -44,6 +65,9 @@ class ConfigErrors(ConfigError):
 
     def __str__(self) -> str:
         return "\n".join(str(e) for e in self.errors)
+
+    def public_text(self) -> str:
+        return "\n".join(e.public_text() for e in self.errors)
 
 
 class ConflictError(ReconcilerError):

@@ -79,8 +79,9 @@ def probe_vantage_names(host_id: str) -> tuple[str, str]:
     host share it under a lock
     (``engine.probes.VantageLease``).
     """
-    return (f"rcprobe-{host_id}",
-            "rcprobe" + hashlib.sha1(host_id.encode()).hexdigest()[:8])
+    host = host_inode(host_id)  # held only from inside the live namespace: the inode will do
+    return (f"rcprobe-{host}",
+            "rcprobe" + hashlib.sha1(host.encode()).hexdigest()[:8])
 
 
 #: namespace names the reconciler gives its own namespaces that are not allocations: an
@@ -109,13 +110,34 @@ def reserved_link_name(name: str) -> str | None:
 
 def alloc_ns_alias(host_id: str) -> str:
     """Return the alias of ``lo`` inside an allocation namespace, set before the namespace is
-    mounted.
+    mounted (and the mark on its file under /run/netns).
 
-    It names the host (the inode of the network namespace the reconciler acts
-    on) so two reconcilers on one machine — the host and a ``--netns``
-    sandbox — never take each other's allocations for their own.
+    It names the host (``nsfs.current_id``: the inode and the cookie of the network
+    namespace the reconciler acts on) so two reconcilers on one machine — the host and
+    a ``--netns`` sandbox — never take each other's allocations for their own, nor does
+    a sandbox that got the inode of a deleted one take the dead one's.
     """
     return f"{LINK_ALIAS} alloc-of={host_id}"
+
+
+def host_inode(host_id: str) -> str:
+    """Return the inode part of a host id (``<inode>-<cookie>``; an id without a cookie is the
+    inode: an earlier version's, or a kernel before 5.14)."""
+    return host_id.partition("-")[0]
+
+
+def alloc_ns_marks(host_id: str) -> tuple[str, ...]:
+    """Return the marks that can say an allocation namespace is the host ``host_id``'s: its
+    own, then the one versions before the cookie gave (the inode alone).
+
+    The inode alone cannot tell this host from a deleted one that had its inode, so that
+    old mark counts only where something else says the namespace is ours: it is declared,
+    or its veth pair joins it to this host (``engine.observe``); a plan then marks it anew.
+    """
+    legacy = host_inode(host_id)
+    if legacy == host_id:
+        return (alloc_ns_alias(host_id),)
+    return (alloc_ns_alias(host_id), alloc_ns_alias(legacy))
 
 
 #: name of the allocation's interface inside its namespace

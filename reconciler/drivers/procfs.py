@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 #: /proc/thread-self/net: /proc/net is the main thread's namespace, which another
 #: thread (the plan server's, the watch loop's) may not share at that moment
@@ -25,6 +26,60 @@ def parse_proc_net(text: str, listen_state: str) -> set[tuple[str, int]]:
         addr, _, port = parts[1].rpartition(":")
         out.add((addr, int(port, 16)))
     return out
+
+
+def parse_tcp_listeners(text: str) -> list[tuple[str, int, int, int]]:
+    """Parse (local address in /proc's hex, port, uid, socket inode) of each listening socket of
+    /proc/net/tcp[6] (pure)."""
+    out = []
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 10 or parts[3] != "0A" or not parts[7].isdigit() \
+                or not parts[9].isdigit():
+            continue
+        addr, _, port = parts[1].rpartition(":")
+        out.append((addr, int(port, 16), int(parts[7]), int(parts[9])))
+    return out
+
+
+def proc_net_address(hexaddr: str) -> str:
+    """Return the address /proc/net/tcp[6] writes in hex (each 32-bit word in host order, which
+    is little-endian here) as text: ``0100007F`` -> ``127.0.0.1`` (pure)."""
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(words) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words)
+
+
+def tcp_listeners(port: int) -> list[tuple[str, int, int]]:
+    """List (local address, uid, socket inode) of the TCP sockets listening on ``port`` in this
+    thread's network namespace."""
+    out = []
+    for proto, path, _state in _PROC_NET:
+        if proto != "tcp":
+            continue
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        out += [(proc_net_address(addr), uid, inode)
+                for addr, p, uid, inode in parse_tcp_listeners(text) if p == port]
+    return out
+
+
+def socket_holders(inode: int, proc: str = "/proc") -> list[int]:
+    """List the pids that hold the socket ``inode`` open (those whose fds we may read)."""
+    want = f"socket:[{inode}]"
+    pids = []
+    for pid in (p for p in os.listdir(proc) if p.isdigit()):
+        try:
+            fds = os.listdir(f"{proc}/{pid}/fd")
+        except OSError:
+            continue
+        if any(_readlink(f"{proc}/{pid}/fd/{fd}") == want for fd in fds):
+            pids.append(int(pid))
+    return sorted(pids)
 
 
 def listening_ports() -> frozenset[tuple[str, int]]:

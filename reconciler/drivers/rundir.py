@@ -124,8 +124,9 @@ def describe_open_error(path: str, exc: OSError) -> str:
 # -- stale files (`reconcile gc`) ----------------------------------------------------------
 
 #: the names the reconciler gives its files here: the host lock, the plan agent's lock and
-#: socket, the probe vantage's lock (each named after a network namespace inode)
-_RUN_FILE = re.compile(r"(?:netns-[0-9]+\.lock|plan-[0-9]+\.(?:lock|sock)"
+#: socket, the agent's root-only status socket, the probe vantage's lock (each named after a
+#: network namespace inode)
+_RUN_FILE = re.compile(r"(?:netns-[0-9]+\.lock|plan-[0-9]+\.(?:lock|sock)|status-[0-9]+\.sock"
                        r"|probe-vantage-[0-9]+\.lock)")
 
 

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reconciler.domain.errors import DriverError
@@ -19,10 +19,10 @@ from reconciler.domain.live import (
     LiveState,
 )
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ownership import ZERO_MAC, alloc_ns_alias, alloc_veth_name, bridge_mac
+from reconciler.domain.ownership import ZERO_MAC, alloc_ns_marks, alloc_veth_name, bridge_mac
 from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
 from reconciler.drivers.docker import rawapi
-from reconciler.drivers.nsfs import current_inode
+from reconciler.drivers.nsfs import current_id
 from reconciler.drivers.procfs import listening_ports
 from reconciler.engine.handles import HostHandles
 
@@ -49,8 +49,8 @@ class Observer:
         saves = [self.handles.iptables(family).start_observe() for family in (4, 6)]
         try:
             links = self.observe_links(desired)
-            host_id = str(current_inode())
-            allocs = self.observe_allocs(desired, host_id)
+            host_id = current_id()
+            allocs = self.observe_allocs(desired, host_id, links)
             fields: dict[str, Any] = {
                 "host_id": host_id,
                 "links": links,
@@ -131,14 +131,22 @@ class Observer:
             "legacy6": self.handles.iptables(6).observe_legacy(),
         }
 
-    def observe_allocs(self, desired: DesiredState,
-                        host_id: str) -> dict[str, LiveNetns]:
+    def observe_allocs(self, desired: DesiredState, host_id: str,
+                       links: Mapping[str, LiveLink]) -> dict[str, LiveNetns]:
         """Observe the desired allocation namespaces, plus undeclared ones that carry this host's
-        mark."""
+        mark.
+
+        An undeclared one with the mark of a version before the cookie (the inode alone,
+        ``ownership.alloc_ns_marks``) is ours only when its veth pair joins it to this host
+        (``links``: our marked veth of its name, whose peer is in it): a sandbox that got a
+        deleted sandbox's inode must not take (and prune) the dead one's allocations, whose
+        veths died with it. Declared ones are read whatever their mark.
+        """
         names = set(netns.list_names())
         wanted = names & set(desired.allocs)
-        mark = alloc_ns_alias(host_id)
+        mark, *legacy = alloc_ns_marks(host_id)
         stale: dict[str, LiveNetns] = {}
+        maybe: set[str] = set()
         for name in sorted(names - wanted):
             try:
                 if not netns.is_namespace_mount(name):
@@ -148,9 +156,17 @@ class Observer:
                     continue
             except (OSError, DriverError):
                 continue  # removed meanwhile by someone else, or a name we never give
-            if self.handles.netlink.peek_lo_alias(name) == mark:
+            alias = self.handles.netlink.peek_lo_alias(name)
+            if alias == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
-        return {**self.observe_namespaces(wanted), **stale}
+            elif alias in legacy:
+                maybe.add(name)
+        observed = self.observe_namespaces(wanted | maybe)
+        for name in maybe:
+            ns = observed.get(name)
+            if ns is not None and not joined_to_host(ns, links):
+                del observed[name]  # another namespace's that had our inode, or unproven
+        return {**observed, **stale}
 
     def observe_peer_namespaces(self, desired: DesiredState, links: dict[str, LiveLink],
                                 allocs: dict[str, LiveNetns]) -> dict[int, str]:
@@ -236,11 +252,21 @@ class Observer:
         return dataclasses.replace(live, scope=docker_scope())
 
 
+def joined_to_host(ns: LiveNetns, links: Mapping[str, LiveLink]) -> bool:
+    """Tell whether the veth pair of allocation ``ns`` joins it to this host: our marked veth of
+    its name is here, and its peer is in that namespace. A deleted host's allocations have
+    none (a veth pair dies with either end's namespace)."""
+    veth = links.get(alloc_veth_name(ns.name))
+    return (veth is not None and veth.kind == "veth" and veth.owned
+            and ns.nsid is not None and veth.peer_netnsid == ns.nsid)
+
+
 def docker_scope() -> str:
     """Tell who we are among reconcilers sharing one dockerd (the ``io.reconciler.scope`` label).
 
     "host" in the network namespace of pid 1; in a sandbox (``--netns NAME``
-    or nsenter) ``netns/NAME``, or ``netns-inode/N`` when it has no name.
+    or nsenter) ``netns/NAME``, or ``netns-inode/N-C`` when it has no name (N its inode, C
+    its cookie: ``nsfs.current_id``; a bare inode is reused by the next namespace made).
     """
     mine = nsfs.current_inode()
     try:
@@ -254,5 +280,5 @@ def docker_scope() -> str:
                 return f"netns/{name}"
         except OSError:
             continue
-    return f"netns-inode/{mine}"
+    return f"netns-inode/{nsfs.current_id()}"
 

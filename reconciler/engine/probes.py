@@ -24,7 +24,12 @@ from typing import Any
 from reconciler.domain.errors import DriverError
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import AllocId, DesiredState
-from reconciler.domain.ownership import ALLOC_IFNAME, alloc_veth_name, probe_vantage_names
+from reconciler.domain.ownership import (
+    ALLOC_IFNAME,
+    alloc_veth_name,
+    host_inode,
+    probe_vantage_names,
+)
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import (
     VANTAGE6_HOST,
@@ -143,7 +148,7 @@ VANTAGE_WAIT = 10.0
 
 
 def vantage_lock_path(host_id: str) -> str:
-    return os.path.join(rundir.RUN_DIR, f"probe-vantage-{host_id}.lock")
+    return os.path.join(rundir.RUN_DIR, f"probe-vantage-{host_inode(host_id)}.lock")
 
 
 class VantageLease:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from reconciler.domain.docker import (
     PROTECTED_NETWORKS,
     SCOPE_LABEL,
+    declared_scope_matches,
     network_scope,
     sort_duplicates,
     spec_to_json,
@@ -118,7 +119,8 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
                       (encode(DockerEnsure(spec_to_json(spec), docker.default_mtu,
                                            docker.scope)),), src)
 
-    elsewhere = [n for n in found if n.owned and network_scope(n.labels) != docker.scope]
+    elsewhere = [n for n in found if n.owned
+                 and not declared_scope_matches(network_scope(n.labels), docker.scope)]
     if elsewhere:
         # Docker networks are global to the daemon: another reconciler's (the host's, or
         # another sandbox's) is not ours to replace, dedupe or prune, and two of them

@@ -39,7 +39,7 @@ from reconciler.domain.ops import (
     TypedOp,
     decode,
 )
-from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_marks, alloc_veth_name
 from reconciler.domain.plan import Action, Change, FlowMatch, Impact, Op, Plan
 from reconciler.domain.probes import PROBE_PORTS, VANTAGE6_PEER, VANTAGE_PEER
 from reconciler.planner import firewall
@@ -111,7 +111,7 @@ def _live_ns(ctx: PlanContext, name: str) -> LiveNetns | None:
     if ns is None or not ns.usable:
         return None
     lo = next((lk for lk in ns.links if lk.name == "lo"), None)
-    if lo is None or lo.alias != alloc_ns_alias(ctx.live.host_id):
+    if lo is None or lo.alias not in alloc_ns_marks(ctx.live.host_id):
         return None
     return ns
 

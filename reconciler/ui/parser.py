@@ -353,10 +353,18 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "status", help="show the status of the running watch agent",
-        description="Ask a running `reconcile watch` for its status over HTTP. Exit 0 when "
-                    "its last pass converged and its files load, 1 otherwise.")
-    sp.add_argument("--addr", default="127.0.0.1:9477", metavar="HOST:PORT",
-                    help="the agent's --status-addr (default 127.0.0.1:9477)")
+        description="Ask the running `reconcile watch` of this network namespace (or of "
+                    "--netns NAME) for its status: on its root-only socket under "
+                    "/run/reconciler, else over HTTP on --addr, believed only from a "
+                    "listener of root's. Exit 0 when its last pass converged and its files "
+                    "load, 1 otherwise.")
+    sp.add_argument("--addr", default=None, metavar="HOST:PORT",
+                    help="ask the agent's --status-addr over HTTP (default: its root-only "
+                         "socket, else 127.0.0.1:9477)")
+    sp.add_argument("--probe", choices=("readyz", "healthz"),
+                    help="print the agent's /readyz (or /healthz) answer and exit 0 only when "
+                         "it is 200: a rollout engine's exec check that no local user can "
+                         "answer in the agent's name")
     sp.add_argument("--output", choices=("text", "json"), default="text",
                     help="text for people (default) or json for programs")
     sp.set_defaults(enters_netns=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.live import LiveLink, LiveNetns, LiveState
-from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_marks, alloc_veth_name
 from reconciler.planner import firewall
 
 
@@ -162,11 +162,11 @@ def live_topology(live: LiveState, *, all_scopes: bool = False) -> Topology:
             # one map of a dual-stack alloc is a rule per family: one map
             ports.setdefault(d.alloc, set()).add(
                 PortView(d.proto, d.port, d.to, str(d.host_ip) if d.host_ip else None))
-    mark = alloc_ns_alias(live.host_id)
+    marks = alloc_ns_marks(live.host_id)
     allocs = {}
     for name, ns in sorted(live.netns.items()):
         lo = _inner(ns, "lo") if ns.usable else None
-        if lo is None or lo.alias != mark:
+        if lo is None or lo.alias not in marks:
             continue
         eth0 = _inner(ns, ALLOC_IFNAME)
         addresses = tuple(str(a.address) for a in (eth0.addresses if eth0 else ()) if a.owned)

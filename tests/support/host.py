@@ -167,6 +167,7 @@ def forget_run_files(inode: int | None) -> None:
         return
     run_dir = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
     for name in (f"netns-{inode}.lock", f"plan-{inode}.lock", f"plan-{inode}.sock",
+                 f"status-{inode}.sock",
                  f"probe-vantage-{inode}.lock"):
         path = os.path.join(run_dir, name)
         try:

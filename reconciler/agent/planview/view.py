@@ -196,7 +196,8 @@ class LiveView:
             fresh.update(self.observer.observe_docker_parts(desired))
         if "netns" in dirty:
             survey = self._survey(desired)
-            fresh["netns"] = self.observer.observe_allocs(desired, self.live.host_id)
+            fresh["netns"] = self.observer.observe_allocs(desired, self.live.host_id,
+                                                          fresh.get("links", self.live.links))
             self._adopt(survey, fresh["netns"])
         elif namespaces:
             again = self.observer.observe_namespaces(namespaces)

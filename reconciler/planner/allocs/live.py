@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 
 from reconciler.domain.live import LiveLink, LiveNetns, LiveState
-from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias
+from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_marks, host_inode
 from reconciler.planner.context import PlanContext
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -21,11 +21,12 @@ def is_ours(ctx: PlanContext, ns: LiveNetns | None) -> bool:
 
 def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
     """Tell whether ``ns`` is an allocation namespace of the host ``host_id``: its ``lo`` carries
-    our mark."""
+    our mark (or an earlier version's: observation reads an undeclared namespace with
+    that mark only when its veth pair joins it to this host, ``ownership.alloc_ns_marks``)."""
     if ns is None or not ns.usable:
         return False
     lo = inner_link(ns, "lo")
-    return lo is not None and lo.alias == alloc_ns_alias(host_id)
+    return lo is not None and lo.alias in alloc_ns_marks(host_id)
 
 
 def veth_pair_ok(ns: LiveNetns, veth: LiveLink | None) -> bool:
@@ -47,7 +48,8 @@ def is_own_namespace(ctx: PlanContext, ns: LiveNetns | None) -> bool:
     """Tell whether ``ns`` is the namespace the reconciler runs in (``--netns X``'s X, or the host's
     own bind-mounted under /run/netns): never an allocation's, to adopt, fill or delete. Its own
     veth in it would be a loop, and deleting it unmounts the sandbox itself."""
-    return ns is not None and ns.inode is not None and str(ns.inode) == ctx.live.host_id
+    return (ns is not None and ns.inode is not None
+            and str(ns.inode) == host_inode(ctx.live.host_id))
 
 
 def veth_is_ours(ctx: PlanContext, aid: str, veth: LiveLink, ns: LiveNetns | None) -> bool:

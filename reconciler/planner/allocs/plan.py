@@ -20,7 +20,12 @@ from reconciler.domain.ops import (
     RouteDelDefault,
     encode,
 )
-from reconciler.domain.ownership import ALLOC_IFNAME, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.ownership import (
+    ALLOC_IFNAME,
+    alloc_ns_alias,
+    alloc_ns_marks,
+    alloc_veth_name,
+)
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.allocs.ipam import Mapped, assign_addresses, assign_ports
@@ -145,7 +150,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                       "not in the allocation's namespace): it is left alone (remove or "
                       "rename it)", source=src)
     stale_veth = [encode(LinkDelete(veth_name))] if veth is not None else []
-    if (ns is not None and not ns.usable and ns.file_mark != mark
+    if (ns is not None and not ns.usable and ns.file_mark not in alloc_ns_marks(ctx.live.host_id)
             and not ctx.adopted("alloc", a.id)):
         # an empty file under /run/netns is someone's too (`ip netns add` between its
         # create and its mount, a tool that keeps the name): only our xattr proves it ours
@@ -262,7 +267,11 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                     ops.append(encode(RouteDelDefault(version, a.id)))
                     versions.add(version)  # one delete per family
         lo = inner_link(ns, "lo")
-        if (lo is None or not lo.up or lo.alias != mark or not eth0.up
+        if lo is not None and lo.alias != mark and lo.alias in alloc_ns_marks(ctx.live.host_id):
+            # an earlier version's mark (the inode alone): this host's mark from now on
+            attrs_l.append(AttrChange("mark", lo.alias, mark))
+            inside_ok = False
+        elif (lo is None or not lo.up or lo.alias != mark or not eth0.up
                 or (b.mtu is not None and eth0.mtu != b.mtu)):
             attrs_l.append(AttrChange("links inside", "down or wrong MTU", "up"))
             inside_ok = False

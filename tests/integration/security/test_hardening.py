@@ -9,26 +9,21 @@ Everything happens in the test's own namespaces and directories; the unprivilege
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from tests.support.figures import report
 from tests.support.host import REPO, Netns, unique, write
+from tests.support.localuser import NOBODY, PUBLIC_PYTHON, Watch, as_nobody
 
 pytestmark = pytest.mark.root
-NOBODY = 65534
 BRIDGE = "rhard0"
 
 
@@ -50,86 +45,6 @@ def public_dir() -> Iterator[str]:
 
 
 #: an interpreter nobody can run (the venv's may live under root's home): stdlib scripts only
-PUBLIC_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-
-
-def _as_nobody(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PUBLIC_PYTHON, "-c", code, *args], user=NOBODY, group=NOBODY,
-                          capture_output=True, text=True, timeout=60, cwd="/")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Watch:
-    """A `reconcile watch` of ``paths`` in namespace ``ns`` with status on loopback."""
-
-    def __init__(self, ns: Netns, *paths: str, extra: tuple[str, ...] = ()) -> None:
-        self.addr = f"127.0.0.1:{_free_port()}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reconciler", "--netns", ns.name, "watch", *paths,
-             "--status-addr", self.addr, "--log-format", "json", "--no-docker-events",
-             "--interval", "2", "--debounce", "0.1", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def get(self, path: str = "/status", timeout: float = 2.0) -> tuple[int, str] | None:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(f"http://{self.addr}{path}", timeout=timeout) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, ""
-        except OSError:
-            return None
-
-    def status(self) -> dict[str, Any]:
-        got = self.get()
-        return json.loads(got[1]) if got and got[0] == 200 else {}
-
-    def wait(self, predicate: Any, timeout: float, what: str) -> float:
-        t0 = time.monotonic()
-        while not predicate():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the agent exited ({self.proc.returncode}) waiting for "
-                                     f"{what}: {self.output()}")
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"timed out waiting for {what}: {self.status()}")
-            time.sleep(0.1)
-        return time.monotonic() - t0
-
-    def converged(self, timeout: float = 60) -> None:
-        self.wait(lambda: (self.status().get("last_pass") or {}).get("result") in
-                  ("ok", "applied"), timeout, "a converged pass")
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.output()
-
-    def output(self) -> str:
-        if self.proc.poll() is not None:
-            self._reader.join(timeout=10)
-        return "".join(self.lines)
-
-
 # ----------------------------------------------------------------- symlinks
 
 
@@ -159,7 +74,7 @@ def test_watch_refuses_a_link_into_a_directory_others_can_write(host_ns: Netns, 
                 (agent.status().get("last_pass") or {}).get("result") not in ("ok", "applied"):
             time.sleep(0.2)
         if agent.proc.poll() is None:  # it started: finish the attack, show what it cost
-            swapped = _as_nobody(SWAP, older, real)
+            swapped = as_nobody(SWAP, older, real)
             assert swapped.returncode == 0, swapped.stderr
             time.sleep(6)  # resyncs every 2 s
             gone = not os.path.exists(f"/run/netns/{a}")

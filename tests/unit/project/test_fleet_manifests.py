@@ -61,11 +61,11 @@ def test_a_schema_violation_is_caught() -> None:
     """The validator is not a rubber stamp: a probe with a typo'd field is refused."""
     ds = _daemonset()
     agent = ds["spec"]["template"]["spec"]["containers"][0]
-    agent["readinessProbe"]["httpGet"]["paht"] = "/readyz"
+    agent["readinessProbe"]["exec"]["comand"] = ["reconcile"]
     try:
         kubernetes_validate.validate(ds, K8S, strict=True)
     except kubernetes_validate.ValidationError as exc:
-        assert "paht" in str(exc)
+        assert "comand" in str(exc)
     else:
         raise AssertionError("an unknown field passed strict validation")
 
@@ -79,9 +79,11 @@ def test_daemonset_gates_the_rollout_on_readyz_one_node_at_a_time() -> None:
     assert spec["minReadySeconds"] >= 30  # ready must last past a probe run
     pod = spec["template"]["spec"]
     agent = next(c for c in pod["containers"] if c["name"] == "reconciler")
-    ready = agent["readinessProbe"]["httpGet"]
-    assert (ready["host"], ready["port"], ready["path"]) == ("127.0.0.1", 9477, "/readyz")
-    assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"  # alive is not ready
+    # through the agent's root-only socket: no local user can answer in its name
+    assert agent["readinessProbe"]["exec"]["command"] == ["reconcile", "status", "--probe",
+                                                          "readyz"]
+    # alive is not ready
+    assert agent["livenessProbe"]["exec"]["command"][-2:] == ["--probe", "healthz"]
     args = _watch_args(agent["args"], {"$(NODE_NAME)": "node-1", "$(REVISION)": "0" * 40})
     assert args.status_addr == "127.0.0.1:9477"
 

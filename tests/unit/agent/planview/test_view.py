@@ -116,7 +116,8 @@ class FakeObserver:
         self.ns_reads.append(sorted(names))
         return {n: self.namespaces[n] for n in names if n in self.namespaces}
 
-    def observe_allocs(self, desired: DesiredState, host_id: str) -> dict[str, LiveNetns]:
+    def observe_allocs(self, desired: DesiredState, host_id: str,
+                       links: Any = None) -> dict[str, LiveNetns]:
         self.alloc_reads += 1
         return dict(self.namespaces)
 
