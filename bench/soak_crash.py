@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import secrets
 import signal
 import subprocess
@@ -146,7 +147,8 @@ def leaks(host: Host, cfg: Config) -> list[str]:
     found += [f"temporary bridge {lk['ifname']}" for lk in links
               if lk["ifname"].startswith("rcltmp")]
     mounted = _mounted_netns()
-    mark = f"{LINK_ALIAS} alloc-of={host.inode}"
+    # alloc-of=<inode>-<cookie> (the cookie where the kernel gives one, 5.14 and later)
+    mark = re.compile(rf"{re.escape(LINK_ALIAS)} alloc-of={host.inode}(-\d+)?")
     present = {n for n in os.listdir("/run/netns")
                if n.startswith(host.prefix) and n != host.name}
     found += [f"namespace {n} not declared" + ("" if n in mounted else f" ({EMPTY_FILE})")
@@ -159,7 +161,7 @@ def leaks(host: Host, cfg: Config) -> list[str]:
             found.append(f"namespace {a} is an unmounted file")
             continue
         inside = {lk["ifname"]: lk for lk in host.ip_json("link", "show", ns=a)}
-        if inside.get("lo", {}).get("ifalias") != mark:
+        if not mark.fullmatch(inside.get("lo", {}).get("ifalias") or ""):
             found.append(f"namespace {a} is not marked as ours")
         if "eth0" not in inside:
             found.append(f"namespace {a} has no eth0")

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -182,3 +183,16 @@ def forget_run_files(inode: int | None) -> None:
             pass  # held by a live process, or gone meanwhile
         finally:
             os.close(fd)
+
+
+#: prints ``<inode>-<cookie>`` of the namespace it runs in (SO_NETNS_COOKIE, Linux >= 5.14)
+_ID = ("import os,socket,struct\n"
+       "s=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\n"
+       "c=struct.unpack('=Q',s.getsockopt(socket.SOL_SOCKET,71,8))[0]\n"
+       "print(f\"{os.stat('/proc/self/ns/net').st_ino}-{c}\")")
+
+
+def netns_id(name: str) -> str:
+    """Return the id the reconciler marks a sandbox's allocations with: ``<inode>-<cookie>``
+    of ``/run/netns/NAME``, read by a process of its own in that namespace (not our code)."""
+    return sh("ip", "netns", "exec", name, sys.executable, "-c", _ID).stdout.strip()

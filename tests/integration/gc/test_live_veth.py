@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
 
 from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
 from tests.support.allocs import subnet_config as _config
-from tests.support.host import Netns, sh, unique
+from tests.support.host import Netns, netns_id, sh, unique
 
 pytestmark = pytest.mark.root
 
@@ -51,6 +50,6 @@ def test_gc_leaves_the_veth_of_a_live_namespace_whatever_the_marks_say(
 
 def host_alias(host: Netns) -> str:
     """The ``lo`` alias the reconciler of the sandbox writes (to put the mark back)."""
-    return alloc_ns_alias(str(os.stat(f"/run/netns/{host.name}").st_ino))
+    return alloc_ns_alias(netns_id(host.name))
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from reconciler.domain.ownership import alloc_ns_alias
 from tests.support.agent import Agent
-from tests.support.host import Netns, sh, unique, wait_for, write
+from tests.support.host import Netns, netns_id, sh, unique, wait_for, write
 
 pytestmark = pytest.mark.root
 
@@ -47,7 +47,7 @@ def _ours(host: Netns) -> list[str]:
     """Namespaces under /run/netns marked as this sandbox's (``lo``'s alias names its inode):
     its allocations, and a vantage namespace left behind would be one too. Others' namespaces
     come and go on this shared machine meanwhile."""
-    mark = alloc_ns_alias(str(os.stat(f"/run/netns/{host.name}").st_ino))
+    mark = alloc_ns_alias(netns_id(host.name))
     found = []
     for name in sorted(os.listdir("/run/netns")):
         if name == host.name:
