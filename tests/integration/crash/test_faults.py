@@ -183,6 +183,10 @@ def test_docker_rewriting_its_chains_keeps_our_jumps_and_traffic(host_ns: Netns,
         assert forward.index("-j DOCKER-USER") < forward.index("-j RECONCILER-FORWARD")
         assert "-P FORWARD DROP" in forward
         assert fetch(client, HOST_IP, 8080) == "ok 80"  # our jump still lets it through
+        # dockerd keeps DOCKER-USER first: our jump goes first in it too (decision 034)
+        apply(host_ns, cfg)
+        user = host_ns.run("iptables", "-S", "DOCKER-USER").stdout.splitlines()
+        assert "-j RECONCILER-FORWARD" in user[1], user
         converged(host_ns, cfg)
         # a restart that rebuilt FORWARD from scratch dropped our jump: traffic stops, apply heals
         docker_rewrites_its_chains(host_ns, flush_forward=True)
