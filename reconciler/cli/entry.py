@@ -41,6 +41,7 @@ from reconciler.agent.planview.protocol import (
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError
 from reconciler.drivers.nsfs import NETNS_RUN_DIR, current_inode, mount_ns_inode, name_ok
+from reconciler.ui import optiontable
 from reconciler.ui.argv import normalise_argv
 
 TYPE_CHECKING = False  # not `typing`: start-up path
@@ -50,11 +51,14 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-#: `plan` options taking a value, and flags, as build_parser defines them
-_PLAN_VALUE_OPTS = ("--output", "--hostname", "--adopt", "--out")
+#: what the agent answers: the global options and these of `plan`'s (another, such as
+#: --force-replace or --max-disruption, is planned in-process); tests/unit/cli checks that
+#: each is an option of the parser's
+ANSWERED = frozenset({"netns", "verbose", "output", "color", "no_agent", "out", "hostname",
+                      "adopt", "no_prune"})
 
-
-_PLAN_FLAGS = ("--no-prune",)
+#: what the client reads itself and sends apart, not in the agent's argv
+_OWN = frozenset({"netns", "verbose", "color", "output"})
 
 
 class NotAPlan(Unanswered):
@@ -62,7 +66,12 @@ class NotAPlan(Unanswered):
 
 
 class PlanCall:
-    """One `reconcile … plan …` command line, as far as the client needs to know it."""
+    """One `reconcile … plan …` command line, as far as the client needs to know it.
+
+    Global options stand before or after `plan` (``ui/optiontable.py``, generated from the
+    parser, says which take a value); anything the table does not know, or the agent does
+    not answer, goes to the in-process CLI, whose argparse has the last word.
+    """
 
     def __init__(self, argv: Sequence[str]) -> None:
         self.netns: str | None = None
@@ -72,60 +81,75 @@ class PlanCall:
         self.output = "text"
         self.out: str | None = None
         self.paths: list[str] = []
+        self.rest: list[str] = []  # after "plan", for the agent's own parser
         args = list(argv)
+        command = False
         i = 0
-        while i < len(args) and args[i] != "plan":  # global options
+        while i < len(args):
             a = args[i]
-            name, eq, value = a.partition("=")
-            if name in ("--netns", "--color") and a.startswith("--"):
-                if not eq:
-                    if i + 1 >= len(args):
-                        raise Unanswered("option without a value")
-                    value = args[i + 1]
-                    i += 1
-                if name == "--netns":
-                    if not eq and value.startswith("-"):
-                        raise Unanswered("option without a value")
-                    self.netns = value
+            if a == "--":
+                raise Unanswered("-- ends the options: argparse reads the rest")
+            if not a.startswith("-") or a == "-":
+                if command:
+                    self.paths.append(a)
+                    self.rest.append(a)
+                elif a == "plan":
+                    command = True
                 else:
-                    self.color = value
-            elif a in ("-v", "--verbose"):
-                self.verbose += 1
-            elif a.startswith("-v") and set(a[1:]) == {"v"}:
-                self.verbose += len(a) - 1
-            else:
-                raise NotAPlan(f"not a plan command line ({a})")
-            i += 1
-        if i >= len(args):
+                    raise NotAPlan(f"not a plan command line ({a})")
+                i += 1
+                continue
+            i = self._option(args, i, optiontable.PLAN if command else optiontable.GLOBAL,
+                             command)
+        if not command:
             raise NotAPlan("no command")
-        self.rest = args[i + 1:]  # after "plan", for the agent's own parser
-        j = 0
-        while j < len(self.rest):
-            a = self.rest[j]
-            name, eq, value = a.partition("=")
-            if name in _PLAN_VALUE_OPTS:
-                if not eq:
-                    if j + 1 >= len(self.rest) or self.rest[j + 1].startswith("-"):
-                        raise Unanswered("option without a value")  # argparse's view too
-                    value = self.rest[j + 1]
-                    j += 1
-                if name == "--output":
-                    self.output = value
-                elif name == "--out":
-                    self.out = value
-            elif a in _PLAN_FLAGS:
-                pass
-            elif a == "--no-agent":
-                self.no_agent = True
-            elif a.startswith("-"):
-                raise Unanswered(f"option the client does not know: {a}")
-            else:
-                self.paths.append(a)
-            j += 1
+        if self.output != "text":  # given before or after `plan`: the agent's parser reads it
+            self.rest += ["--output", self.output]
         if self.verbose > 1:
             raise Unanswered("-vv shows debug logs of the planning process itself")
         if self.color not in ("auto", "always", "never") or self.output not in ("text", "json"):
             raise Unanswered("the CLI reports bad option values")
+
+    def _option(self, args: list[str], i: int, table: dict[str, tuple[str, str]],
+                command: bool) -> int:
+        """Read the option at ``args[i]``; the index after it (and its value)."""
+        a = args[i]
+        if a.startswith("-v") and set(a[1:]) == {"v"}:  # -v, -vv, -vvv
+            self.verbose += len(a) - 1
+            return i + 1
+        name, eq, value = a.partition("=") if a.startswith("--") else (a, "", "")
+        known = table.get(name)
+        if known is None:
+            if command:
+                raise Unanswered(f"option the client does not know: {a}")
+            raise NotAPlan(f"not a plan command line ({a})")  # --version, -h
+        dest, how = known
+        taken = [a]
+        if how == "value":
+            if not eq:
+                if i + 1 >= len(args) or args[i + 1].startswith("-"):
+                    raise Unanswered("option without a value")  # argparse's view too
+                value = args[i + 1]
+                taken.append(value)
+        elif eq:
+            raise Unanswered(f"{name} takes no value")
+        if dest not in ANSWERED:
+            raise Unanswered(f"the agent does not answer {name}")
+        if dest == "netns":
+            self.netns = value
+        elif dest == "verbose":
+            self.verbose += 1
+        elif dest == "color":
+            self.color = how.removeprefix("const:") if how.startswith("const:") else value
+        elif dest == "output":
+            self.output = value
+        elif dest == "no_agent":
+            self.no_agent = True
+        elif dest == "out":
+            self.out = value
+        if dest not in _OWN:
+            self.rest += taken
+        return i + len(taken)
 
     def colour(self) -> bool:
         if self.color == "always":

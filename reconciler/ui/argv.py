@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from reconciler.ui.optiontable import GLOBAL
+
 
 def normalise_argv(argv: list[str]) -> list[str]:
     """Read `reconcile --plan PATH…` as `reconcile plan PATH…`."""
@@ -14,6 +16,6 @@ def normalise_argv(argv: list[str]) -> list[str]:
             break
         if not a.startswith("-"):
             break
-        i += 2 if a in ("--netns", "--color") else 1  # these take a value
+        takes_value = GLOBAL.get(a, ("", ""))[1] == "value"  # not --netns=NAME
+        i += 2 if takes_value else 1
     return out
-

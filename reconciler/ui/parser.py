@@ -94,8 +94,32 @@ def _max_disruption(sp: argparse.ArgumentParser, refused: str) -> None:
                          f"moved): {refused}")
 
 
+#: how an option reads the command line, as the stdlib-only fast path needs to know it:
+#: "value" takes the next argument (or ``=VALUE``), "count" adds one, "true" sets True,
+#: "const:X" sets X
+OptionTable = dict[str, tuple[str, str]]
+
+_HOW = {None: "value", "store": "value", "append": "value", "count": "count",
+        "store_true": "true"}
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors exit 1: exit 2 means "changes present" in this tool."""
+    """Usage errors exit 1: exit 2 means "changes present" in this tool. Each parser keeps
+    the table of its options (:data:`OptionTable`) as they are added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.table: OptionTable = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        kind = kwargs.get("action")
+        how = f"const:{kwargs['const']}" if kind == "store_const" else \
+            _HOW.get(kind) if isinstance(kind, str | None) and "nargs" not in kwargs else None
+        if how is not None:
+            dest = "verbose" if action.dest == _MORE_VERBOSE else action.dest
+            self.table.update({flag: (dest, how) for flag in action.option_strings})
+        return action
 
     def error(self, message: str) -> Any:
         self.print_usage(sys.stderr)
@@ -103,9 +127,60 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_ERROR)
 
 
+#: the dest the subcommands' ``-v`` counts into: added to the main parser's count after
+#: parsing, so that ``reconcile -v plan -v`` is ``-vv``
+_MORE_VERBOSE = "more_verbose"
+
+#: the commands whose ``--output json`` exists (the others print text only)
+JSON_COMMANDS = ("plan", "apply", "verify", "watch", "destroy", "gc", "show", "status")
+
+
+class _Main(_Parser):
+    """The `reconcile` parser: global options before and after the command add up."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.commands: dict[str, _Parser] = {}
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.verbose += getattr(parsed, _MORE_VERBOSE, 0)
+        if hasattr(parsed, _MORE_VERBOSE):
+            delattr(parsed, _MORE_VERBOSE)
+        command = getattr(parsed, "command", None)
+        if parsed.output != "text" and command is not None and command not in JSON_COMMANDS:
+            self.error(f"`{command}` has no --output {parsed.output}: it prints text only")
+        return parsed, rest
+
+
+def _global_options(p: argparse.ArgumentParser, mark: Marker, *, sub: bool) -> None:
+    """Add the options every command takes, before it (``sub`` False: their defaults) or
+    after it (``sub``: no defaults, so that ``reconcile --netns S plan`` keeps S: a
+    subparser's default would overwrite the main parser's value with None, and the command
+    would act on the host)."""
+    unset: Any = argparse.SUPPRESS
+
+    def default(value: object) -> Any:
+        return unset if sub else value
+
+    netns = p.add_argument("--netns", metavar="NAME", default=default(None),
+                           help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
+    mark(netns, "netns")
+    p.add_argument("-v", "--verbose", action="count", default=default(0),
+                   dest=_MORE_VERBOSE if sub else "verbose",
+                   help="more detail (the ops of each change; debug logs with -vv)")
+    p.add_argument("--output", choices=("text", "json"), default=default("text"),
+                   help="text for people (default) or json for programs")
+    p.add_argument("--color", choices=("auto", "always", "never"), default=default("auto"),
+                   help="colour the plan (default auto: when stdout is a terminal and "
+                        "NO_COLOR is unset)")
+    p.add_argument("--no-color", dest="color", action="store_const", const="never",
+                   default=unset, help="no colour (as --color never)")
+
+
 def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     """Build the parser; ``mark`` is told which arguments complete as files or namespace names."""
-    p = _Parser(
+    p = _Main(
         prog="reconcile",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Declarative reconciler for Linux host networking: bridges, subnets,\n"
@@ -118,29 +193,33 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                "  reconcile verify /etc/reconciler                config matches, packets flow?\n"
                "  reconcile watch /etc/reconciler                 keep this host converged\n"
                "\n"
-               "Global options go before COMMAND; `reconcile COMMAND --help` shows the rest.\n"
+               "Global options (--netns, -v, --output, --color, --no-color) go before or\n"
+               "after COMMAND; `reconcile COMMAND --help` shows the rest.\n"
                "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error\n"
                "(verify: 1 when the config differs or a probe fails).")
     p.add_argument("--version", action="version", version=f"reconcile {__version__}",
                    help="print the version and exit")
-    netns = p.add_argument("--netns", metavar="NAME",
-                           help="act inside /run/netns/NAME (like nsenter --net=/run/netns/NAME)")
-    mark(netns, "netns")
-    p.add_argument("-v", "--verbose", action="count", default=0,
-                   help="more detail (the ops of each change; debug logs with -vv)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="colour the plan (default auto: when stdout is a terminal and "
-                        "NO_COLOR is unset)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
-                           title="commands")
+    _global_options(p, mark, sub=False)
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                                title="commands")
+
+    class _Commands:
+        """``add_parser`` that gives every command the global options too."""
+
+        @staticmethod
+        def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+            sp: _Parser = commands.add_parser(name, **kw)
+            _global_options(sp, mark, sub=True)
+            p.commands[name] = sp
+            return sp
+
+    sub = _Commands()
 
     def common(sp: argparse.ArgumentParser, *, paths: bool = True) -> None:
         if paths:
             files = sp.add_argument("paths", nargs="+", metavar="PATH",
                                     help="desired-state files or directories")
             mark(files, "files")
-        sp.add_argument("--output", choices=("text", "json"), default="text",
-                        help="text for people (default) or json for programs")
         sp.add_argument("--no-prune", action="store_true",
                         help="keep owned objects that the files no longer declare")
         sp.add_argument("--hostname", metavar="NAME",
@@ -188,6 +267,10 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     "with `plan --out`. Takes the host lock (shared with destroy and watch).")
     common(sp)
     sp.add_argument("--dry-run", action="store_true", help="plan only (same as `plan`)")
+    sp.add_argument("--yes", action="store_true",
+                    help="do not ask: on a terminal, apply shows a plan that deletes, replaces "
+                         "or disrupts anything and asks first (without a terminal, and for a "
+                         "saved plan, it never asks)")
     sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for another writer to finish (default 60)")
     sp.add_argument("--force-replace", action="store_true",
@@ -236,12 +319,11 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
         description="Remove every object the reconciler owns on this host (or in --netns "
                     "NAME): owned links, addresses, allocation namespaces, RECONCILER-* "
                     "chains and owned Docker networks. Objects it did not create are kept.")
-    sp.add_argument("--output", choices=("text", "json"), default="text",
-                    help="text for people (default) or json for programs")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
     sp.add_argument("--yes", action="store_true",
-                    help="do not ask for confirmation (asked only when stdin is a terminal: "
-                         "scripts and pipes are never asked)")
+                    help="do not ask: needed without a terminal (scripts, cron, CI), where "
+                         "no one can answer; on a terminal destroy shows what it removes "
+                         "and asks")
     sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for another writer to finish (default 60)")
 
@@ -262,8 +344,6 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     mark(gc_paths, "files")
     sp.add_argument("--plan", "--dry-run", dest="dry_run", action="store_true",
                     help="only report what would be collected")
-    sp.add_argument("--output", choices=("text", "json"), default="text",
-                    help="text for people (default) or json for programs")
     sp.add_argument("--hostname", metavar="NAME",
                     help="the name matched against files' hosts: patterns (default: this "
                          "host's name)")
@@ -274,8 +354,6 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
         "show", help="show the live state of managed objects",
         description="Print what the reconciler owns on this host right now, read from the "
                     "kernel, iptables and Docker (no files needed).")
-    sp.add_argument("--output", choices=("text", "json"), default="text",
-                    help="text for people (default) or json for programs")
 
     sp = sub.add_parser(
         "graph", help="the topology as Graphviz DOT (pipe it to `dot -Tpng`)",
@@ -365,8 +443,6 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     help="print the agent's /readyz (or /healthz) answer and exit 0 only when "
                          "it is 200: a rollout engine's exec check that no local user can "
                          "answer in the agent's name")
-    sp.add_argument("--output", choices=("text", "json"), default="text",
-                    help="text for people (default) or json for programs")
     sp.set_defaults(enters_netns=False)
 
     sp = sub.add_parser(
@@ -379,3 +455,14 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     return p
 
 
+
+
+
+def option_table() -> dict[str, OptionTable]:
+    """Return the options of `reconcile` (``global``) and of `reconcile plan` (``plan``, the
+    global ones included): what ``scripts/gen-option-table.py`` writes into
+    ``ui/optiontable.py`` for the fast path of ``cli.entry``."""
+    p = build_parser()
+    assert isinstance(p, _Main)
+    return {"global": dict(sorted(p.table.items())),
+            "plan": dict(sorted(p.commands["plan"].table.items()))}

@@ -21,15 +21,36 @@ def test_global_and_plan_options_are_understood() -> None:
                   "--adopt", "bridge/b", "--no-prune", "--hostname=h1", "d/", "--out", "p.json"])
     assert (c.netns, c.verbose, c.color, c.output, c.out) == ("sb", 1, "never", "json", "p.json")
     assert c.paths == ["d/"]
-    assert c.rest == ["--output", "json", "--adopt", "bridge/b", "--no-prune", "--hostname=h1",
-                      "d/", "--out", "p.json"]
+    assert c.rest == ["--adopt", "bridge/b", "--no-prune", "--hostname=h1",
+                      "d/", "--out", "p.json", "--output", "json"]
     assert PlanCall(["--netns=sb", "plan", "a"]).netns == "sb"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--netns", "sb", "-v", "--output", "json", "--no-color", "plan", "d/"],
+    ["plan", "--netns", "sb", "-v", "--output", "json", "--no-color", "d/"],
+    ["plan", "d/", "--netns", "sb", "-v", "--output=json", "--color", "never"],
+    ["--netns", "sb", "plan", "d/", "-v", "--output", "json", "--no-color"],
+])
+def test_global_options_are_read_before_and_after_plan(argv: list[str]) -> None:
+    c = PlanCall(argv)
+    assert (c.netns, c.verbose, c.color, c.output, c.paths) == ("sb", 1, "never", "json", ["d/"])
+    assert c.rest == ["d/", "--output", "json"]  # the client's own, sent apart
+
+
+@pytest.mark.parametrize("argv", [["-v", "plan", "-v", "d/"], ["plan", "-v", "d/", "--verbose"],
+                                  ["plan", "-vv", "d/"]])
+def test_verbose_adds_up_across_positions(argv: list[str]) -> None:
+    with pytest.raises(Unanswered, match="-vv"):  # debug logs come from the planning process
+        PlanCall(argv)
 
 
 @pytest.mark.parametrize("argv", [
     ["apply", "a.yaml"],                  # another command
     ["-vv", "plan", "a.yaml"],            # debug logs come from the planning process
     ["plan", "--bogus", "a.yaml"],        # an option the client does not know
+    ["plan", "--force-replace", "a"],     # one the agent does not answer
+    ["plan", "--", "a"],                  # argparse reads what follows
     ["--color", "purple", "plan", "a"],   # the CLI words bad values
     ["plan", "--output"],                 # option without its value
     ["--netns"],                          # no command
