@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 RECONCILE=${RECONCILE:-reconcile}
 ns="docs-graph-$$"
 ip netns add "$ns"
-trap '$RECONCILE --netns "$ns" destroy >/dev/null 2>&1 || true; ip netns del "$ns"' EXIT
+trap '$RECONCILE --netns "$ns" destroy --yes >/dev/null 2>&1 || true; ip netns del "$ns"' EXIT
 ip -n "$ns" link set lo up
 $RECONCILE --netns "$ns" graph --plan examples/quickstart.yaml 2>/dev/null \
   | dot -Tpng -o docs/graph-quickstart-plan.png

@@ -21,9 +21,9 @@ from types import FrameType
 from typing import Any
 
 from reconciler.config.load import load
-from reconciler.domain.errors import ConfigError, StalePlanError
+from reconciler.domain.errors import ConfigError, PreconditionError, StalePlanError
 from reconciler.domain.model import DesiredState
-from reconciler.domain.plan import Plan
+from reconciler.domain.plan import Action, Plan
 from reconciler.ui.render import (
     EXIT_ERROR,
     EXIT_OK,
@@ -198,7 +198,7 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
 def cmd_apply(args: argparse.Namespace) -> int:
     from reconciler.ui.options import plan_options, saved_plan_options
 
-    if is_saved_plan(args.paths):
+    if is_saved_plan(args.paths):  # reviewed when it was saved: never asks
         saved = load_saved(args.paths[0])
         files = [p for p, _h in saved.files]
         if not files:
@@ -209,7 +209,22 @@ def cmd_apply(args: argparse.Namespace) -> int:
                               file=args.paths[0])
         options = saved_plan_options(saved.options, file=args.paths[0])
         return run_apply(args, load_desired(files, args), options, saved)
-    return run_apply(args, load_desired(args.paths, args), plan_options(args))
+    desired, options = load_desired(args.paths, args), plan_options(args)
+    shown = None
+    if not args.dry_run and not args.yes and interactive():
+        go, shown, finished = _confirm_apply(args, desired, options)
+        if not go:
+            print("Apply cancelled; " + ("nothing was applied (an interrupted change was "
+                                         "carried on first: see above)." if finished else
+                                         "nothing changed."), file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        return run_apply(args, desired, options, shown)
+    except StalePlanError:
+        if shown is None:
+            raise
+        raise StalePlanError("the host changed while apply was waiting for the answer; "
+                             "nothing was applied: run apply again") from None
 
 
 def cmd_destroy(args: argparse.Namespace) -> int:
@@ -218,7 +233,12 @@ def cmd_destroy(args: argparse.Namespace) -> int:
 
     options = PlanOptions(prune=True)
     shown = None
-    if not args.dry_run and not args.yes and _interactive():
+    if not args.dry_run and not args.yes:
+        if not interactive():  # cron, ssh without -t, CI: no one saw what goes
+            raise PreconditionError(
+                "destroy removes everything the reconciler manages here and no one is at a "
+                "terminal to confirm it: give --yes (or --dry-run to see what it would "
+                "remove); nothing was destroyed")
         shown, finished = _confirm_destroy(args, options)
         if shown is None:
             print("Destroy cancelled; " + ("nothing was destroyed (an interrupted change was "
@@ -237,9 +257,9 @@ def cmd_destroy(args: argparse.Namespace) -> int:
     return rc
 
 
-def _interactive() -> bool:
-    """Tell whether someone is at a terminal: ``destroy`` asks them; a pipe, a file or /dev/null is
-    a script."""
+def interactive() -> bool:
+    """Tell whether someone is at a terminal: ``apply`` and ``destroy`` ask them; a pipe, a file
+    or /dev/null is a script."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
     except ValueError:  # closed
@@ -252,6 +272,76 @@ DESTROY_QUESTION = ("Do you really want to destroy everything the reconciler man
                     "  Enter a value: ")
 
 
+#: what ``apply`` asks on a terminal when the plan deletes, replaces or disrupts (as Terraform)
+APPLY_QUESTION = ("Do you want to perform these actions?\n"
+                  "  The plan above deletes, replaces or disrupts what is listed. Only 'yes' "
+                  "will be accepted to approve.\n\n"
+                  "  Enter a value: ")
+
+
+def destructive(plan: Plan) -> bool:
+    """Tell whether ``plan`` deletes, replaces or disrupts anything: what ``apply`` asks
+    about on a terminal (a plan that only creates or changes without impact goes on)."""
+    return bool(plan.impacted) or any(c.action in (Action.DELETE, Action.REPLACE)
+                                      for c in plan.actionable)
+
+
+def _ask(question: str) -> bool:
+    """Ask ``question`` on stderr; True for the one answer that goes on: ``yes``."""
+    sys.stdout.flush()
+    sys.stderr.write("\n" + question)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        sys.stderr.write("\n")  # end of input: no answer is no
+    return answer.strip() == "yes"
+
+
+def _show(plan: Plan, args: argparse.Namespace) -> None:
+    """Print the plan a question is about (on stderr with ``--output json``: stdout stays
+    one JSON document, the result's)."""
+    if args.output == "json":
+        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
+    else:
+        print_plan(plan, args)
+
+
+def _finish_journals(rec: Any, args: argparse.Namespace) -> bool:
+    """Finish under the lock a change a killed run left half done (its journal), as ``apply``
+    does first: a plan of the half-made state is what nobody can confirm (``apply`` then
+    finds the host changed). Whether that touched the host."""
+    from reconciler.engine.finish import touched_host
+    from reconciler.engine.lock import host_lock
+
+    if not rec.journals_pending():
+        return False
+    with host_lock(args.lock_timeout):
+        return any(touched_host(line) for line in rec.finish_journals())
+
+
+def _confirm_apply(args: argparse.Namespace, desired: DesiredState,
+                   options: Any) -> tuple[bool, Plan | None, bool]:
+    """Plan ``apply`` on a terminal and, when the plan deletes, replaces or disrupts
+    anything, show it and ask. Whether to go on; the plan shown (None: nothing was asked,
+    ``apply`` plans again itself, so that a change meanwhile is applied, not refused); and
+    whether interrupted changes were finished first.
+
+    The plan shown is the one applied: ``apply`` checks it against the live state again
+    under the lock (as a saved plan), so what changed meanwhile is refused, not applied.
+    """
+    from reconciler.engine.reconcile import Reconciler
+
+    rec = Reconciler()
+    finished = _finish_journals(rec, args)
+    plan = rec.plan(desired, options)
+    if not destructive(plan) or plan.conflicts:
+        return True, None, finished  # nothing to ask (a conflict: apply refuses it itself)
+    _show(plan, args)
+    if not _ask(APPLY_QUESTION):
+        return False, None, finished
+    return True, plan, finished
+
+
 def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | None, bool]:
     """Show what ``destroy`` removes and ask; the plan when confirmed (or nothing to do),
     and whether interrupted changes were finished first.
@@ -262,26 +352,12 @@ def _confirm_destroy(args: argparse.Namespace, options: Any) -> tuple[Plan | Non
     the plan is made, as ``apply`` would do first: a plan of the half-made state would be
     what nobody can confirm (``apply`` then finds the host changed).
     """
-    from reconciler.engine.finish import touched_host
-    from reconciler.engine.lock import host_lock
     from reconciler.engine.reconcile import Reconciler
 
     rec = Reconciler()
-    finished = False
-    if rec.journals_pending():
-        with host_lock(args.lock_timeout):
-            finished = any(touched_host(line) for line in rec.finish_journals())
+    finished = _finish_journals(rec, args)
     plan = rec.plan(DesiredState(), options)
-    if args.output == "json":  # stdout stays one JSON document (the result's)
-        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
-    else:
-        print_plan(plan, args)
+    _show(plan, args)
     if not plan.has_changes:
         return plan, finished
-    sys.stdout.flush()
-    sys.stderr.write("\n" + DESTROY_QUESTION)
-    sys.stderr.flush()
-    answer = sys.stdin.readline()
-    if not answer.endswith("\n"):
-        sys.stderr.write("\n")  # end of input: no answer is no
-    return (plan if answer.strip() == "yes" else None), finished
+    return (plan if _ask(DESTROY_QUESTION) else None), finished

@@ -53,7 +53,7 @@ def host_ns() -> Iterator[Netns]:
         new = {n for n in netns_names() - before - {name}
                if n.startswith(SESSION) or n == f"rcprobe-{inode}"}
         if new:
-            reconcile("destroy", "--lock-timeout", "20", netns=name, timeout=120)
+            reconcile("destroy", "--yes", "--lock-timeout", "20", netns=name, timeout=120)
         for left in ns.leftovers():
             netns.delete(left)  # live mounts and empty files alike
         forget_run_files(inode)

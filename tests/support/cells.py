@@ -252,7 +252,7 @@ class Cell:
         with contextlib.suppress(Exception):
             self.stop_agent()  # first: it would put back what destroy removes
         with contextlib.suppress(Exception):
-            self.reconcile("destroy", "--lock-timeout", "20")
+            self.reconcile("destroy", "--yes", "--lock-timeout", "20")
         for p in reversed(self.procs):
             p.terminate()
             try:

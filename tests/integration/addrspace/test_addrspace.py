@@ -334,7 +334,7 @@ def test_the_address_space_example_applies_and_converges(host_ns: Netns, tmp_pat
         assert host_ns.addrs("apps0") == ["10.240.0.1/24", "fd00:240::1/64"]
         again = host_ns.reconcile("plan", path)
         assert again.rc == 0 and "No changes" in again.out, again.all
-        assert host_ns.reconcile("destroy").rc == 0
+        assert host_ns.reconcile("destroy", "--yes").rc == 0
     finally:
         for i in ids:
             sh("ip", "netns", "del", i, check=False)

@@ -586,7 +586,7 @@ def test_foreign_namespace_with_an_alloc_id_is_a_conflict(host_ns: Netns, tmp_pa
         assert r.rc == 1 and f"alloc {aid}" in r.err and "--adopt" in r.err, r.all
         assert sh("ip", "-n", aid, "-o", "link").stdout.count("\n") == 1  # lo only
         # destroy leaves it alone too
-        assert host_ns.reconcile("destroy").rc == 0
+        assert host_ns.reconcile("destroy", "--yes").rc == 0
         assert aid in netns_list()
     finally:
         sh("ip", "netns", "del", aid, check=False)
@@ -601,7 +601,7 @@ def test_allocs_of_another_host_are_not_ours(host_ns: Netns, tmp_path):
     try:
         r = other.reconcile("plan", write(tmp_path, "e.yaml", "version: 1\n"))
         assert r.rc == 0 and aid not in r.out, r.all
-        assert other.reconcile("destroy").rc == 0
+        assert other.reconcile("destroy", "--yes").rc == 0
         assert aid in netns_list()
     finally:
         sh("ip", "netns", "del", other.name, check=False)
@@ -657,7 +657,7 @@ def test_kill_9_anywhere_then_apply_converges(host_ns: Netns, tmp_path):
     assert host_ns.reconcile("apply", "--no-probe", path).rc == 0
     full = time.monotonic() - t0
     t0 = time.monotonic()
-    assert host_ns.reconcile("destroy").rc == 0
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
     full_destroy = time.monotonic() - t0
     assert not _orphans(host_ns, set(), prefix)
 
@@ -668,9 +668,9 @@ def test_kill_9_anywhere_then_apply_converges(host_ns: Netns, tmp_path):
             killed += 1
         apply_ok(host_ns, path)
         assert _orphans(host_ns, set(ids), prefix) == []
-        if _kill_after(host_ns, full_destroy * frac, "destroy") is None:
+        if _kill_after(host_ns, full_destroy * frac, "destroy", "--yes") is None:
             killed += 1
-        r = host_ns.reconcile("destroy")
+        r = host_ns.reconcile("destroy", "--yes")
         assert r.rc == 0, r.all
         assert _orphans(host_ns, set(), prefix) == []
         assert not dnat_rules(host_ns)

@@ -333,7 +333,7 @@ def test_first_ipv6_connection_right_after_setup_succeeds(host_ns: Netns, other_
         with listener(other_host):
             back = connect(aid, [(CLIENT6, 80)])[0]
         results.append((rnd, first, back))
-        r = host_ns.reconcile("destroy", "--lock-timeout", "20")
+        r = host_ns.reconcile("destroy", "--yes", "--lock-timeout", "20")
         assert r.rc == 0, r.all
     lost = [r for r in results if r[1][0] != "ok" or r[2][0] != "ok"]
     assert not lost, f"{len(lost)}/{ROUNDS} set-ups lost a first IPv6 connection: {lost}"

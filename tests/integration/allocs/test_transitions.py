@@ -323,7 +323,7 @@ def test_an_alloc_held_by_a_process_is_pruned_in_one_run(
             write(tmp_path, "t.yaml", config([{"id": b}]))
             r = host_ns.reconcile("apply", path)
         else:
-            r = host_ns.reconcile("destroy")
+            r = host_ns.reconcile("destroy", "--yes")
         assert r.rc == 0, r.all
         assert f"pid {pid} (sleep)" in r.all, r.all
         assert host_ns.link(veth_of(a)) is None

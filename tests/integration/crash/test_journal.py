@@ -80,7 +80,7 @@ def test_replace_killed_then_destroy_reattaches_before_it_removes(
     name, changed, before = four_attached(host_ns, docker_scratch_image, tmp_path)
     r = killed(host_ns, "remove:1", "apply", "--force-replace", changed)
     assert r.rc == -signal.SIGKILL, r.all
-    r = host_ns.reconcile("destroy")
+    r = host_ns.reconcile("destroy", "--yes")
     no_traceback(r)
     # destroy keeps an owned network that containers use (it is removed once they leave)
     assert_all_reattached(name, before)
@@ -167,7 +167,7 @@ def test_adopt_killed_after_deleting_the_foreign_eth0_is_finished(
         assert journals(host_ns) == []
         assert host_ns.reconcile("plan", path).rc == 0
     finally:
-        host_ns.reconcile("destroy", "--lock-timeout", "20")
+        host_ns.reconcile("destroy", "--yes", "--lock-timeout", "20")
         sh("ip", "netns", "del", a, check=False)
 
 

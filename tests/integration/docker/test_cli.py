@@ -131,7 +131,7 @@ def test_prune_removes_only_ours(host_ns: Netns, docker_scratch: DockerScratch, 
     no_traceback(r)
     assert ids(c) == c_id and DOCKER_LABEL not in (inspect(c)["Labels"] or {})
     # destroy never touches foreign networks either
-    r = host_ns.reconcile("destroy")
+    r = host_ns.reconcile("destroy", "--yes")
     assert r.rc == 0, r.all
     assert ids(a) == [] and ids(c) == c_id and len(ids(foreign)) == 1
     assert len(ids(other_scope)) == 1
@@ -240,6 +240,6 @@ def test_example_kind_network_applies_and_destroys(host_ns: Netns, docker_scratc
     attrs = inspect(name)
     assert attrs["EnableIPv6"] is True and str(ula_subnet(name, 0)) in subnets(attrs)
     assert host_ns.reconcile("plan", f).rc == 0
-    r = host_ns.reconcile("destroy")
+    r = host_ns.reconcile("destroy", "--yes")
     assert r.rc == 0 and f"- docker_network {name}" in r.out, r.all
     assert ids(name) == []

@@ -38,7 +38,7 @@ def test_nomad_allocs_example(host_ns: Netns, tmp_path) -> None:
         _converges(host_ns, str(path))
         assert "172.26.64.1/20" in host_ns.addrs("nomad0")
         assert "172.26.64.10/20" in Netns(ids["web-1"]).addrs("eth0")
-        assert host_ns.reconcile("destroy").rc == 0
+        assert host_ns.reconcile("destroy", "--yes").rc == 0
         assert not any(os.path.exists(f"/run/netns/{i}") for i in ids.values())
     finally:
         for i in ids.values():
@@ -52,5 +52,5 @@ def test_fleet_example_on_this_host(host_ns: Netns, tmp_path) -> None:
     os.chmod(fleet, 0o755)
     _converges(host_ns, str(fleet))
     assert "10.88.0.1/24" in host_ns.addrs("fleet0")
-    assert host_ns.reconcile("destroy").rc == 0
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
     assert host_ns.link("fleet0") is None

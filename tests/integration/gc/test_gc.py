@@ -288,7 +288,7 @@ def test_gc_with_files_collects_what_no_file_declares_docker_networks_included(
         r = gc(host_ns, run_dir, "plan", fewer)
         assert r.rc == 0, r.all
     finally:
-        gc(host_ns, run_dir, "destroy")
+        gc(host_ns, run_dir, "destroy", "--yes")
         for name in (n1, n2, foreign, other_scope):
             subprocess.run(["docker", "network", "rm", name], capture_output=True, check=False)
         assert not {n1, n2, foreign, other_scope} & network_names()

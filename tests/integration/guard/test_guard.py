@@ -2,7 +2,7 @@
 
 Files for other hosts never prune, ``--adopt`` says what it deletes and refuses the
 namespace the reconciler runs in, deletions check the mark on the object itself, and
-``destroy`` asks on a terminal. Results are read with ``ip -j`` and ``/proc``, never
+``apply`` and ``destroy`` ask on a terminal. Results are read with ``ip -j`` and ``/proc``, never
 with our own observer.
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import pytest
 
 from tests.support.agent import confdir
 from tests.support.host import REPO, Netns, save, unique, wait_for, write
+from tests.support.terminal import on_a_terminal
 
 pytestmark = pytest.mark.root
 
@@ -76,54 +75,16 @@ def test_watch_keeps_the_last_good_state_when_no_file_is_for_this_host(
 # ------------------------------------------------------------------ destroy asks on a terminal
 
 
-def _on_a_terminal(ns: str, *args: str, answer: str | None,
-                   timeout: float = 60) -> tuple[int, str]:
-    """Run the CLI with its stdin, stdout and stderr on a pty (a person at a terminal);
-    type ``answer`` once it asks (None: the test expects no question). Returns (rc, screen)."""
-    main, tty = pty.openpty()
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "reconciler", "--netns", ns, *args],
-                            stdin=tty, stdout=tty, stderr=tty, env=env, cwd=REPO,
-                            start_new_session=True)
-    os.close(tty)
-    screen = b""
-    typed = False
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([main], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(main, 4096)
-                except OSError:  # EIO: the child closed the terminal
-                    chunk = b""
-                if not chunk and proc.poll() is not None:
-                    break
-                screen += chunk
-            elif proc.poll() is not None:
-                break
-            if answer is not None and not typed and b"Enter a value:" in screen:
-                os.write(main, answer.encode() + b"\n")
-                typed = True
-        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        os.close(main)
-    return rc, screen.decode(errors="replace").replace("\r\n", "\n")
-
-
 def test_destroy_asks_on_a_terminal_and_only_yes_goes_on(host_ns: Netns,
                                                           tmp_path: Any) -> None:
     br = "rg" + unique()[-6:]
     assert host_ns.reconcile("apply", write(tmp_path, "a.yaml", BRIDGE % br)).rc == 0
-    rc, screen = _on_a_terminal(host_ns.name, "destroy", answer="no")
+    rc, screen = on_a_terminal(host_ns.name, "destroy", answer="no")
     assert rc == 1, screen
     assert f"- bridge {br}" in screen and "Only 'yes' will be accepted" in screen
     assert "cancelled" in screen
     assert host_ns.link(br) is not None
-    rc, screen = _on_a_terminal(host_ns.name, "destroy", answer="yes")
+    rc, screen = on_a_terminal(host_ns.name, "destroy", answer="yes")
     assert rc == 0, screen
     assert host_ns.link(br) is None
 
@@ -133,16 +94,63 @@ def test_destroy_never_asks_with_yes_or_without_a_terminal(host_ns: Netns,
     br = "rg" + unique()[-6:]
     f = write(tmp_path, "a.yaml", BRIDGE % br)
     assert host_ns.reconcile("apply", f).rc == 0
-    rc, screen = _on_a_terminal(host_ns.name, "destroy", "--yes", answer=None)
+    rc, screen = on_a_terminal(host_ns.name, "destroy", "--yes", answer=None)
     assert rc == 0 and "Enter a value" not in screen, screen
     assert host_ns.link(br) is None
     assert host_ns.reconcile("apply", f).rc == 0
-    # a pipe (scripts, CI): stdin is not a terminal, nothing is asked, nothing waits
+    # a pipe (scripts, CI): stdin is not a terminal, no one can answer: refused without
+    # --yes, nothing destroyed and nothing waits; with --yes it goes on
     p = subprocess.run([sys.executable, "-m", "reconciler", "--netns", host_ns.name, "destroy"],
-                       input="", capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0 and "Enter a value" not in p.stdout + p.stderr, p.stderr
+                       input="", capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=REPO))
+    assert p.returncode == 1 and "Enter a value" not in p.stdout + p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and "--yes" in p.stderr, p.stderr
+    assert host_ns.link(br) is not None
+    assert host_ns.reconcile("destroy", "--dry-run").rc == 2  # looking needs no --yes
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
     assert host_ns.link(br) is None
+
+
+# ------------------------------------------------------------------ apply asks on a terminal
+
+
+def test_apply_asks_on_a_terminal_before_it_deletes(host_ns: Netns, tmp_path: Any) -> None:
+    br, br2 = "rg" + unique()[-6:], "rh" + unique()[-6:]
+    both = write(tmp_path, "both.yaml",
+                 f"version: 1\nbridges: [{{name: {br}}}, {{name: {br2}}}]\n")
+    # creating only: nothing to ask, it goes on
+    rc, screen = on_a_terminal(host_ns.name, "apply", "--no-probe", both, answer=None)
+    assert rc == 0 and "Enter a value" not in screen, screen
+    one = write(tmp_path, "one.yaml", BRIDGE % br)
+    rc, screen = on_a_terminal(host_ns.name, "apply", "--no-probe", one, answer="no")
+    assert rc == 1, screen
+    assert f"- bridge {br2}" in screen and "Only 'yes' will be accepted" in screen, screen
+    assert "Apply cancelled" in screen and host_ns.link(br2) is not None
+    rc, screen = on_a_terminal(host_ns.name, "apply", "--no-probe", one, answer="yes")
+    assert rc == 0, screen
+    assert host_ns.link(br2) is None and host_ns.mtu(br) == 1400
+
+
+def test_apply_never_asks_with_yes_without_a_terminal_or_for_a_saved_plan(
+        host_ns: Netns, tmp_path: Any) -> None:
+    br, br2 = "rg" + unique()[-6:], "rh" + unique()[-6:]
+    both = write(tmp_path, "both.yaml",
+                 f"version: 1\nbridges: [{{name: {br}}}, {{name: {br2}}}]\n")
+    one = write(tmp_path, "one.yaml", BRIDGE % br)
+    assert host_ns.reconcile("apply", "--no-probe", both).rc == 0
+    rc, screen = on_a_terminal(host_ns.name, "apply", "--yes", "--no-probe", one, answer=None)
+    assert rc == 0 and "Enter a value" not in screen, screen
+    assert host_ns.link(br2) is None
+    assert host_ns.reconcile("apply", "--no-probe", both).rc == 0
+    saved = os.path.join(str(tmp_path), "plan.json")
+    assert host_ns.reconcile("plan", "--no-agent", one, "--out", saved).rc == 2
+    rc, screen = on_a_terminal(host_ns.name, "apply", "--no-probe", saved, answer=None)
+    assert rc == 0 and "Enter a value" not in screen, screen
+    assert host_ns.link(br2) is None
+    # a script: stdin no terminal, it proceeds as it always did
+    assert host_ns.reconcile("apply", "--no-probe", both).rc == 0
+    assert host_ns.reconcile("apply", "--no-probe", one).rc == 0
+    assert host_ns.link(br2) is None
 
 
 # ------------------------------------------------------------------ --adopt

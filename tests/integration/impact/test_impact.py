@@ -376,4 +376,4 @@ def test_a_forced_replace_predicts_exactly_the_containers_it_disconnects(
     assert remade == {name for _kind, name in want}
     for c in (c1, c2):
         assert endpoint(c, changed)["IPAddress"] == before[c.name][1]["IPAddress"]
-    assert host_ns.reconcile("destroy").rc == 0
+    assert host_ns.reconcile("destroy", "--yes").rc == 0

@@ -87,7 +87,7 @@ def alloc_cleanup(host_ns: Netns) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     if any(os.path.exists(f"/run/netns/{n}") for n in names):
-        reconcile("destroy", "--lock-timeout", "20", netns=host_ns.name)
+        reconcile("destroy", "--yes", "--lock-timeout", "20", netns=host_ns.name)
     for n in names:
         sh("ip", "netns", "del", n, check=False)
 
@@ -124,7 +124,7 @@ def test_image_plans_applies_and_destroys_in_a_namespace(image: str, host_ns: Ne
     p = _run(image, conf, *ns, "plan", "/etc/reconciler")
     assert p.returncode == 0, "not converged after apply:\n" + p.stdout + p.stderr
 
-    p = _run(image, conf, *ns, "destroy")
+    p = _run(image, conf, *ns, "destroy", "--yes")
     assert p.returncode == 0, p.stdout + p.stderr
     assert host_ns.link(names["bridge"]) is None
     assert not any(os.path.exists(f"/run/netns/{a}") for a in allocs)
@@ -165,4 +165,4 @@ def test_image_watch_converges_and_stops_on_sigterm(image: str, host_ns: Netns,
         assert code == "0", sh("docker", "logs", name, check=False).stderr
     finally:
         sh("docker", "rm", "-f", name, check=False)
-        reconcile("destroy", "--lock-timeout", "20", netns=host_ns.name)
+        reconcile("destroy", "--yes", "--lock-timeout", "20", netns=host_ns.name)

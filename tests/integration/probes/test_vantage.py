@@ -140,7 +140,7 @@ def test_destroy_removes_the_vantage_a_dead_prober_left(
     assert _vantages(host_ns), "the crash left no vantage to clean up"
     shown = host_ns.reconcile("show")
     assert "rcprobe" in shown.out, shown.all
-    d = host_ns.reconcile("destroy")
+    d = host_ns.reconcile("destroy", "--yes")
     assert d.rc == 0, d.all
     assert _vantages(host_ns) == []
     assert _vantage_links(host_ns) == []

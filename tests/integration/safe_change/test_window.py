@@ -98,7 +98,7 @@ def test_a_pending_change_refuses_another_apply(box: Netns, tmp_path: Any) -> No
     a, b, before, _extra = setup_change(box, tmp_path)
     apply_ok(box, b, "--confirm-within", "5m")
     changed = state(box)
-    for args in (("apply", a), ("apply", a, "--confirm-within", "1m"), ("destroy",)):
+    for args in (("apply", a), ("apply", a, "--confirm-within", "1m"), ("destroy", "--yes")):
         r = box.reconcile(*args)
         assert r.rc == 1, r.all
         lines = r.err.strip().splitlines()

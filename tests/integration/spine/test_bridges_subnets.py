@@ -110,7 +110,7 @@ def test_foreign_bridge_is_a_conflict_and_left_untouched(host_ns: Netns):
     assert host_ns.run("ip", "-d", "addr", "show", "rcl0").stdout == before
     assert "RECONCILER" not in host_ns.iptables_save(4)
     # destroy never touches it either
-    assert host_ns.reconcile("destroy").rc == 0
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
     assert host_ns.link("rcl0") is not None
 
 
@@ -258,7 +258,7 @@ def test_lock_timeout_fails_clearly(host_ns: Netns):
 
 def test_destroy_removes_everything_managed(host_ns: Netns):
     host_ns.reconcile("apply", EXAMPLE)
-    r = host_ns.reconcile("destroy")
+    r = host_ns.reconcile("destroy", "--yes")
     assert r.rc == 0, r.all
     assert host_ns.link("rcl0") is None
     assert "RECONCILER" not in host_ns.iptables_save(4) + host_ns.iptables_save(6)
@@ -302,7 +302,7 @@ def test_foreign_rules_referring_to_our_chains_are_never_touched(host_ns: Netns,
     assert '--comment "added by ops team" -j RECONCILER-FORWARD' in rules
     assert rules.count("--comment reconciler -j RECONCILER-FORWARD") == 1
     # destroy keeps (empties) the chain their rule needs, says so, and is then stable
-    r = host_ns.reconcile("destroy")
+    r = host_ns.reconcile("destroy", "--yes")
     assert r.rc == 0, r.all
     assert "added by ops team" in r.out and "kept" in r.out
     save = host_ns.iptables_save(4)

@@ -341,7 +341,7 @@ def test_alloc_veth_and_namespace_deletion_are_healed(host_ns: Netns, agents: An
         assert r.rc == 0, r.out + r.err
     finally:
         agent.kill()
-        host_ns.reconcile("destroy")
+        host_ns.reconcile("destroy", "--yes")
         sh("ip", "netns", "del", alloc, check=False)
 
 
@@ -364,5 +364,5 @@ def test_docker_network_deletion_is_healed(host_ns: Netns, agents: Any, tmp_path
         assert agent.stop() == 0
     finally:
         agent.kill()
-        host_ns.reconcile("destroy")
+        host_ns.reconcile("destroy", "--yes")
         sh("docker", "network", "rm", net, check=False)
