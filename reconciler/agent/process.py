@@ -19,6 +19,7 @@ from reconciler.agent.planview.server import PlanServer
 from reconciler.agent.status import StatusServer, TcpStatus, bind, bind_unix
 from reconciler.agent.statusclient import socket_path
 from reconciler.domain.errors import DriverError, PreconditionError
+from reconciler.domain.hints import command
 from reconciler.drivers import netns
 from reconciler.drivers.nsfs import current_inode
 
@@ -187,7 +188,7 @@ def run(options: WatchOptions, tcp: TcpStatus | None) -> int:
                      "readiness /readyz)", servers[0].address)
         elif tcp is not None:
             log.warning("%s; starting without it: status and readiness on %s (root only, "
-                        "`reconcile status`), the address tried again on a backoff",
+                        f"`{command('status')}`), the address tried again on a backoff",
                         tcp.error, endpoints.get("unix", "no socket"))
             retry = TcpRetry(tcp, serve, agent.stop)
             retry.start()

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from reconciler.domain.errors import ConfigError, ReconcilerError
+from reconciler.domain.hints import command
 from reconciler.drivers import procfs, rundir
 
 DEFAULT_ADDR = "127.0.0.1:9477"
@@ -140,7 +141,7 @@ def where_to_ask(addr: str | None, netns_inode: int) -> str | tuple[str, int]:
     host, port = parse_addr(text)
     problem = listener_problem(host, port)
     if problem is not None:
-        raise ReconcilerError(f"the status address {text}: {problem} (run `reconcile status` "
+        raise ReconcilerError(f"the status address {text}: {problem} (run `{command('status')}` "
                               "as root on the agent's host: it asks the agent's own socket)")
     return host, port
 
@@ -161,7 +162,7 @@ def fetch_from(target: str | tuple[str, int], timeout: float = 5.0) -> dict[str,
         raise ReconcilerError(f"bad answer from the watch agent at {where}: {exc}") from None
     except OSError as exc:
         raise ReconcilerError(f"cannot reach the watch agent at {where}: "
-                              f"{exc.strerror or exc} (is `reconcile watch` running with this "
+                              f"{exc.strerror or exc} (is `{command('watch')}` running with this "
                               "--status-addr?)") from None
     try:
         doc = json.loads(body.decode("utf-8"))
@@ -259,8 +260,8 @@ def _render(doc: dict[str, Any], now: float) -> str:
     pending = doc.get("pending")
     if pending:
         rev = f" of revision {pending['revision']}" if pending.get("revision") else ""
-        lines.append(f"pending: a change{rev} until {pending.get('deadline')} (`reconcile "
-                     "confirm` keeps it, `reconcile revert` undoes it)")
+        lines.append(f"pending: a change{rev} until {pending.get('deadline')} "
+                     f"(`{command('confirm')}` keeps it, `{command('revert')}` undoes it)")
     if doc.get("reverted_revision"):
         lines.append(f"reverted: revision {doc['reverted_revision']} (not applied again "
                      "until the files change)")

@@ -34,6 +34,7 @@ from reconciler.cli.apply import (
 from reconciler.config.load import NoFileForHost, load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, PreconditionError, ReconcilerError
+from reconciler.domain.hints import command, set_netns
 from reconciler.domain.model import DesiredState
 from reconciler.drivers import netns, rundir
 from reconciler.ui.argv import normalise_argv
@@ -95,7 +96,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except OSError as exc:  # ENOSPC, EDQUOT, EIO: at write or at close
             raise ConfigError(f"cannot write the plan here: {exc.strerror or exc}",
                               file=args.out) from None
-        print(f"Saved the plan to {args.out}; `reconcile apply {args.out}` applies exactly it.",
+        print(f"Saved the plan to {args.out}; `{command('apply ' + args.out)}` applies exactly "
+              "it.",
               file=sys.stderr)
     refused = refusal(plan, args.max_disruption)
     if refused is not None:
@@ -227,7 +229,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
     if args.plan and not args.paths:
         raise ConfigError("graph --plan needs the desired-state files: "
-                          "reconcile graph --plan PATH…")
+                          f"{command('graph --plan PATH…')}")
     rec = Reconciler()
     desired = load_desired(args.paths, args) if args.paths else None
     plan = rec.plan(desired, plan_options(args)) if desired is not None else None
@@ -358,6 +360,7 @@ def main(argv: Sequence[str] | None = None, *, process: bool = False) -> int:
     if command is None:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
+    set_netns(args.netns)  # the hints it prints carry --netns NAME
     if process and args.command != "watch":
         _one_shot_gc()
     try:

@@ -40,6 +40,7 @@ from reconciler.agent.planview.protocol import (
 )
 from reconciler.config.paths import expand_paths, read_bytes
 from reconciler.domain.errors import ConfigError
+from reconciler.domain.hints import command
 from reconciler.drivers.nsfs import NETNS_RUN_DIR, current_inode, mount_ns_inode, name_ok
 from reconciler.ui import optiontable
 from reconciler.ui.argv import normalise_argv
@@ -237,8 +238,9 @@ def answer(argv: list[str]) -> int | None:
                 print(f"error: {call.out}: cannot write the plan here: {exc.strerror or exc}",
                       file=sys.stderr)
                 return 1
-            print(f"Saved the plan to {call.out}; `reconcile apply {call.out}` applies exactly "
-                  "it.", file=sys.stderr)
+            again = command(f"apply {call.out}", netns=call.netns)
+            print(f"Saved the plan to {call.out}; `{again}` applies exactly it.",
+                  file=sys.stderr)
     except BrokenPipeError:
         raise
     except Exception as exc:  # as the CLI words what is not a user error

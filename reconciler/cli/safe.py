@@ -20,6 +20,7 @@ from typing import Any
 from reconciler.agent.revision import describe_revision, files_digest, git_revision
 from reconciler.config.load import load
 from reconciler.domain.errors import LockedError, PreconditionError, ReconcilerError
+from reconciler.domain.hints import command
 from reconciler.domain.plan import Plan
 from reconciler.engine import safechange
 from reconciler.engine.lock import host_lock
@@ -65,7 +66,7 @@ def _report(result: safechange.RevertResult, p: safechange.Pending, why: str, *,
                                          or result.residual.conflicts):
         _say(f"error: revert: {safechange.residual_line(result.residual)}", err=True)
     _say("error: the revert did not complete; the change stays pending (overdue): "
-         "`reconcile revert` tries again; to give up on it (keeping the host as it is now), "
+         f"`{command('revert')}` tries again; to give up on it (keeping the host as it is now), "
          f"move {_record_path(p)} away", err=True)
     return False
 
@@ -161,7 +162,7 @@ class Window:
         except ReconcilerError:
             return
         _say(f"The stopped change is pending until {safechange.iso(p.deadline)}: it is "
-             "reverted then (it cannot be confirmed; `reconcile revert` reverts it now).",
+             f"reverted then (it cannot be confirmed; `{command('revert')}` reverts it now).",
              err=True)
 
     def finish(self, result: ApplyResult, rc: int) -> int:
@@ -180,9 +181,9 @@ class Window:
             return EXIT_ERROR
         if self.outcome != "pending" or rc != EXIT_OK:
             return EXIT_ERROR
-        _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run `reconcile "
-             "confirm` to keep the change; without it (or if the probes fail) it is reverted "
-             "then (`reconcile revert` reverts now).", err=self.err)
+        _say(f"Pending until {safechange.iso(p.deadline)} ({self.seconds:g}s): run "
+             f"`{command('confirm')}` to keep the change; without it (or if the probes fail) "
+             f"it is reverted then (`{command('revert')}` reverts now).", err=self.err)
         return rc
 
 
@@ -246,7 +247,7 @@ def _confirm(rec: Reconciler, seen: safechange.Pending | None) -> int:
     if not p.applied and not p.overdue:
         safechange.respawn_if_dead(p)
         _say(f"error: {p.describe()}, but its apply has not finished (it runs, or it was "
-             "stopped or killed): `reconcile revert` undoes it now, or wait for the apply; "
+             f"stopped or killed): `{command('revert')}` undoes it now, or wait for the apply; "
              "only a change applied whole can be confirmed", err=True)
         return EXIT_ERROR
     if p.overdue:

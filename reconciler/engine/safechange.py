@@ -39,6 +39,7 @@ from typing import Any
 import reconciler
 from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoint
 from reconciler.domain.errors import PreconditionError
+from reconciler.domain.hints import command
 from reconciler.domain.live import LiveState
 from reconciler.domain.plan import Change, Plan
 from reconciler.drivers import netns, procfs, statedir, sysctl
@@ -167,7 +168,7 @@ def pending(scope: str | None = None) -> Pending | None:
 
 
 def refusal(p: Pending) -> str:
-    return (f"{p.describe()}: `reconcile confirm` keeps it, `reconcile revert` undoes it; "
+    return (f"{p.describe()}: `{command('confirm')}` keeps it, `{command('revert')}` undoes it; "
             "nothing changed")
 
 

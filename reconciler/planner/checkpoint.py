@@ -31,6 +31,7 @@ from reconciler.domain.checkpoint import (
     NetworkPoint,
     network_to_json,
 )
+from reconciler.domain.hints import command
 from reconciler.domain.live import LiveLink, LiveState
 from reconciler.domain.model import Bridge, BridgeName, DesiredState
 from reconciler.domain.ops import (
@@ -474,7 +475,7 @@ def postpone(plan: Plan, held: Iterable[str]) -> tuple[Plan, tuple[Change, ...]]
         if c.kind == "alloc" and c.action is Action.DELETE and c.name in held:
             postponed.append(c)
             kept.append(dataclasses.replace(
-                c, reason=f"{c.reason}; held by processes: deleted at `reconcile confirm`, "
+                c, reason=f"{c.reason}; held by processes: deleted at `{command('confirm')}`, "
                           "its veth down until then",
                 attrs=(*c.attrs, AttrChange("veth", "up", "down")),
                 ops=(encode(LinkSet(alloc_veth_name(c.name), up=False)),)))

@@ -37,6 +37,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from reconciler.domain.docker import network_scope
 from reconciler.domain.errors import PlanError
+from reconciler.domain.hints import command
 from reconciler.domain.live import LiveChainSet, LiveNeighbour, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import (
@@ -207,7 +208,7 @@ def _namespaces_without_veth(live: LiveState, holders: Holders,
         if held:
             pids = ", ".join(str(p) for p in held[:5]) + (" …" if len(held) > 5 else "")
             warnings.append(f"alloc {name}: its namespace has no veth, but processes are "
-                            f"inside (pid {pids}): left alone (`reconcile gc PATH` removes it "
+                            f"inside (pid {pids}): left alone (`{command('gc PATH')}` removes it "
                             "when no file declares it; an apply that declares it heals it)")
             continue
         veth = live.links.get(alloc_veth_name(name))
@@ -243,7 +244,8 @@ def _kept_rules_warning(owners: Collection[str]) -> str:
     names = ", ".join(f"alloc {o.partition('=')[2]}" for o in sorted(owners))
     return (f"the port-map rules of allocations whose namespace is gone are kept: {names} "
             "(the files may still declare them, and their rules hold their `auto` host "
-            "ports; `reconcile gc PATH` removes them when the files no longer declare them)")
+            f"ports; `{command('gc PATH')}` removes them when the files no longer declare "
+            "them)")
 
 
 def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:

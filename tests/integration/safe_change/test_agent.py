@@ -128,7 +128,7 @@ allocs:
     holder = subprocess.Popen(["ip", "netns", "exec", extra, "sleep", "600"])
     try:
         r = apply_ok(box, only, "--confirm-within", "5m")
-        assert "deleted at `reconcile confirm`" in r.out, r.out
+        assert f"deleted at `reconcile --netns {box.name} confirm`" in r.out, r.out
         during = state(box)
         veth = next(n for n in before["links"] if n not in during["links"] or
                     during["links"][n]["up"] != before["links"][n]["up"])
