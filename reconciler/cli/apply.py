@@ -22,8 +22,10 @@ from typing import Any
 
 from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError, PreconditionError, StalePlanError
+from reconciler.domain.hints import command
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Action, Plan
+from reconciler.drivers.nsfs import NETNS_RUN_DIR, current_id
 from reconciler.ui.render import (
     EXIT_ERROR,
     EXIT_OK,
@@ -75,6 +77,47 @@ def load_saved(path: str) -> Plan:
         return Plan.from_json(raw)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"not a saved plan: {exc}", file=path) from None
+
+
+def _where(scope_id: str, netns: str | None) -> str:
+    """Name the network namespace of identity ``scope_id`` for people: by its --netns name
+    (``netns``, else the one under /run/netns with its inode), or as the host's."""
+    inode = scope_id.partition("-")[0]
+    if netns is None:
+        try:
+            names = sorted(os.listdir(NETNS_RUN_DIR))
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                if str(os.stat(os.path.join(NETNS_RUN_DIR, name)).st_ino) == inode:
+                    netns = name
+                    break
+            except OSError:
+                continue
+    if netns is not None:
+        return f"network namespace {netns} (--netns {netns})"
+    try:
+        if str(os.stat("/proc/1/ns/net").st_ino) == inode:
+            return "the host's network namespace (no --netns)"
+    except OSError:
+        pass
+    return f"network namespace {scope_id} (gone, or unnamed)"
+
+
+def refuse_other_scope(saved: Plan, path: str, netns: str | None) -> None:
+    """Refuse a saved plan made in another network namespace, in one line naming both (it
+    would otherwise read as "the live state changed", or worse, fit by chance)."""
+    made = saved.scope.get("id")
+    here = current_id()
+    if not isinstance(made, str) or made == here:
+        return  # a plan of a version before scopes were recorded: the fingerprint decides
+    name = saved.scope.get("netns")
+    there = _where(made, name if isinstance(name, str) else None)
+    hint = (f"; run `{command('apply ' + path, netns=name)}`" if isinstance(name, str)
+            else "")
+    raise ConfigError(f"the saved plan was made in {there}, not in {_where(here, netns)}, "
+                      f"where this runs: plan again here{hint}; nothing changed", file=path)
 
 
 #: the signals that stop a command that probes, the way they stop ``watch``
@@ -208,6 +251,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                               "give --no-prune/--adopt/--force-replace to `plan --out`",
                               file=args.paths[0])
         options = saved_plan_options(saved.options, file=args.paths[0])
+        refuse_other_scope(saved, args.paths[0], args.netns)
         return run_apply(args, load_desired(files, args), options, saved)
     desired, options = load_desired(args.paths, args), plan_options(args)
     shown = None

@@ -14,6 +14,7 @@ See docs/decisions/007-start-up-costs.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import math
@@ -91,8 +92,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tend()  # a pending change whose reverter is gone gets another
     if out is not None:
         try:
-            with out:
-                write_json(plan, out)
+            with out:  # named: `apply` elsewhere says where it was made
+                write_json(dataclasses.replace(plan, scope={**plan.scope, "netns": args.netns})
+                           if args.netns and plan.scope else plan, out)
         except OSError as exc:  # ENOSPC, EDQUOT, EIO: at write or at close
             raise ConfigError(f"cannot write the plan here: {exc.strerror or exc}",
                               file=args.out) from None

@@ -189,6 +189,13 @@ def _files(raw: Json) -> tuple[tuple[str, str], ...]:
     return tuple((str(f["path"]), str(f["sha256"])) for f in raw if isinstance(f, dict))
 
 
+def _scope(raw: Json) -> dict[str, Json]:
+    if not isinstance(raw, dict) or not all(
+            isinstance(raw.get(k), str | None) for k in ("id", "netns")):
+        raise ValueError("scope: want a mapping of id and netns strings")
+    return {k: v for k, v in raw.items() if k in ("id", "netns") and v is not None}
+
+
 @dataclass(frozen=True)
 class Plan:
     changes: tuple[Change, ...] = ()
@@ -200,6 +207,10 @@ class Plan:
     errors: tuple[str, ...] = ()  # e.g. Docker unreachable: those resources are not planned
     #: the options it was planned with (prune, adopt, force_replace): `apply FILE` reuses them
     options: dict[str, Json] = field(default_factory=dict)
+    #: where it was planned: ``id``, the network namespace's identity (``nsfs.current_id``),
+    #: and ``netns``, the name given with --netns (when the CLI saved it): `apply FILE`
+    #: refuses it in another namespace
+    scope: dict[str, Json] = field(default_factory=dict)
 
     @property
     def actionable(self) -> tuple[Change, ...]:
@@ -241,6 +252,7 @@ class Plan:
             "warnings": list(self.warnings),
             "errors": list(self.errors),
             "options": self.options,
+            **({"scope": self.scope} if self.scope else {}),
         }
 
     @classmethod
@@ -250,7 +262,7 @@ class Plan:
         return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
                    _files(raw.get("files", [])),
                    tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
-                   dict(raw.get("options", {})))
+                   dict(raw.get("options", {})), _scope(raw.get("scope", {})))
 
     def same_work(self, other: Plan) -> bool:
         """Return True when both plans would run the same ops on the same live state.

@@ -156,7 +156,8 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     changes = impact.assess(ctx, changes)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
-                                    "force_replace": opts.force_replace})
+                                    "force_replace": opts.force_replace},
+                {"id": live.host_id} if live.host_id else {})
 
 
 def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:

@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from tests.support.host import EXAMPLES, Netns, write
+from tests.support.cli import reconcile
+from tests.support.host import EXAMPLES, Netns, ip_json, sh, write
 
 pytestmark = pytest.mark.root
 
@@ -147,6 +148,32 @@ def test_saved_plan_applies_and_is_refused_when_stale(host_ns: Netns, tmp_path):
     r = host_ns.reconcile("apply", out)
     assert r.rc == 0, r.all
     assert host_ns.link("rcl0") is not None
+
+
+def test_a_saved_plan_records_its_scope_and_is_refused_in_another(host_ns: Netns, tmp_path):
+    out = str(tmp_path / "plan.json")
+    r = host_ns.reconcile("plan", "--out", out, EXAMPLE)
+    assert r.rc == 2 and f"`reconcile --netns {host_ns.name} apply {out}`" in r.err, r.all
+    with open(out) as fh:
+        scope = json.load(fh)["scope"]
+    assert scope["netns"] == host_ns.name and scope["id"].startswith(f"{host_ns.inode()}-")
+    other = host_ns.ns("other")
+    sh("ip", "netns", "add", other)
+    r = reconcile("apply", out, netns=other)
+    assert r.rc == 1 and r.err.count("\n") == 1, r.all
+    assert f"network namespace {host_ns.name} (--netns {host_ns.name})" in r.err, r.err
+    assert f"not in network namespace {other} (--netns {other})" in r.err, r.err
+    assert f"`reconcile --netns {host_ns.name} apply {out}`" in r.err, r.err
+    assert ip_json(other, "link", "show", "type", "bridge") == []
+    # without the name (an agent answered the plan): the namespace is found by its inode
+    with open(out) as fh:
+        doc = json.load(fh)
+    del doc["scope"]["netns"]
+    with open(out, "w") as fh:
+        json.dump(doc, fh)
+    r = reconcile("apply", out, netns=other)
+    assert r.rc == 1 and f"network namespace {host_ns.name} (--netns" in r.err, r.err
+    assert host_ns.reconcile("apply", out).rc == 0
 
 
 def test_a_plan_saved_by_an_earlier_version_is_refused_by_name(host_ns: Netns, tmp_path):
