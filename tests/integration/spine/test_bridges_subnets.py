@@ -377,3 +377,20 @@ def test_saved_plan_with_a_malformed_option_is_one_clear_line(host_ns: Netns, tm
     assert f"options.{key} must be" in r.err and str(out) in r.err, r.err
     assert "internal error" not in r.all and "Traceback" not in r.all
     assert host_ns.link("rcl0") is None  # nothing changed
+
+
+def test_global_options_after_the_command_act_where_they_say(host_ns: Netns):
+    """`reconcile apply FILE --netns S` acts in S, never on the host (an option on both
+    parsers once parsed as netns=None), and -v and --output work after the command too."""
+    r = reconcile("apply", "--no-probe", EXAMPLE, "--netns", host_ns.name)
+    assert r.rc == 0, r.all
+    assert host_ns.link("rcl0") is not None
+    assert ip_link_on_host("rcl0") is None
+    r = reconcile("show", "--netns", host_ns.name, "--output", "json")
+    assert r.rc == 0 and "rcl0" in json.loads(r.out)["bridges"][0]["name"], r.all
+    r = reconcile("--no-color", "plan", EXAMPLE, "-v", "--netns", host_ns.name, "--no-agent")
+    assert r.rc == 0 and "No changes" in r.out, r.all
+
+
+def ip_link_on_host(name: str) -> object:
+    return sh("ip", "link", "show", name, check=False).stdout.strip() or None
