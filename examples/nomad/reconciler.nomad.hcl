@@ -5,7 +5,11 @@
 # is a new job version, and so a new rollout:
 #   nomad job run -var revision=<commit> reconciler.nomad.hcl
 # The checkout is not in the allocation directory: Nomad makes /alloc world-writable
-# (0777), and the agent refuses config under a directory others can write.
+# (0777), and the agent refuses config under a directory others can write. Nor may the
+# volume take the git-sync image's /git (65533:65533, mode 2775) when Docker fills a new
+# volume from the image: every mount of it says no_copy, and the git-perms task makes
+# its root root's alone (0755), as the DaemonSet's git-perms step does; a volume an
+# earlier version of this job filled is repaired by it too.
 # Explained in docs/fleet-with-watch.md. Replace the image and the repo URL.
 #
 # Nomad version: the update block below gates the rollout on the check (health_check,
@@ -84,6 +88,32 @@ job "reconciler" {
       mode     = "delay"
     }
 
+    # The volume's root, root's alone (0755) before the agent starts: the agent refuses
+    # config under a directory others can write (a local user could swap it). Prestart
+    # tasks run side by side; the chmod need not come before git-sync's writes, only
+    # before the agent, which starts when every prestart task has finished.
+    task "git-perms" {
+      driver = "docker"
+      lifecycle {
+        hook    = "prestart"
+        sidecar = false
+      }
+      user = "0"
+      config {
+        image   = "registry.example.com/reconciler:0.1.0" # the agent's image: it has a shell
+        command = "/bin/sh"
+        args    = ["-c", "chown 0:0 /git && chmod 0755 /git"]
+        mount {
+          type   = "volume"
+          source = "reconciler-git"
+          target = "/git"
+          volume_options {
+            no_copy = true # never filled from an image's /git
+          }
+        }
+      }
+    }
+
     # The checkout of exactly the pinned commit, before the agent starts. No sidecar
     # pulling a branch: that would deliver every commit to every client at once,
     # around the rollout; the next revision comes with the next job version.
@@ -100,8 +130,11 @@ job "reconciler" {
                 "--ref=${NOMAD_META_revision}", "--root=/git", "--link=repo", "--one-time"]
         mount {
           type   = "volume"
-          source = "reconciler-git" # a named volume: root's, 0755
+          source = "reconciler-git" # a named volume: root's, 0755 (git-perms)
           target = "/git"
+          volume_options {
+            no_copy = true # not filled from git-sync's /git (65533:65533, mode 2775)
+          }
         }
       }
     }
@@ -129,6 +162,9 @@ job "reconciler" {
           source   = "reconciler-git"
           target   = "/git"
           readonly = true
+          volume_options {
+            no_copy = true
+          }
         }
         # Allocation namespaces must be visible on the host: shared propagation.
         mount {

@@ -40,16 +40,19 @@ def client_or_skip() -> Any:
     return client
 
 
-def _rootfs_tar() -> bytes:
+def _rootfs_tar(applets: tuple[str, ...] = _APPLETS,
+                dirs: tuple[tuple[str, int, int], ...] = ()) -> bytes:
+    """A rootfs of busybox and ``applets``; ``dirs``: more directories (name, uid, mode)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for d in ("bin", "tmp", "proc", "sys", "dev", "etc"):
+        for d, uid, mode in (*((d, 0, 0o1777 if d == "tmp" else 0o755)
+                               for d in ("bin", "tmp", "proc", "sys", "dev", "etc")), *dirs):
             info = tarfile.TarInfo(d)
             info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if d == "tmp" else 0o755
+            info.mode, info.uid, info.gid = mode, uid, uid
             tar.addfile(info)
         tar.add(BUSYBOX_BINARY, arcname="bin/busybox")
-        for applet in _APPLETS:
+        for applet in applets:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type = tarfile.SYMTYPE
             info.linkname = "busybox"
@@ -71,6 +74,17 @@ def ensure_busybox_image(docker_client: Any) -> str:
         input=_rootfs_tar(), check=True, capture_output=True,
     )
     return BUSYBOX_IMAGE
+
+
+def import_busybox_image(tag: str, applets: tuple[str, ...],
+                         dirs: tuple[tuple[str, int, int], ...]) -> str:
+    """Build ``tag`` with ``docker import``: busybox, ``applets`` and ``dirs`` (name, uid and
+    gid, mode), a stand-in for an image no registry here serves; the caller removes it."""
+    if not os.path.exists(BUSYBOX_BINARY) or shutil.which("docker") is None:
+        pytest.skip(f"cannot build {tag}: need {BUSYBOX_BINARY} and the docker CLI")
+    subprocess.run(["docker", "import", "--change", 'CMD ["/bin/sh"]', "-", tag],
+                   input=_rootfs_tar(applets, dirs), check=True, capture_output=True)
+    return tag
 
 
 class DockerScratch:

@@ -205,6 +205,21 @@ def test_nomad_job_pins_the_revision_in_its_meta() -> None:
     assert state and state[0]["type"] == "bind" and state[0]["source"] == "/var/lib/reconciler"
 
 
+def test_nomad_jobs_git_volume_is_never_filled_and_made_roots_alone() -> None:
+    """Docker fills a new volume from git-sync's /git (65533:65533, mode 2775), which the
+    agent refuses: every mount says no_copy, and a prestart task chowns and chmods the
+    volume's root (tests/integration/fleet/test_nomad_volume.py runs it against Docker)."""
+    group = _one(_one(_nomad()["job"], "reconciler")["group"], "reconciler")
+    tasks = {name: t for block in group["task"] for name, t in block.items()}
+    mounts = [m for t in tasks.values() for m in _one(t["config"]).get("mount", [])
+              if m["source"] == "reconciler-git"]
+    assert len(mounts) == 3 and all(_one(m["volume_options"])["no_copy"] is True
+                                    for m in mounts), mounts
+    perms = tasks["git-perms"]
+    assert _one(perms["lifecycle"]) == {"hook": "prestart", "sidecar": False}
+    assert _one(perms["config"])["args"][-1] == "chown 0:0 /git && chmod 0755 /git"
+
+
 def test_systemd_unit_keeps_state_under_var_lib() -> None:
     """systemd has no rollout of its own: the unit keeps the state directory persistent and
     the deploy tool gates on /readyz (docs/fleet-with-watch.md)."""
