@@ -114,7 +114,7 @@ def refuse_other_scope(saved: Plan, path: str, netns: str | None) -> None:
         return  # a plan of a version before scopes were recorded: the fingerprint decides
     name = saved.scope.get("netns")
     there = _where(made, name if isinstance(name, str) else None)
-    hint = (f"; run `{command('apply ' + path, netns=name)}`" if isinstance(name, str)
+    hint = (f" or run `{command('apply ' + path, netns=name)}`" if isinstance(name, str)
             else "")
     raise ConfigError(f"the saved plan was made in {there}, not in {_where(here, netns)}, "
                       f"where this runs: plan again here{hint}; nothing changed", file=path)
