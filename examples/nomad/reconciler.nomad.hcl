@@ -24,7 +24,8 @@
 #     config {
 #       allow_caps = ["audit_write", "chown", "dac_override", "fowner", "fsetid", "kill",
 #                     "mknod", "net_bind_service", "setfcap", "setgid", "setpcap",
-#                     "setuid", "sys_chroot", "net_raw", "net_admin", "sys_admin"]
+#                     "setuid", "sys_chroot", "net_raw", "net_admin", "sys_admin",
+#                     "net_broadcast"]
 #       volumes { enabled = true }     # bind mounts of host paths
 #     }
 #   }
@@ -148,7 +149,8 @@ job "reconciler" {
         image        = "registry.example.com/reconciler:0.1.0" # built by scripts/build-image.sh
         network_mode = "host"  # act on the host's network namespace
         pid_mode     = "host"  # lets the agent check /run/netns propagation against pid 1
-        cap_add      = ["net_admin", "sys_admin"]
+        # net_broadcast: the plan agent hears every allocation namespace's netlink events
+        cap_add      = ["net_admin", "sys_admin", "net_broadcast"]
         # No AppArmor profile (it forbids mount), and a writable /proc/sys for ip_forward.
         security_opt = ["apparmor=unconfined", "systempaths=unconfined"]
         args = ["watch", "/git/repo/fleet",

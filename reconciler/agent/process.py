@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -61,7 +62,9 @@ def _start_plan_server(agent: Agent) -> Any:
     try:
         started = plans.start()
     except OSError as exc:
-        log.warning("not answering `reconcile plan` (%s); clients plan in-process", exc)
+        need = (": NETLINK_LISTEN_ALL_NSID needs CAP_NET_BROADCAST (docker run --cap-add "
+                "NET_BROADCAST)" if exc.errno == errno.EPERM else "")
+        log.warning("not answering `reconcile plan` (%s%s); clients plan in-process", exc, need)
         plans.close()
         return None
     if started:

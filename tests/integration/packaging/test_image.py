@@ -30,7 +30,7 @@ IMAGE = os.environ.get("RECONCILER_IMAGE", "reconciler:dev")
 
 # The documented run line (Containerfile, docs/fleet-with-watch.md), minus the config mount.
 RUN = ["docker", "run", "--rm", "--network", "host", "--pid", "host",
-       "--cap-add", "NET_ADMIN", "--cap-add", "SYS_ADMIN",
+       "--cap-add", "NET_ADMIN", "--cap-add", "SYS_ADMIN", "--cap-add", "NET_BROADCAST",
        "--security-opt", "apparmor=unconfined", "--security-opt", "systempaths=unconfined",
        "-v", "/run/netns:/run/netns:rshared", "-v", "/run/reconciler:/run/reconciler",
        "-v", "/var/run/docker.sock:/var/run/docker.sock"]
@@ -160,6 +160,9 @@ def test_image_watch_converges_and_stops_on_sigterm(image: str, host_ns: Netns,
                 st.all + sh("docker", "logs", name, check=False).stderr)
             time.sleep(1)
         assert host_ns.link(names["bridge"]) is not None
+        logs = sh("docker", "logs", name, check=False).stderr
+        # the documented flags give the plan agent what it needs (NET_BROADCAST)
+        assert "answering `reconcile plan`" in logs and "not answering" not in logs, logs
         sh("docker", "stop", "-t", "30", name)
         code = sh("docker", "inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip()
         assert code == "0", sh("docker", "logs", name, check=False).stderr

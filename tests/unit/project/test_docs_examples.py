@@ -102,7 +102,7 @@ def test_nomad_job_is_balanced_and_has_what_the_agent_needs():
     assert code.count("{") == code.count("}") and code.count("[") == code.count("]")
     assert code.count('"') % 2 == 0
     for needle in ('type        = "system"', 'network_mode = "host"', 'pid_mode     = "host"',
-                   '"net_admin", "sys_admin"', 'propagation = "rshared"', '"/run/netns"',
+                   '"net_admin", "sys_admin", "net_broadcast"', 'propagation = "rshared"', '"/run/netns"',
                    '"/run/reconciler"', '"/var/run/docker.sock"', '"watch"'):
         assert needle in code, needle
 

@@ -47,6 +47,8 @@ def test_systemd_unit_starts_the_agent_whatever_the_record_and_lets_it_see_holde
     assert pre and all(ln.removeprefix("ExecStartPre=").startswith("-") for ln in pre), pre
     caps = [ln for ln in _unit_lines() if ln.startswith("CapabilityBoundingSet=")]
     assert len(caps) == 1 and "CAP_SYS_PTRACE" in caps[0].split("=", 1)[1].split()
+    # the plan agent's NETLINK_LISTEN_ALL_NSID (without it: EPERM, and plans in-process)
+    assert "CAP_NET_BROADCAST" in caps[0].split("=", 1)[1].split()
 
 
 def test_systemd_unit_verifies(tmp_path: Any) -> None:
