@@ -53,6 +53,8 @@ if [ "$mode" = test ]; then
   command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
   # `reconcile graph`'s DOT is rendered by Graphviz's own dot in the tests
   command -v dot >/dev/null || need+=(graphviz)
+  # docs/workloads.md's podman way is tried in an allocation (a store of the test's own)
+  command -v podman >/dev/null || need+=(podman)
 fi
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then need+=(python3-venv); fi
 if [ "${#need[@]}" -gt 0 ] && [ "${RECONCILER_SYSTEM_PACKAGES:-1}" != 0 ]; then

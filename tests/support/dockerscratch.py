@@ -40,8 +40,8 @@ def client_or_skip() -> Any:
     return client
 
 
-def _rootfs_tar(applets: tuple[str, ...] = _APPLETS,
-                dirs: tuple[tuple[str, int, int], ...] = ()) -> bytes:
+def busybox_rootfs(applets: tuple[str, ...] = _APPLETS,
+                   dirs: tuple[tuple[str, int, int], ...] = ()) -> bytes:
     """A rootfs of busybox and ``applets``; ``dirs``: more directories (name, uid, mode)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -71,7 +71,7 @@ def ensure_busybox_image(docker_client: Any) -> str:
         pytest.skip(f"cannot build {BUSYBOX_IMAGE}: need {BUSYBOX_BINARY} and the docker CLI")
     subprocess.run(
         ["docker", "import", "--change", 'CMD ["/bin/sh"]', "-", BUSYBOX_IMAGE],
-        input=_rootfs_tar(), check=True, capture_output=True,
+        input=busybox_rootfs(), check=True, capture_output=True,
     )
     return BUSYBOX_IMAGE
 
@@ -83,7 +83,7 @@ def import_busybox_image(tag: str, applets: tuple[str, ...],
     if not os.path.exists(BUSYBOX_BINARY) or shutil.which("docker") is None:
         pytest.skip(f"cannot build {tag}: need {BUSYBOX_BINARY} and the docker CLI")
     subprocess.run(["docker", "import", "--change", 'CMD ["/bin/sh"]', "-", tag],
-                   input=_rootfs_tar(applets, dirs), check=True, capture_output=True)
+                   input=busybox_rootfs(applets, dirs), check=True, capture_output=True)
     return tag
 
 

@@ -93,3 +93,23 @@ def test_the_revert_unit_verifies(tmp_path: Any) -> None:
                        timeout=60)
     problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "reconciler-revert" in ln]
     assert p.returncode == 0 and not problems, p.stdout + p.stderr
+
+
+def test_the_workload_unit_joins_the_allocation_and_verifies(tmp_path: Any) -> None:
+    """docs/workloads.md: a service in an allocation's namespace (NetworkNamespacePath=);
+    running it needs systemd as the init, which tests/integration/allocs/test_workloads.py
+    does where it is."""
+    with open(os.path.join(UNITS, "alloc-workload@.service")) as fh:
+        text = fh.read()
+    assert "NetworkNamespacePath=/run/netns/%i" in text.splitlines()
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("no systemd-analyze")
+    unit = tmp_path / "alloc-workload@web-1.service"
+    unit.write_text(text)
+    with open(UNIT) as fh:  # what it requires, beside it
+        agent = fh.read().replace("/usr/local/bin/reconcile", f"{sys.executable} -m reconciler")
+    (tmp_path / "reconciler.service").write_text(agent)
+    p = subprocess.run(["systemd-analyze", "verify", str(unit), str(tmp_path / "reconciler.service")],
+                       capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "alloc-workload" in ln]
+    assert p.returncode == 0 and not problems, p.stdout + p.stderr
