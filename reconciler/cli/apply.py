@@ -373,10 +373,14 @@ def _confirm_apply(args: argparse.Namespace, desired: DesiredState,
     The plan shown is the one applied: ``apply`` checks it against the live state again
     under the lock (as a saved plan), so what changed meanwhile is refused, not applied.
     """
+    from reconciler.cli import safe
+    from reconciler.engine.lock import host_lock
     from reconciler.engine.reconcile import Reconciler
 
     rec = Reconciler()
     finished = _finish_journals(rec, args)
+    with host_lock(args.lock_timeout):  # a pending change refuses before anyone is asked
+        safe.guard(rec, err=args.output == "json")
     plan = rec.plan(desired, options)
     if not destructive(plan) or plan.conflicts:
         return True, None, finished  # nothing to ask (a conflict: apply refuses it itself)

@@ -35,6 +35,7 @@ from tests.support.safechange import (
     wait_gone,
     wait_restored,
 )
+from tests.support.terminal import on_a_terminal
 
 pytestmark = pytest.mark.root
 
@@ -105,6 +106,10 @@ def test_a_pending_change_refuses_another_apply(box: Netns, tmp_path: Any) -> No
         lines = r.err.strip().splitlines()
         assert len(lines) == 1 and "pending until 20" in lines[0], r.err
         assert "nothing changed" in lines[0]
+    assert not diff(state(box), changed)
+    # on a terminal too: refused in the same line before anything is asked
+    rc, screen = on_a_terminal(box.name, "apply", a, answer=None)
+    assert rc == 1 and "Enter a value" not in screen and "pending until 20" in screen, screen
     assert not diff(state(box), changed)
     assert box.reconcile("revert").rc == 0
     assert not diff(state(box), before)
