@@ -34,9 +34,11 @@ import contextlib
 import os
 import select
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -114,9 +116,15 @@ def flush_ours(c: Cell) -> None:
                                   for t, ls in blocks.items()), restore, "--noflush")
 
 
-def reloads(c: Cell) -> dict[str, Callable[[], Any]]:
-    out: dict[str, Callable[[], Any]] = {"flush ours": lambda: flush_ours(c)}
-    if c.backend == "nft":
+#: the reloads ``--reloads`` chooses from (``legacy``: ``flush ours`` in the legacy cell)
+RELOADS = ("flush-ours", "nft-flush", "dockerd", "ufw", "legacy")
+
+
+def reloads(c: Cell, chosen: set[str]) -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {}
+    if "flush-ours" in chosen or c.backend == "legacy":
+        out["flush ours"] = lambda: flush_ours(c)
+    if c.backend == "nft" and "nft-flush" in chosen:
         out["nft flush ruleset"] = lambda: c.run("nft", "flush", "ruleset")
     if c.docker == "dockerd":
         out["dockerd restart"] = lambda: (c.stop_dockerd(), c.start_dockerd())
@@ -232,15 +240,20 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def run(rounds: int) -> int:
-    """The firewall reloads, interleaved; the table of figures. 0 when all healed."""
+def run(rounds: int, chosen: set[str]) -> int:
+    """The chosen firewall reloads, interleaved; the table of figures. 0 when all healed."""
     need = ("unshare", "nsenter", "iptables-nft", "nft")
     if not have(*need):
         print(f"needs {', '.join(need)}")
         return 1
-    docker = "dockerd" if have("dockerd", "docker") else "no-dockerd"
-    manager = "ufw" if have("ufw") else "none"
-    legacy = have("iptables-legacy")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleans up as an error does
+    docker = "dockerd" if "dockerd" in chosen and have("dockerd", "docker") else "no-dockerd"
+    manager = "ufw" if "ufw" in chosen and have("ufw") else "none"
+    legacy = "legacy" in chosen and have("iptables-legacy")
+    for what, there in (("dockerd", docker == "dockerd"), ("ufw", manager == "ufw"),
+                        ("legacy", legacy)):
+        if what in chosen and not there:
+            print(f"{what}: not installed here, not measured")
     # the agent refuses files under a directory others can write, and a cell sees its own
     # /run: a directory only root can write, seen from inside the cells too
     os.makedirs(TRUSTED, mode=0o700, exist_ok=True)
@@ -250,7 +263,7 @@ def run(rounds: int) -> int:
     state = os.path.join(base, "state")
     old_state = os.environ.get("RECONCILER_STATE_DIR")
     os.environ["RECONCILER_STATE_DIR"] = state  # the cells' processes inherit it
-    print(f"firewall drift: nft cell ({docker}, {manager})"
+    print(f"firewall drift: nft cell ({docker}, {manager} manager)"
           + (", legacy cell" if legacy else ", no iptables-legacy: no legacy cell")
           + f"; {rounds} round(s); load at start {load()}")
     results: dict[str, list[dict[str, Any]]] = {}
@@ -262,7 +275,7 @@ def run(rounds: int) -> int:
                 cells.append(stack.enter_context(cell("legacy", "no-dockerd", "none",
                                                       os.path.join(base, "legacy"))))
             work = [(c, client, what, fn) for c, client in cells
-                    for what, fn in reloads(c).items()]
+                    for what, fn in reloads(c, chosen).items()]
             for r in range(rounds):
                 k = r % len(work)
                 for c, client, what, fn in work[k:] + work[:k]:

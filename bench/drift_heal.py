@@ -129,13 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allocs", type=int, default=0)
     ap.add_argument("--firewall", action="store_true",
                     help="the firewall reloads in coexistence cells instead (bench/_fwdrift.py)")
+    ap.add_argument("--reloads", nargs="+", default=None,
+                    help="with --firewall: which of flush-ours nft-flush dockerd ufw legacy "
+                         "(default all)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("run as root (it creates a throwaway network namespace)", file=sys.stderr)
         return 1
     if args.firewall:
         import _fwdrift
-        return _fwdrift.run(args.runs)
+        chosen = set(args.reloads or _fwdrift.RELOADS)
+        if chosen - set(_fwdrift.RELOADS):
+            ap.error(f"--reloads: one of {' '.join(_fwdrift.RELOADS)}")
+        return _fwdrift.run(args.runs, chosen)
     tag = secrets.token_hex(3)
     host = f"rtb-{tag}"
     addr = f"127.0.0.1:{free_port()}"

@@ -19,7 +19,9 @@ each size in a throwaway host namespace of its own (``_harness.Sandbox``: its ow
   bridge to the *last* allocation's first map, from the host namespace: the
   kernel's OUTPUT DNAT path) with the smallest and largest size declared: K
   connections opened and reset one after the other, per round.
-* agent: a ``reconcile watch`` per sandbox; each round saves the file with
+* agent: a ``reconcile watch`` per sandbox (``--probe-interval off``: the idle
+  agents of the other sizes do not probe while one is measured; each still probes
+  what it applied); each round saves the file with
   allocation 0's ports moved and times the save → the agent's pass finished
   (``last_pass.finished_at`` of its /status), minus its debounce (0.5 s), and the
   agent's own firewall transaction.
@@ -185,7 +187,8 @@ def agent(h: Host, timeout: float) -> Iterator[tuple[str, int]]:
     log = open(h.sb.tmp / "agent.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [sys.executable, "-m", "reconciler", "--netns", h.sb.host, "watch", str(h.file),
-         "--status-addr", addr, "--allow-insecure-config", "--interval", "3600"],
+         "--status-addr", addr, "--allow-insecure-config", "--interval", "3600",
+         "--probe-interval", "off"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=src,
         env=dict(os.environ, PYTHONPATH=src, **h.sb.env, **{TIMES_ENV: str(h.times)}))
     try:
@@ -386,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("run as root (it creates throwaway network namespaces)", file=sys.stderr)
         return 1
+    # SIGTERM (a run stopped from outside) cleans up as an exception does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted(set(opts.sizes))
     if min(sizes) < 2:
         ap.error("sizes start at 2")
