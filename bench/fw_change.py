@@ -32,7 +32,8 @@ each size in a throwaway host namespace of its own (``_harness.Sandbox``: its ow
 Medians of ``--rounds`` (at least 5 for a figure; fewer only to check the script
 works), the load average from /proc/loadavg before and after, every figure beside
 its target. The CNI comparison (apply of 500 ≥ 100x the chain) is
-``bench/compare.py --n 500 --cni-runs 1 --no-docker``.
+``bench/compare.py --n 500 --cni-runs 1 --no-docker``. Why this way:
+docs/decisions/052-firewall-figures-measured-from-outside.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ wire name starts with ``firewall.`` (the iptables-restore transaction today, the
 nftables one after it: whichever backend the tree has) appends one JSON line,
 ``{"op": NAME, "seconds": S, "pid": P}``, to it. Nothing reads the file but
 ``bench/fw_change.py``; the figure is the time of the call into the driver.
+
+See docs/decisions/052-firewall-figures-measured-from-outside.md.
 """
 
 from __future__ import annotations
