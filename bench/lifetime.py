@@ -30,7 +30,9 @@ allocation (a listener inside the allocation), and every identity is read back w
 ``ip -j``, ``iptables-save`` and ``docker network inspect``: the IPv4/IPv6 address and
 MAC of each allocation, its auto port, the auto prefixes of subnets and Docker networks.
 A value that differs from the one first seen, for a resource still declared, is an
-identity moved. Prints ``[figures]`` lines; exits 1 when an invariant breaks.
+identity moved. Prints ``[figures]`` lines; exits 1 when an invariant breaks. Why it
+reads the host and not the state directory, and the other choices:
+docs/decisions/051-lifetime-soak-reads-the-host.md; what it found: docs/lifetime.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import math
 import os
 import random
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -128,6 +131,7 @@ class Figures:
     verify_failed: int = 0
     port_failed: int = 0
     not_converged: int = 0
+    errors: int = 0  # rounds where a step of the soak itself failed
     leaks: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -146,6 +150,7 @@ class Figures:
                         ("rounds that did not converge", self.not_converged),
                         ("verify failures", self.verify_failed),
                         ("port maps not reached", self.port_failed),
+                        ("rounds with a failed soak step", self.errors),
                         ("leaks", len(self.leaks))):
             if n:
                 out.append(f"{n} {what}")
@@ -164,7 +169,8 @@ class Figures:
             + f", duplicate addresses {self.duplicates}, passes blocked by an unrelated "
             f"resource {self.blocked}/{self.conflicts} conflict rounds, not converged "
             f"{self.not_converged}, verify failed {self.verify_failed}, port maps not "
-            f"reached {self.port_failed}, leaks {len(self.leaks)}",
+            f"reached {self.port_failed}, leaks {len(self.leaks)}, soak steps failed "
+            f"{self.errors}",
             f"lifetime heal: {heal}",
         ]
 
@@ -465,7 +471,12 @@ class Soak:
                 fig.rounds += 1
                 fig.by_kind[ALIASES.get(kind, kind)] += 1
                 before = len(fig.details)
-                self.check(kind, actions[kind]())
+                try:
+                    self.check(kind, actions[kind]())
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    # a step of the soak itself failed (a tool, a timeout): say so, go on
+                    fig.errors += 1
+                    fig.details.append(f"round {fig.rounds} ({kind}): soak step failed: {exc!r}")
                 self.log(f"round {fig.rounds}/{rounds} {kind}: "
                          + ("; ".join(fig.details[before:]) or "ok"))
         finally:

@@ -27,7 +27,7 @@ def test_every_round_converges_verified_and_reachable_without_leaks(soak_run: An
     assert fig.rounds >= 6, details(fig)
     assert fig.not_converged == 0 and fig.verify_failed == 0, details(fig)
     assert fig.port_failed == 0, details(fig)
-    assert fig.leaks == [], details(fig)
+    assert fig.leaks == [] and fig.errors == 0, details(fig)
 
 
 def test_no_address_or_prefix_is_ever_held_twice(soak_run: Any) -> None:
