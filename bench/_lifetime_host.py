@@ -49,9 +49,10 @@ echo ready
 exec sleep 1000000
 """
 
-#: one TCP connection (argv: address, port): the line it reads, '' when it fails
+#: one TCP connection (argv: address, port): the line it reads, or why it failed
 CONNECT = ("import socket,sys\ntry:\n s=socket.create_connection((sys.argv[1],int(sys.argv[2])),"
-           "timeout=3)\n print(s.makefile().readline().strip())\nexcept OSError:\n print('')\n")
+           "timeout=5)\n print(s.makefile().readline().strip())\nexcept OSError as e:\n"
+           " print(f'failed: {e}')\n")
 #: a listener on 0.0.0.0:PORT answering TOKEN to N connections (argv: port, token, n)
 LISTEN = ("import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,"
           "socket.SO_REUSEADDR,1)\ns.bind(('0.0.0.0',int(sys.argv[1])))\ns.listen(8)\n"
@@ -309,7 +310,7 @@ class Sandbox:
                 got = sh("ip", "netns", "exec", ns, sys.executable, "-c", CONNECT, addr, port,
                          check=False).stdout.strip()
                 if got != token:
-                    failed.append(f"{ns}->{addr}:{port}")
+                    failed.append(f"{ns}->{addr}:{port} ({got or 'nothing read'})")
         finally:
             listener.kill()
             listener.wait()

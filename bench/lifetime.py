@@ -359,12 +359,13 @@ class Soak:
             foreign.append(("link", "del", w.bridge(s)))
             what = f"foreign bridge {w.bridge(s)}"
         else:
-            # a foreign route over part of a live subnet, through a dummy link of its own
+            # a foreign route over part of a live subnet, through a link of its own (a bridge
+            # without ports: the dummy driver is not in every kernel)
             s = rng.choice(sorted(w.subnets))
             prefix = self.snapshot().values.get(("subnet", w.sub(s), "v4"))
             dummy = f"{w.prefix}fx"
             box.foreign.append(dummy)
-            sh("ip", "-n", box.host, "link", "add", dummy, "type", "dummy")
+            sh("ip", "-n", box.host, "link", "add", dummy, "type", "bridge")
             sh("ip", "-n", box.host, "link", "set", dummy, "up")
             if prefix:
                 # a /29 near the start of it: inside, not the gateway, maybe allocations'
