@@ -195,6 +195,7 @@ class Soak:
         self.want = Desired(prefix, self.rng.randrange(150, 240, 2))
         self.first_seen: dict[tuple[str, str, str], str] = {}
         self.box: Sandbox | None = None
+        self.note = ""  # what the round did, for its log line
 
     # -- files -------------------------------------------------------------------
 
@@ -357,7 +358,7 @@ class Soak:
             w.allocs[a] = s
             blocked |= {("subnet", w.sub(s)), ("alloc", w.alloc(a))}
             foreign.append(("link", "del", w.bridge(s)))
-            what = f"foreign bridge {w.bridge(s)}"
+            what = self.note = f"foreign bridge {w.bridge(s)}"
         else:
             # a foreign route over part of a live subnet, through a link of its own (a bridge
             # without ports: the dummy driver is not in every kernel)
@@ -375,7 +376,7 @@ class Soak:
             blocked |= {("subnet", w.sub(s))} | {("alloc", w.alloc(a))
                                                  for a, t in w.allocs.items() if t == s}
             foreign.append(("link", "del", dummy))
-            what = f"foreign route over {prefix} ({w.sub(s)})"
+            what = self.note = f"foreign route over {prefix} ({w.sub(s)})"
         # drift elsewhere while it stands: a new allocation, a deleted veth
         free = [t for t in w.subnets if ("subnet", w.sub(t)) not in blocked]
         t0 = time.monotonic()
@@ -405,7 +406,7 @@ class Soak:
         choices = ["add-alloc", "add-subnet", "rename-alloc", "remove-alloc", "remove-subnet"]
         if self.docker:
             choices += ["add-network", "remove-network"]
-        what = rng.choice(choices)
+        what = self.note = rng.choice(choices)
         if what == "add-alloc" or (what.startswith("remove") and len(w.allocs) <= 3):
             w.allocs[w.first()] = rng.choice(w.subnets)
         elif what == "add-subnet" or (what == "remove-subnet" and len(w.subnets) <= 2):
@@ -478,8 +479,10 @@ class Soak:
                     # a step of the soak itself failed (a tool, a timeout): say so, go on
                     fig.errors += 1
                     fig.details.append(f"round {fig.rounds} ({kind}): soak step failed: {exc!r}")
-                self.log(f"round {fig.rounds}/{rounds} {kind}: "
+                self.log(f"round {fig.rounds}/{rounds} {kind}"
+                         + (f" ({self.note})" if self.note else "") + ": "
                          + ("; ".join(fig.details[before:]) or "ok"))
+                self.note = ""
         finally:
             fig.leaks = self.box.close()
             fig.seconds = time.monotonic() - t_start
