@@ -149,11 +149,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failures = probe_failures(results)
     ok = config_ok and not failures
     if args.output == "json":
-        emit_json({"ok": ok,
+        emit_json({"ok": ok, "probe_counts": probe_view.counts(results),
                    "config": {"ok": config_ok,
                               "changes": [c.to_json() for c in (*plan.actionable,
                                                                 *plan.conflicts)]},
-                   "probes": probe_view.to_json(results)})
+                   "probes": probe_view.to_json(results, getattr(args, "probes", "all")),
+                   "probes_listed": getattr(args, "probes", "all")})
         for e in plan.errors:  # not a change: said where people look, the JSON stays as it is
             print(f"error: {e}", file=sys.stderr)
         return EXIT_OK if ok else EXIT_ERROR
@@ -161,7 +162,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"Config: matches ({plan.summary()['unchanged']} resources).")
     else:
         print("Config: differs from the files:")
-        sys.stdout.write(render_text(plan, colour=colour(args), verbose=args.verbose > 0))
+        sys.stdout.write(render_text(plan, colour=colour(args), verbose=args.verbose > 0,
+                                     compact=getattr(args, "compact", False)))
     if request is None:
         print("Probes: not run (--no-probe).")
     else:
