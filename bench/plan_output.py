@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         record("plan (mtu apps) text", sb.cli("plan", mtu, ok=ok).stdout)
         record("plan (mtu apps) text -v", sb.cli("-v", "plan", mtu, ok=ok).stdout)
         if cli_supports("plan", "--compact"):
-            record("plan (create) --compact", sb.cli("plan", "--compact", mtu, ok=ok).stdout)
+            record("plan (mtu apps) --compact", sb.cli("plan", "--compact", mtu, ok=ok).stdout)
         record("destroy --yes text", sb.cli("destroy", "--yes").stdout)
     print(f"load {os.getloadavg()[0]:.2f} at the end")
     return 0

@@ -136,5 +136,10 @@ def warning_lines(warnings: Sequence[str], prefix: str = "warning") -> list[str]
                             and (m["kind"], m["rest"]) == item)
             out.append(fit(f"{prefix}: {original}"))
         else:
-            out.append(fit(f"{prefix} ({plural(kind, len(who))}: {names(who)}): {rest}"))
+            head, tail = f"{prefix} ({plural(kind, len(who))}: ", f"): {rest}"
+            room = max(WIDTH - len(head) - len(tail), 40)
+            listed = names(who)
+            if len(listed) > room:  # fewer names, counted right
+                listed = fit(", ".join(who), room)
+            out.append(fit(head + listed + tail))
     return out
