@@ -149,12 +149,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failures = probe_failures(results)
     ok = config_ok and not failures
     if args.output == "json":
-        emit_json({"ok": ok, "probe_counts": probe_view.counts(results),
+        emit_json({"ok": ok,
                    "config": {"ok": config_ok,
                               "changes": [c.to_json() for c in (*plan.actionable,
                                                                 *plan.conflicts)]},
-                   "probes": probe_view.to_json(results, getattr(args, "probes", "all")),
-                   "probes_listed": getattr(args, "probes", "all")})
+                   "probes": probe_view.to_json(results)})
         for e in plan.errors:  # not a change: said where people look, the JSON stays as it is
             print(f"error: {e}", file=sys.stderr)
         return EXIT_OK if ok else EXIT_ERROR

@@ -76,7 +76,8 @@ def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
                     help="how long each probe waits for its packet (default 1s)")
 
 def _probes_shown(sp: argparse.ArgumentParser) -> None:
-    """Add `--probes`, what `--output json` lists of the probes (`apply`, `verify`)."""
+    """Add `--probes`, what `apply --output json` lists of the probes (`verify` lists all:
+    they are what it is for)."""
     sp.add_argument("--probes", choices=("failed", "all"), default="failed",
                     help="which probe results --output json lists: the ones that failed "
                          "(default; the counts cover all) or all of them")
@@ -324,7 +325,6 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                     "output says which failed.")
     common(sp)
     _probe_options(sp, "compare the configuration only")
-    _probes_shown(sp)
 
     sp = sub.add_parser(
         "destroy", help="remove everything the reconciler manages on this host",

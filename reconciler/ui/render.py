@@ -100,7 +100,7 @@ def _impact_lines(c: Change, verbose: bool) -> list[str]:
         return lines
     rest = c.impact[scale.IMPACT_SHOWN:]
     return [*lines[:scale.IMPACT_SHOWN],
-            f"      impact: … and {impact_detail(rest)} more (-v lists each)"]
+            f"      impact: … and {len(rest)} more ({impact_detail(rest)}; -v lists each)"]
 
 
 def _change_lines(c: Change, *, colour: bool, verbose: bool,
