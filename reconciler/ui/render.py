@@ -121,6 +121,10 @@ def _group_lines(g: scale.Group, *, colour: bool, shared: frozenset[str]) -> lis
     lines = [_head(c.action.symbol, g.head(), c.reason, c.action, colour)]
     lines += [_attr_line(c, a) for a in c.attrs]
     lines += [scale.fit(f"      warning: {w}") for w in c.warnings if w not in shared]
+    for i in c.impact:  # the same for each, but for its addresses (-v, JSON)
+        flows = impact.flows_phrase(i.flows)
+        lines.append(scale.fit(f"      impact: {scale.plural(i.type, len(g.changes))}: "
+                               f"{i.effect}" + (f"; {flows}" if flows else "")))
     lines.append(scale.fit(f"      {c.kind}s: {scale.names([x.name for x in g.changes])}"
                            + (" (-v lists each)" if len(g.changes) > scale.NAMES_SHOWN else "")))
     return lines

@@ -75,28 +75,37 @@ class Group:
 
 
 def _same(c: Change) -> object:
-    """What must be equal for changes to be shown as one: all but the name and source."""
+    """What must be equal for changes to be shown as one: all but the name and source, and
+    of the impact (on the resource itself, without established flows) all but its
+    addresses."""
     return (c.kind, c.action, c.reason, c.within, c.warnings,
-            tuple((a.field, repr(a.before), repr(a.after)) for a in c.attrs))
+            tuple((a.field, repr(a.before), repr(a.after)) for a in c.attrs),
+            tuple((i.type, i.effect, i.flows) for i in c.impact))
+
+
+def groupable(c: Change) -> bool:
+    """Tell whether ``c`` may be shown in a group: its impact, if any, is on itself only and
+    cuts no established flow (one that does is shown on its own, with its addresses)."""
+    return all(i.type == c.kind and i.name == c.name and not i.flows for i in c.impact)
 
 
 def blocks(changes: Iterable[Change], *, group: bool) -> list[Change | Group]:
     """Return the changes to show, in order; with ``group``, identical changes to
-    :data:`GROUP_MIN` or more resources (without impact: each says what it disrupts) as one
-    :class:`Group` where the first of them stands."""
+    :data:`GROUP_MIN` or more resources (:func:`groupable`) as one :class:`Group` where the
+    first of them stands."""
     shown = list(changes)
     if not group:
         return list(shown)
     by_key: dict[object, list[Change]] = {}
     for c in shown:
-        if not c.impact:
+        if groupable(c):
             by_key.setdefault(_same(c), []).append(c)
     out: list[Change | Group] = []
     done: set[int] = set()
     for c in shown:
         if id(c) in done:
             continue
-        same = by_key.get(_same(c), []) if not c.impact else []
+        same = by_key.get(_same(c), []) if groupable(c) else []
         if len(same) >= GROUP_MIN:
             out.append(Group(tuple(same)))
             done.update(id(x) for x in same)

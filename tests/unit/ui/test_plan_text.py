@@ -99,3 +99,22 @@ def test_compact_counts_each_action_by_kind_and_keeps_errors() -> None:
         "warnings: 2 (the full plan lists them)\nerror: docker: unreachable\n"
         "Plan: 300 to create, 1 to update, 0 to replace, 0 to delete, 1 conflict "
         "(0 unchanged).\n")
+
+
+def test_deletions_without_flows_are_grouped_and_one_with_flows_stands_alone() -> None:
+    from reconciler.domain.plan import Impact
+
+    def gone(name: str, flows: int) -> Change:
+        return Change("alloc", name, Action.DELETE, "no longer declared", impact=(
+            Impact("alloc", name, "deleted: loses connectivity", (f"10.0.0.{len(name)}",),
+                   flows),))
+
+    plan = Plan((*(gone(f"a{i}", 0) for i in range(320)), gone("busy", 3)))
+    lines = render.render_text(plan).splitlines()
+    assert lines[:3] == ["  - 320 allocs: no longer declared",
+                         "      impact: 320 allocs: deleted: loses connectivity; no established "
+                         "flows",
+                         "      allocs: a0, a1, a2, a3, a4, … (+315 more) (-v lists each)"]
+    assert "      impact: alloc busy: deleted: loses connectivity (10.0.0.4); 3 established " \
+           "flows" in lines
+    assert len(lines) == 8
