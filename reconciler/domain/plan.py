@@ -8,7 +8,8 @@ reason is for people; the executor only ever looks at the ops.
 
 Rendering for people lives in ``reconciler.ui.render``.
 
-See docs/decisions/006-plans-are-values.md.
+See docs/decisions/006-plans-are-values.md; attribute detail in JSON (a port map edit's
+maps) and ``within``: docs/decisions/050-output-that-scales.md.
 """
 
 from __future__ import annotations

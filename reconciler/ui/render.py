@@ -1,7 +1,8 @@
 """What commands print and exit with: plans as text or JSON, colour, exit codes.
 
 The plan agent answers `reconcile plan` with exactly this text, so the CLI
-and the agent share it.
+and the agent share it. Lines, groups and elision: ``ui.scale``
+(docs/decisions/050-output-that-scales.md).
 """
 
 from __future__ import annotations

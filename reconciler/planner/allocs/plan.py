@@ -291,7 +291,8 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     was = None if had is None else _spelled(dict.fromkeys(had))
     now = _spelled(m for m in maps if _readable(ctx, m))
     if was is not None and was != now:
-        # the firewall change makes it; shown here, on the allocation it belongs to (SPEC §13)
+        # the firewall change makes it; shown here, on the allocation it belongs to (SPEC §13,
+        # docs/decisions/050-output-that-scales.md)
         attrs_l.append(ports_attr(was, now))
     if not attrs_l:
         return Change("alloc", a.id, Action.NOOP, source=src)
