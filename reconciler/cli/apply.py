@@ -238,9 +238,9 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     if result.residual is not None and result.residual.has_changes:
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:
-        print(f"error: {e}", file=sys.stderr)
+        print(fit(f"error: {e}"), file=sys.stderr)
     for r in result.probe_failures:
-        print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
+        print(fit(f"error: {probe_view.failure_line(r)}"), file=sys.stderr)
     if signals:
         if window is not None:
             window.stopped()
