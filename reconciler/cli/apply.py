@@ -37,7 +37,6 @@ from reconciler.ui.render import (
     residual_error,
     summary_line,
 )
-from reconciler.ui.scale import fit
 
 
 def load_desired(paths: Sequence[str], args: argparse.Namespace | None = None) -> DesiredState:
@@ -231,16 +230,15 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
             print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
                   f"{counts['skipped']} skipped.")
             for o in result.failed:
-                print(fit(f"error: {o.change.kind} {o.change.name}: {o.error}"),
-                      file=sys.stderr)
+                print(f"error: {o.change.kind} {o.change.name}: {o.error}", file=sys.stderr)
         if result.probes:
             print(probe_view.summary(result.probes, result.probe_seconds))
     if result.residual is not None and result.residual.has_changes:
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:
-        print(fit(f"error: {e}"), file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # an error is one whole line
     for r in result.probe_failures:
-        print(fit(f"error: {probe_view.failure_line(r)}"), file=sys.stderr)
+        print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
         if window is not None:
             window.stopped()

@@ -172,7 +172,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False,
     for w, who in shared.items():
         lines.append(scale.fit(f"warning ({scale.names(who)}): {w}"))
     lines += scale.warning_lines(plan.warnings)
-    lines += scale.warning_lines(plan.errors, "error")
+    lines += scale.warning_lines(plan.errors, "error", whole=True)
     if lines:
         lines.append("")
     disrupted = impact.summary(plan)
@@ -196,7 +196,7 @@ def render_compact(plan: Plan) -> str:
     warned = len(plan.warnings) + sum(len(c.warnings) for c in plan.actionable)
     if warned:
         lines.append(f"warnings: {warned} (the full plan lists them)")
-    lines += scale.warning_lines(plan.errors, "error")
+    lines += scale.warning_lines(plan.errors, "error", whole=True)
     disrupted = impact.summary(plan)
     if disrupted is not None:
         lines.append(disrupted)

@@ -23,6 +23,16 @@ NAMES_SHOWN = 5
 IMPACT_SHOWN = 5
 
 
+#: a text is a list (elided by items) when it has this many comma-separated parts or more,
+#: each at most :data:`ITEM_MAX` characters but the first and last (which carry the words
+#: around the list); a sentence with commas is cut by characters instead
+LIST_MIN, ITEM_MAX = 6, 60
+
+
+def _is_list(parts: list[str]) -> bool:
+    return len(parts) >= LIST_MIN and all(len(p) <= ITEM_MAX for p in parts[1:-1])
+
+
 def fit(text: str, width: int = WIDTH) -> str:
     """Fit ``text`` into ``width`` characters: a comma-separated list keeps what fits and
     counts the rest (``a, b, … (+12 more)``); anything else is cut with the count of
@@ -30,7 +40,7 @@ def fit(text: str, width: int = WIDTH) -> str:
     if len(text) <= width:
         return text
     parts = text.split(", ")
-    if len(parts) > 2:
+    if _is_list(parts):
         kept: list[str] = []
         used = 0
         for i, part in enumerate(parts):
@@ -43,6 +53,7 @@ def fit(text: str, width: int = WIDTH) -> str:
             return ", ".join(kept) + f", … (+{len(parts) - len(kept)} more)"
     cut = max(0, width - len(f"… (+{len(text)} chars)"))
     return text[:cut] + f"… (+{len(text) - cut} chars)"
+
 
 
 def names(items: Sequence[str], shown: int = NAMES_SHOWN) -> str:
@@ -119,9 +130,14 @@ _ABOUT = re.compile(r"^(?P<kind>alloc|subnet|bridge|veth|docker network) '?(?P<n
                     r"(?P<where> \([^)]*\))?(?P<part> ports\[\d+\])?: (?P<rest>.+)$", re.S)
 
 
-def warning_lines(warnings: Sequence[str], prefix: str = "warning") -> list[str]:
+def warning_lines(warnings: Sequence[str], prefix: str = "warning", *,
+                  whole: bool = False) -> list[str]:
     """Say each warning once: one said of several resources (``alloc 'a' ports[0]: host_ip
-    … is not an address``) once, with the resources named and counted."""
+    … is not an address``) once, with the resources named and counted. ``whole``: lines
+    are not fitted (errors: each is one complete line, however long)."""
+    def line(text: str) -> str:
+        return text if whole else fit(text)
+
     groups: dict[tuple[str, str], list[str]] = {}
     order: list[tuple[str, str] | str] = []
     for w in dict.fromkeys(warnings):
@@ -136,19 +152,19 @@ def warning_lines(warnings: Sequence[str], prefix: str = "warning") -> list[str]
     out = []
     for item in order:
         if isinstance(item, str):
-            out.append(fit(f"{prefix}: {item}"))
+            out.append(line(f"{prefix}: {item}"))
             continue
         kind, rest = item
         who = groups[item]
         if len(who) == 1:
             original = next(w for w in warnings if (m := _ABOUT.match(w)) is not None
                             and (m["kind"], m["rest"]) == item)
-            out.append(fit(f"{prefix}: {original}"))
+            out.append(line(f"{prefix}: {original}"))
         else:
             head, tail = f"{prefix} ({plural(kind, len(who))}: ", f"): {rest}"
             room = max(WIDTH - len(head) - len(tail), 40)
             listed = names(who)
             if len(listed) > room:  # fewer names, counted right
                 listed = fit(", ".join(who), room)
-            out.append(fit(head + listed + tail))
+            out.append(line(head + listed + tail))
     return out

@@ -118,3 +118,17 @@ def test_deletions_without_flows_are_grouped_and_one_with_flows_stands_alone() -
     assert "      impact: alloc busy: deleted: loses connectivity (10.0.0.4); 3 established " \
            "flows" in lines
     assert len(lines) == 8
+
+
+def test_a_sentence_with_commas_is_cut_by_characters_and_an_error_never() -> None:
+    """A message is no list: eliding its clauses as items once left 'is a live network
+    namespace, … (+3 more)' of the one line that explains a refusal."""
+    sentence = ("/run/netns/a is a live network namespace, but this process sees an empty "
+                "file there: it runs in a mount namespace of its own, made after it, so the "
+                "allocation would look gone; run it from the host's mount namespace, or "
+                "without ip netns exec, and try again " + "x" * 40)
+    fitted = scale.fit(sentence, 200)
+    assert len(fitted) == 200 and fitted.startswith(sentence[:150]) and " chars)" in fitted
+    plan = Plan(errors=(sentence,))
+    assert f"error: {sentence}" in render.render_text(plan).splitlines()
+    assert f"error: {sentence}" in render.render_text(plan, compact=True).splitlines()
