@@ -38,7 +38,7 @@ def plan_text(plan: Plan, output: str, *, colour: bool, verbose: bool) -> str:
 
 
 def plan_exit(plan: Plan) -> int:
-    if plan.conflicts or plan.errors:
+    if plan.conflicts or plan.blocked or plan.errors:
         return EXIT_ERROR
     return EXIT_CHANGES if plan.has_changes else EXIT_OK
 
@@ -65,9 +65,16 @@ def _fmt(value: Json) -> str:
 def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> str:
     """Render Terraform-style text: one block per change, then a summary line."""
     lines: list[str] = []
-    for c in plan.changes:
-        if c.action is Action.NOOP:
-            continue
+    # the executable changes first, then what is blocked (SPEC §11), each with its reason
+    executable = [c for c in plan.changes if c.action not in (Action.NOOP, Action.CONFLICT)]
+    conflicts = {c.address: c for c in plan.conflicts}
+    blocked = [b for b in plan.blocked if b.address not in conflicts]
+    for c in [*executable, *conflicts.values()]:
+        if c.action is Action.CONFLICT and c is next(iter(conflicts.values())):
+            if executable:
+                lines.append("")
+            lines.append(f"Blocked ({len(conflicts) + len(blocked)}): not changed in this "
+                         "run; everything else is applied")
         sym = c.action.symbol
         head = f"{sym:>3} {c.kind} {c.name}"
         if c.reason:
@@ -88,16 +95,22 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
         if verbose:
             for o in c.ops:
                 lines.append(f"      > {o.describe()}")
+    if blocked and not conflicts:
+        lines.append(f"Blocked ({len(blocked)}): not changed in this run; everything else is "
+                     "applied")
+    for b in blocked:
+        head = f"{Action.CONFLICT.symbol:>3} {b.kind} {b.name}: {b.reason}"
+        lines.append(f"{_COLOURS[Action.CONFLICT]}{head}{_RESET}" if colour else head)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     for e in plan.errors:
         lines.append(f"error: {e}")
     s = plan.summary()
-    if plan.has_changes or s["conflict"]:
+    if plan.has_changes or s["conflict"] or plan.blocked:
         summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
                    f"{s['replace']} to replace, {s['delete']} to delete")
-        if s["conflict"]:
-            summary += f", {s['conflict']} conflict{'s' if s['conflict'] != 1 else ''}"
+        if s["conflict"] or plan.blocked:
+            summary += f", {max(s['conflict'], len(plan.blocked))} blocked"
         summary += f" ({s['unchanged']} unchanged)."
     else:
         summary = f"No changes. {s['unchanged']} resources match the desired state."

@@ -88,10 +88,24 @@ def test_failed_pass_reports_resource_errors_and_backs_off(agent_env: Any) -> No
     replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
     rec.fail_apply = True
     r = agent.run_pass(["startup"])
-    assert r.result == "failed"
-    assert r.errors == [{"resource": "bridge/br0", "error": "EPERM"}]
+    # a failed op blocks its resource alone, on a backoff of its own (SPEC §11): the
+    # pass is not a failure that backs the whole agent off
+    assert r.result == "blocked"
+    assert r.errors == [{"resource": "bridge/br0", "error": "blocked: failed: EPERM"}]
     assert agent.board.snapshot()["errors"] == r.errors
-    assert agent.scheduler.record(False, 0.0) == 1.0
+    assert agent.board.snapshot()["blocked"] == [
+        {"resource": "bridge/br0", "reason": "failed: EPERM", "by": None}]
+    assert b"reconciler_blocked_resources 1.0" in agent.metrics.render()
+    held = agent.backoffs.held(agent.clock())
+    assert list(held) == ["bridge/br0"] and "failed 1 time(s)" in held["bridge/br0"]
+    # the next pass leaves it alone until its backoff runs out, then tries it again
+    rec.fail_apply = False
+    again = agent.run_pass(["netlink drift"])
+    assert again.result == "blocked" and rec.applied == [], again
+    agent.backoffs.forget()
+    assert agent.run_pass(["blocked retry"]).result == "applied"
+    assert agent.board.snapshot()["blocked"] == []
+    assert b"reconciler_blocked_resources 0.0" in agent.metrics.render()
 
 
 def test_host_lock_is_taken_only_when_there_is_work(agent_env: Any,
