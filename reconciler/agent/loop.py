@@ -277,9 +277,6 @@ class Agent(AgentProbes):
                     delay = self.scheduler.record(False, now)
                     log.warning("pass %d failed; retrying in %.1fs", report.number, delay)
                 elif report.result != "interrupted":
-                    if self.scheduler.failures and report.result in ("ok", "applied", "blocked"):
-                        log.info("pass %d: recovered after %d failed pass(es)", report.number,
-                                 self.scheduler.failures)
                     self.scheduler.record(report.result != "failed", now)
                 self.scheduler.set_resync(now, self.options.interval)
                 if PROBE in reasons or "startup" in reasons:
@@ -580,6 +577,9 @@ class Agent(AgentProbes):
                f"{f', {report.failed} failed' if report.failed else ''}"
                f"{f', {report.skipped} skipped' if report.skipped else ''}"
                f" in {report.duration:.3f}s")
+        if self.scheduler.failures and report.result in ("ok", "applied", "blocked"):
+            log.info("pass %d: recovered after %d failed pass(es)", report.number,
+                     self.scheduler.failures)
         if report.result == "failed":
             log.error("%s: %s", msg, report.error, extra=extra)
         elif report.result == "ok" and set(report.reasons) <= QUIET_REASONS:

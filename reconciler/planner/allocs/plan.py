@@ -112,6 +112,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     src = str(a.source)
     ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
     if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
+        ctx.blocked.add(f"alloc/{a.id}")  # its live rules are kept as they are
         return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
     if clash is not None:
         ctx.blocked.add(f"alloc/{a.id}")
