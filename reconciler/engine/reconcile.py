@@ -188,8 +188,8 @@ class Reconciler:
             run = before_changes(plan) or plan
             # deletions it postponed (a namespace processes hold, deleted at the confirm)
             # stay in the residual: what was changed is probed all the same
-            kept = {c.address for c in run.changes}
-            postponed = [c.name for c in plan.actionable if c.address not in kept
+            ran = {c.address: c for c in run.changes}
+            postponed = [c.name for c in plan.actionable if ran.get(c.address) != c
                          and c.kind == "alloc" and c.action is Action.DELETE]
             plan = result.plan = run
         if isinstance(self.runner, HostOps):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -70,8 +72,11 @@ def _watch_around(host_ns: Netns, tmp_path: Any, blocked: str, words: str, good:
     (entry,) = [b for b in doc["blocked"] if b["resource"] == blocked]
     assert words in entry["reason"], entry
     assert doc["last_pass"]["result"] == "blocked" and doc["consecutive_failures"] == 0, doc
-    ready = agent.get("/readyz") or ""
-    assert blocked in ready, ready
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        opener.open(f"http://{agent.addr}/readyz", timeout=5)
+    ready = refused.value.read().decode()
+    assert refused.value.code == 503 and blocked in ready, ready
     assert "reconciler_blocked_resources" in (agent.get("/metrics") or "")
     host_ns.run("ip", "link", "del", good)
     wait_for(lambda: good in host_ns.bridges(), 30, what="the deleted bridge back")
