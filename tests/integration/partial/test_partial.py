@@ -59,19 +59,27 @@ def test_apply_with_a_foreign_bridge_applies_the_rest(host_ns: Netns, tmp_path: 
     assert os.path.exists(f"/run/netns/{a}")
 
 
-def _watch_around(host_ns: Netns, tmp_path: Any, blocked: str, words: str, good: str,
-                  text: str, more: str) -> Agent:
-    """Start an agent on ``text``; wait until ``blocked`` shows in its status with ``words``;
-    then a bridge deleted by hand comes back, and the allocation added in ``more`` is made."""
+def start(host_ns: Netns, tmp_path: Any, text: str) -> tuple[Agent, str]:
     conf = tmp_path / "conf"
     conf.mkdir(mode=0o755)
     (conf / "h.yaml").write_text(text)
-    agent = Agent(host_ns, [str(conf)], "--interval", "3600", "--probe-interval", "off")
-    doc = agent.wait_status(lambda d: any(b["resource"] == blocked for b in d.get("blocked")
-                                          or ()), 60, what=f"{blocked} blocked")
+    return Agent(host_ns, [str(conf)], "--interval", "3600", "--probe-interval", "off"), \
+        str(conf / "h.yaml")
+
+
+def heals_around(agent: Agent, host_ns: Netns, path: str, blocked: str, words: str,
+                 good: str, more: str, new: str) -> dict[str, Any]:
+    """Wait until ``blocked`` shows in the agent's status with ``words``; then a bridge
+    deleted by hand comes back, and the allocation ``new`` added in ``more`` is made; an
+    invalid edit fixed logs that it cleared, once. The status at the end."""
+    def shown(d: dict[str, Any]) -> bool:
+        return (d.get("last_pass") or {}).get("result") == "blocked" and any(
+            b["resource"] == blocked for b in d.get("blocked") or ())
+
+    doc = agent.wait_status(shown, 60, what=f"{blocked} blocked")
     (entry,) = [b for b in doc["blocked"] if b["resource"] == blocked]
     assert words in entry["reason"], entry
-    assert doc["last_pass"]["result"] == "blocked" and doc["consecutive_failures"] == 0, doc
+    assert doc["consecutive_failures"] == 0, doc
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with pytest.raises(urllib.error.HTTPError) as refused:
         opener.open(f"http://{agent.addr}/readyz", timeout=5)
@@ -80,32 +88,30 @@ def _watch_around(host_ns: Netns, tmp_path: Any, blocked: str, words: str, good:
     assert "reconciler_blocked_resources" in (agent.get("/metrics") or "")
     host_ns.run("ip", "link", "del", good)
     wait_for(lambda: good in host_ns.bridges(), 30, what="the deleted bridge back")
-    save(str(conf / "h.yaml"), more)
-    new = more.split("id: ")[-1].split(",")[0]
+    save(path, more)
     wait_for(lambda: os.path.exists(f"/run/netns/{new}"), 30, what="the new allocation made")
-    # an invalid edit, then fixed: the agent says it cleared, once
-    save(str(conf / "h.yaml"), "version: 1\nbridges: [\n")
+    save(path, "version: 1\nbridges: [\n")
     agent.wait_status(lambda d: d.get("config_error"), 30, what="the config error")
-    save(str(conf / "h.yaml"), more)
+    save(path, more)
     agent.wait_status(lambda d: not d.get("config_error"), 30, what="the error cleared")
     wait_for(lambda: "config error cleared" in agent.log_text(), 10, what="the cleared line")
     assert agent.log_text().count("config error cleared") == 1
-    return agent
+    return agent.wait_status(shown, 30, what="blocked again")
 
 
 def test_watch_heals_around_a_foreign_bridge(host_ns: Netns, tmp_path: Any) -> None:
     good, foreign, a, b = unique("g"), unique("f"), unique("a"), unique("b")
     host_ns.run("ip", "link", "add", foreign, "type", "bridge")
-    agent = _watch_around(host_ns, tmp_path, f"bridge/{foreign}", "--adopt", good,
-                          config(good, foreign, [a]), config(good, foreign, [a, b]))
+    agent, path = start(host_ns, tmp_path, config(good, foreign, [a]))
     try:
-        doc = agent.status() or {}
+        doc = heals_around(agent, host_ns, path, f"bridge/{foreign}", "--adopt", good,
+                           config(good, foreign, [a, b]), b)
         listed = {x["resource"] for x in doc["blocked"]}
         assert listed == {f"bridge/{foreign}", f"subnet/{foreign}-n", f"alloc/{foreign}a"}
         st = host_ns.reconcile("status", "--status-addr", agent.addr)
         assert f"bridge/{foreign}" in st.all, st.all
     finally:
-        assert agent.stop() == 0
+        agent.stop()
 
 
 def test_watch_heals_around_a_docker_network_it_may_not_replace(
@@ -117,15 +123,15 @@ def test_watch_heals_around_a_docker_network_it_may_not_replace(
     assert r.rc == 0, r.all
     docker_scratch_image.attach(docker_scratch_image.container("c"), net)
     mtu = f"docker_networks:\n  - {{name: {net}, mtu: 1400}}\n"
-    agent = _watch_around(host_ns, tmp_path, f"docker_network/{net}",
-                          "replace refused: 1 container attached", good,
-                          config(good, None, [a], mtu), config(good, None, [a, b], mtu))
+    agent, path = start(host_ns, tmp_path, config(good, None, [a], mtu))
     try:
-        reason = next(x["reason"] for x in (agent.status() or {})["blocked"])
-        assert "--force-replace" in reason and "not owned" not in reason
-        assert "not created by the reconciler" not in reason, reason
+        doc = heals_around(agent, host_ns, path, f"docker_network/{net}",
+                           "replace refused: 1 container attached", good,
+                           config(good, None, [a, b], mtu), b)
+        reason = next(x["reason"] for x in doc["blocked"])
+        assert "--force-replace" in reason and "not created by the reconciler" not in reason
     finally:
-        assert agent.stop() == 0
+        agent.stop()
 
 
 def test_a_workload_rewriting_its_lo_alias_blocks_nothing(host_ns: Netns,
