@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
 
+from reconciler.domain.ownership import alloc_veth_name
 from tests.support.agent import Agent
 from tests.support.dockerscratch import DockerScratch
-from tests.support.host import Netns, save, unique, wait_for, write
+from tests.support.host import Netns, save, sh, unique, wait_for, write
 
 pytestmark = pytest.mark.root
 
@@ -49,6 +51,10 @@ def test_apply_with_a_foreign_bridge_applies_the_rest(host_ns: Netns, tmp_path: 
     assert good in host_ns.bridges()
     assert os.path.exists(f"/run/netns/{a}") and not os.path.exists(f"/run/netns/{foreign}a")
     assert host_ns.addrs(foreign) == [] and host_ns.link(foreign) is not None
+    # verify says blocked, and probes what is not (the allocation on the good bridge holds)
+    v = host_ns.reconcile("verify", path)
+    assert v.rc == 1 and "Verify: failed: 3 resource(s) blocked." in v.out, v.all
+    assert "probe(s) failed" not in v.out, v.all
     # and a second run changes nothing more: exit 1 for what is still blocked, nothing else
     again = host_ns.reconcile("plan", path, "--no-agent")
     assert again.rc == 1 and "0 to create, 0 to update" in again.out, again.all
@@ -108,8 +114,10 @@ def test_watch_heals_around_a_foreign_bridge(host_ns: Netns, tmp_path: Any) -> N
                            config(good, foreign, [a, b]), b)
         listed = {x["resource"] for x in doc["blocked"]}
         assert listed == {f"bridge/{foreign}", f"subnet/{foreign}-n", f"alloc/{foreign}a"}
-        st = host_ns.reconcile("status", "--status-addr", agent.addr)
-        assert f"bridge/{foreign}" in st.all, st.all
+        st = host_ns.reconcile("status", "--addr", agent.addr)
+        assert "blocked: 3 resource(s)" in st.out, st.all
+        assert f"bridge/{foreign}: blocked: exists but was not created by the reconciler" \
+            in st.out, st.all
     finally:
         agent.stop()
 
@@ -146,3 +154,36 @@ def test_a_workload_rewriting_its_lo_alias_blocks_nothing(host_ns: Netns,
     assert p.rc == 0 and "conflict" not in p.all and "blocked" not in p.all.lower(), p.all
     r = host_ns.reconcile("apply", path)
     assert r.rc == 0, r.all
+
+
+def test_a_workload_flapping_its_eth0_backs_off_alone(host_ns: Netns, tmp_path: Any) -> None:
+    """Issue 25 item 7: a workload flapping its own ``eth0`` is its allocation's business:
+    the agent holds that allocation back on its own backoff and never backs off as a whole,
+    so another allocation's veth deleted by hand comes back."""
+    good, a, b = unique("g"), unique("a"), unique("b")
+    agent, _path = start(host_ns, tmp_path, config(good, None, [a, b]))
+    stop = threading.Event()
+
+    def flap() -> None:
+        while not stop.is_set():
+            sh("ip", "-n", a, "link", "set", "eth0", "down", check=False)
+            stop.wait(0.05)
+
+    flapper = threading.Thread(target=flap, daemon=True)
+    try:
+        agent.converged(60)
+        flapper.start()
+        agent.wait_status(lambda d: any(x["resource"] == f"alloc/{a}"
+                                        for x in d.get("blocked") or ()), 60,
+                          what=f"alloc/{a} held back")
+        veth = alloc_veth_name(b)
+        host_ns.run("ip", "link", "del", veth)
+        wait_for(lambda: host_ns.link(veth) is not None, 30, what="the other veth back")
+        doc = agent.status() or {}
+        assert doc.get("consecutive_failures") == 0, doc
+        assert "failed; retrying" not in agent.log_text(), agent.log_text()
+    finally:
+        stop.set()
+        if flapper.is_alive():
+            flapper.join()
+        agent.stop()
