@@ -5,12 +5,14 @@ and the overlap report."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import pytest
 
 from reconciler.agent import status
+from reconciler.domain.errors import ReconcilerError
 from tests.support.agentfake import BR, replace_file
 
 
@@ -171,3 +173,35 @@ def test_overlap_reports_reach_log_status_and_metric(agent_env: Any, caplog: Any
     text = status.render({"address_overlaps": first, "last_pass": {}}, now=first[0]["since"] + 3)
     assert "address overlaps: 1 (foreign, left alone):" in text
     assert "route 10.66.0.0/25 on tun0 overlaps owned 10.66.0.0/24 on br0 (since 3s ago)" in text
+
+
+def test_recovery_and_a_cleared_config_error_each_say_so_once(
+        agent_env: Any, caplog: pytest.LogCaptureFixture) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    real = rec.plan
+
+    def broken(desired: Any, options: Any) -> Any:
+        raise ReconcilerError("the host cannot be read")
+
+    rec.plan = broken
+    assert agent.run_pass(["startup"]).result == "failed"
+    agent.scheduler.record(False, 0.0)  # as the loop does after a failed pass
+    agent.scheduler.record(False, 0.0)
+    rec.plan = real
+    with caplog.at_level(logging.INFO, logger="reconciler.watch"):
+        assert agent.run_pass(["retry"]).result == "applied"
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("pass 2: recovered after 2 failed pass(es)") == 1, said
+    agent.scheduler.record(True, 0.0)
+    caplog.clear()
+    replace_file(conf / "a.yaml", "version: 1\nbridges: [\n")
+    agent.run_pass(["files changed"])  # the last good state is kept
+    assert agent.board.get("config_error") is not None
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    with caplog.at_level(logging.INFO, logger="reconciler.watch"):
+        agent.run_pass(["files changed"])
+        agent.run_pass(["resync"])
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("config error cleared" in m for m in said) == 1, said
+    assert not any("recovered" in m for m in said), said
