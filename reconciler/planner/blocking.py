@@ -80,7 +80,9 @@ def blocked_list(desired: DesiredState, changes: Iterable[Change],
     for c in by_address.values():
         if c.action is Action.CONFLICT:
             out.append(Blocked(c.kind, c.name, c.reason))
-    for address in sorted(set(blocked) - roots):
+    rank = {"bridge": 0, "subnet": 1, "alloc": 2}
+    for address in sorted(set(blocked) - roots,
+                          key=lambda a: (rank.get(a.partition("/")[0], 3), a)):
         dep = by_address.get(address)
         if dep is None or dep.action is not Action.NOOP:
             continue

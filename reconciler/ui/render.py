@@ -111,7 +111,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
                    f"{s['replace']} to replace, {s['delete']} to delete")
         if s["conflict"] or plan.blocked:
             summary += f", {max(s['conflict'], len(plan.blocked))} blocked"
-        summary += f" ({s['unchanged']} unchanged)."
+        summary += f" ({s['unchanged'] - len(blocked)} unchanged)."
     else:
         summary = f"No changes. {s['unchanged']} resources match the desired state."
     if lines:
