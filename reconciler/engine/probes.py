@@ -424,7 +424,10 @@ class Diagnosis:
         peer = VANTAGE_PEER if s.family == 4 else VANTAGE6_PEER
         if s.vantage == "external" and (back := self._route(peer)) is not None:
             route_back = (peer, back[0])
+        ingress = tuple(i for i in (bridge, self.vantage[1] if self.vantage else None)
+                        if i is not None)
         return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
+                     ingress=ingress,
                      route_back=route_back,
                      bridge_hairpin=declared.hairpin if declared is not None else True,
                      port_hairpin=port.hairpin if port is not None else None, route=route,
@@ -438,9 +441,10 @@ class Diagnosis:
                 "net/ipv4/conf/all/rp_filter"]
         if bridge is not None:
             keys += [f"net/ipv4/conf/{bridge}/route_localnet",
-                     f"net/ipv4/conf/{bridge}/rp_filter"]
+                     f"net/ipv4/conf/{bridge}/rp_filter", f"net/ipv4/conf/{bridge}/forwarding"]
         if self.vantage is not None:
-            keys.append(f"net/ipv4/conf/{self.vantage[1]}/rp_filter")
+            keys += [f"net/ipv4/conf/{self.vantage[1]}/rp_filter",
+                     f"net/ipv4/conf/{self.vantage[1]}/forwarding"]
         out = {}
         for k in keys:
             with contextlib.suppress(DriverError):
