@@ -15,6 +15,7 @@ each other.
 See docs/decisions/007-start-up-costs.md.
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/035-iptables-legacy-named.md.
+See docs/decisions/048-mark-shim.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ attributed, and an unknown owner is recognisably stale.
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/015-subnet-isolation.md.
 See docs/decisions/034-forward-jump-kept-first.md.
+See docs/decisions/048-mark-shim.md.
+See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 """
 
 from __future__ import annotations

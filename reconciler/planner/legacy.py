@@ -21,6 +21,7 @@ match a path only by being broad and narrow it by something else (``-i eth0``) a
 the probes, whose diagnosis reads the legacy counters.
 
 See docs/decisions/035-iptables-legacy-named.md.
+See docs/decisions/048-mark-shim.md.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ port, expected reached only with ``isolation: open``. Both for IPv4 and IPv6
 maps: the link has a /30 and a /126 (``domain.probes.VANTAGE_NET6``).
 
 See docs/decisions/031-probes-capture-decides.md.
+See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 """
 
 from __future__ import annotations
@@ -332,6 +333,9 @@ class Facts:
     ahead: tuple[RuleHit, ...] = ()
     #: the host's interfaces a forwarded probe arrives on (its bridge, the vantage link)
     ingress: tuple[str, ...] = ()
+    #: drops in other managers' own nftables tables that can have taken it, most certain
+    #: first (``planner.nftforeign``)
+    nft_drops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -438,6 +442,8 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
         if hit.target in ("DNAT", "REDIRECT"):
             return Cause(f"a foreign rule sends it elsewhere: {hit}")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
+    if f.nft_drops:
+        return Cause(f"a foreign rule drops it: {f.nft_drops[0]}")
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")
@@ -505,7 +511,7 @@ def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
             subnets.add(c.name)
         elif c.kind == "bridge":
             bridges.add(c.name)
-        elif c.kind == "firewall":
+        elif c.kind in ("firewall", "shim"):
             firewall_ran = True
         elif c.kind == "sysctl":
             parts = c.name.split("/")

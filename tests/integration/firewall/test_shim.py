@@ -85,7 +85,7 @@ def test_the_shim_lets_declared_traffic_past_a_forward_policy_drop(
     forward = _forward(host_ns, tool)
     assert forward.index(SHIM_TEXT) < forward.index("-A FORWARD -p tcp -j DROP"), forward
     # destroy takes it away, and only it
-    assert host_ns.reconcile("destroy", cfg).rc == 0
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
     forward = _forward(host_ns, tool)
     assert not any("reconciler" in line for line in forward), forward
     assert "-A FORWARD -j DROP" in forward and "-P FORWARD DROP" in forward

@@ -104,6 +104,16 @@ def _forwarding_off(box: Sandbox) -> Restore:
     return _sysctl("net.ipv4.ip_forward", "0")(box)
 
 
+def _nft_table_drop(box: Sandbox) -> Restore:
+    """Another manager's own nftables table (not iptables-nft's) dropping what is forwarded to
+    the allocation: iptables-save never shows it."""
+    box.sh("nft", "add", "table", "inet", "rbrkx")
+    box.sh("nft", "add", "chain", "inet", "rbrkx", "fwd",
+           "{ type filter hook forward priority 0; policy accept; }")
+    box.sh("nft", "add", "rule", "inet", "rbrkx", "fwd", "ip", "daddr", box.alloc_ip, "drop")
+    return _run(box, "nft", "delete", "table", "inet", "rbrkx")
+
+
 RP_TABLE = RP_MARK = 7714
 
 
@@ -228,6 +238,15 @@ BREAKAGES = [
     Breakage("hairpin off", _hairpin_off, r"hairpin", True),
     Breakage("stale neighbour", _stale_neighbour, r"neighbou?r", False),
     Breakage("MTU black hole", _mtu_black_hole, r"MTU", False),
+    # issue 26: verify failed but could not say why
+    Breakage("forwarding off on the bridge alone",
+             _sysctl("net.ipv4.conf.{bridge}.forwarding", "0"), r"forwarding is off on", False),
+    Breakage("a foreign DNAT of the mapped host port",
+             _rule("-t", "nat", "PREROUTING", "-p", "tcp", "--dport", "{port}", "-j", "DNAT",
+                   "--to-destination", "192.0.2.1:9"), r"sends it elsewhere: nat/PREROUTING",
+             False),
+    Breakage("a drop in another manager's nftables table", _nft_table_drop,
+             r"nftables inet rbrkx/fwd \(hook forward\): ip daddr \S+ drop", False),
 ]
 
 

@@ -5,6 +5,7 @@ per-interface forwarding off, another manager's DNAT of a mapped host port, and 
 from __future__ import annotations
 
 from reconciler.domain.probes import ProbeSpec
+from reconciler.planner import nftforeign
 from reconciler.planner.probes import Facts, RuleHit, Sighting, classify, foreign_hits
 
 NEVER = Sighting(reached=False, answer="timeout")
@@ -70,3 +71,47 @@ def test_an_open_subnet_is_never_blamed_on_isolation_ports() -> None:
     assert "isolation is ports" not in line, line
     # with isolation ports (expected not to arrive) it still is
     assert "isolation is ports" in classify(_spec("direct", expect=False), arrived, Facts()).line
+
+
+RULESET = """table ip filter { # handle 9
+\tchain FORWARD { # handle 1
+\t\ttype filter hook forward priority filter; policy drop;
+\t\tip daddr 10.0.0.2 drop # handle 3
+\t}
+}
+table inet foo { # handle 5
+\tset s { # handle 2
+\t\ttype ipv4_addr
+\t\telements = { 10.0.0.1, 10.0.0.2 }
+\t}
+\tchain fwd { # handle 1
+\t\ttype filter hook forward priority filter; policy accept;
+\t\tip daddr 10.0.0.2 drop # handle 3
+\t\tip daddr 10.7.0.0/16 drop # handle 5
+\t\ttcp dport 9999 counter packets 0 bytes 0 drop # handle 4
+\t}
+\tchain out { # handle 6
+\t\ttype filter hook output priority filter; policy drop;
+\t}
+}
+"""
+
+
+def test_a_drop_in_another_managers_nftables_table_is_named() -> None:
+    """A table made with ``nft`` (not iptables-nft's ``ip filter``, read through iptables-save
+    already): main never looked, and said only "never arrived"."""
+    names = frozenset({"10.0.0.2", "8080", "80"})
+    found = nftforeign.drops(RULESET, RULESET.replace("packets 0", "packets 3"), family=4,
+                             forwarded=True, names=names)
+    # the counter that rose first, then the rule naming the address; never iptables-nft's
+    # table, a rule naming other addresses, or the output hook's policy (not on the path)
+    assert [r.where() for r in found] == [
+        "nftables inet foo/fwd (hook forward): tcp dport 9999 drop",
+        "nftables inet foo/fwd (hook forward): ip daddr 10.0.0.2 drop"]
+    local = nftforeign.drops(RULESET, RULESET, family=4, forwarded=False, names=names)
+    assert [r.where() for r in local][-1] == "nftables inet foo/out (hook output): policy drop"
+    assert nftforeign.drops(RULESET, RULESET, family=6, forwarded=True,
+                            names=frozenset({"fd00::2"})) == []
+    facts = Facts(nft_drops=tuple(r.where() for r in found))
+    assert classify(_spec(), NEVER, facts).line == (
+        "a foreign rule drops it: nftables inet foo/fwd (hook forward): tcp dport 9999 drop")
