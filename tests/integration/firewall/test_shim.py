@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.cells import Cell
 from tests.support.host import Netns, unique, write
 from tests.support.traffic import HOST_IP, HOST_IP6, client_of, fetch, serving
 
@@ -128,3 +129,46 @@ def test_a_host_service_on_ipv6_loopback_is_not_taken_by_a_port_map(
         assert fetch(host_ns, "::1", 8080, timeout=2.0) == "ok 8080"
         with client_of(host_ns) as client:  # the map itself still works
             assert fetch(client, HOST_IP6, 8080) == "ok 80"
+
+
+DOCKER = ("docker", "-H", "unix:///run/docker.sock")
+
+
+def test_dockerd_keeps_working_beside_the_shim(tmp_path: Any,
+                                               request: pytest.FixtureRequest) -> None:
+    """A private dockerd in a sandbox (its own mount namespace, private ``/run``), FORWARD
+    policy DROP as dockerd sets it: after the apply, dockerd creates and removes networks
+    (its ``iptables -C/-I/-D`` on FORWARD must keep working: a native nft expression of ours
+    there would make them fail with rc 3) and restarts; the shim stays, one copy, ahead of
+    the chain's drops, and the declared map passes the DROP."""
+    if not all(shutil.which(t) for t in ("unshare", "nsenter", "dockerd", "docker",
+                                          "iptables-nft")):
+        pytest.skip("needs dockerd, docker, unshare and nsenter")
+    c = Cell("nft", "no-dockerd", "none", str(tmp_path))
+    try:
+        a = unique("h")
+        cfg = _cfg(tmp_path, a)
+        c.start_dockerd()
+        c.run("iptables", "-P", "FORWARD", "DROP")  # what dockerd ≤ 28 sets on a real host
+        r = c.reconcile("apply", cfg)
+        assert r.returncode == 0, r.stdout + r.stderr
+        shim = [line for line in c.run("iptables", "-S", "FORWARD").stdout.splitlines()
+                if "reconciler:shim" in line]
+        assert shim == [SHIM_TEXT], shim
+        for _ in range(2):
+            name = unique("n")
+            c.run(*DOCKER, "network", "create", name)
+            c.run(*DOCKER, "network", "rm", name)  # dockerd's -D of its own rules works
+        c.stop_dockerd()
+        c.start_dockerd()
+        forward = c.run("iptables", "-S", "FORWARD").stdout.splitlines()
+        assert forward.count(SHIM_TEXT) == 1, forward
+        assert c.run("iptables", "-C", "FORWARD", *SHIM, check=False).returncode == 0
+        assert c.run("iptables-save").stdout.count(SHIM_TEXT) == 1
+        plan = c.reconcile("plan", "--no-agent", cfg)
+        assert plan.returncode == 0, plan.stdout + plan.stderr
+        with client_of(c.host) as client, serving(a, (80,), ()):
+            assert fetch(client, HOST_IP, 8080) == "ok 80"
+        request.node.user_properties.append(("FORWARD", " | ".join(forward)))
+    finally:
+        c.close()
