@@ -213,8 +213,9 @@ class NetlinkWatcher(_SocketWatcher):
 
 
 #: the iptables tables our chains live in (``ip``/``ip6`` families of nf_tables under
-#: iptables-nft): a commit that touches one of them may have removed our rules
-IPTABLES_TABLES = frozenset({"filter", "nat"})
+#: iptables-nft; mangle holds RECONCILER-MARK, filter the shim in others' FORWARD): a
+#: commit that touches one of them may have removed our rules
+IPTABLES_TABLES = frozenset({"filter", "nat", "mangle"})
 
 
 class NftCommitFilter:

@@ -8,6 +8,7 @@ from typing import Any
 
 from reconciler.config.document import Document, Path, clip, format_path
 from reconciler.domain.errors import ConfigError, ConfigErrors
+from reconciler.domain.fwmark import DEFAULT_MARK, is_one_bit
 from reconciler.domain.model import (
     AddrRange,
     Alloc,
@@ -336,7 +337,11 @@ def read_settings(c: Collector, doc: Document, raw: dict[str, Any]) -> None:
             raise doc.error(("settings", "auto_port_range"),
                             "settings.auto_port_range: start is after end")
         port_range = (rng["start"], rng["end"])
-    c.settings = Settings(auto_port_range=port_range)
+    mark = raw.get("firewall_mark", DEFAULT_MARK)
+    if not is_one_bit(mark):
+        raise doc.error(("settings", "firewall_mark"),
+                        f"settings.firewall_mark: {mark:#x} is not a single bit (say 0x2000)")
+    c.settings = Settings(auto_port_range=port_range, firewall_mark=mark)
 
 
 SECTIONS = (("bridges", _bridge), ("subnets", _subnet), ("allocs", _alloc),

@@ -191,6 +191,8 @@ class Settings:
 
     #: inclusive range that ``host: auto`` picks ports from
     auto_port_range: tuple[int, int] = (20000, 32000)
+    #: the packet-mark bit OR'ed into declared forwarded traffic (``domain.fwmark``)
+    firewall_mark: int = 0x2000
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 from reconciler.domain.checkpoint import NetworkPoint, network_from_json
 from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
 from reconciler.domain.errors import ReconcilerError
+from reconciler.domain.fwmark import is_shim
 from reconciler.domain.jsonfields import Mismatch, as_type, describe, show
 from reconciler.domain.live import IPInterface
 from reconciler.domain.model import DockerNetwork
@@ -315,6 +316,30 @@ class FirewallRestore(_TypedOp):
         _ip_version(self.family)
 
 
+@dataclass(frozen=True)
+class FirewallShim(_TypedOp):
+    """Insert (at ``position``) or delete the mark shim in another manager's iptables chain,
+    through ``iptables`` (``ip6tables``) itself, or ``iptables-legacy`` beside nf_tables.
+
+    ``rule`` is the text after ``-A CHAIN`` (``domain.fwmark.shim_rule``); a delete names
+    the live rule as iptables-save printed it, so it only ever removes one of ours.
+    """
+
+    NAME: ClassVar[str] = "firewall.shim"
+    family: int
+    legacy: bool
+    chain: str
+    rule: str
+    position: int  # 1-based place to insert it; 0: delete it
+
+    def check(self) -> None:
+        _ip_version(self.family)
+        if self.position < 0:
+            raise ValueError(f"position {self.position} is negative")
+        if not is_shim(self.rule):
+            raise ValueError(f"{self.rule!r} is not a shim rule of ours")
+
+
 # -- Docker networks -----------------------------------------------------------------------
 
 def _network(spec: dict[str, object], scope: str) -> DockerNetwork:
@@ -464,7 +489,8 @@ class ConntrackDelete(_TypedOp):
 TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
            | LinkSetMac | NeighReplace | NeighDelete
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
-           | SysctlSet | FirewallRestore | DockerEnsure | DockerReplace | DockerDedupe
+           | SysctlSet | FirewallRestore | FirewallShim | DockerEnsure | DockerReplace
+           | DockerDedupe
            | DockerRemove | DockerRestore | ConntrackDelete)
 
 #: every op, by its wire name

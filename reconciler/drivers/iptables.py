@@ -15,6 +15,7 @@ each other.
 See docs/decisions/007-start-up-costs.md.
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/035-iptables-legacy-named.md.
+See docs/decisions/048-mark-shim.md.
 """
 
 from __future__ import annotations
@@ -157,6 +158,39 @@ class IptablesDriver:
         if out.returncode != 0:
             detail = " ".join(out.stderr.split())[:300] or f"exit status {out.returncode}"
             raise DriverError(f"{self.restore_cmd} failed: {detail}")
+
+    def shim(self, legacy: bool, chain: str, rule: str, position: int) -> None:
+        """Insert the mark shim at ``position`` of ``chain`` (filter), or delete it (0), with
+        ``iptables`` itself (``iptables-legacy`` for ``legacy``): the rule is then exactly as
+        that tool writes it, so the chain's owner can still ``-C``, ``-D`` and save it (an
+        nft expression of our own there would make ``iptables`` call the chain incompatible).
+        A delete of a rule already gone does nothing.
+
+        See docs/decisions/048-mark-shim.md.
+        """
+        cmd = self.cmd + ("-legacy" if legacy else "")
+        tokens = _split(rule)
+        if position == 0:
+            if self._run_shim(cmd, ["-C", chain, *tokens], check=False) != 0:
+                return
+            self._run_shim(cmd, ["-D", chain, *tokens])
+        else:
+            self._run_shim(cmd, ["-I", chain, str(position), *tokens])
+
+    def _run_shim(self, cmd: str, args: list[str], *, check: bool = True) -> int:
+        try:
+            out = subprocess.run([cmd, "-w", RESTORE_WAIT_SECONDS, "-t", "filter", *args],
+                                 capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise PreconditionError(f"{cmd} is not installed") from None
+        except subprocess.TimeoutExpired:
+            raise TemporaryError(f"{cmd} timed out", delay=1.0) from None
+        if out.returncode == 4 or "xtables lock" in out.stderr:
+            raise TemporaryError(f"{cmd}: xtables lock busy", delay=0.5)
+        if check and out.returncode != 0:
+            detail = " ".join(out.stderr.split())[:300] or f"exit status {out.returncode}"
+            raise DriverError(f"{cmd} {' '.join(args[:2])}: {detail}")
+        return out.returncode
 
     def backend(self) -> str | None:
         try:

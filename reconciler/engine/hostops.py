@@ -28,6 +28,7 @@ from reconciler.domain.ops import (
     DockerReplace,
     DockerRestore,
     FirewallRestore,
+    FirewallShim,
     LinkAddBridge,
     LinkDelete,
     LinkSet,
@@ -132,6 +133,8 @@ class HostOps:
                 self._set_sysctl(op)
             case FirewallRestore():
                 self.iptables(op.family).restore(op.script)
+            case FirewallShim():
+                self.iptables(op.family).shim(op.legacy, op.chain, op.rule, op.position)
             case DockerEnsure():
                 self._docker_ensure(op)
             case DockerReplace():

@@ -8,6 +8,7 @@ after apply); watch probes everything on its own interval.
 
 See docs/decisions/031-probes-capture-decides.md.
 See docs/decisions/032-probes-in-apply-and-watch.md.
+See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from reconciler.drivers.nsfs import current_inode
 from reconciler.drivers.probe import diagnosis, runner
 from reconciler.drivers.probe import vantage as vantage_driver
 from reconciler.engine.handles import HostHandles
+from reconciler.planner import nftforeign
 from reconciler.planner import probes as plan_probes
 from reconciler.planner.probes import Cause, Facts, Sighting, Vantage, classify
 
@@ -364,6 +366,8 @@ class Diagnosis:
         self._routes: dict[str, tuple[str | None, str | None]] = {}
         self._neigh: dict[str, dict[str, tuple[str | None, str]]] = {}
         self._macs: dict[str, str | None] = {}
+        #: ``nft -a list ruleset`` before and after the re-run (other managers' own tables)
+        self._nft: tuple[str, str] | None = None
 
     def run(self, specs: list[ProbeSpec], *, timeout: float,
             external_ns: str | None) -> list[tuple[runner.Outcome, Cause | None]]:
@@ -375,8 +379,11 @@ class Diagnosis:
         before = {f: diagnosis.save_counters(f) for f in families}
         before_legacy = {f: diagnosis.save_counters(f, legacy=True) for f in legacy}
         rp_before = diagnosis.netstat_counter("IPReversePathFilter")
+        nft_before = diagnosis.nft_ruleset()
         outcomes = send(self.handles, specs, timeout=timeout, external_ns=external_ns)
         rp_drops = diagnosis.netstat_counter("IPReversePathFilter") - rp_before
+        nft_after = diagnosis.nft_ruleset() if nft_before is not None else None
+        self._nft = (nft_before or "", nft_after) if nft_after is not None else None
         hits: list[plan_probes.RuleHit] = []
         ahead: list[plan_probes.RuleHit] = []
         for f in families:
@@ -424,7 +431,16 @@ class Diagnosis:
         peer = VANTAGE_PEER if s.family == 4 else VANTAGE6_PEER
         if s.vantage == "external" and (back := self._route(peer)) is not None:
             route_back = (peer, back[0])
+        nft: tuple[str, ...] = ()
+        if self._nft is not None:
+            names = frozenset(n for n in (address, s.dst, str(s.dport), str(s.to)) if n)
+            nft = tuple(r.where() for r in nftforeign.drops(
+                *self._nft, family=s.family, names=names,
+                forwarded=s.path in ("hairpin", "external", "direct")))
+        ingress = tuple(i for i in (bridge, self.vantage[1] if self.vantage else None)
+                        if i is not None)
         return Facts(sysctls=self._sysctls(bridge), bridge=bridge, alloc_default=alloc_default,
+                     ingress=ingress, nft_drops=nft,
                      route_back=route_back,
                      bridge_hairpin=declared.hairpin if declared is not None else True,
                      port_hairpin=port.hairpin if port is not None else None, route=route,
@@ -438,9 +454,10 @@ class Diagnosis:
                 "net/ipv4/conf/all/rp_filter"]
         if bridge is not None:
             keys += [f"net/ipv4/conf/{bridge}/route_localnet",
-                     f"net/ipv4/conf/{bridge}/rp_filter"]
+                     f"net/ipv4/conf/{bridge}/rp_filter", f"net/ipv4/conf/{bridge}/forwarding"]
         if self.vantage is not None:
-            keys.append(f"net/ipv4/conf/{self.vantage[1]}/rp_filter")
+            keys += [f"net/ipv4/conf/{self.vantage[1]}/rp_filter",
+                     f"net/ipv4/conf/{self.vantage[1]}/forwarding"]
         out = {}
         for k in keys:
             with contextlib.suppress(DriverError):

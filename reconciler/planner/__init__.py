@@ -23,6 +23,7 @@ from reconciler.planner import (
     hostlinks,
     impact,
     legacy,
+    shim,
 )
 from reconciler.planner.allocs import plan as alloc_plan
 from reconciler.planner.context import PlanContext, PlanOptions
@@ -91,7 +92,7 @@ def undeclared_adoptions(desired: DesiredState, options: PlanOptions) -> list[st
 # Docker networks come last: a daemon refusing one (pool overlap, ...) stops the run,
 # and must not leave the host's allocations without their sysctls and rules.
 _ORDER = {k: i for i, k in enumerate(("bridge", "subnet", "alloc", "veth", "neighbour",
-                                      "sysctl", "firewall", "docker_network"))}
+                                      "sysctl", "firewall", "shim", "docker_network"))}
 
 
 def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | None = None,
@@ -116,6 +117,8 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         raise PlanError("\n".join(found.fatal))
     ctx = PlanContext(desired, live, opts, overlaps=found.conflicts, picked=resolution.picked,
                       warnings=list(found.warnings))
+    bit = desired.settings.firewall_mark
+    ctx.rules4.mark = ctx.rules6.mark = bit
     changes: list[Change] = []
     # Subnets first: they claim the bridge addresses that are theirs, bridges then
     # remove only owned addresses nobody claims.
@@ -158,8 +161,15 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
             changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
     for family, rules, old in ((4, ctx.rules4, live.legacy4), (6, ctx.rules6, live.legacy6)):
         # iptables-legacy beside our nf_tables rules: a rule there on a declared path is named
-        for seen in ([] if old is None else legacy.findings(desired, rules, old, family)):
+        # (what the shim lets by is not: it is walked with the shim in place)
+        for seen in ([] if old is None else legacy.findings(desired, rules, old, family, bit)):
             (ctx.errors if seen.blocks else ctx.warnings).append(seen.line)
+        if old is not None:
+            ctx.observed[f"legacy/ipv{family}/{shim.CHAIN}"] = [
+                old.policies.get((shim.TABLE, shim.CHAIN)),
+                list(old.chains.get((shim.TABLE, shim.CHAIN), ()))]
+    if ctx.options.prune or desired.subnets:
+        changes += shim.plan_shims(desired, live, bit)
     changes.sort(key=change_order)
     changes = blocking.with_needs(desired, impact.assess(ctx, changes))
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),

@@ -417,10 +417,11 @@ def _firewall(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
         if recorded is None or not live_rules.available:
             continue
         rs = firewall.RuleSet(family)
+        rs.mark = firewall.live_mark(recorded) or rs.mark  # the bit recorded
         for (table, chain), rules in sorted(recorded.items()):
             if rs.table_of(chain) == table:
                 rs.chains[chain] = list(rules)
-        d = firewall.diff(rs, live_rules)
+        d = firewall.diff(rs, live_rules, marks=("mangle", firewall.MARK) in recorded)
         if not d.changed:
             continue
         ops: list[TypedOp] = [FirewallRestore(family, d.script)]

@@ -10,15 +10,19 @@ attributed, and an unknown owner is recognisably stale.
 See docs/decisions/014-iptables-owned-chains.md.
 See docs/decisions/015-subnet-isolation.md.
 See docs/decisions/034-forward-jump-kept-first.md.
+See docs/decisions/048-mark-shim.md.
+See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from reconciler.domain import fwmark
 from reconciler.domain.live import LiveChainSet
 from reconciler.domain.model import DesiredState, Subnet, SubnetName
 from reconciler.domain.ops import FirewallRestore, encode
@@ -30,6 +34,10 @@ FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
 DNAT = CHAIN_PREFIX + "DNAT"
 INPUT = CHAIN_PREFIX + "INPUT"
+#: mangle FORWARD (priority -150: before every filter chain of either backend) ORs our mark
+#: into what RECONCILER-FORWARD will accept, so the shim (``planner.shim``) in another
+#: manager's dropping chain lets exactly that by
+MARK = CHAIN_PREFIX + "MARK"
 
 #: conntrack states admitted into an isolated subnet from outside it: replies, and what a
 #: declared port map DNATed (the DNAT rules in RECONCILER-DNAT are the declaration)
@@ -47,8 +55,13 @@ JUMPS: dict[str, tuple[str, tuple[tuple[str, tuple[str, ...]], ...]]] = {
     INPUT: ("filter", (("INPUT", ()),)),
     POSTROUTING: ("nat", (("POSTROUTING", ()),)),
     DNAT: ("nat", (("PREROUTING", _LOCAL), ("OUTPUT", _LOCAL))),
+    MARK: ("mangle", (("FORWARD", ()),)),
 }
-TABLE_ORDER = ("filter", "nat")
+#: IPv6's nat OUTPUT jump leaves ``::1`` alone: a packet to ``[::1]:PORT`` DNATed to an
+#: allocation can never leave ``lo`` (IPv6 has no ``route_localnet``), so a host service on
+#: ``[::1]:PORT`` hung instead of answering (SPEC §12: the IPv6 output DNAT never matches ::1)
+_NOT_LOOPBACK6 = ("!", "-d", "::1/128")
+TABLE_ORDER = ("filter", "nat", "mangle")
 #: "[" "]" for IPv6 DNAT targets (``[fd00::2]:80``); still nothing that ends a token or line
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:/=!,+\[\]\-]+$")
 
@@ -59,6 +72,46 @@ def comment(owner_kind: str, owner: str) -> tuple[str, ...]:
 
 def jump_rule(chain: str, match: tuple[str, ...]) -> str:
     return " ".join((*match, "-m", "comment", "--comment", RULE_COMMENT, "-j", chain))
+
+
+def jumps_of(family: int, chain: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Return the built-in chains that jump to ``chain`` in ``family``, with their matches."""
+    out = JUMPS[chain][1] if chain in JUMPS else ()
+    if family == 6 and chain == DNAT:
+        out = tuple((b, (*_NOT_LOOPBACK6, *m) if b == "OUTPUT" else m) for b, m in out)
+    return out
+
+
+def marking(rules: Iterable[str], bit: int) -> list[str]:
+    """Return RECONCILER-MARK's rules for RECONCILER-FORWARD's ``rules``: the same matches in the
+    same order, an accept ORing the mark in (MARK does not end the chain, a later one ORs the
+    same bit again) and a drop returning unmarked. So a packet carries the mark exactly when
+    our chain's first decision for it is an accept: the shim lets by nothing our isolation
+    drops."""
+    out = []
+    for r in rules:
+        if r.endswith(" -j ACCEPT"):
+            out.append(r[: -len("-j ACCEPT")] + " ".join(fwmark.set_mark_target(bit)))
+        elif r.endswith(" -j DROP"):
+            out.append(r[: -len("DROP")] + "RETURN")
+    return out
+
+
+def with_marks(rs: RuleSet) -> RuleSet:
+    """Return the rules with RECONCILER-MARK following RECONCILER-FORWARD, whoever filled it
+    (the plan, ``gc``, a revert)."""
+    return RuleSet(rs.family, {**rs.chains, MARK: marking(rs.chains.get(FORWARD, ()), rs.mark)},
+                   rs.mark)
+
+
+def live_mark(chains: Mapping[tuple[str, str], Sequence[str]]) -> int | None:
+    """Read the mark bit our live RECONCILER-MARK ORs in (None: no such rule)."""
+    for r in chains.get(("mangle", MARK), ()):
+        t = r.split()
+        if "--set-xmark" in t[:-1]:
+            with contextlib.suppress(ValueError):
+                return int(t[t.index("--set-xmark") + 1].split("/")[0], 16)
+    return None
 
 
 _OWNER = re.compile(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)")
@@ -142,6 +195,8 @@ class RuleSet:
 
     family: int
     chains: dict[str, list[str]] = field(default_factory=dict)
+    #: the bit RECONCILER-MARK ORs in (``settings.firewall_mark``)
+    mark: int = fwmark.DEFAULT_MARK
     _heads: dict[str, int] = field(default_factory=dict)
 
     def add(self, chain: str, tokens: Iterable[str], *, head: bool = False) -> None:
@@ -321,7 +376,7 @@ def guarded_flows(rules: Iterable[str]) -> list[fwpaths.Flow]:
             f"what {owner.replace('=', ' ')} drops",
             src=None if src is None else ipaddress.ip_network(src, strict=False),
             dst=None if dst is None else ipaddress.ip_network(dst, strict=False),
-            iif=opts.get("-i"), oif=opts.get("-o"), states=fwpaths.UNADMITTED))
+            iif=opts.get("-i"), oif=opts.get("-o"), states=fwpaths.UNADMITTED, mark=0))
     return out
 
 
@@ -367,14 +422,19 @@ class FirewallDiff:
         return bool(self.script)
 
 
-def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> FirewallDiff:
+def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True,
+         marks: bool = True) -> FirewallDiff:
     """Compare desired and live owned chains; build the restore script that converges them.
 
     ``add_jumps=False`` (``reconcile gc``, which only removes) leaves a missing jump
-    missing: everything else the script does is then a removal.
+    missing: everything else the script does is then a removal. ``marks=False`` (a state
+    from before RECONCILER-MARK: ``gc`` of an old host, a revert to an old checkpoint) adds
+    no mark chain.
     """
     owned = _owned_chains(live)
     live_jumps = _live_jumps(live)
+    if marks:
+        rs = with_marks(rs)
     # per table, in the order iptables-restore needs: declarations, rules, jumps, removals
     per_table: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {}
 
@@ -403,7 +463,7 @@ def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> Firewall
                                     f"{len(rules)} rules"))
             bucket(table, 0).append(f":{chain} - [0:0]")
             bucket(table, 1).extend(f"-A {chain} {r}" for r in rules)
-        for builtin, match in (JUMPS[chain][1] if chain in JUMPS else ()):
+        for builtin, match in jumps_of(rs.family, chain):
             want = jump_rule(chain, match)
             jumps = [j for j in live_jumps.get((table, builtin), []) if j.split()[-1] == chain]
             if want not in jumps and add_jumps:

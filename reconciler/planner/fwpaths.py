@@ -66,6 +66,9 @@ class Flow:
     #: addressed to one of the host's own addresses (a port map's host port, before DNAT):
     #: ``-m addrtype --dst-type LOCAL`` matches all of it
     local: bool = False
+    #: the packet mark the flow carries (None: unknown); declared forwarded traffic carries
+    #: our bit (``domain.fwmark``), what our isolation drops never does
+    mark: int | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,16 @@ def _states(rule: str, flow: frozenset[str]) -> Match:
     return Match.SOME if flow & have else Match.NONE
 
 
+def _mark(rule: str, mark: int) -> Match:
+    """Compare ``--mark VALUE[/MASK]`` with a flow's known mark."""
+    value, _, mask = rule.partition("/")
+    try:
+        v, m = int(value, 0), int(mask, 0) if mask else 0xFFFFFFFF
+    except ValueError:
+        return Match.SOME
+    return Match.ALL if mark & m == v else Match.NONE
+
+
 def _negate(m: Match) -> Match:
     return {Match.ALL: Match.NONE, Match.NONE: Match.ALL}.get(m, Match.SOME)
 
@@ -264,6 +277,10 @@ def match(rule: str, flow: Flow) -> Verdict:
             i += 2
         elif tok == "--dst-type" and i + 1 < len(t) and flow.local and t[i + 1] == "LOCAL":
             m = _negate(Match.ALL) if negated else Match.ALL
+            i += 2
+        elif tok == "--mark" and i + 1 < len(t) and flow.mark is not None:
+            m = _mark(t[i + 1], flow.mark)
+            m = _negate(m) if negated else m
             i += 2
         else:
             # an option we do not read: it narrows the rule to some of the flow at most

@@ -268,6 +268,7 @@ def _rules_without(family: int, live: LiveChainSet, drop: set[str],
     if not any(firewall.owner_of(r) in drop for rules in owned.values() for r in rules):
         return None
     rs = firewall.RuleSet(family)
+    rs.mark = firewall.live_mark(live.chains) or rs.mark  # rewritten with the bit it has
     for (table, chain), rules in sorted(owned.items()):
         if chain not in firewall.JUMPS or rs.table_of(chain) != table:
             warnings.append(f"ipv{family} {table}/{chain}: a chain of ours this version does "
@@ -276,7 +277,8 @@ def _rules_without(family: int, live: LiveChainSet, drop: set[str],
         for r in rules:
             if firewall.owner_of(r) not in drop:
                 rs.add_rule(chain, r)
-    d = firewall.diff(rs, live, add_jumps=False)
+    d = firewall.diff(rs, live, add_jumps=False,
+                      marks=("mangle", firewall.MARK) in live.chains)
     change = firewall.firewall_change(family, d)
     if change is None:
         return None

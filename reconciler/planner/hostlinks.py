@@ -215,8 +215,8 @@ def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 
     The firewall change does the work; this tells the reader which subnet it is for.
     """
-    wanted = {f: firewall.by_owner(rs.chains.items()) for f, rs in ((4, ctx.rules4),
-                                                                     (6, ctx.rules6))}
+    wanted = {f: firewall.by_owner(firewall.with_marks(rs).chains.items())
+              for f, rs in ((4, ctx.rules4), (6, ctx.rules6))}
 
     def differ(family: int, owner: str) -> bool:
         want = sorted(f"{chain} {r}" for chain, r in wanted[family].get(owner, ()))

@@ -21,16 +21,19 @@ match a path only by being broad and narrow it by something else (``-i eth0``) a
 the probes, whose diagnosis reads the legacy counters.
 
 See docs/decisions/035-iptables-legacy-named.md.
+See docs/decisions/048-mark-shim.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from dataclasses import dataclass
 
+from reconciler.domain import fwmark
 from reconciler.domain.live import LiveChainSet
 from reconciler.domain.model import AllocId, DesiredState, SubnetName
-from reconciler.planner import firewall, fwpaths
+from reconciler.planner import firewall, fwpaths, shim
 from reconciler.planner.fwpaths import Flow, Match
 
 #: (table, chain) -> what its rules are read for
@@ -52,10 +55,13 @@ def _host(net: ipaddress.IPv4Address | ipaddress.IPv6Address) -> fwpaths.IPNet:
 
 def declared_paths(desired: DesiredState, rules: firewall.RuleSet,
                    family: int) -> dict[tuple[str, str], list[Flow]]:
-    """Return the declared paths of one family, by the (table, chain) they cross."""
+    """Return the declared paths of one family, by the (table, chain) they cross. What crosses
+    ``FORWARD`` carries our mark (``firewall.MARK`` ORs it into all of it)."""
     out: dict[tuple[str, str], list[Flow]] = {}
 
     def add(table: str, chain: str, flow: Flow) -> None:
+        if (table, chain) == ("filter", "FORWARD"):
+            flow = dataclasses.replace(flow, mark=rules.mark)
         out.setdefault((table, chain), []).append(flow)
 
     seen = set()
@@ -96,17 +102,21 @@ def declared_paths(desired: DesiredState, rules: firewall.RuleSet,
 
 
 def findings(desired: DesiredState, rules: firewall.RuleSet, legacy: LiveChainSet,
-             family: int) -> list[Finding]:
-    """Find the legacy rules and policies on the declared paths of ``family``, one each."""
+             family: int, bit: int = fwmark.DEFAULT_MARK) -> list[Finding]:
+    """Find the legacy rules and policies on the declared paths of ``family``, one each. The
+    chains are walked as the shim leaves them (``planner.shim``: in place where it is
+    wanted), so a ``FORWARD`` DROP it lets declared traffic past is no finding."""
     tool = "iptables-legacy" if family == 4 else "ip6tables-legacy"
     if not legacy.available:
         return [Finding(False, f"{tool}: legacy tables exist beside the nf_tables backend "
                                f"but could not be read ({legacy.error}): a rule there may "
                                "block a declared path unseen")]
     hit_by: dict[tuple[str, str, str], tuple[fwpaths.Hit, list[str], bool]] = {}
+    chains = (shim.with_shim(legacy, bit) if shim.wants(desired, legacy, family)
+              else legacy.chains)
     for (table, chain), flows in declared_paths(desired, rules, family).items():
         for flow in flows:
-            w = fwpaths.walk(legacy.chains, table, chain, flow, _RECORD[table],
+            w = fwpaths.walk(chains, table, chain, flow, _RECORD[table],
                              policies=legacy.policies)
             for h in w.hits:
                 if h.match is Match.SOME and not h.names_it and not h.rule.startswith("policy"):

@@ -28,6 +28,7 @@ port, expected reached only with ``isolation: open``. Both for IPv4 and IPv6
 maps: the link has a /30 and a /126 (``domain.probes.VANTAGE_NET6``).
 
 See docs/decisions/031-probes-capture-decides.md.
+See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ from dataclasses import dataclass, field
 
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
-from reconciler.domain.ownership import ALLOC_IFNAME, CHAIN_PREFIX
+from reconciler.domain.ownership import ALLOC_IFNAME
 from reconciler.domain.plan import Plan
 from reconciler.domain.probes import VANTAGE_NETS, Path, ProbeProto, ProbeSpec
 from reconciler.domain.probes import Vantage as VantageKind
 from reconciler.planner import addrspace, firewall, fwpaths
 from reconciler.planner.allocs.ipam import Mapped
 from reconciler.planner.allocs.live import owned_ns
+from reconciler.planner.counters import RuleHit, foreign_hits, parse_counters
+
+__all__ = ["RuleHit", "foreign_hits", "parse_counters"]
 
 IPAddr = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -305,32 +309,6 @@ class Sighting:
 
 
 @dataclass(frozen=True)
-class RuleHit:
-    """A foreign rule that decided a probe's packet: a DROP/REJECT rule (or a chain's DROP
-    policy) whose counter rose, a legacy DNAT/REDIRECT that sent it elsewhere, an accept
-    above our jump that let it by."""
-
-    family: int
-    table: str
-    chain: str
-    rule: str  # "-A CHAIN ..." as iptables-save prints it, or "policy DROP"
-    #: in iptables-legacy's tables, beside the nf_tables backend the reconciler writes
-    legacy: bool = False
-
-    def __str__(self) -> str:
-        tool = ("iptables" if self.family == 4 else "ip6tables") + ("-legacy" if self.legacy
-                                                                    else "")
-        prefix = "" if tool == "iptables" else f"{tool} "
-        return f"{prefix}{self.table}/{self.chain}: {self.rule}"
-
-    @property
-    def target(self) -> str:
-        if self.rule.startswith("policy "):
-            return self.rule.split()[1]
-        return fwpaths.target(self.rule)[0]
-
-
-@dataclass(frozen=True)
 class Facts:
     """What the host showed around a failed probe's re-run (``engine.probes`` gathers it).
 
@@ -353,69 +331,17 @@ class Facts:
     route_back: tuple[str, str | None] | None = None
     #: others' accepts above our jump to RECONCILER-FORWARD (those whose counter rose first)
     ahead: tuple[RuleHit, ...] = ()
+    #: the host's interfaces a forwarded probe arrives on (its bridge, the vantage link)
+    ingress: tuple[str, ...] = ()
+    #: drops in other managers' own nftables tables that can have taken it, most certain
+    #: first (``planner.nftforeign``)
+    nft_drops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Cause:
     line: str
     ours: bool = False  # a reconcile pass owns this and heals it
-
-
-_Counted = dict[tuple[str, str, str, int], tuple[int, str]]
-
-
-def parse_counters(text: str) -> _Counted:
-    """Parse ``iptables-save -c`` as {(table, chain, rule or "policy X", n): (packets, target)}
-    (pure).
-
-    Rules are keyed by their text (and its occurrence), not position, so a rule
-    inserted between two snapshots shifts nothing.
-    """
-    out: _Counted = {}
-    table = ""
-    seen: dict[tuple[str, str, str], int] = {}
-    for line in text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-        elif line.startswith(":"):
-            parts = line[1:].split()
-            if len(parts) >= 3 and parts[1] != "-":
-                out[(table, parts[0], f"policy {parts[1]}", 0)] = (_packets(parts[2]), parts[1])
-        elif line.startswith("[") and "] -A " in line:
-            counter, rule = line.split("] ", 1)
-            tokens = rule.split()
-            chain = tokens[1] if len(tokens) > 1 else ""
-            target = tokens[tokens.index("-j") + 1] if "-j" in tokens[:-1] else ""
-            n = seen.get((table, chain, rule), 0)
-            seen[(table, chain, rule)] = n + 1
-            out[(table, chain, rule, n)] = (_packets(counter + "]"), target)
-    return out
-
-
-def _packets(counter: str) -> int:
-    try:
-        return int(counter.strip("[]").split(":")[0])
-    except ValueError:
-        return 0
-
-
-def foreign_hits(family: int, before: str, after: str, *, legacy: bool = False) -> list[RuleHit]:
-    """Find the foreign (not ``RECONCILER-*``) DROP/REJECT rules and DROP policies whose
-    counters rose between two ``iptables-save -c`` snapshots, in any table (raw included).
-
-    With ``legacy`` (snapshots of iptables-legacy beside our nf_tables backend) also its
-    DNAT and REDIRECT rules: one that takes a mapped host port sends the probe elsewhere.
-    """
-    old = parse_counters(before)
-    targets = ("DROP", "REJECT", "DNAT", "REDIRECT") if legacy else ("DROP", "REJECT")
-    hits = []
-    for key, (packets, target) in parse_counters(after).items():
-        table, chain, rule, _n = key
-        if chain.startswith(CHAIN_PREFIX) or target not in targets:
-            continue
-        if packets > old.get(key, (0, ""))[0]:
-            hits.append(RuleHit(family, table, chain, rule, legacy))
-    return hits
 
 
 def accepts_ahead(family: int, before: str, after: str) -> list[RuleHit]:
@@ -442,7 +368,7 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
     if seen.error is not None:
         return Cause(seen.error)
-    if spec.path == "direct" and seen.reached:
+    if spec.path == "direct" and seen.reached and not spec.expect:  # isolation: ports
         ahead = [h for h in (facts.ahead if facts is not None else ()) if h.family == spec.family]
         if ahead:
             return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
@@ -466,7 +392,7 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     if spec.path == "gateway":
         told = "" if seen.answer in (None, "timeout") else f" ({seen.answer})"
         return Cause(f"no echo reply from the gateway {spec.dst}{told}")
-    if spec.path == "direct":
+    if spec.path == "direct" and not seen.reached:
         return Cause(f"{spec.dst}:{spec.to} not reached directly although the subnet's "
                      "isolation is open")
     told = seen.answer or "timeout"
@@ -488,6 +414,14 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
     forwarding = "net/ipv4/ip_forward" if v == 4 else "net/ipv6/conf/all/forwarding"
     if spec.path in _FORWARDED and f.sysctls.get(forwarding) == "0":
         return Cause(f"forwarding is off ({forwarding.replace('/', '.')}=0)", ours=True)
+    # IPv4 forwards only what arrives on an interface whose own forwarding is on (the
+    # bridge for a hairpin, the vantage link from outside); "all" does not override it
+    off = sorted(k for k, val in f.sysctls.items() if val == "0" and k.startswith(
+        "net/ipv4/conf/") and k.endswith("/forwarding") and k.split("/")[3] in f.ingress)
+    if v == 4 and spec.path in _FORWARDED and off:
+        return Cause(f"forwarding is off on {off[0].split('/')[3]} "
+                     f"({off[0].replace('/', '.')}=0): IPv4 forwards nothing that arrives "
+                     "there")
     if f.route is not None:
         dev, kind = f.route
         if dev is None or kind not in (None, "unicast", "local"):
@@ -508,6 +442,8 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
         if hit.target in ("DNAT", "REDIRECT"):
             return Cause(f"a foreign rule sends it elsewhere: {hit}")
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
+    if f.nft_drops:
+        return Cause(f"a foreign rule drops it: {f.nft_drops[0]}")
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")
@@ -537,8 +473,12 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
 
 
 def _pick(spec: ProbeSpec, hits: Sequence[RuleHit]) -> RuleHit | None:
-    """Pick the hit that names this probe's packet (its ports or addresses), else the first."""
-    mine = [h for h in hits if h.family == spec.family]
+    """Pick the hit that names this probe's packet (its ports or addresses), else the first. A
+    DNAT or REDIRECT counts only where it names the probe's host port: others' DNATs (Docker's)
+    see other traffic during the re-run too."""
+    port = {str(spec.dport), f"{spec.dst}:{spec.dport}"}
+    mine = [h for h in hits if h.family == spec.family and (
+        h.target not in fwpaths.REDIRECTS or port & set(h.rule.replace("/", " ").split()))]
     if not mine:
         return None
     words = {str(spec.dport), str(spec.to), spec.dst}
@@ -571,7 +511,7 @@ def probe_targets(plan: Plan, desired: DesiredState) -> set[str]:
             subnets.add(c.name)
         elif c.kind == "bridge":
             bridges.add(c.name)
-        elif c.kind == "firewall":
+        elif c.kind in ("firewall", "shim"):
             firewall_ran = True
         elif c.kind == "sysctl":
             parts = c.name.split("/")

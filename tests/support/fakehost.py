@@ -25,6 +25,7 @@ from reconciler.domain.ops import (
     AllocConfigure,
     ConntrackDelete,
     FirewallRestore,
+    FirewallShim,
     LinkAddBridge,
     LinkDelete,
     LinkSet,
@@ -87,10 +88,13 @@ class FakeFirewall:
     """Interprets the iptables-restore --noflush scripts the planner writes."""
 
     BUILTIN = {"filter": ("INPUT", "FORWARD", "OUTPUT"),
-               "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")}
+               "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+               "mangle": ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")}
 
     def __init__(self) -> None:
         self.chains: dict[tuple[str, str], list[str]] = {}
+        #: built-in chains' policies other than ACCEPT (a test sets dockerd's FORWARD DROP)
+        self.policies: dict[tuple[str, str], str] = {}
         for t, chains in self.BUILTIN.items():
             for c in chains:
                 self.chains[(t, c)] = []
@@ -123,7 +127,8 @@ class FakeFirewall:
                     raise AssertionError(f"unexpected restore line {line!r}")
 
     def live(self) -> LiveChainSet:
-        return LiveChainSet(True, {k: tuple(v) for k, v in self.chains.items()})
+        return LiveChainSet(True, {k: tuple(v) for k, v in self.chains.items()},
+                            policies=dict(self.policies))
 
 
 class FakeHost:
@@ -264,6 +269,13 @@ class FakeHost:
                 self.sysctls[op.key] = op.value
             case FirewallRestore():
                 self.fw[op.family].restore(op.script)
+            case FirewallShim():
+                assert not op.legacy, "the fake host has no iptables-legacy"
+                rules = self.fw[op.family].chains[("filter", op.chain)]
+                if op.position:
+                    rules.insert(op.position - 1, op.rule)
+                elif op.rule in rules:
+                    rules.remove(op.rule)
             case ConntrackDelete():
                 self.conntrack_deleted += [(op.family, str(m)) for m in op.stale_maps()]
             case _:

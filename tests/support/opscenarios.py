@@ -192,6 +192,10 @@ def scenarios() -> Iterator[tuple[str, Plan]]:
     yield "bridge MAC zero", _plan(host, want)
 
     host = _converged(want)
+    host.fw[4].policies[("filter", "FORWARD")] = "DROP"  # dockerd's
+    yield "FORWARD drops: the mark shim", _plan(host, want)
+
+    host = _converged(want)
     index = host.links["br0"].index
     address = str(host.netns["a"].links["eth0"].addresses[0].address.ip)
     host.neighbours = [n for n in host.neighbours if n.address != address]

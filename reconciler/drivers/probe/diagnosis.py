@@ -21,6 +21,20 @@ def save_counters(family: int, *, legacy: bool = False) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+def nft_ruleset() -> str | None:
+    """Run ``nft -a list ruleset`` (every table, with handles and counters), or None.
+
+    Only around a failed probe's re-run: another manager's own nftables table (not
+    iptables-nft's, which ``save_counters`` reads) may drop it. Read-only.
+    """
+    try:
+        p = subprocess.run(["nft", "-a", "list", "ruleset"], capture_output=True, text=True,
+                           timeout=30, errors="surrogateescape", check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
 def netstat_counter(name: str, text: str | None = None) -> int:
     """Read a ``TcpExt``/``IpExt`` counter of this namespace's /proc/net/netstat (0 if absent)."""
     if text is None:

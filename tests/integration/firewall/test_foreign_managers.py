@@ -327,40 +327,42 @@ def test_an_accept_above_the_jump_is_drift_in_both_families(host_ns: Netns,
 
 # ------------------------------------------------------------------ (b) iptables-legacy
 
-#: (what is injected, with which tool and arguments; the words that must name it)
+#: (what is injected, with which tool and arguments; the words that must name it; whether
+#: it breaks a routed client's connection, else the host's own). A legacy FORWARD DROP is
+#: passed by the mark shim now (tests/integration/firewall/test_shim.py)
 LEGACY = {
-    "forward-policy": (("iptables-legacy", "-P", "FORWARD", "DROP"),
-                       "iptables-legacy filter/FORWARD: policy DROP"),
-    "forward-subnet-drop": (("iptables-legacy", "-A", "FORWARD", "-d", CIDR, "-j", "DROP"),
-                            f"iptables-legacy filter/FORWARD: -A FORWARD -d {CIDR} -j DROP"),
+    "output-subnet-drop": (("iptables-legacy", "-A", "OUTPUT", "-d", CIDR, "-j", "DROP"),
+                           f"iptables-legacy filter/OUTPUT: -A OUTPUT -d {CIDR} -j DROP", False),
     "nat-hijack": (("iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport",
                     "8080", "-j", "REDIRECT", "--to-ports", "9"),
                    "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 "
-                   "-j REDIRECT --to-ports 9"),
-    "ip6-forward-policy": (("ip6tables-legacy", "-P", "FORWARD", "DROP"),
-                           "ip6tables-legacy filter/FORWARD: policy DROP"),
+                   "-j REDIRECT --to-ports 9", True),
+    "ip6-output-subnet-drop": (("ip6tables-legacy", "-A", "OUTPUT", "-d", CIDR6, "-j", "DROP"),
+                               f"ip6tables-legacy filter/OUTPUT: -A OUTPUT -d {CIDR6} -j DROP",
+                               False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(LEGACY))
 def test_a_legacy_rule_on_a_declared_path_is_named(host_ns: Netns, tmp_path: Any,
                                                    case: str) -> None:
-    """iptables-legacy beside iptables-nft: a legacy FORWARD DROP policy, a legacy DROP of the
-    subnet, a legacy REDIRECT of a mapped host port, an ip6tables-legacy FORWARD DROP. Each
-    breaks the map from a routed client; plan and apply exit 1 naming it (no "No changes",
-    exit 0), verify fails naming it, and the failed probe's cause names it."""
+    """iptables-legacy beside iptables-nft: a legacy OUTPUT DROP of the subnet, a legacy
+    REDIRECT of a mapped host port, an ip6tables-legacy OUTPUT DROP. Each breaks the map
+    (from a routed client, or from the host); plan and apply exit 1 naming it (no "No
+    changes", exit 0), verify fails naming it, and the failed probe's cause names it."""
     if not shutil.which("iptables-legacy") or not shutil.which("ip6tables-legacy"):
         pytest.skip("needs iptables-legacy")
-    cmd, named = LEGACY[case]
+    cmd, named, routed = LEGACY[case]
     a = unique("g")
     cfg = _cfg(tmp_path, a, v6=True)
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 0, r.all
     target = HOST_IP6 if cmd[0].startswith("ip6") else HOST_IP
     with client_of(host_ns) as client, serving(a, (80,), ()):
-        assert fetch(client, target, 8080) == "ok 80"
+        sender = client if routed else host_ns
+        assert fetch(sender, target, 8080) == "ok 80"
         host_ns.run(*cmd)
-        assert fetch(client, target, 8080, timeout=1.0) == ""  # it breaks the map
+        assert fetch(sender, target, 8080, timeout=1.0) == ""  # it breaks the map
         p = host_ns.reconcile("plan", cfg)
         assert p.rc == 1, p.all  # main: 0, "No changes"
         assert named in p.all, p.all

@@ -65,7 +65,10 @@ def test_a_commit_is_relevant_when_it_touches_an_iptables_table_of_ours() -> Non
              + nft_msg(DELTABLE, IPV6, "nat") + newgen(6))
     assert f.feed(parse_nft_notices(flush)) == ["nftables commit to ip filter, ip6 nat"]
     # other tools' own tables and families, and iptables tables we keep nothing in
-    for other in (nft_msg(NEWRULE, INET, "firewalld"), nft_msg(NEWRULE, IPV4, "mangle"),
+    # mangle holds RECONCILER-MARK now: a flush of it is drift
+    assert f.feed(parse_nft_notices(nft_msg(DELRULE, IPV4, "mangle") + newgen(7))) == [
+        "nftables commit to ip mangle"]
+    for other in (nft_msg(NEWRULE, INET, "firewalld"), nft_msg(NEWRULE, IPV4, "raw"),
                   nft_msg(NEWRULE, 7, "filter"), nft_msg(NEWRULE, IPV6, "kube-proxy")):
         assert f.feed(parse_nft_notices(other + newgen(7))) == []
 

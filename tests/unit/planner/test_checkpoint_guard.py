@@ -134,6 +134,13 @@ NOT_RECORDED: dict[tuple[str, str], str] = {
     ("AllocConfigure", "announce"): "how: a gratuitous ARP and NA, no state",
     ("SysctlSet", "key"): IDENTITY,
     ("FirewallRestore", "family"): IDENTITY,
+    ("FirewallShim", "family"): IDENTITY,
+    ("FirewallShim", "legacy"): IDENTITY,
+    ("FirewallShim", "chain"): IDENTITY,
+    # the shim is derived from what is declared and another manager's chain: the pass after
+    # a revert plans it again (planner.shim), nothing of it is the user's to put back
+    ("FirewallShim", "rule"): "derived from the subnets and settings.firewall_mark",
+    ("FirewallShim", "position"): "derived: ahead of the chain's first drop",
     ("ConntrackDelete", "family"): IDENTITY,
     ("ConntrackDelete", "maps"): "flows the rules left stale: a restore deletes its own",
 }
@@ -261,6 +268,10 @@ def _veth_elsewhere(host: FakeHost) -> None:
     host.links[veth] = dataclasses.replace(host.links[veth], master="other", hairpin=True)
 
 
+def _forward_drops(host: FakeHost) -> None:
+    host.fw[4].policies[("filter", "FORWARD")] = "DROP"  # dockerd's: the shim goes in
+
+
 BASE = _state()
 JUMBO = _state(_bridge(mtu=9000))
 TWO_BRIDGES = _state(_bridge(), _bridge("br1"))
@@ -283,6 +294,7 @@ CHANGES = [
     Change("a bridge MAC pinned", BASE, BASE, _unpinned),
     Change("a neighbour entry of another MAC replaced", BASE, BASE, _wrong_neighbour),
     Change("a veth put back on its bridge", BASE, BASE, _veth_elsewhere),
+    Change("the mark shim put in a dropping FORWARD", BASE, BASE, _forward_drops),
 ]
 
 

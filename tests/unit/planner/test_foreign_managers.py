@@ -125,7 +125,6 @@ def test_an_accept_above_the_jump_is_drift_moved_back_to_the_top() -> None:
 @pytest.mark.parametrize("harmless", [
     "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",  # replies: ours accepts them too
     "-o docker0 -j ACCEPT",  # into another bridge
-    "-d 10.0.0.0/24 -j DROP",  # a drop opens nothing
     "-j DOCKER-ISOLATION-STAGE-1",  # a chain that only drops and returns
 ])
 def test_what_cannot_accept_into_the_subnet_may_stay_above(harmless: str) -> None:
@@ -273,14 +272,29 @@ def _legacy_plan(host: FakeHost, d: DesiredState, chains: LiveChainSet,
     return plan(host, d, **{f"legacy{family}": chains})
 
 
+@pytest.mark.parametrize("chains", [
+    _legacy(forward="DROP"),
+    _legacy("-A FORWARD -d 10.0.0.0/24 -j DROP\n"),
+    _legacy("-A FORWARD -o br0 -p tcp -j REJECT\n"),
+    _legacy("-A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 -j REJECT\n"),
+])
+def test_a_legacy_forward_drop_is_passed_by_the_shim_not_named(chains: LiveChainSet) -> None:
+    """The shim goes first in the legacy FORWARD (planner.shim): declared traffic carries our
+    mark past every DROP there, so none is an error or a warning any more (decision 048)."""
+    host, d = fresh(), desired()
+    converge(host, d)
+    p = _legacy_plan(host, d, chains)
+    assert (p.errors, p.warnings) == ((), ())
+    [c] = p.actionable
+    assert (c.kind, c.name, c.action.value) == ("shim", "iptables-legacy filter/FORWARD",
+                                                "create")
+    assert [(o.name, o.args["legacy"], o.args["position"]) for o in c.ops] == [
+        ("firewall.shim", True, 1)]
+    assert c.ops[0].args["rule"] == ("-m mark --mark 0x2000/0x2000 -m comment --comment "
+                                     "reconciler:shim -j ACCEPT")
+
+
 @pytest.mark.parametrize(("chains", "named"), [
-    (_legacy(forward="DROP"), "iptables-legacy filter/FORWARD: policy DROP drops port map "
-                              "8080/tcp of alloc a1, what subnet net's allocations start"),
-    (_legacy("-A FORWARD -d 10.0.0.0/24 -j DROP\n"),
-     "iptables-legacy filter/FORWARD: -A FORWARD -d 10.0.0.0/24 -j DROP drops port map "
-     "8080/tcp of alloc a1, what subnet net's allocations start"),
-    (_legacy("-A FORWARD -o br0 -p tcp -j REJECT\n"), "-A FORWARD -o br0 -p tcp -j REJECT "
-                                                      "drops port map 8080/tcp of alloc a1"),
     (_legacy(input_="DROP"), "iptables-legacy filter/INPUT: policy DROP drops port map "
                              "8080/tcp of alloc a1, port map 127.0.0.1:8443/tcp of alloc a1"),
     (_legacy(nat="-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9\n"),
@@ -334,19 +348,23 @@ def test_legacy_rules_off_the_declared_paths_are_not_named(chains: LiveChainSet)
 def test_a_legacy_rule_on_part_of_a_path_it_names_is_a_warning() -> None:
     host, d = fresh(), desired()
     converge(host, d)
-    p = _legacy_plan(host, d, _legacy("-A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 "
+    p = _legacy_plan(host, d, _legacy("-A INPUT -s 10.0.0.0/24 -p tcp -m tcp --dport 40000 "
                                       "-j REJECT\n"))
     assert p.errors == ()
-    assert [w.split(":", 2)[:2] for w in p.warnings] == [["iptables-legacy filter/FORWARD",
-                                                          " -A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 -j REJECT drops some of what subnet net's allocations start"]]
+    [w] = p.warnings
+    assert w.startswith("iptables-legacy filter/INPUT: -A INPUT -s 10.0.0.0/24 -p tcp -m tcp "
+                        "--dport 40000 -j REJECT drops some of port map 8080/tcp of alloc a1")
 
 
 def test_ip6tables_legacy_is_read_for_the_ipv6_paths() -> None:
     host, d = fresh(), desired(v6=True)
     converge(host, d)
-    p = _legacy_plan(host, d, _legacy(forward="DROP"), family=6)
+    p = _legacy_plan(host, d, _legacy(input_="DROP"), family=6)
     assert [e.split(" drops ")[0] for e in p.errors] == [
-        "ip6tables-legacy filter/FORWARD: policy DROP"]
+        "ip6tables-legacy filter/INPUT: policy DROP"]
+    p = _legacy_plan(host, d, _legacy(forward="DROP"), family=6)
+    assert p.errors == () and [c.name for c in p.actionable] == [
+        "ip6tables-legacy filter/FORWARD"]
 
 
 def test_unreadable_legacy_tables_are_a_warning() -> None:
@@ -428,7 +446,9 @@ def test_legacy_counters_name_drops_and_redirects() -> None:
         "iptables-legacy filter/FORWARD: policy DROP",
         "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT "
         "--to-ports 9"]
-    assert [h.rule for h in foreign_hits(4, BEFORE, after)] == ["policy DROP"]  # nft: drops
+    # iptables-nft: its DNATs and REDIRECTs count too (a foreign one can take a mapped port)
+    assert [h.rule for h in foreign_hits(4, BEFORE, after)] == [
+        "policy DROP", "-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9"]
     spec = ProbeSpec("a1", "external", "tcp", 4, "external", "192.0.2.1", 8080, 8080, 80, True)
     cause = classify(spec, Sighting(False, "refused"), Facts(hits=tuple(hits)))
     assert cause.line == ("a foreign rule sends it elsewhere: iptables-legacy nat/PREROUTING: "

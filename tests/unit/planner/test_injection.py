@@ -50,12 +50,12 @@ NASTY = [
     "a\\nb", "%s%n", "{a}", "a\n\n", "\n", " ", "",
 ]
 RESTORE_LINE = re.compile(
-    r"\*(filter|nat)|COMMIT|:RECONCILER-[A-Z]+ - \[0:0\]"
+    r"\*(filter|nat|mangle)|COMMIT|:RECONCILER-[A-Z]+ - \[0:0\]"
     r"|-A RECONCILER-[A-Z]+( \S+)+"
     r"|-I (FORWARD|INPUT|POSTROUTING|PREROUTING|OUTPUT) 1( \S+)+"
     r"|-D (FORWARD|INPUT|POSTROUTING|PREROUTING|OUTPUT)( \S+)+"
     r"|-[FX] RECONCILER-[A-Z]+")
-TARGETS = re.compile(r"ACCEPT|DROP|MASQUERADE|DNAT|RECONCILER-[A-Z]+")
+TARGETS = re.compile(r"ACCEPT|DROP|RETURN|MARK|MASQUERADE|DNAT|RECONCILER-[A-Z]+")
 LINK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 EXAMPLES = 3000 if SOAK else 300
 
