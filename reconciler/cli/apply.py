@@ -161,8 +161,9 @@ def stopped(signals: list[int]) -> int:
 
 
 def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
-              saved: Plan | None = None) -> int:
-    """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code."""
+              saved: Plan | None = None, *, keep_leases: bool = True) -> int:
+    """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code.
+    ``keep_leases`` false (``destroy``): the lease file is left as it is."""
     from reconciler.cli import safe
     from reconciler.engine.impact import DisruptionError, refusal
     from reconciler.engine.lock import host_lock
@@ -194,7 +195,8 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                                    max_disruption=getattr(args, "max_disruption", None),
                                    before_changes=window.before_changes if window else None,
                                    on_plan=line.plan if line else None,
-                                   on_outcome=line.outcome if line else None)
+                                   on_outcome=line.outcome if line else None,
+                                   keep_leases=keep_leases)
                 if window is not None:
                     window.settle(result, stopped=bool(signals))
         except DisruptionError as exc:  # what it would have disrupted, then the one line
@@ -290,7 +292,8 @@ def cmd_destroy(args: argparse.Namespace) -> int:
                                            "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:
-        rc = run_apply(args, DesiredState(), options, shown)
+        # what is destroyed keeps its leases: a later apply brings the same values back
+        rc = run_apply(args, DesiredState(), options, shown, keep_leases=False)
     except StalePlanError:
         if shown is None:
             raise

@@ -211,6 +211,12 @@ class Plan:
     #: and ``netns``, the name given with --netns (when the CLI saved it): `apply FILE`
     #: refuses it in another namespace
     scope: dict[str, Json] = field(default_factory=dict)
+    #: the lease table after this plan (``domain/leases``): what the engine saves before its
+    #: first op
+    leases: dict[str, dict[str, Json]] = field(default_factory=dict)
+    #: where each picked value came from: ``{"alloc/web": {"address": {"value": "10.0.0.11",
+    #: "from": "lease"}}}`` (``from``: declared, lease, live or new)
+    picks: dict[str, dict[str, Json]] = field(default_factory=dict)
 
     @property
     def actionable(self) -> tuple[Change, ...]:
@@ -253,6 +259,8 @@ class Plan:
             "errors": list(self.errors),
             "options": self.options,
             **({"scope": self.scope} if self.scope else {}),
+            **({"picks": self.picks} if self.picks else {}),
+            **({"leases": self.leases} if self.leases else {}),
         }
 
     @classmethod
@@ -262,7 +270,8 @@ class Plan:
         return cls(tuple(Change.from_json(c) for c in raw["changes"]), raw["live_fingerprint"],
                    _files(raw.get("files", [])),
                    tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
-                   dict(raw.get("options", {})), _scope(raw.get("scope", {})))
+                   dict(raw.get("options", {})), _scope(raw.get("scope", {})),
+                   _mapping(raw.get("leases", {})), _mapping(raw.get("picks", {})))
 
     def same_work(self, other: Plan) -> bool:
         """Return True when both plans would run the same ops on the same live state.
@@ -278,6 +287,12 @@ class Plan:
                     for c in plan.changes if c.action is not Action.NOOP]
 
         return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint
+
+
+def _mapping(raw: Json) -> dict[str, dict[str, Json]]:
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ValueError("leases/picks: want a mapping of mappings")
+    return {str(k): dict(v) for k, v in raw.items()}
 
 
 def fingerprint(view: Json) -> str:

@@ -24,6 +24,7 @@ from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
 from reconciler.drivers.docker import rawapi
 from reconciler.drivers.nsfs import current_id
 from reconciler.drivers.procfs import listening_ports
+from reconciler.engine import leases
 from reconciler.engine.handles import HostHandles
 
 #: sysctls every plan may need to compare
@@ -43,6 +44,8 @@ class Observer:
         #: (name, ifindex, MAC) of bridges seen with their MAC set: it stays set (nothing
         #: turns NET_ADDR_SET back), so they are not asked again while they are the same
         self._pinned: set[tuple[str, int, str | None]] = set()
+        #: the scope whose lease file is read (``docker_scope``), found on first use
+        self._scope: str | None = None
 
     def observe(self, desired: DesiredState) -> LiveState:
         # the two rule saves run in their own processes while the kernel is read here
@@ -60,6 +63,7 @@ class Observer:
                 "routes": self.observe_routes(desired),
                 **self.observe_docker_parts(desired),
                 **self.observe_unannounced(desired),
+                **self.observe_leases(),
             }
         except BaseException:
             for finish in saves:  # no save left running or unreaped behind the error
@@ -68,6 +72,14 @@ class Observer:
             raise
         fields["firewall4"], fields["firewall6"] = (finish() for finish in saves)
         return dataclasses.replace(LiveState(), **fields)
+
+    def observe_leases(self) -> dict[str, Any]:
+        """Read the scope's lease table (``engine/leases``): the ``leases`` and
+        ``leases_problem`` fields of a LiveState. Nothing is made or written."""
+        if self._scope is None:
+            self._scope = docker_scope()
+        table, problem = leases.read(self._scope)
+        return {"leases": table, "leases_problem": problem}
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:
         """Observe every link here, and for the declared bridges whether their MAC is set.

@@ -29,7 +29,8 @@ from reconciler.engine.finish import finish_journals, touched_host
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.journal import describe
-from reconciler.engine.observe import Observer
+from reconciler.engine.leases import LeaseFile, LeaseStore
+from reconciler.engine.observe import Observer, docker_scope
 from reconciler.engine.probes import Prober, probe_targets
 from reconciler.planner import make_plan
 from reconciler.planner.context import PlanOptions
@@ -97,11 +98,16 @@ class Reconciler:
     def __init__(self, observer: Observer | None = None, *, runner: OpRunner | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  stop: threading.Event | None = None,
-                 prober: Callable[[HostHandles], ProbeRunner] = Prober) -> None:
+                 prober: Callable[[HostHandles], ProbeRunner] = Prober,
+                 leases: LeaseStore | None = None) -> None:
         """``runner`` performs the ops (default: ``HostOps`` over the observer's drivers);
-        ``prober`` makes what runs probes, on first use, over the same drivers."""
+        ``prober`` makes what runs probes, on first use, over the same drivers; ``leases``
+        keeps the lease table (default, with ``HostOps``: the scope's lease file; with
+        another runner and none given, leases are planned but not kept)."""
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
+        self.leases: LeaseStore | None = leases if leases is not None else (
+            LeaseFile(docker_scope) if isinstance(self.runner, HostOps) else None)
         self.sleep = sleep
         self.stop = stop or threading.Event()
         self._make_prober = prober
@@ -136,7 +142,8 @@ class Reconciler:
               probe: ProbeRequest | None = None,
               max_disruption: int | None = None,
               before_changes: Callable[[Plan], Plan | None] | None = None,
-              on_plan: Callable[[Plan], None] | None = None) -> ApplyResult:
+              on_plan: Callable[[Plan], None] | None = None,
+              keep_leases: bool = True) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         ``before_changes`` runs after the preflight checks and before the first op of a
@@ -156,6 +163,10 @@ class Reconciler:
         preflight) says that it finished one first, not that nothing changed.
         ``on_plan`` hears the plan about to be executed and ``on_outcome`` each change
         done (the CLI's progress line).
+
+        The plan's lease table is saved before its first op (SPEC §11), also when nothing
+        is to change (the first run of a version with leases records the live values);
+        ``keep_leases`` false (``destroy``) saves none: what is destroyed keeps its leases.
         """
         finished = [line for line in self.finish_journals() if touched_host(line)]
         plan = self.plan(desired, options)
@@ -163,11 +174,15 @@ class Reconciler:
         with _refusals_after(finished):
             refuse(plan, saved, max_disruption)
             if not plan.has_changes:
+                if keep_leases:
+                    self.save_leases(plan)
                 return result
             preflight(plan, subnet_bridges(desired))
-        if before_changes is not None:
+        if before_changes is not None:  # a checkpoint records the leases from before
             plan = before_changes(plan) or plan
             result.plan = plan
+        if keep_leases:
+            self.save_leases(plan)
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         if on_plan is not None:
@@ -186,6 +201,16 @@ class Reconciler:
                                            request=probe)
                 result.probe_seconds = time.perf_counter() - t0
         return result
+
+    def save_leases(self, plan: Plan) -> None:
+        """Save ``plan``'s lease table when it differs from the one observed (``last_live``);
+        a PreconditionError (a full disk …) comes before any op."""
+        if self.leases is None or self.last_live is None:
+            return
+        if plan.leases != self.last_live.leases or self.last_live.leases_problem is not None:
+            self.leases.save(plan.leases)
+            self.last_live = dataclasses.replace(self.last_live, leases=dict(plan.leases),
+                                                 leases_problem=None)
 
     def journals_pending(self) -> bool:
         """Tell whether a killed run left a journalled change to finish (no file is read)."""

@@ -15,6 +15,7 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    LinkSetMac,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -28,7 +29,7 @@ from reconciler.domain.ownership import (
 )
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
-from reconciler.planner.allocs.ipam import Mapped, assign_addresses, assign_ports
+from reconciler.planner.allocs.ipam import Mapped, assign_addresses, assign_macs, assign_ports
 from reconciler.planner.allocs.live import (
     IPAddr,
     describe_link,
@@ -104,9 +105,10 @@ def _view(ctx: PlanContext, aid: str) -> object:
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
                maps: list[Mapped], clash: str | None = None,
                seen: frozenset[tuple[int | None, str]] = frozenset(),
-               left: Sequence[StaleNeighbour] = ()) -> Change:
+               left: Sequence[StaleNeighbour] = (), mac: str | None = None) -> Change:
     """Plan the change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
-    our neighbour entries of its MAC for addresses it no longer has (deleted)."""
+    our neighbour entries of its MAC for addresses it no longer has (deleted); ``mac``: its
+    ``eth0``'s (``ipam.assign_macs``; default: the derived one)."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
@@ -116,7 +118,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if clash is not None:
         ctx.blocked.add(f"alloc/{a.id}")
         return Change("alloc", a.id, Action.CONFLICT, clash, source=src)
-    derived_mac = ownership.alloc_mac(a.id)
+    derived_mac = mac or ownership.alloc_mac(a.id)  # leased, live or derived: what it has
     veth_name = alloc_veth_name(a.id)
     v4, v6 = addrs
     want = [f"{v4}/{s.cidr.prefixlen}"]
@@ -277,7 +279,11 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             inside_ok = False
         if not inside_ok:
             ops.append(encode(configure))
-        eth0_mac = eth0.mac  # kept, whatever it is: no churn of allocations made before
+        if eth0.mac != derived_mac:
+            # changed by hand (or another tool): drift, healed back to its lease
+            attrs_l.append(AttrChange("mac", eth0.mac, derived_mac))
+            ops.append(encode(LinkSetMac(ALLOC_IFNAME, derived_mac, netns=a.id)))
+        eth0_mac = derived_mac
     neigh_attrs, neigh_ops = neighbour_ops(ctx, a, b.name, addrs, eth0_mac, left)
     attrs_l += neigh_attrs
     ops += neigh_ops
@@ -337,6 +343,7 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     neighbour_table_warnings(ctx)
     addrs = assign_addresses(ctx)
     ports = assign_ports(ctx)
+    macs = assign_macs(ctx)
     if ctx.fatal:
         return []
     changes = []
@@ -348,8 +355,9 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
         gone.setdefault(g.owner, []).append(g)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen,
-                            gone.get(aid, ()))
+        clash = clashes.get(aid) or ctx.picks.blocked.get(aid)
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clash, seen, gone.get(aid, ()),
+                            macs[aid])
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall
