@@ -22,6 +22,7 @@ pools) is ``planner.hostspace``.
 
 See docs/decisions/004-ipam-and-ports-from-live-state.md.
 See docs/decisions/005-one-address-space.md.
+See docs/decisions/041-leases.md (a leased prefix is kept before any live one).
 """
 
 from __future__ import annotations
