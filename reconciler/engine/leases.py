@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from reconciler.domain import leases
@@ -67,6 +67,16 @@ def release(address: str, scope: str) -> list[str]:
     if fields:
         write(leases.released(table, address), scope)
     return fields
+
+
+def release_undeclared(declared: Collection[str], scope: str) -> list[str]:
+    """Forget the leases of every resource not in ``declared`` (``gc PATH``); those released.
+    A lease file that cannot be read is left alone (the next apply rebuilds it)."""
+    table, problem = read(scope)
+    gone = sorted(a for a in table if a not in declared)
+    if problem is None and gone:
+        write({a: f for a, f in table.items() if a in declared}, scope)
+    return gone if problem is None else []
 
 
 class LeaseStore(Protocol):

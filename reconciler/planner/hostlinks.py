@@ -80,11 +80,11 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         attrs.append(AttrChange("up", False, True))
     if attrs:
         ops.append(encode(LinkSet(b.name, owned=adopt, mtu=mtu, up=up)))
-    if link.mac != mac:  # changed by hand, or following its ports: back to its lease
-        attrs.append(AttrChange("mac", link.mac, mac))
-        ops.append(encode(LinkSetMac(b.name, mac)))
-    elif link.mac_pinned is False:  # the MAC it has, set: it stops following its ports
+    if link.mac_pinned is False:  # set (its lease): it stops following its ports
         attrs.append(AttrChange("mac", link.mac, f"pin {mac}"))
+        ops.append(encode(LinkSetMac(b.name, mac)))
+    elif link.mac is not None and link.mac != mac:  # changed by hand: back to its lease
+        attrs.append(AttrChange("mac", link.mac, mac))
         ops.append(encode(LinkSetMac(b.name, mac)))
     stray = sorted(str(a.address) for a in link.addresses
                    if a.owned and (b.name, str(a.address)) not in ctx.claimed_addresses)

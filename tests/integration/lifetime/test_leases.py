@@ -192,3 +192,37 @@ def test_a_mac_changed_by_hand_is_drift_healed_by_apply(host_ns: Netns, tmp_path
     applied(host_ns, path)
     assert eth0(web)["mac"] == mac and host_ns.link(b)["address"] == bmac  # type: ignore[index]
     assert host_ns.reconcile("plan", path).rc == 0
+
+
+def test_revert_restores_the_leases_of_the_state_it_restores(host_ns: Netns, tmp_path):
+    b, web, dns = unique("b"), unique("w"), unique("d")
+    net = {"name": "net", "bridge": b, "cidr": "10.77.9.0/24"}
+    old = files(tmp_path, subnets=[net], allocs=[
+        {"id": web, "subnet": "net", "ports": [{"host": "auto", "to": 80}]}], name="old.yaml")
+    applied(host_ns, old)
+    before = leases(host_ns)
+    # web pruned (its leases released), dns takes the lowest free address and port
+    new = files(tmp_path, subnets=[net], allocs=[
+        {"id": dns, "subnet": "net", "ports": [{"host": "auto", "to": 53}]}], name="new.yaml")
+    applied(host_ns, new, "--confirm-within", "5m")
+    assert f"alloc/{web}" not in leases(host_ns) and f"alloc/{dns}" in leases(host_ns)
+    r = host_ns.reconcile("revert")
+    assert r.rc == 0, r.all
+    assert leases(host_ns) == before
+    assert host_ns.reconcile("plan", old).rc == 0
+
+
+def test_no_prune_keeps_a_lease_and_gc_path_releases_it(host_ns: Netns, tmp_path):
+    b, web, dns = unique("b"), unique("w"), unique("d")
+    net = {"name": "net", "bridge": b, "cidr": "10.77.10.0/24"}
+    applied(host_ns, files(tmp_path, subnets=[net], allocs=[{"id": dns, "subnet": "net"},
+                                                             {"id": web, "subnet": "net"}]))
+    only = files(tmp_path, subnets=[net], allocs=[{"id": dns, "subnet": "net"}])
+    applied(host_ns, only, "--no-prune")
+    assert f"alloc/{web}" in leases(host_ns)
+    r = host_ns.reconcile("gc", only)
+    assert r.rc == 0 and f"Released the leases of alloc/{web}" in r.out, r.all
+    assert f"alloc/{web}" not in leases(host_ns) and f"alloc/{dns}" in leases(host_ns)
+    d = host_ns.reconcile("destroy", "--yes")  # destroy keeps the leases
+    assert d.rc == 0, d.all
+    assert f"alloc/{dns}" in leases(host_ns)
