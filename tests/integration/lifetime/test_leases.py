@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.host import Netns, sh, unique, write
+from tests.support.host import Netns, sh, unique, wait_for, write
 from tests.support.lifetime import eth0, identities, lease_file, leases, reboot
 
 pytestmark = pytest.mark.root
@@ -226,3 +226,19 @@ def test_no_prune_keeps_a_lease_and_gc_path_releases_it(host_ns: Netns, tmp_path
     d = host_ns.reconcile("destroy", "--yes")  # destroy keeps the leases
     assert d.rc == 0, d.all
     assert f"alloc/{dns}" in leases(host_ns)
+
+
+def test_watch_heals_a_mac_changed_by_hand(host_ns: Netns, agents: Any, tmp_path):
+    b, web = unique("b"), unique("w")
+    d = tmp_path / "conf"
+    d.mkdir()
+    files(d, subnets=[{"name": "net", "bridge": b, "cidr": "10.77.11.0/24"}],
+          allocs=[{"id": web, "subnet": "net"}])
+    agent = agents(host_ns, [str(d)])
+    agent.converged()
+    mac, bmac = eth0(web)["mac"], host_ns.link(b)["address"]  # type: ignore[index]
+    sh("ip", "-n", web, "link", "set", "eth0", "address", "02:aa:bb:cc:dd:ee")
+    host_ns.run("ip", "link", "set", b, "address", "02:aa:bb:cc:dd:ef")
+    wait_for(lambda: eth0(web)["mac"] == mac and host_ns.link(b)["address"] == bmac,  # type: ignore[index]
+             30, every=0.1, what="both MACs healed")
+    assert agent.stop() == 0
