@@ -202,12 +202,15 @@ class Reconciler:
                 result.probe_seconds = time.perf_counter() - t0
         return result
 
+    def leases_to_save(self, plan: Plan) -> bool:
+        """Tell whether ``plan``'s lease table differs from the one observed (``last_live``)."""
+        return self.leases is not None and self.last_live is not None and (
+            plan.leases != self.last_live.leases or self.last_live.leases_problem is not None)
+
     def save_leases(self, plan: Plan) -> None:
         """Save ``plan``'s lease table when it differs from the one observed (``last_live``);
         a PreconditionError (a full disk …) comes before any op."""
-        if self.leases is None or self.last_live is None:
-            return
-        if plan.leases != self.last_live.leases or self.last_live.leases_problem is not None:
+        if self.leases is not None and self.last_live is not None and self.leases_to_save(plan):
             self.leases.save(plan.leases)
             self.last_live = dataclasses.replace(self.last_live, leases=dict(plan.leases),
                                                  leases_problem=None)
