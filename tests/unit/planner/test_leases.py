@@ -4,15 +4,27 @@ table on the in-memory host. The kernel side is tests/integration/lifetime/test_
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 import pytest
 
 from reconciler.domain import leases
 from reconciler.domain.leases import DECLARED, LEASE, LIVE, NEW, port_field
+from reconciler.domain.live import LiveChainSet, LiveState
+from reconciler.domain.model import (
+    AutoPrefix,
+    Bridge,
+    BridgeName,
+    DesiredState,
+    DockerNetwork,
+    DockerNetworkName,
+    Subnet,
+    SubnetName,
+)
 from reconciler.domain.ops import LinkSetMac, decode
 from reconciler.domain.ownership import alloc_mac
 from reconciler.domain.plan import Action, Plan
-from reconciler.planner import make_plan
+from reconciler.planner import addrspace, make_plan
 from reconciler.planner.leases import Picks, choose, valid_mac
 from tests.support.fakehost import FakeHost
 from tests.support.planning import alloc, converge, plan, port, state
@@ -163,3 +175,47 @@ def test_a_damaged_lease_file_is_one_warning():
     live = dataclasses.replace(host.observe(desired), leases_problem="lease file x: bad")
     p = make_plan(desired, live)
     assert [w for w in p.warnings if "lease file" in w] == ["lease file x: bad"]
+
+
+# ------------------------------------------------------------------ auto prefixes
+
+
+def auto_subnet(name: str, pool: str = "10.5.0.0/16") -> Subnet:
+    return Subnet(SubnetName(name), BridgeName(f"b-{name}"),
+                  AutoPrefix(ipaddress.ip_network(pool), 24), None, None)  # type: ignore[arg-type]
+
+
+def resolved(desired: DesiredState, table: dict[str, dict[str, object]]) -> tuple[dict, Picks]:
+    p = Picks(table)
+    r = addrspace.resolve(desired, LiveState(firewall4=LiveChainSet(True),
+                                             firewall6=LiveChainSet(True)), picks=p)
+    assert not r.fatal, r.fatal
+    return {n: str(s.cidr) for n, s in r.desired.subnets.items()}, p
+
+
+def auto_state(*names: str) -> DesiredState:
+    subs = [auto_subnet(n) for n in names]
+    return DesiredState(bridges={s.bridge: Bridge(s.bridge) for s in subs},
+                        subnets={s.name: s for s in subs},
+                        docker_networks={DockerNetworkName("ci"): DockerNetwork(
+                            DockerNetworkName("ci"),
+                            auto=AutoPrefix(ipaddress.ip_network("10.5.0.0/16"), 24))})
+
+
+def test_leased_auto_prefixes_survive_a_reboot_with_a_name_that_sorts_first():
+    first, p = resolved(auto_state("m-net"), {})
+    assert first == {"m-net": "10.5.0.0/24"} and p.source("subnet/m-net", "cidr") == NEW
+    assert p.values["docker_network/ci"]["subnet"] == ("10.5.1.0/24", NEW)
+    table = p.table()
+    # nothing live any more (a reboot), and a-net sorts first: the leases hold
+    again, p2 = resolved(auto_state("a-net", "m-net"), table)
+    assert again == {"a-net": "10.5.2.0/24", "m-net": "10.5.0.0/24"}
+    assert p2.source("subnet/m-net", "cidr") == LEASE
+    assert p2.values["docker_network/ci"]["subnet"] == ("10.5.1.0/24", LEASE)
+
+
+def test_a_leased_prefix_outside_its_pool_now_is_re_picked_with_a_line():
+    got, p = resolved(auto_state("m-net"), {"subnet/m-net": {"cidr": "10.9.0.0/24"}})
+    assert got == {"m-net": "10.5.0.0/24"} and p.source("subnet/m-net", "cidr") == NEW
+    assert p.notes == ["subnet m-net: leased cidr 10.9.0.0/24 is no longer valid (not a /24 "
+                       "of pool 10.5.0.0/16): re-picked"]
