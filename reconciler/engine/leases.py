@@ -30,6 +30,16 @@ def path(scope: str) -> str:
     return os.path.join(statedir.state_root(), statedir.scope_dirname(scope), leases.FILENAME)
 
 
+def stamp(scope: str) -> tuple[int, int, int] | None:
+    """Return (inode, mtime ns, size) of the lease file, or None when there is none: a table
+    read before with the same stamp is the same table (every write renames a new file)."""
+    try:
+        st = os.stat(path(scope), follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def read(scope: str) -> tuple[leases.Table, str | None]:
     """Read the lease table of ``scope``: (table, None), or ({}, why it could not be read)."""
     where = path(scope)

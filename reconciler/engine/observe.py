@@ -46,6 +46,10 @@ class Observer:
         self._pinned: set[tuple[str, int, str | None]] = set()
         #: the scope whose lease file is read (``docker_scope``), found on first use
         self._scope: str | None = None
+        #: the lease file's stamp and what reading it gave (``observe_leases``)
+        self._leases: tuple[tuple[int, int, int] | None,
+                            tuple[dict[str, dict[str, Any]], str | None]] = (
+            None, ({}, None))
 
     def observe(self, desired: DesiredState) -> LiveState:
         # the two rule saves run in their own processes while the kernel is read here
@@ -78,8 +82,16 @@ class Observer:
         ``leases_problem`` fields of a LiveState. Nothing is made or written."""
         if self._scope is None:
             self._scope = docker_scope()
-        table, problem = leases.read(self._scope)
-        return {"leases": table, "leases_problem": problem}
+        stamp = leases.stamp(self._scope)
+        if stamp is None or stamp != self._leases[0]:
+            # read again only when the file changed (1000 allocations: ~130 kB, ~17 ms)
+            self._leases = (stamp, leases.read(self._scope))
+        table, problem = self._leases[1]
+        return {"leases": {k: dict(v) for k, v in table.items()}, "leases_problem": problem}
+
+    def forget_leases(self) -> None:
+        """Read the lease file again next time (this process just wrote it)."""
+        self._leases = (None, ({}, None))
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:
         """Observe every link here, and for the declared bridges whether their MAC is set.

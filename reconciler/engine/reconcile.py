@@ -212,6 +212,8 @@ class Reconciler:
         a PreconditionError (a full disk …) comes before any op."""
         if self.leases is not None and self.last_live is not None and self.leases_to_save(plan):
             self.leases.save(plan.leases)
+            if isinstance(self.observer, Observer):
+                self.observer.forget_leases()
             self.last_live = dataclasses.replace(self.last_live, leases=dict(plan.leases),
                                                  leases_problem=None)
 

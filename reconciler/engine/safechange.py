@@ -321,6 +321,8 @@ def revert(rec: Any, p: Pending, *, why: str,
     if p.leases is not None and live_leases(rec) != p.leases:
         # the leases of the state restored, first: a revert cut short keeps them too
         lease_store.write(p.leases, p.scope)
+        if hasattr(rec.observer, "forget_leases"):
+            rec.observer.forget_leases()
     live, nets = observe_for(rec, cp)
     plan = restore_plan(cp, live, nets)
     for _round in range(RESTORE_ROUNDS):
