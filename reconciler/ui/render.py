@@ -14,7 +14,7 @@ import sys
 from typing import TextIO
 
 from reconciler.domain.errors import VerifyError
-from reconciler.domain.plan import Action, Json, Plan
+from reconciler.domain.plan import Action, Change, Json, Plan
 from reconciler.ui import impact
 
 EXIT_OK, EXIT_ERROR, EXIT_CHANGES = 0, 1, 2
@@ -62,6 +62,15 @@ def _fmt(value: Json) -> str:
     return str(value)
 
 
+def _picked_lines(plan: Plan, c: Change) -> list[str]:
+    """Say (``-v``) where the picked values of ``c``'s resource come from: ``# picked: address
+    10.0.0.2 (lease), mac … (live)`` (docs/lifetime.md)."""
+    got = plan.picks.get(f"{c.kind}/{c.name}", {})
+    said = [f"{f} {v['value']} ({v['from']})" for f, v in sorted(got.items())
+            if isinstance(v, dict) and "value" in v]
+    return [f"      # picked: {', '.join(said)}"] if said else []
+
+
 def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> str:
     """Render Terraform-style text: one block per change, then a summary line."""
     lines: list[str] = []
@@ -86,6 +95,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False) -> s
         if c.source:
             lines.append(f"      # {c.source}")
         if verbose:
+            lines += _picked_lines(plan, c)
             for o in c.ops:
                 lines.append(f"      > {o.describe()}")
     for w in plan.warnings:

@@ -26,6 +26,7 @@ from reconciler.domain.ownership import alloc_mac
 from reconciler.domain.plan import Action, Plan
 from reconciler.planner import addrspace, make_plan
 from reconciler.planner.leases import Picks, choose, valid_mac
+from reconciler.ui.render import render_text
 from tests.support.fakehost import FakeHost
 from tests.support.planning import alloc, converge, plan, port, state
 
@@ -219,3 +220,12 @@ def test_a_leased_prefix_outside_its_pool_now_is_re_picked_with_a_line():
     assert got == {"m-net": "10.5.0.0/24"} and p.source("subnet/m-net", "cidr") == NEW
     assert p.notes == ["subnet m-net: leased cidr 10.9.0.0/24 is no longer valid (not a /24 "
                        "of pool 10.5.0.0/16): re-picked"]
+
+
+def test_plan_v_says_where_each_picked_value_comes_from():
+    host = FakeHost()
+    p = plan(host, state(alloc("web", port(None, 80))))
+    text = render_text(p, verbose=True)
+    assert f"# picked: address 10.0.0.2 (new), mac {alloc_mac('web')} (new), port tcp->80 " \
+        "20000 (new)" in text, text
+    assert "# picked" not in render_text(p)
