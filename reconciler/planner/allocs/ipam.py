@@ -165,8 +165,9 @@ def assign_macs(ctx: PlanContext) -> dict[str, str]:
 # ------------------------------------------------------------------ host ports
 
 
-def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
-    """Read the live DNAT rules per alloc id, from their comments (both families)."""
+def live_port_maps(ctx: PlanContext) -> dict[str, list[Mapped]]:
+    """Read the live port maps per alloc id (both families; one map per family), from the
+    live DNAT rules: what auto ports keep and what the plan shows an allocation had."""
     out: dict[str, list[Mapped]] = {}
     rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
              *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
@@ -265,7 +266,7 @@ def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
                 chosen[(a.id, i)] = port
                 leased |= {(proto, port) for proto in p.protocols}
                 busy |= {(proto, port) for proto in p.protocols}
-    live = _live_dnat(ctx)
+    live = live_port_maps(ctx)
     for a in allocs:  # pass 1: keep live auto ports of maps with no lease yet
         for i, p in enumerate(a.ports):
             if p.host is not None or (a.id, i) in with_lease:
