@@ -28,20 +28,21 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from reconciler import __version__
+from reconciler.agent import blocked
 from reconciler.agent.files import FileWatcher, watch_dirs
 from reconciler.agent.passes import (
     DEADLINE,
     PROBE,
     QUIET_REASONS,
+    RETRY_BLOCKED,
     PassReport,
     ProbeKey,
     WatchOptions,
-    adopt_hint,
     resource_errors,
 )
 from reconciler.agent.probing import AgentProbes
@@ -68,15 +69,15 @@ from reconciler.config.load import load
 from reconciler.config.paths import expand_paths
 from reconciler.domain.errors import ConfigError, LockedError, PreconditionError, ReconcilerError
 from reconciler.domain.model import DesiredState
+from reconciler.domain.plan import Blocked
 from reconciler.domain.probes import ProbeResult
 from reconciler.drivers import rundir
 from reconciler.drivers.nsfs import current_inode
 from reconciler.engine.executor import Outcome
 from reconciler.engine.impact import refusal
 from reconciler.engine.lock import host_lock
-from reconciler.engine.reconcile import Reconciler, conflicts_line
+from reconciler.engine.reconcile import Reconciler
 from reconciler.planner.hostspace import LiveOverlap, owned_docker_prefixes
-from reconciler.ui.render import residual_error
 
 log = logging.getLogger("reconciler.watch")
 
@@ -108,13 +109,14 @@ class Agent(AgentProbes):
                           pass_count=0, consecutive_failures=0, last_pass=None,
                           last_success_at=None, revision=None, errors=[], config_error=None,
                           desired=None, netns_inode=current_inode(),
-                          event_sources={}, address_overlaps=[],
+                          event_sources={}, address_overlaps=[], blocked=[],
                           expected_revision=options.expect_revision)
         self.metrics.ready.set_function(lambda: 1.0 if self.ready().ready else 0.0)
         self.scheduler = Scheduler(backoff_base=options.backoff_base,
                                    backoff_cap=options.backoff_cap,
                                    max_wait=max(5.0, 10 * options.debounce))
         self.trigger = Trigger(self.scheduler, self.stop, clock)
+        self.backoffs = blocked.Backoffs(options.backoff_base, options.backoff_cap)
         self._factory = reconciler_factory or _default_reconciler
         self.reconciler = self._factory(self.stop)
         self.good: DesiredState | None = None
@@ -178,8 +180,9 @@ class Agent(AgentProbes):
         self.board.update(address_overlaps=current)
 
     def reload(self) -> None:
-        """Reload now on SIGHUP, and forget the backoff (an operator is looking)."""
+        """Reload now on SIGHUP, and forget the backoffs (an operator is looking)."""
         log.info("SIGHUP: reloading")
+        self.backoffs.forget()
         with self.trigger.locked():
             self.scheduler.backoff_until = 0.0
         self.trigger.request("SIGHUP", bypass_backoff=True)
@@ -414,6 +417,8 @@ class Agent(AgentProbes):
                 log.error("invalid desired state at %s; %s", describe_revision(rev), keep)
         else:
             assert desired is not None
+            if self.board.get("config_error") is not None:
+                log.info("desired state %s: config error cleared", describe_revision(rev))
             self.metrics.config_valid.set(1)
             sig = (describe_revision(rev), rev.get("files_sha256", ""))
             if sig != self._loaded_sig:
@@ -472,13 +477,6 @@ class Agent(AgentProbes):
                 self._held(report, held)
                 return
         plan = rec.plan(desired, self.options.plan)
-        if plan.conflicts:
-            report.errors = [{"resource": c.address, "error": "conflict: "
-                              + (c.reason or "exists but is not managed by the reconciler")
-                              + adopt_hint(c)} for c in plan.conflicts]
-            raise ReconcilerError(conflicts_line([c.reason for c in plan.conflicts])
-                                  + "; nothing changed: "
-                                  + ", ".join(c.address for c in plan.conflicts))
         if not plan.has_changes:
             if not self.options.dry_run and rec.leases_to_save(plan):
                 with self._host_lock():  # values first seen live (an upgrade): recorded now
@@ -486,6 +484,7 @@ class Agent(AgentProbes):
             if plan.errors:
                 report.errors = [{"resource": "plan", "error": e} for e in plan.errors]
                 raise ReconcilerError(plan.errors[0])
+            self._blocked(report, plan.blocked)
             return
         if self.options.dry_run:
             report.result = "drift"
@@ -515,7 +514,7 @@ class Agent(AgentProbes):
                 result = rec.apply(desired, self.options.plan, on_outcome=on_outcome,
                                    probe=self.options.probe,
                                    max_disruption=self.options.max_disruption,
-                                   before_changes=hook)
+                                   before_changes=hook, hold=self.backoffs.held(self.clock()))
             except HeldBack as exc:
                 self._held(report, str(exc))
                 return
@@ -531,15 +530,28 @@ class Agent(AgentProbes):
             report.result = "interrupted"
             report.error = f"stopped: {report.skipped} change(s) skipped"
             return
-        if result.failed:
-            raise ReconcilerError(f"{report.failed} change(s) failed: "
-                                  + "; ".join(f"{e['resource']}: {e['error']}"
-                                              for e in report.errors[:3]))
-        if result.residual is not None and result.residual.has_changes:
-            raise ReconcilerError(str(residual_error(result.residual)))
         if result.plan.errors:
             raise ReconcilerError(result.plan.errors[0])
         report.result = "applied" if report.applied else "ok"
+        # a failed op, a residual: that resource alone, on its own backoff (SPEC §11)
+        self._blocked(report, blocked.after_apply(self.backoffs, result, self.clock()))
+
+    def _blocked(self, report: PassReport, found: Sequence[Blocked]) -> None:
+        """Show what is blocked (status, metric); ask for the pass that retries the first
+        resource due again; a pass with anything blocked has not converged."""
+        listed = blocked.status_list(found)
+        self.board.update(blocked=listed)
+        self.metrics.blocked.set(len(listed))
+        if listed:
+            report.result = "blocked"
+            report.error = f"{len(listed)} resource(s) blocked: " + ", ".join(
+                b["resource"] for b in listed[:5])
+            report.errors = [e for e in report.errors if e["resource"] not in
+                             {b["resource"] for b in listed}] + [
+                {"resource": b["resource"], "error": "blocked: " + b["reason"]} for b in listed]
+        due = self.backoffs.next_due()
+        if due is not None:
+            self.trigger.request(RETRY_BLOCKED, delay=max(0.0, due - self.clock()))
 
     def _held(self, report: PassReport, why: str) -> None:
         """Hold the pass back for a pending change; one that is not the agent's own is
@@ -568,6 +580,9 @@ class Agent(AgentProbes):
                f"{f', {report.failed} failed' if report.failed else ''}"
                f"{f', {report.skipped} skipped' if report.skipped else ''}"
                f" in {report.duration:.3f}s")
+        if self.scheduler.failures and report.result in ("ok", "applied", "blocked"):
+            log.info("pass %d: recovered after %d failed pass(es)", report.number,
+                     self.scheduler.failures)
         if report.result == "failed":
             log.error("%s: %s", msg, report.error, extra=extra)
         elif report.result == "ok" and set(report.reasons) <= QUIET_REASONS:

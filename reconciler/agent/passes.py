@@ -20,6 +20,8 @@ from reconciler.planner.context import PlanOptions
 PROBE, PROBE_HEAL = "probe", "probe failure"
 #: the pass reason of a pending change's deadline (it is reverted then if still pending)
 DEADLINE = "pending deadline"
+#: the pass that retries a blocked resource whose own backoff ran out (``agent/blocked``)
+RETRY_BLOCKED = "blocked retry"
 #: reasons whose no-op passes are logged at debug level only
 QUIET_REASONS = frozenset({"resync", "retry", "netlink drift", "netns drift", "docker drift",
                            "nftables drift", PROBE})

@@ -111,6 +111,11 @@ class AgentProbes:
 
     def _probe(self, live: Any, allocs: set[str] | None) -> list[ProbeResult] | None:
         assert self.good is not None
+        # a blocked allocation is reported as blocked (status), not probed as failing
+        stuck = {b["resource"].partition("/")[2] for b in self.board.get("blocked") or ()
+                 if b["resource"].startswith("alloc/")}
+        if stuck:
+            allocs = set(self.good.allocs if allocs is None else allocs) - stuck
         t0 = self.clock()
         try:
             results = self.reconciler.probe(self.good, live, allocs=allocs,

@@ -128,6 +128,12 @@ def judge(doc: dict[str, Any], *, probing: bool, alive: tuple[bool, str] = (True
     if result == "drift":
         return Verdict(False, f"pass #{n} found {len(errors)} difference(s) and --dry-run "
                               "changes nothing")
+    stuck = doc.get("blocked") or []
+    if stuck:  # everything else converged; these cannot (SPEC §11)
+        listed = "; ".join(f"{b.get('resource')}: {_first_line(b.get('reason'))}"
+                           for b in stuck[:3])
+        more = f"; and {len(stuck) - 3} more" if len(stuck) > 3 else ""
+        return Verdict(False, f"pass #{n}: {len(stuck)} resource(s) blocked: {listed}{more}")
     if result not in CONVERGED:
         # the first resource's own error says what (a conflict names both sides); the
         # pass's summary line only counts them

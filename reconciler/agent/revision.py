@@ -86,7 +86,11 @@ def files_digest(files: Sequence[str]) -> str:
 
 def describe_revision(rev: dict[str, Any]) -> str:
     if rev.get("commit"):
-        return str(rev["commit"])[:12] + ("-dirty" if rev.get("dirty") else "")
+        if rev.get("dirty"):
+            # two different dirty contents of one commit are two revisions: say which
+            digest = str(rev.get("files_sha256", ""))[:8]
+            return str(rev["commit"])[:12] + "-dirty" + (f"-{digest}" if digest else "")
+        return str(rev["commit"])[:12]
     return "sha256:" + str(rev.get("files_sha256", ""))[:12]
 
 

@@ -102,6 +102,10 @@ class Metrics:
         self.pending_change = Gauge("reconciler_pending_change",
                                     "1 while a change applied under a confirm window is "
                                     "pending (not confirmed, not reverted)", registry=r)
+        self.blocked = Gauge("reconciler_blocked_resources",
+                             "Resources that cannot converge now (a conflict, a refused "
+                             "replace, a failed op), with what depends on them; everything "
+                             "else is still healed", registry=r)
         self.reverts = Counter("reconciler_reverts", "Pending changes reverted (deadline, "
                                "failed probes, reboot, `reconcile revert`)", registry=r)
 

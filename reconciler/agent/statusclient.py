@@ -246,6 +246,9 @@ def _render(doc: dict[str, Any], now: float) -> str:
     lines.append(f"passes: {doc.get('pass_count', 0)}; last converged "
                  f"{_ago(doc.get('last_success_at'), now)}; consecutive failures "
                  f"{doc.get('consecutive_failures', 0)}")
+    stuck = doc.get("blocked") or []
+    if stuck:  # each is also in the errors below, with its reason
+        lines.append(f"blocked: {len(stuck)} resource(s); everything else is healed")
     for e in doc.get("errors") or []:
         lines.append(f"  {e.get('resource')}: {e.get('error')}")
     probes = doc.get("probes") or {}

@@ -171,7 +171,7 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     from reconciler.cli import safe
     from reconciler.engine.impact import DisruptionError, refusal
     from reconciler.engine.lock import host_lock
-    from reconciler.engine.reconcile import Reconciler
+    from reconciler.engine.reconcile import Reconciler, blocked_error
     from reconciler.ui import probes as probe_view
     from reconciler.ui.options import probe_request
     from reconciler.ui.progress import Progress
@@ -220,7 +220,8 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                    "residual": result.residual.to_json() if result.residual else None,
                    "probes": probe_view.to_json(result.probes, listed),
                    "probes_listed": listed,
-                   "probe_seconds": round(result.probe_seconds, 4)})
+                   "probe_seconds": round(result.probe_seconds, 4),
+                   "blocked": [b.to_json() for b in result.blocked]})
     else:
         if shown:  # the plan stands above the question: only what it comes to
             print(summary_line(result.plan))
@@ -240,6 +241,8 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:
         print(f"error: {e}", file=sys.stderr)  # an error is one whole line
+    if result.blocked:
+        print(f"error: {blocked_error(result.blocked)}", file=sys.stderr)
     for r in result.probe_failures:
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
@@ -406,8 +409,8 @@ def _confirm_apply(args: argparse.Namespace, desired: DesiredState,
     with host_lock(args.lock_timeout):  # a pending change refuses before anyone is asked
         safe.guard(rec, err=args.output == "json")
     plan = rec.plan(desired, options)
-    if not destructive(plan) or plan.conflicts:
-        return True, None, finished  # nothing to ask (a conflict: apply refuses it itself)
+    if not destructive(plan):
+        return True, None, finished  # nothing to ask
     _show(plan, args)
     if not _ask(APPLY_QUESTION):
         return False, None, finished

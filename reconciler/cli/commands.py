@@ -155,21 +155,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             # probe whatever the comparison found: a diff explains a failure, it does not
             # hide one
+            # blocked allocations are reported as blocked, not probed as failing (SPEC §11)
+            stuck = {b.name for b in plan.blocked if b.kind == "alloc"}
             results = [] if request is None or signals else rec.probe(
-                desired, rec.last_live, request=request)
+                desired, rec.last_live, request=request,
+                allocs=[a for a in desired.allocs if a not in stuck] if stuck else None)
             took = time.monotonic() - t0
         finally:
             rec.close_probes()
     if signals:
         return stopped(signals)
-    config_ok = not (plan.has_changes or plan.conflicts or plan.errors)
+    config_ok = not (plan.has_changes or plan.conflicts or plan.blocked or plan.errors)
     failures = probe_failures(results)
     ok = config_ok and not failures
     if args.output == "json":
         emit_json({"ok": ok,
                    "config": {"ok": config_ok,
                               "changes": [c.to_json() for c in (*plan.actionable,
-                                                                *plan.conflicts)]},
+                                                                *plan.conflicts)],
+                              "blocked": [b.to_json() for b in plan.blocked]},
                    "probes": probe_view.to_json(results)})
         for e in plan.errors:  # not a change: said where people look, the JSON stays as it is
             print(f"error: {e}", file=sys.stderr)
@@ -184,7 +188,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print("Probes: not run (--no-probe).")
     else:
         sys.stdout.write(probe_view.text(results, verbose=args.verbose > 0, took=took))
-    why = [w for w, bad in (("the config differs", not config_ok),
+    why = [w for w, bad in ((f"{len(plan.blocked)} resource(s) blocked", bool(plan.blocked)),
+                            ("the config differs", plan.has_changes or bool(plan.errors)),
                             (f"{len(failures)} probe(s) failed", bool(failures))) if bad]
     print("Verify: ok." if ok else f"Verify: failed: {' and '.join(why)}.")
     return EXIT_OK if ok else EXIT_ERROR

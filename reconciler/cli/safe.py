@@ -123,6 +123,14 @@ class Window:
         self.reverted: safechange.RevertResult | None = None
 
     def before_changes(self, plan: Plan) -> Plan:
+        if plan.blocked:
+            # a window is all or nothing: a change only partly made cannot be confirmed whole
+            listed = "; ".join(f"{b.kind} {b.name}: {b.reason}" for b in plan.blocked[:3])
+            more = f"; and {len(plan.blocked) - 3} more" if len(plan.blocked) > 3 else ""
+            raise PreconditionError(
+                f"apply --confirm-within refuses a plan with {len(plan.blocked)} blocked "
+                f"resource(s); nothing changed ({listed}{more}): resolve them, or apply "
+                "without a window")
         self.pending, plan = safechange.begin(self.rec.last_live, self.rec.observer.handles,
                                               plan, seconds=self.seconds, probe=self.request,
                                               hostname=self.hostname,

@@ -319,7 +319,8 @@ def _docker(c: Collector, doc: Document, path: Path, raw: dict[str, Any]) -> Non
         c.docker[DockerNetworkName(name)] = DockerNetwork(
             DockerNetworkName(name), bool(ipv6) or "subnet6" in raw, subnet, subnet6,
             raw.get("mtu"), raw.get("masquerade", True), raw.get("internal", False),
-            tuple(sorted(labels.items())), doc.source(path), auto, auto6)
+            tuple(sorted(labels.items())), doc.source(path), auto, auto6,
+            raw.get("replace", "refused") == "allowed")
 
 
 def read_settings(c: Collector, doc: Document, raw: dict[str, Any]) -> None:

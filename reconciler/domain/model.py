@@ -180,6 +180,9 @@ class DockerNetwork:
     #: ``subnet: auto`` / ``subnet6: auto``: picked at plan time into ``subnet``/``subnet6``
     auto: AutoPrefix | None = None
     auto6: AutoPrefix | None = None
+    #: ``replace: allowed``: a change Docker cannot make in place re-creates the network
+    #: with its containers attached, as ``--force-replace`` does (SPEC §11)
+    replace_allowed: bool = False
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,10 @@ class Change:
     #: the resource it sits in, for people (``bridge/apps`` for an allocation): identical
     #: changes are grouped by it (``~ 40 allocs on bridge apps``); not part of the work
     within: str | None = None
+    #: the "kind/name" addresses of the changes it needs done first (bridge -> subnet ->
+    #: alloc; deletions the other way round): a failed one blocks it (``engine.executor``).
+    #: Not saved: a saved plan is planned again before it is run
+    needs: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def address(self) -> str:
@@ -212,6 +216,34 @@ class Change:
                    # plans saved before impact was planned have none
                    tuple(Impact.from_json(i) for i in raw.get("impact") or ()),
                    raw.get("within") if isinstance(raw.get("within"), str) else None)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A resource that cannot converge in this run, and why (SPEC §11 "Partial progress").
+
+    ``by``: the "kind/name" of the blocked resource it depends on, when it is blocked
+    only for that (None: the resource itself cannot converge: a conflict, a refused
+    replace). Nothing is done to it: its live state and its firewall rules are kept.
+    """
+
+    kind: str
+    name: str
+    reason: str
+    by: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    def to_json(self) -> dict[str, Json]:
+        return {"kind": self.kind, "name": self.name, "reason": self.reason, "by": self.by}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> Blocked:
+        by = raw.get("by")
+        return cls(str(raw["kind"]), str(raw["name"]), str(raw.get("reason", "")),
+                   by if isinstance(by, str) else None)
 
 
 def _files(raw: Json) -> tuple[tuple[str, str], ...]:
@@ -246,6 +278,9 @@ class Plan:
     #: and ``netns``, the name given with --netns (when the CLI saved it): `apply FILE`
     #: refuses it in another namespace
     scope: dict[str, Json] = field(default_factory=dict)
+    #: what cannot converge in this run, with what depends on it (``Blocked``); the rest of
+    #: the plan is still applied
+    blocked: tuple[Blocked, ...] = ()
     #: the lease table after this plan (``domain/leases``): what the engine saves before its
     #: first op
     leases: dict[str, dict[str, Json]] = field(default_factory=dict)
@@ -294,6 +329,8 @@ class Plan:
             "errors": list(self.errors),
             "options": self.options,
             **({"scope": self.scope} if self.scope else {}),
+            # only when something is: a plan's bytes stay what they were before partial progress
+            **({"blocked": [b.to_json() for b in self.blocked]} if self.blocked else {}),
             **({"picks": self.picks} if self.picks else {}),
             **({"leases": self.leases} if self.leases else {}),
         }
@@ -306,7 +343,8 @@ class Plan:
                    _files(raw.get("files", [])),
                    tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
                    dict(raw.get("options", {})), _scope(raw.get("scope", {})),
-                   _mapping(raw.get("leases", {})), _mapping(raw.get("picks", {})))
+                   tuple(Blocked.from_json(b) for b in raw.get("blocked") or ()),
+                   leases=_mapping(raw.get("leases", {})), picks=_mapping(raw.get("picks", {})))
 
     def same_work(self, other: Plan) -> bool:
         """Return True when both plans would run the same ops on the same live state.

@@ -514,6 +514,43 @@ def file_mark(name: str) -> str | None:
     return _mark_of(path_of(name))
 
 
+_SYS_OPEN_TREE = 428  # the same number on every architecture (the generic syscall table)
+_OPEN_TREE_CLONE = 1
+
+
+def file_marks(names: Iterable[str]) -> dict[str, str | None]:
+    """Return the tag on each /run/netns file, live namespace mounts included, or {} when it
+    cannot be read here.
+
+    A live namespace's bind mount hides its file (and the tag on it, which a workload
+    cannot write, unlike anything inside the namespace): a detached copy of the
+    /run/netns mount without its submounts (``open_tree(OPEN_TREE_CLONE)``, not
+    recursive) shows the files beneath. Nothing is mounted anywhere; closing it is all.
+    """
+    wanted = list(names)
+    if not wanted:
+        return {}
+    fd = _libc.syscall(_SYS_OPEN_TREE, AT_FDCWD, NETNS_RUN_DIR.encode(),
+                       _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        return {}
+    out: dict[str, str | None] = {}
+    try:
+        for name in wanted:
+            try:
+                f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                            dir_fd=fd)
+            except OSError:
+                continue  # gone meanwhile, or a name we never give
+            try:
+                out[name] = _mark_of(f)
+            finally:
+                os.close(f)
+    finally:
+        os.close(fd)
+    return out
+
+
 def delete(name: str) -> bool:
     """Run ``ip netns del NAME``: detach the mount, remove the file. False if absent.
 

@@ -3,9 +3,12 @@
 The plan is already ordered (deletes in reverse dependency order, then creates
 and updates in dependency order, then sysctls and the firewall transaction).
 Each op is idempotent. A ``TemporaryError`` is retried with bounded
-exponential backoff; any other failure stops the run: later changes are
-reported as skipped, and the next run converges from wherever this one
-stopped.
+exponential backoff; any other failure blocks the change and what needs it
+(``Change.needs``: reported skipped, naming the failed one), and every
+independent change still runs (SPEC §11); the next run converges from
+wherever this one stopped.
+
+See docs/decisions/043-partial-progress.md.
 """
 
 from __future__ import annotations
@@ -100,17 +103,23 @@ class Executor:
 
     def execute(self, plan: Plan) -> list[Outcome]:
         outcomes: list[Outcome] = []
-        failed = False
+        #: addresses of changes that failed, or were skipped for one that did
+        failed: set[str] = set()
         for change in plan.actionable:
-            if failed or self.stop.is_set():
+            waits = next((n for n in change.needs if n in failed), None)
+            if self.stop.is_set():
                 outcome = Outcome(change, "skipped")
+            elif waits is not None:
+                failed.add(change.address)
+                outcome = Outcome(change, "skipped", f"blocked by {waits.replace('/', ' ', 1)}")
+                log.warning("%s %s: skipped: blocked by %s", change.kind, change.name, waits)
             else:
                 try:
                     self._run_change(change)
                     outcome = Outcome(change, "applied")
                     log.info("%s", describe(change))
                 except ReconcilerError as exc:
-                    failed = True
+                    failed.add(change.address)
                     outcome = Outcome(change, "failed", str(exc))
                     log.error("%s %s: %s failed: %s", change.kind, change.name,
                               change.action.value, exc)

@@ -171,6 +171,9 @@ class Observer:
         mark, *legacy = alloc_ns_marks(host_id)
         stale: dict[str, LiveNetns] = {}
         maybe: set[str] = set()
+        # the mark on the file, which a workload cannot write; ``lo``'s alias only for a
+        # namespace whose file has none (made before files were marked)
+        under = netns.file_marks(sorted(names - wanted))
         for name in sorted(names - wanted):
             try:
                 if not netns.is_namespace_mount(name):
@@ -180,7 +183,7 @@ class Observer:
                     continue
             except (OSError, DriverError):
                 continue  # removed meanwhile by someone else, or a name we never give
-            alias = self.handles.netlink.peek_lo_alias(name)
+            alias = under.get(name) or self.handles.netlink.peek_lo_alias(name)
             if alias == mark:
                 wanted.add(name)  # ours, undeclared: to be pruned
             elif alias in legacy:
@@ -226,9 +229,11 @@ class Observer:
         # with no names too: that drops sockets held into namespaces no longer read, which
         # would keep them (and their veths) alive after someone deleted them
         observed = dict(self.handles.netlink.observe_netns(names))
+        marks = netns.file_marks(observed)  # live mounts too: what proves them ours
         for name, ns in observed.items():
-            if not ns.usable:
-                observed[name] = dataclasses.replace(ns, file_mark=netns.file_mark(name))
+            found = marks.get(name) if name in marks else netns.file_mark(name)
+            if found is not None or not ns.usable:
+                observed[name] = dataclasses.replace(ns, file_mark=found)
         return observed
 
     def observe_routes(self, desired: DesiredState) -> tuple[LiveRoute, ...]:

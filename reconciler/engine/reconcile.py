@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
 from reconciler.domain.ownership import alloc_ns_alias
-from reconciler.domain.plan import Change, Plan
+from reconciler.domain.plan import Action, Blocked, Change, Plan
 from reconciler.domain.probes import VANTAGE_NETS, ProbeResult
 from reconciler.drivers import firewalld, iptables, netns, nsfs
 from reconciler.engine import finish, impact
@@ -32,7 +32,8 @@ from reconciler.engine.journal import describe
 from reconciler.engine.leases import LeaseFile, LeaseStore
 from reconciler.engine.observe import Observer, docker_scope
 from reconciler.engine.probes import Prober, probe_targets
-from reconciler.planner import make_plan
+from reconciler.planner import blocking, make_plan
+from reconciler.planner.checkpoint import without_postponed
 from reconciler.planner.context import PlanOptions
 
 log = logging.getLogger("reconciler")
@@ -87,9 +88,21 @@ class ApplyResult:
         return probe_failures(self.probes)
 
     @property
+    def blocked(self) -> list[Blocked]:
+        """What could not converge: the plan's blocked resources, then each change that failed
+        or was skipped because one it needs failed (SPEC §11)."""
+        out = list(self.plan.blocked)
+        for o in self.outcomes:
+            if o.status == "failed":
+                out.append(Blocked(o.change.kind, o.change.name, f"failed: {o.error}"))
+            elif o.status == "skipped" and o.error:
+                out.append(Blocked(o.change.kind, o.change.name, o.error))
+        return out
+
+    @property
     def ok(self) -> bool:
         return not self.failed and (self.residual is None or not self.residual.has_changes) \
-            and not self.plan.errors and not self.probe_failures
+            and not self.plan.errors and not self.probe_failures and not self.plan.blocked
 
 
 class Reconciler:
@@ -143,8 +156,13 @@ class Reconciler:
               max_disruption: int | None = None,
               before_changes: Callable[[Plan], Plan | None] | None = None,
               on_plan: Callable[[Plan], None] | None = None,
+              hold: Mapping[str, str] | None = None,
               keep_leases: bool = True) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
+
+        ``hold`` ("kind/name" -> why): resources not to touch in this run (the agent's
+        per-resource backoff): their changes, and those that need them, are blocked
+        (``planner.blocking.hold_back``) and left out of the verification.
 
         ``before_changes`` runs after the preflight checks and before the first op of a
         plan with changes (``engine/safechange`` records its checkpoint there: an error
@@ -169,7 +187,7 @@ class Reconciler:
         ``keep_leases`` false (``destroy``) saves none: what is destroyed keeps its leases.
         """
         finished = [line for line in self.finish_journals() if touched_host(line)]
-        plan = self.plan(desired, options)
+        plan = blocking.hold_back(self.plan(desired, options), hold or {})
         result = ApplyResult(plan)
         with _refusals_after(finished):
             refuse(plan, saved, max_disruption)
@@ -178,10 +196,16 @@ class Reconciler:
                     self.save_leases(plan)
                 return result
             preflight(plan, subnet_bridges(desired))
-        if before_changes is not None:  # a checkpoint records the leases from before
-            plan = before_changes(plan) or plan
-            result.plan = plan
-        if keep_leases:
+        postponed: list[str] = []
+        if before_changes is not None:
+            run = before_changes(plan) or plan
+            # deletions it postponed (a namespace processes hold, deleted at the confirm)
+            # stay in the residual: what was changed is probed all the same
+            ran = {c.address: c for c in run.changes}
+            postponed = [c.name for c in plan.actionable if ran.get(c.address) != c
+                         and c.kind == "alloc" and c.action is Action.DELETE]
+            plan = result.plan = run
+        if keep_leases:  # after the checkpoint: it records the leases from before
             self.save_leases(plan)
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
@@ -192,7 +216,8 @@ class Reconciler:
                                    journal=self._journal_of(options)).execute(plan)
         if result.failed or self.stop.is_set():
             return result
-        result.residual = self.verify(desired, options)
+        result.residual = self.verify(desired, options, postponed,
+                                      skip={b.address for b in plan.blocked})
         if probe is not None and not result.residual.has_changes and not self.stop.is_set():
             targets = probe_targets(plan, desired)
             if targets and self.last_live is not None:
@@ -269,20 +294,27 @@ class Reconciler:
             prober, self._prober = self._prober, None
             prober.close()
 
-    def verify(self, desired: DesiredState, options: PlanOptions) -> Plan:
-        """Observe again until nothing is left to do, with a short bounded wait for the kernel."""
-        residual = make_plan(desired, self.observe(desired), options)
+    def verify(self, desired: DesiredState, options: PlanOptions,
+               postponed: Collection[str] = (), *, skip: Collection[str] = ()) -> Plan:
+        """Observe again until nothing is left to do, with a short bounded wait for the kernel;
+        the deletions of the ``postponed`` allocations and the changes of the blocked
+        resources in ``skip`` ("kind/name") are not waited for (nor returned)."""
+        def residual() -> Plan:
+            found = blocking.without(make_plan(desired, self.observe(desired), options), skip)
+            return without_postponed(found, postponed) if postponed else found
+
+        left = residual()
         for delay in VERIFY_DELAYS[: VERIFY_ATTEMPTS - 1]:
-            if not residual.has_changes:
+            if not left.has_changes:
                 break
             self.sleep(delay)
-            residual = make_plan(desired, self.observe(desired), options)
-        return residual
+            left = residual()
+        return left
 
 
 def refuse(plan: Plan, saved: Plan | None, max_disruption: int | None) -> None:
-    """Refuse ``plan`` before any change: not the ``saved`` plan (stale), conflicts, more
-    disruption than ``max_disruption``."""
+    """Refuse ``plan`` before any change: not the ``saved`` plan (stale), more disruption than
+    ``max_disruption`` (of its executable changes). Blocked resources refuse nothing."""
     if saved is not None:
         if dict(saved.files) != dict(plan.files):
             raise StalePlanError("the saved plan is stale: the desired-state files changed "
@@ -296,13 +328,17 @@ def refuse(plan: Plan, saved: Plan | None, max_disruption: int | None) -> None:
                                      "for the same files and live state; run plan again")
             raise StalePlanError("the saved plan is stale: the live state changed since it "
                                  "was made; run plan again")
-    if plan.conflicts:
-        lines = [f"refusing to apply: {conflicts_line([c.reason for c in plan.conflicts])}"
-                 "; nothing changed"]
-        lines += [f"{c.kind} {c.name}: {c.reason}" + (f" ({c.source})" if c.source else "")
-                  for c in plan.conflicts]
-        raise ConflictError("\n".join(lines))
+    # a blocked resource (a conflict, a refused replace) blocks only itself and what depends
+    # on it: the rest is applied, and the run says what is blocked (SPEC §11)
     impact.check(plan, max_disruption)
+
+
+def blocked_error(blocked: Sequence[Blocked]) -> ConflictError:
+    """Say what could not converge: one line, then one per blocked resource with its reason."""
+    lines = [f"{len(blocked)} resource(s) blocked: not changed in this run (the rest of the "
+             "plan was applied)"]
+    lines += [f"{b.kind} {b.name}: {b.reason}" for b in blocked]
+    return ConflictError("\n".join(lines))
 
 
 @contextlib.contextmanager

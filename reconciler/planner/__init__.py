@@ -14,7 +14,16 @@ from reconciler.domain.model import DesiredState
 from reconciler.domain.ops import ConntrackDelete, StaleMap, SysctlSet, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, alloc_veth_name
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import addrspace, conntrack, docker, firewall, hostlinks, impact, legacy
+from reconciler.planner import (
+    addrspace,
+    blocking,
+    conntrack,
+    docker,
+    firewall,
+    hostlinks,
+    impact,
+    legacy,
+)
 from reconciler.planner.allocs import plan as alloc_plan
 from reconciler.planner.context import PlanContext, PlanOptions
 from reconciler.planner.leases import Picks
@@ -130,8 +139,7 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     if ctx.fatal:
         raise PlanError("\n".join(ctx.fatal))
     changes += _sysctl_changes(ctx)
-    if not ctx.options.prune:
-        _keep_undeclared_rules(ctx)
+    _keep_rules(ctx)
     for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
                                       (6, ctx.rules6, live.firewall6)):
         has_desired = any(rules.chains.values())
@@ -157,12 +165,13 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         for seen in ([] if old is None else legacy.findings(desired, rules, old, family)):
             (ctx.errors if seen.blocks else ctx.warnings).append(seen.line)
     changes.sort(key=change_order)
-    changes = impact.assess(ctx, changes)
+    changes = blocking.with_needs(desired, impact.assess(ctx, changes))
     ctx.warnings.extend(picks.notes)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace},
                 {"id": live.host_id} if live.host_id else {},
+                blocking.blocked_list(desired, changes, ctx.blocked),
                 leases=picks.table(() if opts.prune else _undeclared(desired, live.leases)),
                 picks=picks.to_json())
 
@@ -201,10 +210,20 @@ def _loopback_guards(ctx: PlanContext) -> None:
             firewall.loopback_guard(ctx.rules4, name)
 
 
-def _keep_undeclared_rules(ctx: PlanContext) -> None:
-    """Keep, with --no-prune, the rules of subnets and allocs no file declares as they are."""
+def _keep_rules(ctx: PlanContext) -> None:
+    """Keep as they are the live rules of blocked resources (SPEC §11: nothing is added or
+    removed for them), and, with --no-prune, those of subnets and allocs no file declares.
+
+    The planners add no rule for a blocked resource: what it has live is what it keeps.
+    """
+    kept = {a.replace("/", "=", 1) for a in ctx.blocked}
+    if ctx.options.prune and not kept:
+        return
     declared = {f"subnet={n}" for n in ctx.desired.subnets} | {
         f"alloc={n}" for n in ctx.desired.allocs} | {f"bridge={n}" for n in ctx.desired.bridges}
+    if ctx.options.prune:
+        declared = set()
+    declared -= kept
     for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
         # chain by chain, in live order: the kept rules stay where they are
         for (_table, chain), live_rules in sorted(live.chains.items()):
@@ -212,7 +231,8 @@ def _keep_undeclared_rules(ctx: PlanContext) -> None:
                 continue
             for r in live_rules:
                 owner = firewall.owner_of(r)
-                if owner is not None and owner not in declared:
+                if owner is not None and (owner in kept or (not ctx.options.prune
+                                                           and owner not in declared)):
                     rules.add_rule(chain, r, head=firewall.is_ingress(chain, r))
 
 

@@ -182,13 +182,15 @@ def _plan_network(ctx: PlanContext, docker: LiveDocker, spec: DockerNetwork,
     if diffs:
         reasons.append(", ".join(f for f, *_ in diffs) + " differ; Docker cannot change a "
                        "network in place")
-    if live.containers and not ctx.options.force_replace:
+    if live.containers and not (ctx.options.force_replace or spec.replace_allowed):
+        # ours, not a conflict: the replace is refused, and only this network is blocked
         ctx.blocked.add(address)
         return Change(KIND, name, Action.CONFLICT,
-                      "; ".join(reasons) + f", and {live.containers} container"
-                      f"{'s are' if live.containers != 1 else ' is'} attached: not replaced "
-                      "(`apply --force-replace` disconnects them, re-creates the network and "
-                      "reconnects them with the same addresses and aliases)",
+                      f"replace refused: {live.containers} container"
+                      f"{'s' if live.containers != 1 else ''} attached ("
+                      + "; ".join(reasons) + "); `--force-replace` (or `replace: allowed` "
+                      "on the network) disconnects them, re-creates the network and "
+                      "reconnects them with the same addresses and aliases",
                       tuple(attrs), source=src)
     if live.containers:
         reasons.append(f"{live.containers} container"

@@ -140,11 +140,6 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
         ctx.blocked.add(f"subnet/{s.name}")
         ctx.observed[f"subnet/{s.name}"] = {"blocked": s.bridge}
         return Change("subnet", s.name, Action.NOOP, f"blocked by bridge {s.bridge}", source=src)
-    ctx.sysctls["net/ipv4/ip_forward"] = "1"
-    if s.cidr6 is not None:
-        ctx.sysctls["net/ipv6/conf/all/forwarding"] = "1"
-    firewall.subnet_rules(ctx.rules4, s)
-    firewall.subnet_rules(ctx.rules6, s)
     wanted = _wanted_addresses(s)
     for a in wanted:
         ctx.claimed_addresses.add((s.bridge, a))
@@ -156,9 +151,14 @@ def plan_subnet(ctx: PlanContext, s: Subnet) -> Change:
     }
     overlap = ctx.overlaps.get(f"subnet/{s.name}")
     if overlap is not None:
-        # not blocked: its allocations still show what they would be; the conflict alone
-        # refuses the apply, and what exists of the subnet (its rules, its gateway) stays
+        # blocked, with its allocations: what exists of it (its rules, its gateway) stays
+        ctx.blocked.add(f"subnet/{s.name}")
         return Change("subnet", s.name, Action.CONFLICT, overlap, source=src)
+    ctx.sysctls["net/ipv4/ip_forward"] = "1"
+    if s.cidr6 is not None:
+        ctx.sysctls["net/ipv6/conf/all/forwarding"] = "1"
+    firewall.subnet_rules(ctx.rules4, s)
+    firewall.subnet_rules(ctx.rules6, s)
     managed = _managed_bridge(ctx, s.bridge)
     have = {str(a.address): a for a in (managed.addresses if managed else ())}
     ops: list[Op] = []

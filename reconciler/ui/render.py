@@ -41,7 +41,7 @@ def plan_text(plan: Plan, output: str, *, colour: bool, verbose: bool,
 
 
 def plan_exit(plan: Plan) -> int:
-    if plan.conflicts or plan.errors:
+    if plan.conflicts or plan.blocked or plan.errors:
         return EXIT_ERROR
     return EXIT_CHANGES if plan.has_changes else EXIT_OK
 
@@ -150,15 +150,39 @@ def _shared_warnings(changes: list[Change]) -> dict[str, list[str]]:
     return {w: names for w, names in who.items() if len(names) > 1}
 
 
+def _blocked_lines(plan: Plan, *, colour: bool, verbose: bool, after: bool) -> list[str]:
+    """List what is blocked apart from the changes: each conflict with its reason and
+    attributes, then what depends on one (``blocked by …``)."""
+    conflicts = list(plan.conflicts)
+    seen = {c.address for c in conflicts}
+    dependants = [b for b in plan.blocked if b.address not in seen]
+    if not conflicts and not dependants:
+        return []
+    lines = [""] if after else []
+    lines.append(f"Blocked ({len(conflicts) + len(dependants)}): not changed in this run; "
+                 "everything else is applied")
+    for c in conflicts:
+        lines += _change_lines(c, colour=colour, verbose=verbose, shared=frozenset())
+    shown = dependants if verbose else dependants[:scale.NAMES_SHOWN]
+    for b in shown:
+        lines.append(_head(Action.CONFLICT.symbol, f"{b.kind} {b.name}", b.reason,
+                           Action.CONFLICT, colour))
+    if len(dependants) > len(shown):
+        lines.append(f"  … and {len(dependants) - len(shown)} more blocked (-v lists each)")
+    return lines
+
+
 def summary_line(plan: Plan) -> str:
     """Sum up the plan: ``Plan: 1 to create, … (3 unchanged).`` or ``No changes. …``."""
     s = plan.summary()
-    if plan.has_changes or s["conflict"]:
+    if plan.has_changes or s["conflict"] or plan.blocked:
         summary = (f"Plan: {s['create']} to create, {s['update']} to update, "
                    f"{s['replace']} to replace, {s['delete']} to delete")
-        if s["conflict"]:
-            summary += f", {s['conflict']} conflict{'s' if s['conflict'] != 1 else ''}"
-        return summary + f" ({s['unchanged']} unchanged)."
+        if s["conflict"] or plan.blocked:
+            summary += f", {max(s['conflict'], len(plan.blocked))} blocked"
+        conflicts = {c.address for c in plan.conflicts}
+        dependants = sum(1 for b in plan.blocked if b.address not in conflicts)
+        return summary + f" ({s['unchanged'] - dependants} unchanged)."
     return f"No changes. {s['unchanged']} resources match the desired state."
 
 
@@ -170,7 +194,8 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False,
     if compact:
         return render_compact(plan)
     lines: list[str] = []
-    changes = [c for c in plan.changes if c.action is not Action.NOOP]
+    # the executable changes first, then what is blocked (SPEC §11), each with its reason
+    changes = [c for c in plan.changes if c.action not in (Action.NOOP, Action.CONFLICT)]
     shared = {} if verbose else _shared_warnings(changes)
     for b in scale.blocks(changes, group=not verbose):
         if isinstance(b, scale.Group):
@@ -179,6 +204,7 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False,
             lines += _change_lines(b, colour=colour, verbose=verbose,
                                    shared=frozenset(shared),
                                    picks=plan.picks.get(f"{b.kind}/{b.name}"))
+    lines += _blocked_lines(plan, colour=colour, verbose=verbose, after=bool(changes))
     for w, who in shared.items():
         lines.append(scale.fit(f"warning ({scale.names(who)}): {w}"))
     lines += scale.warning_lines(plan.warnings)
@@ -194,7 +220,8 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False,
 
 def render_compact(plan: Plan) -> str:
     """Render the plan for CI logs: per action, how many of each kind; warnings counted;
-    errors and conflicts each on a line (they stop the apply); the impact and summary."""
+    errors and conflicts each on a line (they block themselves and what depends on them:
+    counted); the impact and summary."""
     lines = []
     for action in (Action.CREATE, Action.UPDATE, Action.REPLACE, Action.DELETE):
         kinds = Counter(c.kind for c in plan.changes if c.action is action)
@@ -203,6 +230,9 @@ def render_compact(plan: Plan) -> str:
                 scale.plural(k, n) for k, n in sorted(kinds.items()))))
     for c in plan.conflicts:
         lines.append(_head(c.action.symbol, f"{c.kind} {c.name}", c.reason, c.action, False))
+    more = len(plan.blocked) - len(plan.conflicts)
+    if more > 0:
+        lines.append(f"blocked: {more} more, by the conflicts above (the full plan lists them)")
     warned = len(plan.warnings) + sum(len(c.warnings) for c in plan.actionable)
     if warned:
         lines.append(f"warnings: {warned} (the full plan lists them)")

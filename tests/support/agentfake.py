@@ -71,10 +71,11 @@ class FakeReconciler:
 
     def apply(self, desired: Any, options: Any, on_outcome: Any = None,
               probe: Any = None, max_disruption: Any = None,
-              before_changes: Any = None) -> ApplyResult:
+              before_changes: Any = None, hold: Any = None) -> ApplyResult:
         from reconciler.engine.executor import Outcome
+        from reconciler.planner.blocking import hold_back
 
-        plan = self._plan(desired)
+        plan = hold_back(self._plan(desired), hold or {})
         if plan.has_changes and before_changes is not None:
             before_changes(plan)  # as the engine does: before the first op
         res = ApplyResult(plan)

@@ -20,11 +20,16 @@ def is_ours(ctx: PlanContext, ns: LiveNetns | None) -> bool:
 
 
 def owned_ns(host_id: str, ns: LiveNetns | None) -> bool:
-    """Tell whether ``ns`` is an allocation namespace of the host ``host_id``: its ``lo`` carries
-    our mark (or an earlier version's: observation reads an undeclared namespace with
-    that mark only when its veth pair joins it to this host, ``ownership.alloc_ns_marks``)."""
+    """Tell whether ``ns`` is an allocation namespace of the host ``host_id``: its file under
+    /run/netns carries our mark, which nothing inside the namespace can write (a workload
+    with NET_ADMIN can rewrite ``lo``'s alias). Only a file without a mark (made before
+    files were marked) falls back to ``lo``'s alias: our mark, or an earlier version's
+    (observation reads an undeclared namespace with that one only when its veth pair joins
+    it to this host, ``ownership.alloc_ns_marks``)."""
     if ns is None or not ns.usable:
         return False
+    if ns.file_mark is not None:
+        return ns.file_mark in alloc_ns_marks(host_id)
     lo = inner_link(ns, "lo")
     return lo is not None and lo.alias in alloc_ns_marks(host_id)
 

@@ -122,6 +122,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     src = str(a.source)
     ctx.observed[f"alloc/{a.id}"] = _view(ctx, a.id)
     if f"subnet/{s.name}" in ctx.blocked or f"bridge/{b.name}" in ctx.blocked:
+        ctx.blocked.add(f"alloc/{a.id}")  # its live rules are kept as they are
         return Change("alloc", a.id, Action.NOOP, f"blocked by subnet {s.name}", source=src)
     if clash is not None:
         ctx.blocked.add(f"alloc/{a.id}")
@@ -281,7 +282,8 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             # an earlier version's mark (the inode alone): this host's mark from now on
             attrs_l.append(AttrChange("mark", lo.alias, mark))
             inside_ok = False
-        elif (lo is None or not lo.up or lo.alias != mark or not eth0.up
+        elif (lo is None or not lo.up or not eth0.up
+                or (lo.alias != mark and ns.file_mark is None)  # the file's mark proves it
                 or (b.mtu is not None and eth0.mtu != b.mtu)):
             attrs_l.append(AttrChange("links inside", "down or wrong MTU", "up"))
             inside_ok = False

@@ -49,17 +49,29 @@ def subnet_file(tmp_path: Any, subnets: list[dict[str, Any]], *, allocs: list[An
 
 
 def refused(host: Netns, path: str, *needles: str) -> str:
-    """plan shows a conflict naming every needle; apply is refused and changes nothing."""
+    """plan shows a conflict naming every needle; apply blocks it (exit 1, SPEC §11) and
+    gives nothing of the blocked prefix to any link."""
     plan = host.reconcile("plan", path)
     assert plan.rc == 1, plan.all
     conflict = [ln for ln in plan.out.splitlines() if ln.lstrip().startswith("!")]
     assert conflict and all(any(n in ln for ln in conflict) for n in needles), plan.all
-    links_before = sh("ip", "-n", host.name, "-br", "link").stdout
     applied = host.reconcile("apply", path)
-    assert applied.rc == 1 and "refusing to apply" in applied.err, applied.all
-    assert sh("ip", "-n", host.name, "-br", "link").stdout == links_before
+    assert applied.rc == 1 and "resource(s) blocked" in applied.err, applied.all
+    assert needles[0].split()[-1] in applied.err, applied.all
+    prefixes = [ipaddress.ip_network(n) for n in needles if _is_prefix(n)]
+    held = [a for a in sh("ip", "-n", host.name, "-br", "addr").stdout.split()
+            if "/" in a and any(ipaddress.ip_interface(a).ip in p for p in prefixes)]
+    assert not held or all(a in needles[-1] for a in held), held  # the foreign one stays
     assert "Traceback" not in plan.all + applied.all
     return "\n".join(conflict)
+
+
+def _is_prefix(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ overlaps refused
@@ -73,7 +85,7 @@ def test_a_subnet_over_a_foreign_route_is_refused_naming_both(host_ns: Netns, tm
                                       "cidr": "10.92.7.0/24"}])
     line = refused(host_ns, path, "subnet vpn-clash", "10.92.7.0/24",
                    f"route 10.92.0.0/16 via 10.91.0.1 on {link}")
-    assert host_ns.link(br) is None, line
+    assert not host_ns.addrs(br), line  # blocked: its bridge may be made, no gateway on it
 
 
 def test_a_subnet_over_a_foreign_address_is_refused_naming_both(host_ns: Netns, tmp_path):

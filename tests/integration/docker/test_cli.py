@@ -127,7 +127,7 @@ def test_prune_removes_only_ours(host_ns: Netns, docker_scratch: DockerScratch, 
     assert r.rc == 1, r.all
     assert f"! docker_network {c}" in r.out and f"--adopt docker_network/{c}" in r.out
     r = host_ns.reconcile("apply", a_and_c)
-    assert r.rc == 1 and "conflict" in r.err, r.all
+    assert r.rc == 1 and "blocked" in r.err, r.all
     no_traceback(r)
     assert ids(c) == c_id and DOCKER_LABEL not in (inspect(c)["Labels"] or {})
     # destroy never touches foreign networks either
@@ -161,9 +161,9 @@ def test_attached_containers_block_replace_unless_forced_then_keep_addresses(
     r = host_ns.reconcile("plan", changed)
     assert r.rc == 1, r.all
     assert f"! docker_network {name}" in r.out
-    assert "2 containers are attached" in r.out and "--force-replace" in r.out
+    assert "replace refused: 2 containers attached" in r.out and "--force-replace" in r.out
     r = host_ns.reconcile("apply", changed)
-    assert r.rc == 1 and "conflict" in r.err, r.all
+    assert r.rc == 1 and "blocked" in r.err, r.all
     no_traceback(r)
     assert ids(name) == net_id
 

@@ -52,7 +52,7 @@ def test_a_sandbox_never_replaces_or_prunes_another_scopes_network(
         assert f"! docker_network {name}" in r.out and "another reconciler" in r.out, r.out
         assert f"netns/{host_ns.name}" in r.out
         r = second_ns.reconcile("apply", b)
-        assert r.rc == 1 and "conflict" in r.err, r.all
+        assert r.rc == 1 and "blocked" in r.err, r.all
         no_traceback(r)
         assert ids(name) == [first]
         r = host_ns.reconcile("plan", a)

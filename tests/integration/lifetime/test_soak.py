@@ -39,7 +39,6 @@ def test_no_identity_of_a_declared_resource_ever_moves(soak_run: Any) -> None:
     assert soak_run.moved == {}, details(soak_run)
 
 
-@pytest.mark.xfail(strict=True, reason="partial progress not on main yet")
 def test_a_conflict_never_stops_unrelated_healing(soak_run: Any) -> None:
     assert soak_run.conflicts >= 1
     assert soak_run.blocked == 0, details(soak_run)

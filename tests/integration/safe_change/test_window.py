@@ -27,6 +27,7 @@ from tests.support.safechange import (
     PORT_B,
     alive,
     apply_ok,
+    config_after,
     diff,
     pending_record,
     reverts,
@@ -333,3 +334,38 @@ allocs: [{{id: {alloc}, subnet: safe}}]
     r = box.reconcile("revert")
     assert r.rc == 0 and "Reverted" in r.out, r.all
     assert not diff(state(box), before), diff(state(box), before)
+
+
+def test_a_postponed_deletion_does_not_skip_the_probes(box: Netns, tmp_path: Any) -> None:
+    """Issue 25 item 3: the change prunes an allocation whose namespace a process holds
+    (its deletion waits for the confirm) and moves a port map to a port a foreign raw DROP
+    closes: what it changed is probed all the same, and the change is reverted at once
+    (exit 1), as it is without the holder."""
+    alloc, extra = unique("s"), unique("s")
+    NAMES[:] = [alloc, extra]
+    closed = PORT_B + 7
+    only = write(tmp_path, "only.yaml", f"""version: 1
+bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
+subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
+allocs:
+  - id: {alloc}
+    subnet: safe
+    address: 10.221.0.9
+    ports: [{{host: {closed}, to: 80}}]
+""")
+    apply_ok(box, config_after(tmp_path, alloc, extra))
+    before = state(box)
+    drop = ("-p", "tcp", "--dport", str(closed), "-j", "DROP")
+    holder = subprocess.Popen(["ip", "netns", "exec", extra, "sleep", "600"])
+    box.run("iptables", "-t", "raw", "-I", "PREROUTING", *drop)
+    box.run("iptables", "-t", "raw", "-I", "OUTPUT", *drop)
+    try:
+        r = box.reconcile("apply", only, "--confirm-within", "5m")
+        assert r.rc == 1 and "did not hold" in r.all and "Pending until" not in r.all, r.all
+        assert pending_record(box) is None
+        assert not diff(state(box), before), diff(state(box), before)
+    finally:
+        box.run("iptables", "-t", "raw", "-D", "PREROUTING", *drop, check=False)
+        box.run("iptables", "-t", "raw", "-D", "OUTPUT", *drop, check=False)
+        holder.kill()
+        holder.wait()

@@ -107,7 +107,7 @@ def test_foreign_bridge_is_a_conflict_and_left_untouched(host_ns: Netns):
     assert r.rc == 1
     assert "! bridge rcl0" in r.out and "--adopt bridge/rcl0" in r.out
     r = host_ns.reconcile("apply", EXAMPLE)
-    assert r.rc == 1 and "conflict" in r.err and "Traceback" not in r.all
+    assert r.rc == 1 and "bridge rcl0" in r.err and "blocked" in r.err and "Traceback" not in r.all
     assert host_ns.run("ip", "-d", "addr", "show", "rcl0").stdout == before
     assert "RECONCILER" not in host_ns.iptables_save(4)
     # destroy never touches it either

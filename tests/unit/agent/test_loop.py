@@ -5,12 +5,14 @@ and the overlap report."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import pytest
 
 from reconciler.agent import status
+from reconciler.domain.errors import ReconcilerError
 from tests.support.agentfake import BR, replace_file
 
 
@@ -88,10 +90,24 @@ def test_failed_pass_reports_resource_errors_and_backs_off(agent_env: Any) -> No
     replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
     rec.fail_apply = True
     r = agent.run_pass(["startup"])
-    assert r.result == "failed"
-    assert r.errors == [{"resource": "bridge/br0", "error": "EPERM"}]
+    # a failed op blocks its resource alone, on a backoff of its own (SPEC §11): the
+    # pass is not a failure that backs the whole agent off
+    assert r.result == "blocked"
+    assert r.errors == [{"resource": "bridge/br0", "error": "blocked: failed: EPERM"}]
     assert agent.board.snapshot()["errors"] == r.errors
-    assert agent.scheduler.record(False, 0.0) == 1.0
+    assert agent.board.snapshot()["blocked"] == [
+        {"resource": "bridge/br0", "reason": "failed: EPERM", "by": None}]
+    assert b"reconciler_blocked_resources 1.0" in agent.metrics.render()
+    held = agent.backoffs.held(agent.clock())
+    assert list(held) == ["bridge/br0"] and "failed 1 time(s)" in held["bridge/br0"]
+    # the next pass leaves it alone until its backoff runs out, then tries it again
+    rec.fail_apply = False
+    again = agent.run_pass(["netlink drift"])
+    assert again.result == "blocked" and rec.applied == [], again
+    agent.backoffs.forget()
+    assert agent.run_pass(["blocked retry"]).result == "applied"
+    assert agent.board.snapshot()["blocked"] == []
+    assert b"reconciler_blocked_resources 0.0" in agent.metrics.render()
 
 
 def test_host_lock_is_taken_only_when_there_is_work(agent_env: Any,
@@ -157,3 +173,35 @@ def test_overlap_reports_reach_log_status_and_metric(agent_env: Any, caplog: Any
     text = status.render({"address_overlaps": first, "last_pass": {}}, now=first[0]["since"] + 3)
     assert "address overlaps: 1 (foreign, left alone):" in text
     assert "route 10.66.0.0/25 on tun0 overlaps owned 10.66.0.0/24 on br0 (since 3s ago)" in text
+
+
+def test_recovery_and_a_cleared_config_error_each_say_so_once(
+        agent_env: Any, caplog: pytest.LogCaptureFixture) -> None:
+    agent, conf, rec = agent_env
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    real = rec.plan
+
+    def broken(desired: Any, options: Any) -> Any:
+        raise ReconcilerError("the host cannot be read")
+
+    rec.plan = broken
+    assert agent.run_pass(["startup"]).result == "failed"
+    agent.scheduler.record(False, 0.0)  # as the loop does after a failed pass
+    agent.scheduler.record(False, 0.0)
+    rec.plan = real
+    with caplog.at_level(logging.INFO, logger="reconciler.watch"):
+        assert agent.run_pass(["retry"]).result == "applied"
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("pass 2: recovered after 2 failed pass(es)") == 1, said
+    agent.scheduler.record(True, 0.0)
+    caplog.clear()
+    replace_file(conf / "a.yaml", "version: 1\nbridges: [\n")
+    agent.run_pass(["files changed"])  # the last good state is kept
+    assert agent.board.get("config_error") is not None
+    replace_file(conf / "a.yaml", BR.format(name="br0", mtu=1400))
+    with caplog.at_level(logging.INFO, logger="reconciler.watch"):
+        agent.run_pass(["files changed"])
+        agent.run_pass(["resync"])
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("config error cleared" in m for m in said) == 1, said
+    assert not any("recovered" in m for m in said), said

@@ -71,7 +71,8 @@ def test_a_converged_probed_pass_is_ready() -> None:
      "the pass at bbbbbbbbbbbb has not finished yet (pass #3 was at aaaaaaaaaaaa)"),
     # a local edit of the same commit is another revision too (only the digest differs)
     (_with(revision={**REV_A, "dirty": True, "files_sha256": "d" * 64}),
-     "the pass at aaaaaaaaaaaa-dirty has not finished yet (pass #3 was at aaaaaaaaaaaa)"),
+     "the pass at aaaaaaaaaaaa-dirty-dddddddd has not finished yet (pass #3 was at "
+     "aaaaaaaaaaaa)"),
     (_with(last_pass={"number": 3, "result": "ok", "error": None}),  # at no known revision
      "the pass at aaaaaaaaaaaa has not finished yet (pass #3 was at ?)"),
     # converged at the new revision, the probes that hold are the old revision's
@@ -197,7 +198,7 @@ def test_ready_after_the_first_converged_pass(repo_agent: Any) -> None:
     replace_file(repo / "a.yaml", BR.format(name="br0", mtu=1500))  # dirty, and it cannot apply
     agent.run_pass(["files changed"])
     v = agent.ready()
-    assert not v.ready and v.reason == "pass #3 failed: bridge/br0: EPERM", v
+    assert not v.ready and v.reason == "pass #3: 1 resource(s) blocked: bridge/br0: failed: EPERM", v
     assert _metric(agent, "reconciler_ready") == 0.0
 
 
@@ -276,7 +277,7 @@ def test_not_ready_at_a_new_revision_until_a_pass_at_it_finished(repo_agent: Any
     _git(repo, "checkout", "-q", first)
     agent.run_pass(["files changed"])
     v = agent.ready()
-    assert not v.ready and v.reason == "pass #3 failed: bridge/br0: EPERM", v
+    assert not v.ready and v.reason == "pass #3: 1 resource(s) blocked: bridge/br0: failed: EPERM", v
 
 
 def _checkout_while_loading(monkeypatch: pytest.MonkeyPatch, repo: Any, rev: str) -> None:

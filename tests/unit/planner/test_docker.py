@@ -167,7 +167,8 @@ def test_difference_is_a_replace_with_the_reason() -> None:
 def test_replace_with_containers_is_refused_without_force() -> None:
     c = one(plan(desired(spec(mtu=1400)), docker(net(containers=2)))[0])
     assert c.action is Action.CONFLICT and not c.ops
-    assert "2 containers are attached" in c.reason and "--force-replace" in c.reason
+    assert c.reason.startswith("replace refused: 2 containers attached")
+    assert "--force-replace" in c.reason and "replace: allowed" in c.reason
     assert c.attrs[0].field == "mtu"
 
 

@@ -201,7 +201,8 @@ def test_a_bridge_with_a_foreign_port_announces_every_new_address():
     host = FakeHost()
     converge(host, state(alloc("a")))
     host.links["eno1"] = dataclasses.replace(host.links["br0"], name="eno1", index=900,
-                                             kind="", owned=False, master="br0", alias=None)
+                                             kind="", owned=False, master="br0", alias=None,
+                                             addresses=())
     p = plan(host, state(alloc("a"), alloc("b")))
     assert announces(p, "b")
     del host.links["eno1"]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.domain.errors import ConflictError, StalePlanError
+from reconciler.domain.errors import StalePlanError
 from reconciler.domain.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
 from reconciler.domain.plan import Action, Plan
 from reconciler.engine.reconcile import Reconciler
@@ -119,9 +119,15 @@ def test_foreign_bridge_is_a_conflict_and_untouched():
     p = plan(host, EXAMPLE)
     assert actions(p)["bridge/nomad"] is Action.CONFLICT
     assert "--adopt bridge/nomad" in render_text(p)
-    with pytest.raises(ConflictError):
-        Reconciler(host, runner=host).apply(EXAMPLE, PlanOptions())  # type: ignore[arg-type]
-    assert host.log == []
+    # partial progress (SPEC §11): the bridge and all that hangs on it are blocked, and
+    # nothing is done to them
+    result = Reconciler(host, runner=host).apply(EXAMPLE, PlanOptions())  # type: ignore[arg-type]
+    assert not result.ok
+    blocked = {b.address: b for b in result.plan.blocked}
+    assert blocked["bridge/nomad"].by is None
+    assert all(blocked[f"subnet/{s}"].by == "bridge/nomad" for s in EXAMPLE.subnets)
+    assert all(f"alloc/{a}" in blocked for a in EXAMPLE.allocs)
+    assert not any("nomad" in repr(op) for op in host.log), host.log
 
 
 def test_non_bridge_link_is_a_conflict_even_with_adopt():

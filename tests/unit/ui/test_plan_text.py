@@ -97,7 +97,7 @@ def test_compact_counts_each_action_by_kind_and_keeps_errors() -> None:
     assert render.render_text(plan, compact=True) == (
         "  + 300 allocs\n  ~ 1 bridge\n  ! subnet s: exists, not ours\n"
         "warnings: 2 (the full plan lists them)\nerror: docker: unreachable\n"
-        "Plan: 300 to create, 1 to update, 0 to replace, 0 to delete, 1 conflict "
+        "Plan: 300 to create, 1 to update, 0 to replace, 0 to delete, 1 blocked "
         "(0 unchanged).\n")
 
 
