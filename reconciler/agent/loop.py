@@ -478,6 +478,9 @@ class Agent(AgentProbes):
                 return
         plan = rec.plan(desired, self.options.plan)
         if not plan.has_changes:
+            if not self.options.dry_run and rec.leases_to_save(plan):
+                with self._host_lock():  # values first seen live (an upgrade): recorded now
+                    rec.save_leases(plan)
             if plan.errors:
                 report.errors = [{"resource": "plan", "error": e} for e in plan.errors]
                 raise ReconcilerError(plan.errors[0])

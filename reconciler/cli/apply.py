@@ -163,9 +163,11 @@ def stopped(signals: list[int]) -> int:
 
 
 def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
-              saved: Plan | None = None, *, shown: bool = False) -> int:
+              saved: Plan | None = None, *, shown: bool = False,
+              keep_leases: bool = True) -> int:
     """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code.
-    ``shown``: the plan was just printed, with the question: it is not printed again."""
+    ``shown``: the plan was just printed, with the question: it is not printed again.
+    ``keep_leases`` false (``destroy``): the lease file is left as it is."""
     from reconciler.cli import safe
     from reconciler.engine.impact import DisruptionError, refusal
     from reconciler.engine.lock import host_lock
@@ -197,7 +199,8 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
                                    max_disruption=getattr(args, "max_disruption", None),
                                    before_changes=window.before_changes if window else None,
                                    on_plan=line.plan if line else None,
-                                   on_outcome=line.outcome if line else None)
+                                   on_outcome=line.outcome if line else None,
+                                   keep_leases=keep_leases)
                 if window is not None:
                     window.settle(result, stopped=bool(signals))
         except DisruptionError as exc:  # what it would have disrupted, then the one line
@@ -311,8 +314,9 @@ def cmd_destroy(args: argparse.Namespace) -> int:
                                            "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:
+        # what is destroyed keeps its leases: a later apply brings the same values back
         rc = run_apply(args, DesiredState(), options, shown,
-                       shown=shown is not None and shown.has_changes)
+                       shown=shown is not None and shown.has_changes, keep_leases=False)
     except StalePlanError:
         if shown is None:
             raise

@@ -120,6 +120,23 @@ def cmd_revert(args: argparse.Namespace) -> int:
     return safe.cmd_revert(args)
 
 
+def cmd_release(args: argparse.Namespace) -> int:
+    """Forget the leases of ``KIND/ID`` under the host lock; the host is not touched."""
+    from reconciler.engine import leases
+    from reconciler.engine.lock import host_lock
+    from reconciler.engine.observe import docker_scope
+
+    scope = docker_scope()
+    with host_lock(args.lock_timeout):
+        fields = leases.release(args.address, scope)
+    if fields:
+        print(f"Released {args.address}: {', '.join(fields)} (the next apply picks what is "
+              "not live afresh).")
+    else:
+        print(f"{args.address} has no leases in {leases.path(scope)}: nothing released.")
+    return EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Compare the config and probe; change nothing (no host lock: it writes no state)."""
     from reconciler.engine.reconcile import (
@@ -331,7 +348,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "plan": cmd_plan, "apply": cmd_apply, "verify": cmd_verify,
     "destroy": cmd_destroy, "show": cmd_show, "graph": cmd_graph, "watch": cmd_watch,
     "status": cmd_status, "completion": cmd_completion, "gc": cmd_gc, "confirm": cmd_confirm,
-    "revert": cmd_revert,
+    "revert": cmd_revert, "release": cmd_release,
 }
 #: what runs before --netns moves the process (the status socket binds on the host)
 PREPARE: dict[str, Callable[[argparse.Namespace], None]] = {"watch": _watch_prepare}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Any
 
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 
@@ -221,3 +222,7 @@ class LiveState:
     #: where the peer of an owned veth whose allocation namespace was not found is (read
     #: only for such veths): such a veth is no orphan, whatever the marks say
     peer_namespaces: dict[int, str] = field(default_factory=dict)
+    #: the scope's lease table (``domain/leases``): resource -> leased field -> value
+    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: why the lease file could not be read (then ``leases`` is empty): one plan warning
+    leases_problem: str | None = None

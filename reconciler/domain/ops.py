@@ -141,12 +141,13 @@ class LinkSetHairpin(_TypedOp):
 
 @dataclass(frozen=True)
 class LinkSetMac(_TypedOp):
-    """Set a link's MAC (to the one it has: pins a bridge's, which then stops following its
-    ports)."""
+    """Set a link's MAC, here or inside ``netns`` (to the one it has: pins a bridge's, which
+    then stops following its ports)."""
 
     NAME: ClassVar[str] = "link.set_mac"
     name: str
     mac: str
+    netns: str | None = _omit(None)
 
     def check(self) -> None:
         _mac(self.mac)

@@ -281,6 +281,12 @@ class Plan:
     #: what cannot converge in this run, with what depends on it (``Blocked``); the rest of
     #: the plan is still applied
     blocked: tuple[Blocked, ...] = ()
+    #: the lease table after this plan (``domain/leases``): what the engine saves before its
+    #: first op
+    leases: dict[str, dict[str, Json]] = field(default_factory=dict)
+    #: where each picked value came from: ``{"alloc/web": {"address": {"value": "10.0.0.11",
+    #: "from": "lease"}}}`` (``from``: declared, lease, live or new)
+    picks: dict[str, dict[str, Json]] = field(default_factory=dict)
 
     @property
     def actionable(self) -> tuple[Change, ...]:
@@ -325,6 +331,8 @@ class Plan:
             **({"scope": self.scope} if self.scope else {}),
             # only when something is: a plan's bytes stay what they were before partial progress
             **({"blocked": [b.to_json() for b in self.blocked]} if self.blocked else {}),
+            **({"picks": self.picks} if self.picks else {}),
+            **({"leases": self.leases} if self.leases else {}),
         }
 
     @classmethod
@@ -335,7 +343,8 @@ class Plan:
                    _files(raw.get("files", [])),
                    tuple(raw.get("warnings", [])), tuple(raw.get("errors", [])),
                    dict(raw.get("options", {})), _scope(raw.get("scope", {})),
-                   tuple(Blocked.from_json(b) for b in raw.get("blocked") or ()))
+                   tuple(Blocked.from_json(b) for b in raw.get("blocked") or ()),
+                   leases=_mapping(raw.get("leases", {})), picks=_mapping(raw.get("picks", {})))
 
     def same_work(self, other: Plan) -> bool:
         """Return True when both plans would run the same ops on the same live state.
@@ -353,6 +362,12 @@ class Plan:
                     for c in plan.changes if c.action is not Action.NOOP]
 
         return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint
+
+
+def _mapping(raw: Json) -> dict[str, dict[str, Json]]:
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ValueError("leases/picks: want a mapping of mappings")
+    return {str(k): dict(v) for k, v in raw.items()}
 
 
 def fingerprint(view: Json) -> str:

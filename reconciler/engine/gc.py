@@ -35,7 +35,7 @@ from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.domain.plan import Plan
 from reconciler.drivers import netns, procfs, rundir, statedir
-from reconciler.engine import probes
+from reconciler.engine import leases, probes
 from reconciler.engine.executor import Executor, OpRunner, Outcome
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.lock import host_lock
@@ -84,6 +84,8 @@ class GcResult:
     notes: list[str] = field(default_factory=list)
     #: after collecting: what finishing them first said
     finished: list[str] = field(default_factory=list)
+    #: with PATH: the resources (``KIND/NAME``) whose leases went with them
+    released: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Outcome]:
@@ -202,6 +204,10 @@ class Collector:
                                            sleep=self.sleep).execute(result.plan)
                 if not result.failed and not self.stop.is_set():
                     result.residual = self._verify(desired)
+            if desired is not None and result.ok and isinstance(self.runner, HostOps):
+                # what the files no longer declare leaves the desired state: its leases go
+                result.released = leases.release_undeclared(declared_addresses(desired),
+                                                            docker_scope())
             # before the files: removing the vantage takes its lock file with it
             result.vantage = None if self.stop.is_set() else self._vantage(self.host_id)
             if result.vantage is not None:
@@ -220,3 +226,10 @@ class Collector:
             self.sleep(delay)
             residual = self.plan(desired)
         return residual
+
+
+def declared_addresses(desired: DesiredState) -> set[str]:
+    """Return ``KIND/NAME`` of every resource ``desired`` declares (their leases stay)."""
+    return ({f"bridge/{n}" for n in desired.bridges} | {f"subnet/{n}" for n in desired.subnets}
+            | {f"alloc/{n}" for n in desired.allocs}
+            | {f"docker_network/{n}" for n in desired.docker_networks})

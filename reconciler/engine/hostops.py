@@ -106,7 +106,7 @@ class HostOps:
             case LinkSetHairpin():
                 self.netlink.set_hairpin(op.name, op.on)
             case LinkSetMac():
-                self.netlink.set_mac(op.name, op.mac)
+                self.netlink.set_mac(op.name, op.mac, op.netns)
             case NeighReplace():
                 self.netlink.replace_neighbour(op.link, op.ip(), op.mac)
             case NeighDelete():

@@ -24,6 +24,7 @@ from reconciler.drivers import netns, nsfs, sysctl, sysfsnet
 from reconciler.drivers.docker import rawapi
 from reconciler.drivers.nsfs import current_id
 from reconciler.drivers.procfs import listening_ports
+from reconciler.engine import leases
 from reconciler.engine.handles import HostHandles
 
 #: sysctls every plan may need to compare
@@ -43,6 +44,12 @@ class Observer:
         #: (name, ifindex, MAC) of bridges seen with their MAC set: it stays set (nothing
         #: turns NET_ADDR_SET back), so they are not asked again while they are the same
         self._pinned: set[tuple[str, int, str | None]] = set()
+        #: the scope whose lease file is read (``docker_scope``), found on first use
+        self._scope: str | None = None
+        #: the lease file's stamp and what reading it gave (``observe_leases``)
+        self._leases: tuple[tuple[int, int, int] | None,
+                            tuple[dict[str, dict[str, Any]], str | None]] = (
+            None, ({}, None))
 
     def observe(self, desired: DesiredState) -> LiveState:
         # the two rule saves run in their own processes while the kernel is read here
@@ -60,6 +67,7 @@ class Observer:
                 "routes": self.observe_routes(desired),
                 **self.observe_docker_parts(desired),
                 **self.observe_unannounced(desired),
+                **self.observe_leases(),
             }
         except BaseException:
             for finish in saves:  # no save left running or unreaped behind the error
@@ -68,6 +76,22 @@ class Observer:
             raise
         fields["firewall4"], fields["firewall6"] = (finish() for finish in saves)
         return dataclasses.replace(LiveState(), **fields)
+
+    def observe_leases(self) -> dict[str, Any]:
+        """Read the scope's lease table (``engine/leases``): the ``leases`` and
+        ``leases_problem`` fields of a LiveState. Nothing is made or written."""
+        if self._scope is None:
+            self._scope = docker_scope()
+        stamp = leases.stamp(self._scope)
+        if stamp is None or stamp != self._leases[0]:
+            # read again only when the file changed (1000 allocations: ~130 kB, ~17 ms)
+            self._leases = (stamp, leases.read(self._scope))
+        table, problem = self._leases[1]
+        return {"leases": {k: dict(v) for k, v in table.items()}, "leases_problem": problem}
+
+    def forget_leases(self) -> None:
+        """Read the lease file again next time (this process just wrote it)."""
+        self._leases = (None, ({}, None))
 
     def observe_links(self, desired: DesiredState) -> dict[str, LiveLink]:
         """Observe every link here, and for the declared bridges whether their MAC is set.

@@ -29,7 +29,8 @@ from reconciler.engine.finish import finish_journals, touched_host
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from reconciler.engine.journal import describe
-from reconciler.engine.observe import Observer
+from reconciler.engine.leases import LeaseFile, LeaseStore
+from reconciler.engine.observe import Observer, docker_scope
 from reconciler.engine.probes import Prober, probe_targets
 from reconciler.planner import blocking, make_plan
 from reconciler.planner.checkpoint import without_postponed
@@ -110,11 +111,16 @@ class Reconciler:
     def __init__(self, observer: Observer | None = None, *, runner: OpRunner | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  stop: threading.Event | None = None,
-                 prober: Callable[[HostHandles], ProbeRunner] = Prober) -> None:
+                 prober: Callable[[HostHandles], ProbeRunner] = Prober,
+                 leases: LeaseStore | None = None) -> None:
         """``runner`` performs the ops (default: ``HostOps`` over the observer's drivers);
-        ``prober`` makes what runs probes, on first use, over the same drivers."""
+        ``prober`` makes what runs probes, on first use, over the same drivers; ``leases``
+        keeps the lease table (default, with ``HostOps``: the scope's lease file; with
+        another runner and none given, leases are planned but not kept)."""
         self.observer = observer or Observer()
         self.runner = runner if runner is not None else HostOps(self.observer.handles)
+        self.leases: LeaseStore | None = leases if leases is not None else (
+            LeaseFile(docker_scope) if isinstance(self.runner, HostOps) else None)
         self.sleep = sleep
         self.stop = stop or threading.Event()
         self._make_prober = prober
@@ -150,7 +156,8 @@ class Reconciler:
               max_disruption: int | None = None,
               before_changes: Callable[[Plan], Plan | None] | None = None,
               on_plan: Callable[[Plan], None] | None = None,
-              hold: Mapping[str, str] | None = None) -> ApplyResult:
+              hold: Mapping[str, str] | None = None,
+              keep_leases: bool = True) -> ApplyResult:
         """Plan and execute; the caller holds the host lock.
 
         ``hold`` ("kind/name" -> why): resources not to touch in this run (the agent's
@@ -174,6 +181,10 @@ class Reconciler:
         preflight) says that it finished one first, not that nothing changed.
         ``on_plan`` hears the plan about to be executed and ``on_outcome`` each change
         done (the CLI's progress line).
+
+        The plan's lease table is saved before its first op (SPEC §11), also when nothing
+        is to change (the first run of a version with leases records the live values);
+        ``keep_leases`` false (``destroy``) saves none: what is destroyed keeps its leases.
         """
         finished = [line for line in self.finish_journals() if touched_host(line)]
         plan = blocking.hold_back(self.plan(desired, options), hold or {})
@@ -181,6 +192,8 @@ class Reconciler:
         with _refusals_after(finished):
             refuse(plan, saved, max_disruption)
             if not plan.has_changes:
+                if keep_leases:
+                    self.save_leases(plan)
                 return result
             preflight(plan, subnet_bridges(desired))
         postponed: list[str] = []
@@ -192,6 +205,8 @@ class Reconciler:
             postponed = [c.name for c in plan.actionable if ran.get(c.address) != c
                          and c.kind == "alloc" and c.action is Action.DELETE]
             plan = result.plan = run
+        if keep_leases:  # after the checkpoint: it records the leases from before
+            self.save_leases(plan)
         if isinstance(self.runner, HostOps):
             self.runner.new_pass()
         if on_plan is not None:
@@ -211,6 +226,21 @@ class Reconciler:
                                            request=probe)
                 result.probe_seconds = time.perf_counter() - t0
         return result
+
+    def leases_to_save(self, plan: Plan) -> bool:
+        """Tell whether ``plan``'s lease table differs from the one observed (``last_live``)."""
+        return self.leases is not None and self.last_live is not None and (
+            plan.leases != self.last_live.leases or self.last_live.leases_problem is not None)
+
+    def save_leases(self, plan: Plan) -> None:
+        """Save ``plan``'s lease table when it differs from the one observed (``last_live``);
+        a PreconditionError (a full disk …) comes before any op."""
+        if self.leases is not None and self.last_live is not None and self.leases_to_save(plan):
+            self.leases.save(plan.leases)
+            if isinstance(self.observer, Observer):
+                self.observer.forget_leases()
+            self.last_live = dataclasses.replace(self.last_live, leases=dict(plan.leases),
+                                                 leases_problem=None)
 
     def journals_pending(self) -> bool:
         """Tell whether a killed run left a journalled change to finish (no file is read)."""

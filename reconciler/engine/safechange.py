@@ -37,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import reconciler
+from reconciler.domain import leases
 from reconciler.domain.checkpoint import Checkpoint, CheckpointError, NetworkPoint
 from reconciler.domain.errors import PreconditionError
 from reconciler.domain.hints import command
 from reconciler.domain.live import LiveState
 from reconciler.domain.plan import Change, Plan
 from reconciler.drivers import netns, procfs, statedir, sysctl
+from reconciler.engine import leases as lease_store
 from reconciler.engine.executor import Executor, Outcome
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.observe import docker_scope
@@ -110,6 +112,9 @@ class Pending:
     applied: bool = False  # the apply finished (the reverter probes only then)
     #: irreversible changes (deletions of namespaces processes hold) made at confirm
     postponed: tuple[Change, ...] = ()
+    #: the lease table before the change (``engine/leases``), put back by a revert; None:
+    #: not recorded (an earlier version, or a lease file that could not be read)
+    leases: dict[str, dict[str, Any]] | None = None
 
     @property
     def overdue(self) -> bool:
@@ -127,7 +132,8 @@ class Pending:
                 "revision": self.revision, "probe": self.probe,
                 "reverter_pid": self.reverter_pid, "applied": self.applied,
                 "postponed": [c.to_json() for c in self.postponed],
-                "checkpoint": self.checkpoint.to_json()}
+                "checkpoint": self.checkpoint.to_json(),
+                **({"leases": leases.to_json(self.leases)} if self.leases is not None else {})}
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> Pending:
@@ -140,7 +146,8 @@ class Pending:
                        tuple((str(f["path"]), str(f["sha256"])) for f in raw["files"]),
                        raw.get("revision"), raw.get("probe"), raw.get("reverter_pid"),
                        bool(raw.get("applied", False)),
-                       tuple(Change.from_json(c) for c in raw.get("postponed", [])))
+                       tuple(Change.from_json(c) for c in raw.get("postponed", [])),
+                       leases.from_json(raw["leases"]) if "leases" in raw else None)
         except (AttributeError, KeyError, TypeError, ValueError, CheckpointError) as exc:
             raise PreconditionError(f"{where} is not a pending change this version can read "
                                     f"({exc}); move it away to go on") from None
@@ -223,7 +230,8 @@ def record(live: LiveState, handles: HostHandles, *, deadline: float,
     directory = scope_dir(scope)
     cp = checkpoint_of(handles, live, docker=uses_docker(live))
     p = Pending(scope, secrets.token_hex(8), deadline, time.time(), current_boot_id(), cp,
-                tuple(files), revision, probe, postponed=postponed)
+                tuple(files), revision, probe, postponed=postponed,
+                leases=dict(live.leases) if live.leases_problem is None else None)
     _write(directory, p)
     return p
 
@@ -288,6 +296,12 @@ def observe_for(rec: Any, cp: Checkpoint) -> tuple[LiveState, tuple[NetworkPoint
     return live, nets
 
 
+def live_leases(rec: Any) -> dict[str, Any] | None:
+    """Read the lease table now through ``rec``'s observer (None: it cannot be read)."""
+    got = rec.observer.observe_leases() if hasattr(rec.observer, "observe_leases") else {}
+    return None if got.get("leases_problem") else got.get("leases")
+
+
 def revert(rec: Any, p: Pending, *, why: str,
            on_outcome: Callable[[Outcome], None] | None = None) -> RevertResult:
     """Restore ``p``'s checkpoint and verify it; the caller holds the host lock.
@@ -304,6 +318,11 @@ def revert(rec: Any, p: Pending, *, why: str,
     # reverted change to its end again
     for line in rec.finish_journals():
         log.warning("revert: %s", line)
+    if p.leases is not None and live_leases(rec) != p.leases:
+        # the leases of the state restored, first: a revert cut short keeps them too
+        lease_store.write(p.leases, p.scope)
+        if hasattr(rec.observer, "forget_leases"):
+            rec.observer.forget_leases()
     live, nets = observe_for(rec, cp)
     plan = restore_plan(cp, live, nets)
     for _round in range(RESTORE_ROUNDS):

@@ -27,6 +27,7 @@ from reconciler.planner import (
 )
 from reconciler.planner.allocs import plan as alloc_plan
 from reconciler.planner.context import PlanContext, PlanOptions
+from reconciler.planner.leases import Picks
 
 __all__ = ["PlanOptions", "change_order", "links_that_matter", "make_plan"]
 
@@ -108,7 +109,8 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         raise PlanError(f"--adopt {', '.join(undeclared)}: no file declares "
                         f"{'it' if len(undeclared) == 1 else 'them'}; only declared objects "
                         "can be adopted (check the name, or --hostname and the files' hosts:)")
-    resolution = addrspace.resolve(desired, live, prune=opts.prune)
+    picks = Picks(live.leases)
+    resolution = addrspace.resolve(desired, live, prune=opts.prune, picks=picks)
     if resolution.fatal:
         raise PlanError("\n".join(resolution.fatal))
     desired = resolution.desired
@@ -116,7 +118,9 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
     if found.fatal:
         raise PlanError("\n".join(found.fatal))
     ctx = PlanContext(desired, live, opts, overlaps=found.conflicts, picked=resolution.picked,
-                      warnings=list(found.warnings))
+                      warnings=list(found.warnings), picks=picks)
+    if live.leases_problem is not None:
+        ctx.warnings.insert(0, live.leases_problem)
     bit = desired.settings.firewall_mark
     ctx.rules4.mark = ctx.rules6.mark = bit
     changes: list[Change] = []
@@ -172,11 +176,22 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         changes += shim.plan_shims(desired, live, bit)
     changes.sort(key=change_order)
     changes = blocking.with_needs(desired, impact.assess(ctx, changes))
+    ctx.warnings.extend(picks.notes)
     return Plan(tuple(changes), fingerprint(ctx.observed), files, tuple(ctx.warnings),
                 tuple(ctx.errors), {"prune": opts.prune, "adopt": sorted(opts.adopt),
                                     "force_replace": opts.force_replace},
                 {"id": live.host_id} if live.host_id else {},
-                blocking.blocked_list(desired, changes, ctx.blocked))
+                blocking.blocked_list(desired, changes, ctx.blocked),
+                leases=picks.table(() if opts.prune else _undeclared(desired, live.leases)),
+                picks=picks.to_json())
+
+
+def _undeclared(desired: DesiredState, leases: Collection[str]) -> list[str]:
+    """List the lease holders no file declares: kept with --no-prune, as their objects are."""
+    declared = {f"bridge/{n}" for n in desired.bridges} | {
+        f"subnet/{n}" for n in desired.subnets} | {f"alloc/{n}" for n in desired.allocs} | {
+        f"docker_network/{n}" for n in desired.docker_networks}
+    return sorted(a for a in leases if a not in declared)
 
 
 def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:

@@ -22,6 +22,7 @@ pools) is ``planner.hostspace``.
 
 See docs/decisions/004-ipam-and-ports-from-live-state.md.
 See docs/decisions/005-one-address-space.md.
+See docs/decisions/041-leases.md (a leased prefix is kept before any live one).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from reconciler.domain.docker import sort_duplicates
+from reconciler.domain.leases import LEASE, LIVE, NEW
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import AutoPrefix, DesiredState
 from reconciler.domain.probes import VANTAGE_NETS
@@ -50,6 +52,7 @@ from reconciler.planner.hostspace import (
     span_of,
     unassigned_pools,
 )
+from reconciler.planner.leases import Picks
 
 #: how many occupants a conflict names before "and N more"
 NAMED = 3
@@ -212,8 +215,11 @@ def _host_ips(desired: DesiredState) -> Iterator[IPAddr]:
                 yield p.host_ip
 
 
-def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Resolution:
-    """Resolve every ``auto`` prefix of ``desired`` (see the module docstring)."""
+def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True,
+            picks: Picks | None = None) -> Resolution:
+    """Resolve every ``auto`` prefix of ``desired`` (see the module docstring); each choice is
+    recorded in ``picks`` with its origin (lease, live or new)."""
+    picks = picks if picks is not None else Picks()
     requests = _requests(desired)
     if not requests:
         return Resolution(desired)
@@ -246,12 +252,31 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
                 taken.add(span_of(net))
                 return
 
-    # pass 1: keep what is live -- first what names the resource (its rules, its Docker
-    # network), then, for subnets, a gateway address on its bridge (rules flushed)
+    # pass 0: leases (SPEC §11) -- one no longer valid, or taken by a declared prefix, is
+    # re-picked with a plan line
+    leased: set[tuple[str, str]] = set()
+    for address, _name, field, auto in requests:
+        lease = picks.lease(address, field)
+        if lease is None:
+            continue
+        leased.add((address, field))
+        leased_net = parse_prefix(str(lease))
+        keep((address, field), auto, [leased_net] if leased_net is not None else [])
+        if (address, field) in chosen:
+            picks.record(address, field, str(leased_net), LEASE)
+        elif _fits(leased_net, auto):
+            picks.dropped(address, field, "overlaps a prefix the files declare now")
+        else:
+            picks.dropped(address, field, f"is no longer valid (not a /{auto.size} of pool "
+                          f"{auto.pool})")
+    # pass 1: keep what is live (no lease yet) -- first what names the resource (its rules,
+    # its Docker network), then, for subnets, a gateway address on its bridge (rules flushed)
     for address, name, field, auto in requests:
-        keep((address, field), auto, _live_evidence(live, address, name, auto))
+        if (address, field) not in leased:
+            keep((address, field), auto, _live_evidence(live, address, name, auto))
     for address, name, field, auto in requests:
-        if (address, field) in chosen or not address.startswith("subnet/"):
+        if ((address, field) in chosen or (address, field) in leased
+                or not address.startswith("subnet/")):
             continue
         bridge = desired.subnets[name].bridge  # type: ignore[index]
         version = auto.pool.version
@@ -263,6 +288,8 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
         key = (address, field)
         res.picked.setdefault(address, {})[field] = str(auto.pool)
         if key in chosen:
+            if picks.source(address, field) is None:
+                picks.record(address, field, str(chosen[key]), LIVE)
             continue
         pick = taken.first_free(auto)
         if pick is None:
@@ -276,6 +303,7 @@ def resolve(desired: DesiredState, live: LiveState, *, prune: bool = True) -> Re
             continue
         chosen[key] = pick
         taken.add(span_of(pick))
+        picks.record(address, field, str(pick), NEW)
     _refuse_collisions(chosen, res)
     if res.fatal:
         return res

@@ -10,6 +10,7 @@ from reconciler.domain.live import LiveNeighbour, LiveState
 from reconciler.domain.model import DesiredState
 from reconciler.planner import firewall
 from reconciler.planner.firewall import RuleSet
+from reconciler.planner.leases import Picks
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class PlanContext:
     overlaps: dict[str, str] = field(default_factory=dict)
     #: "kind/name" -> {field: pool} of the prefixes picked for ``auto``
     picked: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: the picked values: leased, kept from live or new, each with its origin (SPEC §11)
+    picks: Picks = field(default_factory=Picks)
     _live_rules: dict[int, dict[str, list[tuple[str, str]]]] = field(default_factory=dict)
     _neighbours: dict[tuple[int, str], list[tuple[int, LiveNeighbour]]] | None = None
 

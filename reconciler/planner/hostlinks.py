@@ -25,6 +25,7 @@ from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac, t
 from reconciler.domain.plan import Action, AttrChange, Change, Op
 from reconciler.planner import firewall
 from reconciler.planner.context import PlanContext
+from reconciler.planner.leases import choose, valid_mac
 
 
 def _link_view(link: LiveLink | None) -> object:
@@ -48,10 +49,10 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
     link = ctx.live.links.get(b.name)
     ctx.observed[f"bridge/{b.name}"] = _link_view(link)
     src = str(b.source)
+    mac = _choose_mac(ctx, b.name, link)
     if link is None:
         created = [AttrChange("mtu", None, b.mtu)] if b.mtu else []
         created.append(AttrChange("hairpin", None, b.hairpin))
-        mac = bridge_mac(b.name)
         created.append(AttrChange("mac", None, mac))
         return Change("bridge", b.name, Action.CREATE, "not present", tuple(created),
                       (encode(LinkAddBridge(b.name, b.mtu, mac=mac)),), src)
@@ -79,10 +80,12 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
         attrs.append(AttrChange("up", False, True))
     if attrs:
         ops.append(encode(LinkSet(b.name, owned=adopt, mtu=mtu, up=up)))
-    pin = _mac_pin(link)
-    if pin is not None:
-        attrs.append(AttrChange("mac", link.mac, f"pin {pin}"))
-        ops.append(encode(LinkSetMac(b.name, pin)))
+    if link.mac_pinned is False:  # set (its lease): it stops following its ports
+        attrs.append(AttrChange("mac", link.mac, f"pin {mac}"))
+        ops.append(encode(LinkSetMac(b.name, mac)))
+    elif link.mac is not None and link.mac != mac:  # changed by hand: back to its lease
+        attrs.append(AttrChange("mac", link.mac, mac))
+        ops.append(encode(LinkSetMac(b.name, mac)))
     stray = sorted(str(a.address) for a in link.addresses
                    if a.owned and (b.name, str(a.address)) not in ctx.claimed_addresses)
     if stray:
@@ -94,18 +97,24 @@ def plan_bridge(ctx: PlanContext, b: Bridge) -> Change:
     return Change("bridge", b.name, Action.UPDATE, reason, tuple(attrs), tuple(ops), src)
 
 
-def _mac_pin(link: LiveLink) -> str | None:
-    """Choose the MAC to pin a bridge to when its MAC still follows its ports; None when it is set.
-
-    A bridge made before stable MACs keeps the MAC it has (its allocations have it
-    cached as their gateway's); one without ports has none (00:00:..) and gets the
-    MAC new bridges get. Unknown (``mac_pinned`` None): left alone.
-    """
-    if link.mac_pinned is not False:
-        return None
-    if link.mac is None or link.mac == ZERO_MAC:
-        return bridge_mac(link.name)
-    return link.mac
+def _choose_mac(ctx: PlanContext, name: str, link: LiveLink | None) -> str:
+    """Choose a declared bridge's MAC: its lease; else (no lease yet) the one the live bridge
+    has when it is ours (a bridge made before stable MACs keeps it: its allocations have it
+    cached as their gateway's); else the derived one (``ownership.bridge_mac``), also for a
+    bridge without ports (00:00:..)."""
+    live = None
+    if (link is not None and link.kind == "bridge" and (link.owned or ctx.adopted("bridge", name))
+            and link.mac not in (None, ZERO_MAC)):
+        live = link.mac
+    lease = ctx.picks.lease(f"bridge/{name}", "mac")
+    derived = bridge_mac(name)
+    mac, source, dropped = choose(None, str(lease) if lease is not None else None, live,
+                                  valid=valid_mac, pick=lambda: derived)
+    if dropped:
+        ctx.picks.dropped(f"bridge/{name}", "mac", "is not a unicast MAC")
+    assert mac is not None
+    ctx.picks.record(f"bridge/{name}", "mac", mac, source)
+    return mac
 
 
 def _wanted_addresses(s: Subnet) -> list[str]:

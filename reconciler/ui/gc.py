@@ -61,6 +61,9 @@ def text(result: GcResult, *, colour: bool = False, verbose: bool = False) -> st
         applied += result.vantage_removed
         lines.append(f"Collected: {applied} of {total} object(s), "
                      f"{len(result.removed)} of {len(result.files)} file(s).")
+        if result.released:
+            lines.append(f"Released the leases of {', '.join(result.released)} (no longer "
+                         "declared).")
     return "\n".join(lines) + "\n"
 
 
@@ -76,6 +79,7 @@ def to_json(result: GcResult) -> dict[str, object]:
         "outcomes": [{"kind": o.change.kind, "name": o.change.name, "status": o.status,
                       "error": o.error} for o in result.outcomes],
         "removed_files": [f.path for f in result.removed],
+        "released_leases": list(result.released),
         "probe_vantage_removed": result.vantage_removed,
         "residual": result.residual.to_json()["changes"] if result.residual else None,
         "ok": result.ok if result.collected else not result.plan.errors,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from reconciler import __version__
+from reconciler.domain.leases import KINDS as LEASE_KINDS
 from reconciler.ui.render import EXIT_ERROR
 
 #: shells ``reconcile completion`` writes a script for
@@ -189,6 +190,15 @@ def _global_options(p: argparse.ArgumentParser, mark: Marker, *, sub: bool) -> N
                         "how many of each kind, errors and conflicts, the summary")
 
 
+def _lease_address(text: str) -> str:
+    """Check ``KIND/ID`` of ``release`` (a usage error, exit 2, otherwise)."""
+    kind, _, name = text.partition("/")
+    if kind not in LEASE_KINDS or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KIND/ID, KIND one of "
+                                         f"{', '.join(LEASE_KINDS)} (alloc/web)")
+    return text
+
+
 def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     """Build the parser; ``mark`` is told which arguments complete as files or namespace names."""
     p = _Main(
@@ -314,6 +324,18 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for another writer to finish (default 60)")
     sp.add_argument("--wait", metavar="TOKEN", help=argparse.SUPPRESS)
+
+    sp = sub.add_parser(
+        "release", help="forget the leases of a resource: its next apply picks afresh",
+        description="Forget what the reconciler picked for KIND/ID and recorded as its leases "
+                    "(addresses, MAC, auto host ports, auto prefixes: docs/lifetime.md), so "
+                    "that values no longer live are picked afresh by the next apply. KIND is "
+                    "alloc, bridge, subnet or docker_network. Changes nothing on the host. "
+                    "Takes the host lock. Exit 0 also when it had none.")
+    sp.add_argument("address", metavar="KIND/ID", type=_lease_address,
+                    help="the resource, as plans name it: alloc/web, subnet/apps")
+    sp.add_argument("--lock-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for another writer to finish (default 60)")
 
     sp = sub.add_parser(
         "verify", help="check the host holds: config matches and packets flow (exit 0/1)",

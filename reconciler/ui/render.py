@@ -104,8 +104,16 @@ def _impact_lines(c: Change, verbose: bool) -> list[str]:
             f"      impact: … and {len(rest)} more ({impact_detail(rest)}; -v lists each)"]
 
 
+def _picked_lines(picks: Json) -> list[str]:
+    """Say (``-v``) where the picked values of a change's resource come from: ``# picked:
+    address 10.0.0.2 (lease), mac … (live)`` (docs/lifetime.md)."""
+    said = [f"{f} {v['value']} ({v['from']})" for f, v in sorted((picks or {}).items())
+            if isinstance(v, dict) and "value" in v]
+    return [scale.fit(f"      # picked: {', '.join(said)}")] if said else []
+
+
 def _change_lines(c: Change, *, colour: bool, verbose: bool,
-                  shared: frozenset[str]) -> list[str]:
+                  shared: frozenset[str], picks: Json = None) -> list[str]:
     lines = [_head(c.action.symbol, f"{c.kind} {c.name}", c.reason, c.action, colour)]
     lines += [_attr_line(c, a) for a in c.attrs]
     lines += [scale.fit(f"      warning: {w}") for w in c.warnings if w not in shared]
@@ -113,6 +121,7 @@ def _change_lines(c: Change, *, colour: bool, verbose: bool,
     if c.source:
         lines.append(scale.fit(f"      # {c.source}"))
     if verbose:
+        lines += _picked_lines(picks)
         lines += [scale.fit(f"      > {o.describe()}") for o in c.ops]
     return lines
 
@@ -193,7 +202,8 @@ def render_text(plan: Plan, *, colour: bool = False, verbose: bool = False,
             lines += _group_lines(b, colour=colour, shared=frozenset(shared))
         else:
             lines += _change_lines(b, colour=colour, verbose=verbose,
-                                   shared=frozenset(shared))
+                                   shared=frozenset(shared),
+                                   picks=plan.picks.get(f"{b.kind}/{b.name}"))
     lines += _blocked_lines(plan, colour=colour, verbose=verbose, after=bool(changes))
     for w, who in shared.items():
         lines.append(scale.fit(f"warning ({scale.names(who)}): {w}"))

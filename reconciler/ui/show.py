@@ -5,7 +5,9 @@ allocation with its addresses, MAC, host veth and port maps; then what belongs t
 bridge of ours, the owned firewall chains, leftover namespaces, the probes' vantage and
 Docker networks with their containers. ``--output json`` keeps the keys it always had
 (``links``, ``firewall``, ``netns``, ``probe_vantage``, ``docker_networks``: scripts
-read them) and adds ``bridges`` (the same tree as the text) and ``allocs`` (flat).
+read them) and adds ``bridges`` (the same tree as the text), ``allocs`` (flat) and
+``picks`` (where each picked value comes from: its lease, or the live value with no
+lease yet; docs/lifetime.md).
 
 See docs/decisions/033-show-and-graph-read-the-host.md.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from reconciler.domain.docker import SCOPE_LABEL
+from reconciler.domain.leases import LEASE, LIVE
 from reconciler.domain.live import LiveState
 from reconciler.domain.ownership import CHAIN_PREFIX
 from reconciler.ui.topology import AllocView, SubnetView, Topology, live_topology
@@ -67,7 +70,31 @@ def view(live: LiveState, probe_vantage: str | None) -> dict[str, Any]:
         "bridges": bridges,
         "allocs": [_alloc_json(a) for a in [*topo.allocs.values()]],
         "allocs_without_bridge": [a.id for a in elsewhere],
+        "picks": picks(live, topo),
+        **({"leases_problem": live.leases_problem} if live.leases_problem else {}),
     }
+
+
+def picks(live: LiveState, topo: Topology) -> dict[str, dict[str, dict[str, Any]]]:
+    """Say where the picked values on the host come from, as ``plan --output json`` does: the
+    lease table's values are ``lease``; a live address or MAC of ours with no lease yet (the
+    next apply records it) is ``live``. Without the files, nothing is ``declared`` here."""
+    out: dict[str, dict[str, dict[str, Any]]] = {
+        a: {f: {"value": v, "from": LEASE} for f, v in sorted(fields.items())}
+        for a, fields in sorted(live.leases.items())}
+    for a in topo.allocs.values():
+        got = out.setdefault(f"alloc/{a.id}", {})
+        for cidr in a.addresses:
+            ip = cidr.split("/")[0]
+            field = "address6" if ":" in ip else "address"
+            got.setdefault(field, {"value": ip, "from": LIVE})
+        if a.mac is not None:
+            got.setdefault("mac", {"value": a.mac, "from": LIVE})
+    for b in topo.bridges.values():
+        if b.mac is not None:
+            out.setdefault(f"bridge/{b.name}", {}).setdefault("mac", {"value": b.mac,
+                                                                      "from": LIVE})
+    return {a: fields for a, fields in sorted(out.items()) if fields}
 
 
 def _alloc_lines(a: dict[str, Any], indent: str) -> list[str]:

@@ -39,6 +39,12 @@ class FakeReconciler:
     def journals_pending(self) -> bool:
         return bool(self.journals)
 
+    def leases_to_save(self, plan: Any) -> bool:
+        return False  # no lease store here (tests/unit/planner/test_leases.py covers them)
+
+    def save_leases(self, plan: Any) -> None:
+        pass
+
     def finish_journals(self) -> list[str]:
         self.finished += self.journals
         self.journals = []
@@ -140,6 +146,12 @@ class ProbingReconciler:
 
     def journals_pending(self) -> bool:
         return False  # no killed run left a change half done (test_loop checks one)
+
+    def leases_to_save(self, plan: Any) -> bool:
+        return False  # no lease store here (tests/unit/planner/test_leases.py covers them)
+
+    def save_leases(self, plan: Any) -> None:
+        pass
 
     def plan(self, desired: Any, options: Any) -> Any:
         from reconciler.domain.plan import Plan  # noqa: PLC0415 (test helper)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from reconciler.domain.live import (
     DockerAddressSpace,
@@ -157,6 +159,8 @@ class FakeHost:
         #: the bridge-side neighbour entries (``Netlink.configure_inside``)
         self._fresh: dict[str, str] = {}
         self.conntrack = FakeConntrack()
+        #: the scope's lease table, as the state directory would keep it (``save``)
+        self.leases: dict[str, dict[str, Any]] = {}
 
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:
@@ -173,7 +177,12 @@ class FakeHost:
                          docker_space=self.docker_space,
                          neighbours=self._neighbours(desired),
                          peer_namespaces={ns.nsid: name for name, ns in self.netns.items()
-                                          if ns.usable and name not in netns})
+                                          if ns.usable and name not in netns},
+                         leases={k: dict(v) for k, v in self.leases.items()})
+
+    # LeaseStore interface
+    def save(self, table: Mapping[str, Mapping[str, Any]]) -> None:
+        self.leases = {k: dict(v) for k, v in table.items()}
 
     def _neighbours(self, desired: DesiredState) -> tuple[LiveNeighbour, ...]:
         """Like the real observer: entries on the declared bridges."""
@@ -223,6 +232,9 @@ class FakeHost:
                     else link.hairpin)
             case LinkDelete():
                 self._delete_link(op.name, op.netns)
+            case LinkSetMac() if op.netns is not None:
+                inside = self.netns[op.netns].links
+                inside[op.name] = dataclasses.replace(inside[op.name], mac=op.mac)
             case LinkSetMac():
                 self.links[op.name] = dataclasses.replace(self.links[op.name], mac=op.mac,
                                                           mac_pinned=True)

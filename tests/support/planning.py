@@ -60,9 +60,11 @@ def plan(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
     return make_plan(desired, host.observe(desired), PlanOptions(**opts))  # type: ignore[arg-type]
 
 
-def converge(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:
-    result = Reconciler(host, runner=host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
-        desired, PlanOptions(**opts))  # type: ignore[arg-type]
+def converge(host: FakeHost, desired: DesiredState, *, leases: FakeHost | None = None,
+             **opts: object) -> Plan:
+    """Apply and check nothing is left; ``leases``: keep the lease table there (the host)."""
+    result = Reconciler(host, runner=host, sleep=lambda _s: None,  # type: ignore[arg-type]
+                        leases=leases).apply(desired, PlanOptions(**opts))  # type: ignore[arg-type]
     assert result.ok, render_text(result.residual or result.plan)
     again = plan(host, desired, **opts)
     assert not again.has_changes, render_text(again)

@@ -181,6 +181,7 @@ class LiveView:
         if any(nl.peek_lo_alias(n) != alias for n, alias in self.unwatched.items()):
             dirty.add("netns")
         fresh: dict[str, Any] = self.observer.observe_unannounced(desired)
+        fresh.update(self.observer.observe_leases())  # one small file: read per request
         if "links" in dirty:
             fresh["links"] = self.observer.observe_links(desired)
         # no neighbour events are heard: read on every request (one dump)

@@ -195,12 +195,16 @@ class NetlinkChanges(NetlinkReader):
         where = f" in namespace {ns}" if ns else ""
         self._sock(ns).request(RTM_NEWLINK, 0, body, f"link {name}{where}: set")
 
-    def set_mac(self, name: str, mac: str) -> None:
-        """Set a link's MAC. Set to the one it has, it still counts as set (dev_set_mac_address
-        marks NET_ADDR_SET either way): how an existing bridge is pinned without a change."""
-        self._bridge_mac.clear()
-        self._host.request(RTM_NEWLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
-                           + attr(IFLA_ADDRESS, mac_bytes(mac)), f"link {name}: set MAC {mac}")
+    def set_mac(self, name: str, mac: str, ns: str | None = None) -> None:
+        """Set a link's MAC (inside namespace ``ns``: an allocation's ``eth0``). Set to the one
+        it has, it still counts as set (dev_set_mac_address marks NET_ADDR_SET either way):
+        how an existing bridge is pinned without a change."""
+        if ns is None:
+            self._bridge_mac.clear()
+        where = f" in namespace {ns}" if ns else ""
+        self._sock(ns).request(RTM_NEWLINK, 0, ifinfo() + str_attr(IFLA_IFNAME, name)
+                               + attr(IFLA_ADDRESS, mac_bytes(mac)),
+                               f"link {name}{where}: set MAC {mac}")
 
     def replace_neighbour(self, link: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
                           mac: str) -> None:

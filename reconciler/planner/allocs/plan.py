@@ -15,6 +15,7 @@ from reconciler.domain.ops import (
     LinkDelete,
     LinkSet,
     LinkSetHairpin,
+    LinkSetMac,
     NetnsCreate,
     NetnsDelete,
     RouteDelDefault,
@@ -31,6 +32,7 @@ from reconciler.planner import firewall
 from reconciler.planner.allocs.ipam import (
     Mapped,
     assign_addresses,
+    assign_macs,
     assign_ports,
     live_port_maps,
 )
@@ -110,10 +112,11 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
                maps: list[Mapped], clash: str | None = None,
                seen: frozenset[tuple[int | None, str]] = frozenset(),
                left: Sequence[StaleNeighbour] = (),
-               had: Sequence[Mapped] | None = None) -> Change:
+               had: Sequence[Mapped] | None = None, mac: str | None = None) -> Change:
     """Plan the change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
     our neighbour entries of its MAC for addresses it no longer has (deleted); ``had``: its
-    live port maps (``ipam.live_port_maps``), None when the firewall could not be read."""
+    live port maps (``ipam.live_port_maps``), None when the firewall could not be read;
+    ``mac``: its ``eth0``'s (``ipam.assign_macs``; default: the derived one)."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
@@ -124,7 +127,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     if clash is not None:
         ctx.blocked.add(f"alloc/{a.id}")
         return Change("alloc", a.id, Action.CONFLICT, clash, source=src)
-    derived_mac = ownership.alloc_mac(a.id)
+    derived_mac = mac or ownership.alloc_mac(a.id)  # leased, live or derived: what it has
     veth_name = alloc_veth_name(a.id)
     v4, v6 = addrs
     want = [f"{v4}/{s.cidr.prefixlen}"]
@@ -286,7 +289,11 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
             inside_ok = False
         if not inside_ok:
             ops.append(encode(configure))
-        eth0_mac = eth0.mac  # kept, whatever it is: no churn of allocations made before
+        if eth0.mac != derived_mac:
+            # changed by hand (or another tool): drift, healed back to its lease
+            attrs_l.append(AttrChange("mac", eth0.mac, derived_mac))
+            ops.append(encode(LinkSetMac(ALLOC_IFNAME, derived_mac, netns=a.id)))
+        eth0_mac = derived_mac
     neigh_attrs, neigh_ops = neighbour_ops(ctx, a, b.name, addrs, eth0_mac, left)
     attrs_l += neigh_attrs
     ops += neigh_ops
@@ -363,6 +370,7 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     neighbour_table_warnings(ctx)
     addrs = assign_addresses(ctx)
     ports = assign_ports(ctx)
+    macs = assign_macs(ctx)
     # the port maps each allocation has: unknown where the IPv4 firewall could not be read
     had = live_port_maps(ctx) if ctx.live.firewall4.available else None
     if ctx.fatal:
@@ -376,8 +384,9 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
         gone.setdefault(g.owner, []).append(g)
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
-        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen,
-                            gone.get(aid, ()), None if had is None else had.get(aid, []))
+        clash = clashes.get(aid) or ctx.picks.blocked.get(aid)
+        change = plan_alloc(ctx, a, addrs[aid], ports[aid], clash, seen, gone.get(aid, ()),
+                            None if had is None else had.get(aid, []), macs[aid])
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall

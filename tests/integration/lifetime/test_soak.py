@@ -34,7 +34,6 @@ def test_no_address_or_prefix_is_ever_held_twice(soak_run: Any) -> None:
     assert soak_run.duplicates == 0, details(soak_run)
 
 
-@pytest.mark.xfail(strict=True, reason="leases not on main yet")
 def test_no_identity_of_a_declared_resource_ever_moves(soak_run: Any) -> None:
     # addresses (both families), MACs, auto ports, auto prefixes: as first seen
     assert soak_run.moved == {}, details(soak_run)

@@ -71,7 +71,7 @@ def test_completion_scripts_mention_every_command_and_option():
 
 BASH_CASES = [
     (["reconcile", ""], {"validate", "plan", "apply", "verify", "destroy", "show", "graph", "watch",
-                         "status", "completion", "gc", "confirm", "revert"}),
+                         "status", "completion", "gc", "confirm", "revert", "release"}),
     (["reconcile", "gc", "--pl"], {"--plan"}),
     (["reconcile", "gc", "examples/quick"], {"examples/quickstart.yaml"}),
     (["reconcile", "verify", "--probe-e"], {"--probe-external"}),

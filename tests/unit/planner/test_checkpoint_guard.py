@@ -79,7 +79,7 @@ RECORDED: dict[tuple[str, str], tuple[str, ...]] = {
     ("LinkSet", "up"): ("LinkPoint.up",),
     ("LinkSet", "master"): ("LinkPoint.master",),
     ("LinkSetHairpin", "on"): ("LinkPoint.hairpin",),
-    ("LinkSetMac", "mac"): ("LinkPoint.mac",),
+    ("LinkSetMac", "mac"): ("LinkPoint.mac", "AllocPoint.eth0_mac"),
     ("AddrAdd", "address"): ("LinkPoint.addresses", "AllocPoint.addresses"),
     ("AddrDel", "address"): ("LinkPoint.addresses", "AllocPoint.addresses"),
     ("RouteDelDefault", "version"): ("AllocPoint.gateways",),
@@ -111,6 +111,7 @@ NOT_RECORDED: dict[tuple[str, str], str] = {
     ("LinkDelete", "netns"): IDENTITY,
     ("LinkSetHairpin", "name"): IDENTITY,
     ("LinkSetMac", "name"): IDENTITY,
+    ("LinkSetMac", "netns"): IDENTITY,
     # our entries follow the allocations' eth0 (AllocPoint.eth0_mac): the planner derives
     # them, the restore of an eth0 announces it; the changes below check that a revert
     # leaves the planner no neighbour entry to fix that it did not have to before

@@ -105,6 +105,9 @@ class FakeObserver:
     def observe_unannounced(self, desired: DesiredState) -> dict[str, Any]:
         return {"sysctls": dict(self.sysctls), "listening": frozenset()}
 
+    def observe_leases(self) -> dict[str, Any]:
+        return {"leases": {}, "leases_problem": None}
+
     def observe_links(self, desired: DesiredState) -> dict[str, Any]:
         return self.handles.netlink.dump_links()
 
