@@ -22,7 +22,7 @@ class TextLogFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(scale.fit(line) for line in super().format(record).split("\n"))
+        return "\n".join(scale.fit(line, cut=True) for line in super().format(record).split("\n"))
 
 
 class JsonLogFormatter(logging.Formatter):

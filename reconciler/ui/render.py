@@ -122,7 +122,7 @@ def _change_lines(c: Change, *, colour: bool, verbose: bool,
         lines.append(scale.fit(f"      # {c.source}"))
     if verbose:
         lines += _picked_lines(picks)
-        lines += [scale.fit(f"      > {o.describe()}") for o in c.ops]
+        lines += [scale.wrap(f"      > {o.describe()}") for o in c.ops]
     return lines
 
 

@@ -8,6 +8,7 @@ docs/decisions/050-output-that-scales.md.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,10 +34,21 @@ def _is_list(parts: list[str]) -> bool:
     return len(parts) >= LIST_MIN and all(len(p) <= ITEM_MAX for p in parts[1:-1])
 
 
-def fit(text: str, width: int = WIDTH) -> str:
-    """Fit ``text`` into ``width`` characters: a comma-separated list keeps what fits and
-    counts the rest (``a, b, … (+12 more)``); anything else is cut with the count of
-    characters left out."""
+def wrap(text: str, width: int = WIDTH) -> str:
+    """Wrap ``text`` onto lines of at most ``width`` characters, continuation lines indented
+    two more than the first: nothing is left out (a warning's address, an op's fields)."""
+    if len(text) <= width:
+        return text
+    lead = " " * (len(text) - len(text.lstrip(" ")) + 2)
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=lead,
+                                    break_on_hyphens=False))
+
+
+def fit(text: str, width: int = WIDTH, *, cut: bool = False) -> str:
+    """Fit ``text`` into lines of ``width`` characters: a comma-separated list keeps what fits
+    and counts the rest (``a, b, … (+12 more)``); anything else is wrapped, never cut, but
+    with ``cut`` (a log line: one line per record, ``--log-format json`` keeps it all), where
+    it is cut with the count of characters left out."""
     if len(text) <= width:
         return text
     parts = text.split(", ")
@@ -51,8 +63,10 @@ def fit(text: str, width: int = WIDTH) -> str:
             used += len(part) + 2
         if kept:
             return ", ".join(kept) + f", … (+{len(parts) - len(kept)} more)"
-    cut = max(0, width - len(f"… (+{len(text)} chars)"))
-    return text[:cut] + f"… (+{len(text) - cut} chars)"
+    if not cut:
+        return wrap(text, width)
+    room = max(0, width - len(f"… (+{len(text)} chars)"))
+    return text[:room] + f"… (+{len(text) - room} chars)"
 
 
 

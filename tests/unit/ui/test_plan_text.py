@@ -12,15 +12,16 @@ from tests.support.planning import alloc, converge, port, state
 from tests.support.planning import plan as planned
 
 
-def test_fit_elides_a_list_with_a_count_and_cuts_anything_else() -> None:
+def test_fit_elides_a_list_with_a_count_and_wraps_anything_else() -> None:
     items = ", ".join(f"udp/{40000 + i}" for i in range(300))
     fitted = scale.fit(items, 100)
     assert len(fitted) <= 100 and fitted.startswith("udp/40000, udp/40001, ")
     kept = fitted.split(", … ")[0].count(", ") + 1
     assert fitted.endswith(f", … (+{300 - kept} more)")
     blob = "x" * 500
-    assert scale.fit(blob, 100) == "x" * (100 - len("… (+500 chars)")) + "… (+414 chars)"
-    assert len(scale.fit(blob, 100)) == 100
+    assert scale.fit(blob, 100, cut=True) == "x" * (100 - len("… (+500 chars)")) + "… (+414 chars)"
+    assert scale.fit(blob, 100).replace("\n  ", "") == blob  # wrapped: nothing lost
+    assert all(len(line) <= 100 for line in scale.fit(blob, 100).splitlines())
     assert scale.fit("short", 100) == "short"
 
 
@@ -120,15 +121,17 @@ def test_deletions_without_flows_are_grouped_and_one_with_flows_stands_alone() -
     assert len(lines) == 8
 
 
-def test_a_sentence_with_commas_is_cut_by_characters_and_an_error_never() -> None:
+def test_a_sentence_with_commas_is_wrapped_and_an_error_never() -> None:
     """A message is no list: eliding its clauses as items once left 'is a live network
-    namespace, … (+3 more)' of the one line that explains a refusal."""
+    namespace, … (+3 more)' of the one line that explains a refusal; cutting it by characters
+    lost a warning's MAC address."""
     sentence = ("/run/netns/a is a live network namespace, but this process sees an empty "
                 "file there: it runs in a mount namespace of its own, made after it, so the "
                 "allocation would look gone; run it from the host's mount namespace, or "
                 "without ip netns exec, and try again " + "x" * 40)
     fitted = scale.fit(sentence, 200)
-    assert len(fitted) == 200 and fitted.startswith(sentence[:150]) and " chars)" in fitted
+    assert all(len(line) <= 200 for line in fitted.splitlines()) and "\n  " in fitted
+    assert " ".join(part.strip() for part in fitted.splitlines()) == sentence
     plan = Plan(errors=(sentence,))
     assert f"error: {sentence}" in render.render_text(plan).splitlines()
     assert f"error: {sentence}" in render.render_text(plan, compact=True).splitlines()
