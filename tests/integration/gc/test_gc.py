@@ -64,7 +64,7 @@ def gc(ns: Netns, run_dir: Path, *args: str) -> Result:
 
 
 def with_kill(ns: Netns, run_dir: Path, fault: str, *args: str) -> Result:
-    """`reconcile ARGS` in ``ns``, killed -9 at ``fault`` (tests/integration/faults.py)."""
+    """`reconcile ARGS` in ``ns``, killed -9 at ``fault`` (tests/support/faults.py)."""
     p = subprocess.run([sys.executable, "-m", "tests.support.faults", fault,
                         "--netns", ns.name, *args], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)})
