@@ -83,6 +83,7 @@ def test_apply_probes_what_it_changed(host_ns: Netns, tmp_path: Any) -> None:
     assert doc["ok"] and doc["probes"] == [] and doc["outcomes"] == []
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_failed_probe_fails_the_apply_naming_alloc_path_and_cause(host_ns: Netns,
                                                                      tmp_path: Any) -> None:
     """A foreign raw DROP on the host port is outside what the config covers: apply converges
@@ -151,6 +152,7 @@ def test_verify_exit_codes_output_and_json_shape(host_ns: Netns, tmp_path: Any) 
     assert _state(host_ns)[0] == before[0], "verify changed the rules"
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_verify_of_a_file_that_does_not_load_is_one_line(host_ns: Netns, tmp_path: Any) -> None:
     bad = write(tmp_path, "bad.yaml", "version: 1\nbridges: [{name: 1}]\n")
     r = host_ns.reconcile("verify", bad)
