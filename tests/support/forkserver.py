@@ -26,6 +26,8 @@ are about the process itself (the entry point, signals, exit codes, packaging, l
 Protocol (one connection per command): the client sends a JSON request with three file
 descriptors (stdin, stdout, stderr); the server forks a waiter, which forks the command and
 writes two lines back: the command's pid, then its wait status.
+
+See docs/decisions/040-tests-fork-server.md.
 """
 
 from __future__ import annotations
