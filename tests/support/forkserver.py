@@ -128,7 +128,8 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
         import runpy
 
         try:
-            runpy.run_module("reconciler", run_name="__main__", alter_sys=True)
+            runpy.run_module(req.get("module", "reconciler"), run_name="__main__",
+                             alter_sys=True)
             rc = 0
         except SystemExit as exc:
             code = exc.code
@@ -269,11 +270,11 @@ class Server:
         return (_start_env(env) == self.start_env and os.geteuid() == self.uid
                 and _namespaces() == self.namespaces)
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str | None,
-            timeout: float) -> tuple[int, bytes, bytes] | None:
+    def run(self, argv: list[str], env: dict[str, str], cwd: str | None, timeout: float,
+            module: str = "reconciler") -> tuple[int, bytes, bytes] | None:
         """Run ``python -m reconciler *argv``: (returncode, stdout, stderr), or None when the
         server could not take it (the caller runs a subprocess). Raises TimeoutExpired."""
-        req = {"argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
+        req = {"module": module, "argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
                "umask": _umask()}
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 open(os.devnull, "rb") as devnull, \
@@ -334,5 +335,25 @@ def _umask() -> int:
 SERVER = Server()
 
 
+def report() -> int:
+    """Print this process's state (what a forked child must share with a fresh process)."""
+    print(json.dumps({
+        "argv": sys.argv[1:], "cwd": os.getcwd(), "umask": _umask(),
+        "env": os.environ.get("FORKSERVER_PROBE"), "stdin": sys.stdin.read(),
+        "tty": [os.isatty(fd) for fd in (0, 1, 2)], "threads": _threads(),
+        "sigint": str(signal.getsignal(signal.SIGINT)),
+        "sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+        "sigchld": str(signal.getsignal(signal.SIGCHLD)),
+        "encoding": [sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors],
+    }, sort_keys=True))
+    print("to stderr", file=sys.stderr)
+    return 3
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--report"]:
+        raise SystemExit(report())
+    if sys.argv[1:2] == ["--sleep"]:  # a command that outlives its timeout
+        time.sleep(float(sys.argv[2]))
+        raise SystemExit(0)
     serve(sys.argv[1])
