@@ -51,6 +51,7 @@ from typing import Any
 _START_ENV_PREFIXES = ("PYTHON", "LC_", "LANG")
 _START_ENV_NAMES = frozenset({"LANGUAGE", "RECONCILER_LOCK_DIR", "TZ"})
 _NAMESPACES = ("net", "mnt", "pid", "user", "uts", "ipc")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _start_env(env: dict[str, str]) -> dict[str, str]:
@@ -234,7 +235,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.forkserver", self.path], env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            cwd=_REPO)
         self.start_env = _start_env(env)
         self.namespaces = _namespaces()
         self.uid = os.geteuid()
@@ -262,8 +263,9 @@ class Server:
         """Whether a fork of the server is the process ``env`` would start here."""
         if self.broken:
             return False
-        if self.proc is None:
-            return self.start(env)
+        if self.proc is None and not self.start(_base_env()):
+            return False
+        assert self.proc is not None
         if self.proc.poll() is not None:
             self.broken = True  # it died: real subprocesses from now on
             return False
@@ -322,6 +324,14 @@ class _Lines:
             self.buf += data
         line, _, self.buf = self.buf.partition(b"\n")
         return line.strip()
+
+
+def _base_env() -> dict[str, str]:
+    """The session's environment with this tree first on PYTHONPATH: what the server starts
+    with (not the first request's, which may carry a test's own variables)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, env.get("PYTHONPATH")]))
+    return env
 
 
 def _umask() -> int:
