@@ -162,10 +162,10 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
 
 def _serve_one(listener: socket.socket, conn: socket.socket) -> None:
     """Read one request; fork the waiter that forks and reports the command."""
+    fds: list[int] = []
     try:
         conn.settimeout(10)
         head = b""
-        fds: list[int] = []
         while not head.endswith(b"\n"):
             data, got, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
             if not data:
@@ -212,7 +212,10 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([listener], [], [], 1.0)
         if ready:
             conn, _ = listener.accept()
-            _serve_one(listener, conn)
+            try:
+                _serve_one(listener, conn)
+            except (OSError, ValueError):  # a client gone or garbled: it runs a subprocess
+                pass
     listener.close()
 
 
