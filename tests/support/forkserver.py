@@ -212,10 +212,9 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([listener], [], [], 1.0)
         if ready:
             conn, _ = listener.accept()
-            try:
+            # a client gone or garbled runs a subprocess; the server takes the next one
+            with contextlib.suppress(OSError, ValueError):
                 _serve_one(listener, conn)
-            except (OSError, ValueError):  # a client gone or garbled: it runs a subprocess
-                pass
     listener.close()
 
 
