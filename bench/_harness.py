@@ -40,11 +40,14 @@ MAX_PER_BRIDGE = 1000
 
 
 def alloc_yaml(n: int, prefix: str, cidr: str = "10.88.0.0/16", *, allocs: bool = True,
-               port_base: int = 20000, per_bridge: int = MAX_PER_BRIDGE) -> str:
+               port_base: int = 20000, per_bridge: int = MAX_PER_BRIDGE, ports: int = 2,
+               first_base: int | None = None) -> str:
     """``n`` allocs with 2 tcp port maps (host base+2i → 80, +1 → 443) on one bridge and subnet.
 
     Above ``per_bridge`` allocations, bridge/subnet k (``rbbr<k>``, the k-th /16 after
     ``cidr``) serves allocs k*per_bridge… — one bridge cannot hold more than 1023 ports.
+    ``ports`` other than 2: host base+ports*i+j → 80, 443, then 8002, 8003, …;
+    ``first_base``: alloc 0's host ports start there instead (one allocation's change).
     """
     net = ipaddress.ip_network(cidr)
     groups = max(1, -(-n // per_bridge))
@@ -61,10 +64,11 @@ def alloc_yaml(n: int, prefix: str, cidr: str = "10.88.0.0/16", *, allocs: bool 
     if allocs and n:
         lines.append("allocs:")
         for i in range(n):
-            h = port_base + 2 * i
+            h = port_base + ports * i if i or first_base is None else first_base
             k = i // per_bridge
-            lines += [f"  - id: {prefix}-{i}", f"    subnet: {SUBNET}{k or ''}", "    ports:",
-                      f"      - {{host: {h}, to: 80}}", f"      - {{host: {h + 1}, to: 443}}"]
+            lines += [f"  - id: {prefix}-{i}", f"    subnet: {SUBNET}{k or ''}", "    ports:"]
+            lines += [f"      - {{host: {h + j}, to: {(80, 443)[j] if j < 2 else 8000 + j}}}"
+                      for j in range(ports)]
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +182,8 @@ class Sandbox:
         self.prefix = f"{tag}{secrets.token_hex(3)}"
         self.host = f"{self.prefix}-host"
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        #: its own state directory (pending changes, plan files): never /var/lib/reconciler
+        self.env = {"RECONCILER_STATE_DIR": str(self.tmp / "state")}
         netns.create(self.host)
         self.host_inode = netns.namespace_inode(self.host)
         subprocess.run(["ip", "-n", self.host, "link", "set", "lo", "up"], check=True)
@@ -187,8 +193,9 @@ class Sandbox:
         path.write_text(text)
         return str(path)
 
-    def cli(self, *args: str, **kw: object) -> CliRun:
-        return run_cli(["--netns", self.host, *args], **kw)  # type: ignore[arg-type]
+    def cli(self, *args: str, env: dict[str, str] | None = None, **kw: object) -> CliRun:
+        return run_cli(["--netns", self.host, *args], env={**self.env, **(env or {})},
+                       **kw)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def agent(self, path: str, timeout: float = 120.0) -> Iterator[int]:
@@ -206,7 +213,7 @@ class Sandbox:
                 [sys.executable, "-m", "reconciler", "--netns", self.host, "watch", path,
                  "--status-addr", "off", "--allow-insecure-config", "--interval", "3600"],
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONPATH=src), cwd=src)
+                env=dict(os.environ, PYTHONPATH=src, **self.env), cwd=src)
         try:
             sock = socket_path(self.host_inode or 0)
             deadline = time.monotonic() + timeout
@@ -229,7 +236,7 @@ class Sandbox:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             if netns.is_namespace_mount(self.host):
-                run_cli(["--netns", self.host, "destroy", "--yes"], ok=(0, 1))
+                run_cli(["--netns", self.host, "destroy", "--yes"], ok=(0, 1), env=self.env)
         for name in self.leftovers():  # allocation namespaces, then the host (veths go with it)
             if name != self.host:
                 with contextlib.suppress(Exception):

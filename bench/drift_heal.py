@@ -1,6 +1,9 @@
 """Drift-to-healed latency of the watch agent: delete its bridge out of band, time the way back.
 
-Run as root: ``python bench/drift_heal.py [--runs 7] [--allocs 0] [--debounce-drift]``
+Run as root: ``python bench/drift_heal.py [--runs 7] [--allocs 0]``, and for the
+firewall (issue 26 item 6: a flush of our rules, ``nft flush ruleset``, a dockerd
+restart, a ufw reload, iptables-legacy drift; bench/_fwdrift.py says how):
+``python bench/drift_heal.py --firewall [--runs 5]``
 
 Everything happens in a throwaway "host" namespace ``rtb-<hex>``: the agent
 runs as ``python -m reconciler --netns rtb-<hex> watch DIR`` with a long
@@ -35,6 +38,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from reconciler.drivers import netns  # noqa: E402
 from reconciler.drivers.netlink import client as links  # noqa: E402
@@ -119,14 +123,25 @@ def fmt(values: list[float]) -> str:
     return f"{ms[0]:7.1f} / {statistics.median(ms):7.1f} / {ms[-1]:7.1f} ms"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--allocs", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("--firewall", action="store_true",
+                    help="the firewall reloads in coexistence cells instead (bench/_fwdrift.py)")
+    ap.add_argument("--reloads", nargs="+", default=None,
+                    help="with --firewall: which of flush-ours nft-flush dockerd ufw legacy "
+                         "(default all)")
+    args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("run as root (it creates a throwaway network namespace)", file=sys.stderr)
         return 1
+    if args.firewall:
+        import _fwdrift
+        chosen = set(args.reloads or _fwdrift.RELOADS)
+        if chosen - set(_fwdrift.RELOADS):
+            ap.error(f"--reloads: one of {' '.join(_fwdrift.RELOADS)}")
+        return _fwdrift.run(args.runs, chosen)
     tag = secrets.token_hex(3)
     host = f"rtb-{tag}"
     addr = f"127.0.0.1:{free_port()}"

@@ -119,6 +119,10 @@ def render(schema: Schema) -> str:
         "# yaml-language-server: $schema=<relative path to>/schemas/reconciler.schema.json",
         "```",
         "",
+        "What the commands print about these resources (a plan's attribute diffs, grouped "
+        "changes, `--compact`, `apply --output json` and `--probes all`): "
+        "[output.md](output.md).",
+        "",
         "## Top level",
         "",
     ]

@@ -11,6 +11,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from reconciler.ui import scale
+
+
+class TextLogFormatter(logging.Formatter):
+    """``TIME LEVEL message``, each line fitted to :data:`scale.WIDTH` characters (lists
+    elided with a count, SPEC §13); ``--log-format json`` keeps every character."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(scale.fit(line) for line in super().format(record).split("\n"))
+
 
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per line (journald/Loki friendly)."""
@@ -35,7 +48,7 @@ def configure_logging(fmt: str, verbose: int) -> None:
     if fmt == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(TextLogFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -35,6 +35,7 @@ from reconciler.ui.render import (
     plan_text,
     render_text,
     residual_error,
+    summary_line,
 )
 
 
@@ -45,7 +46,8 @@ def load_desired(paths: Sequence[str], args: argparse.Namespace | None = None) -
 
 def print_plan(plan: Plan, args: argparse.Namespace) -> None:
     """Print ``plan`` on stdout as ``--output`` asks."""
-    sys.stdout.write(plan_text(plan, args.output, colour=colour(args), verbose=args.verbose > 0))
+    sys.stdout.write(plan_text(plan, args.output, colour=colour(args), verbose=args.verbose > 0,
+                               compact=getattr(args, "compact", False)))
 
 
 def is_saved_plan(paths: Sequence[str]) -> bool:
@@ -161,8 +163,9 @@ def stopped(signals: list[int]) -> int:
 
 
 def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
-              saved: Plan | None = None) -> int:
-    """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code."""
+              saved: Plan | None = None, *, shown: bool = False) -> int:
+    """Apply ``desired`` (or ``saved``) under the host lock and report; the exit code.
+    ``shown``: the plan was just printed, with the question: it is not printed again."""
     from reconciler.cli import safe
     from reconciler.engine.impact import DisruptionError, refusal
     from reconciler.engine.lock import host_lock
@@ -204,20 +207,26 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         finally:
             rec.close_probes()
     if args.output == "json":
-        emit_json({"plan": result.plan.to_json(),
+        listed = getattr(args, "probes", "all")
+        emit_json({"counts": _counts(result, probe_view.counts(result.probes)),
+                   "ok": result.ok,
+                   "plan": result.plan.to_json(),
                    "outcomes": [{"kind": o.change.kind, "name": o.change.name,
                                  "action": o.change.action.value, "status": o.status,
                                  "error": o.error} for o in result.outcomes],
                    "residual": result.residual.to_json() if result.residual else None,
-                   "probes": probe_view.to_json(result.probes),
-                   "probe_seconds": round(result.probe_seconds, 4),
-                   "ok": result.ok})
+                   "probes": probe_view.to_json(result.probes, listed),
+                   "probes_listed": listed,
+                   "probe_seconds": round(result.probe_seconds, 4)})
     else:
-        sys.stdout.write(render_text(result.plan, colour=colour(args),
-                                     verbose=args.verbose > 0))
+        if shown:  # the plan stands above the question: only what it comes to
+            print(summary_line(result.plan))
+        else:
+            sys.stdout.write(render_text(result.plan, colour=colour(args),
+                                         verbose=args.verbose > 0,
+                                         compact=getattr(args, "compact", False)))
         if result.outcomes:
-            counts = {s: sum(1 for o in result.outcomes if o.status == s)
-                      for s in ("applied", "failed", "skipped")}
+            counts = _counts(result, {})
             print(f"Apply: {counts['applied']} applied, {counts['failed']} failed, "
                   f"{counts['skipped']} skipped.")
             for o in result.failed:
@@ -227,7 +236,7 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
     if result.residual is not None and result.residual.has_changes:
         print(f"error: {residual_error(result.residual)}", file=sys.stderr)
     for e in result.plan.errors:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # an error is one whole line
     for r in result.probe_failures:
         print(f"error: {probe_view.failure_line(r)}", file=sys.stderr)
     if signals:
@@ -236,6 +245,15 @@ def run_apply(args: argparse.Namespace, desired: DesiredState, options: Any,
         return stopped(signals)
     rc = EXIT_OK if result.ok else EXIT_ERROR
     return window.finish(result, rc) if window is not None else rc
+
+
+def _counts(result: Any, probes: dict[str, int]) -> dict[str, Any]:
+    """What an apply came to, first in its JSON: the plan's summary, the outcomes by status
+    and the probes by result."""
+    outcomes = {s: sum(1 for o in result.outcomes if o.status == s)
+                for s in ("applied", "failed", "skipped")}
+    return {**result.plan.summary(), **outcomes,
+            **({"probes": probes} if probes else {})}
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -263,7 +281,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
                                          "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:
-        return run_apply(args, desired, options, shown)
+        return run_apply(args, desired, options, shown, shown=shown is not None)
     except StalePlanError:
         if shown is None:
             raise
@@ -290,7 +308,8 @@ def cmd_destroy(args: argparse.Namespace) -> int:
                                            "nothing changed."), file=sys.stderr)
             return EXIT_ERROR
     try:
-        rc = run_apply(args, DesiredState(), options, shown)
+        rc = run_apply(args, DesiredState(), options, shown,
+                       shown=shown is not None and shown.has_changes)
     except StalePlanError:
         if shown is None:
             raise
@@ -345,7 +364,8 @@ def _show(plan: Plan, args: argparse.Namespace) -> None:
     """Print the plan a question is about (on stderr with ``--output json``: stdout stays
     one JSON document, the result's)."""
     if args.output == "json":
-        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0))
+        sys.stderr.write(plan_text(plan, "text", colour=colour(args), verbose=args.verbose > 0,
+                                   compact=getattr(args, "compact", False)))
     else:
         print_plan(plan, args)
 

@@ -161,7 +161,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"Config: matches ({plan.summary()['unchanged']} resources).")
     else:
         print("Config: differs from the files:")
-        sys.stdout.write(render_text(plan, colour=colour(args), verbose=args.verbose > 0))
+        sys.stdout.write(render_text(plan, colour=colour(args), verbose=args.verbose > 0,
+                                     compact=getattr(args, "compact", False)))
     if request is None:
         print("Probes: not run (--no-probe).")
     else:

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 #: --force-replace or --max-disruption, is planned in-process); tests/unit/cli checks that
 #: each is an option of the parser's
 ANSWERED = frozenset({"netns", "verbose", "output", "color", "no_agent", "out", "hostname",
-                      "adopt", "no_prune"})
+                      "adopt", "no_prune", "compact"})
 
 #: what the client reads itself and sends apart, not in the agent's argv
 _OWN = frozenset({"netns", "verbose", "color", "output"})
@@ -79,6 +79,7 @@ class PlanCall:
         self.verbose = 0
         self.color = "auto"
         self.no_agent = False
+        self.compact = False
         self.output = "text"
         self.out: str | None = None
         self.paths: list[str] = []
@@ -146,6 +147,8 @@ class PlanCall:
             self.output = value
         elif dest == "no_agent":
             self.no_agent = True
+        elif dest == "compact":
+            self.compact = True
         elif dest == "out":
             self.out = value
         if dest not in _OWN:

@@ -8,11 +8,13 @@ reason is for people; the executor only ever looks at the ops.
 
 Rendering for people lives in ``reconciler.ui.render``.
 
-See docs/decisions/006-plans-are-values.md.
+See docs/decisions/006-plans-are-values.md; attribute detail in JSON (a port map edit's
+maps) and ``within``: docs/decisions/050-output-that-scales.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import Counter
@@ -71,9 +73,39 @@ class Op:
 
 @dataclass(frozen=True)
 class AttrChange:
+    """One attribute of a resource, before and after; ``extra``: structured detail written
+    beside them in JSON (a port map edit's ``added`` and ``removed`` maps)."""
+
     field: str
     before: Json
     after: Json
+    extra: dict[str, Json] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Json]:
+        return {"field": self.field, "before": self.before, "after": self.after, **self.extra}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Json]) -> AttrChange:
+        return cls(raw["field"], raw["before"], raw["after"],
+                   {k: v for k, v in raw.items() if k not in ("field", "before", "after")})
+
+
+def port_map_json(text: str) -> dict[str, Json]:
+    """Read one port map as plans spell it (``8080/tcp->80``, ``53/udp->53@127.0.0.1``) into
+    its fields: ``{"host": 8080, "protocol": "tcp", "to": 80, "host_ip": null}``."""
+    hostpart, _, rest = text.partition("->")
+    host, _, proto = hostpart.partition("/")
+    to, _, host_ip = rest.partition("@")
+    return {"host": int(host), "protocol": proto, "to": int(to), "host_ip": host_ip or None}
+
+
+def ports_attr(before: list[str] | None, after: list[str] | None) -> AttrChange:
+    """Say how an allocation's port maps change: both lists (sorted), and in JSON the maps
+    ``added`` and ``removed`` as fields (SPEC §13)."""
+    old, new = set(before or ()), set(after or ())
+    return AttrChange("ports", before, after, {
+        "added": [port_map_json(m) for m in sorted(new - old)],
+        "removed": [port_map_json(m) for m in sorted(old - new)]})
 
 
 @dataclass(frozen=True)
@@ -152,6 +184,9 @@ class Change:
     warnings: tuple[str, ...] = ()
     #: what it disrupts (``planner.impact``); empty for what disrupts nothing
     impact: tuple[Impact, ...] = ()
+    #: the resource it sits in, for people (``bridge/apps`` for an allocation): identical
+    #: changes are grouped by it (``~ 40 allocs on bridge apps``); not part of the work
+    within: str | None = None
 
     @property
     def address(self) -> str:
@@ -161,22 +196,22 @@ class Change:
         return {
             "kind": self.kind, "name": self.name, "action": self.action.value,
             "reason": self.reason, "source": self.source,
-            "attrs": [{"field": a.field, "before": a.before, "after": a.after}
-                      for a in self.attrs],
+            "attrs": [a.to_json() for a in self.attrs],
             "ops": [o.to_json() for o in self.ops],
             "warnings": list(self.warnings),
             "impact": [i.to_json() for i in self.impact],
+            **({"within": self.within} if self.within else {}),
         }
 
     @classmethod
     def from_json(cls, raw: dict[str, Json]) -> Change:
         return cls(raw["kind"], raw["name"], Action(raw["action"]), raw.get("reason", ""),
-                   tuple(AttrChange(a["field"], a["before"], a["after"])
-                         for a in raw.get("attrs", [])),
+                   tuple(AttrChange.from_json(a) for a in raw.get("attrs", [])),
                    tuple(Op.from_json(o) for o in raw.get("ops", [])), raw.get("source"),
                    tuple(raw.get("warnings", [])),
                    # plans saved before impact was planned have none
-                   tuple(Impact.from_json(i) for i in raw.get("impact") or ()))
+                   tuple(Impact.from_json(i) for i in raw.get("impact") or ()),
+                   raw.get("within") if isinstance(raw.get("within"), str) else None)
 
 
 def _files(raw: Json) -> tuple[tuple[str, str], ...]:
@@ -267,14 +302,16 @@ class Plan:
     def same_work(self, other: Plan) -> bool:
         """Return True when both plans would run the same ops on the same live state.
 
-        Where a resource was declared (``source``) is for people and may be
-        spelled differently (relative vs absolute path): it is not compared. Nor is
+        Where a resource was declared (``source``) and what it sits in (``within``) are for
+        people and may be
+        spelled differently (relative vs absolute path): they are not compared. Nor is
         the impact: it follows from the files and the live state the fingerprint
         covers, but for its flow counts, which move on their own (and a plan saved
         before impact was planned has none).
         """
         def work(plan: Plan) -> list[dict[str, Json]]:
-            return [{k: v for k, v in c.to_json().items() if k not in ("source", "impact")}
+            return [{k: v for k, v in c.to_json().items()
+                     if k not in ("source", "impact", "within")}
                     for c in plan.changes if c.action is not Action.NOOP]
 
         return work(self) == work(other) and self.live_fingerprint == other.live_fingerprint

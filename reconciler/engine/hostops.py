@@ -48,6 +48,7 @@ from reconciler.drivers.docker.replacement import Replacement
 from reconciler.drivers.docker.results import EnsureResult
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
+from reconciler.engine import optiming
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.journal import DOCKER, Journal, Journals, ReplaceSteps
 
@@ -87,7 +88,8 @@ class HostOps:
 
     def run(self, op: Op) -> None:
         """Perform one plan op; ``OpError`` if it is not one of ours or is malformed."""
-        self.perform(decode(op))
+        typed = decode(op)
+        optiming.timed(op.name, lambda: self.perform(typed))
 
     def perform(self, op: TypedOp) -> None:
         """Perform one typed op: one case per op class (mypy checks that none is missing)."""

@@ -189,8 +189,16 @@ def _plan_facts(g: Graph, plan: Plan) -> None:
                        for a in attrs if a.after is not None and a.field not in edge
                        for v in _fmt(a.after)]
         elif c.action in (Action.UPDATE, Action.REPLACE):
-            n.facts += [f"{a.field}: {' '.join(_fmt(a.before))} → {' '.join(_fmt(a.after))}"
-                        for a in attrs]
+            for a in attrs:
+                if a.field == "ports" and isinstance(a.before, list) and isinstance(a.after, list):
+                    # the maps it loses give way to the edit: old ⇒ new (SPEC §13)
+                    gone = [m for m in a.before if m not in a.after]
+                    new = [m for m in a.after if m not in a.before]
+                    n.facts = [f for f in n.facts if f not in _fmt(gone)]
+                    n.facts.append(f"ports: {', '.join(_fmt(gone))} ⇒ {', '.join(_fmt(new))}")
+                else:
+                    n.facts.append(f"{a.field}: {' '.join(_fmt(a.before))} → "
+                                   f"{' '.join(_fmt(a.after))}")
         elif c.action is Action.CONFLICT or (c.action is Action.NOOP and not n.live
                                              and c.reason):
             # why apply cannot (a conflict) or will not (blocked by one) touch it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 GLOBAL: dict[str, tuple[str, str]] = {
     "--color": ("color", "value"),
+    "--compact": ("compact", "true"),
     "--netns": ("netns", "value"),
     "--no-color": ("color", "const:never"),
     "--output": ("output", "value"),
@@ -19,6 +20,7 @@ GLOBAL: dict[str, tuple[str, str]] = {
 PLAN: dict[str, tuple[str, str]] = {
     "--adopt": ("adopt", "value"),
     "--color": ("color", "value"),
+    "--compact": ("compact", "true"),
     "--force-replace": ("force_replace", "true"),
     "--hostname": ("hostname", "value"),
     "--max-disruption": ("max_disruption", "value"),

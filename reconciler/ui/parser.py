@@ -75,6 +75,14 @@ def _probe_options(sp: argparse.ArgumentParser, no_probe: str) -> None:
     sp.add_argument("--probe-timeout", type=duration, default=1.0, metavar="DURATION",
                     help="how long each probe waits for its packet (default 1s)")
 
+def _probes_shown(sp: argparse.ArgumentParser) -> None:
+    """Add `--probes`, what `apply --output json` lists of the probes (`verify` lists all:
+    they are what it is for)."""
+    sp.add_argument("--probes", choices=("failed", "all"), default="failed",
+                    help="which probe results --output json lists: the ones that failed "
+                         "(default; the counts cover all) or all of them")
+
+
 def _count(text: str) -> int:
     """Parse a whole number of items, 0 or more (an argparse ``type``)."""
     try:
@@ -176,6 +184,9 @@ def _global_options(p: argparse.ArgumentParser, mark: Marker, *, sub: bool) -> N
                         "NO_COLOR is unset)")
     p.add_argument("--no-color", dest="color", action="store_const", const="never",
                    default=unset, help="no colour (as --color never)")
+    p.add_argument("--compact", action="store_true", default=default(False),
+                   help="text output as counts only, for CI logs: what each action does to "
+                        "how many of each kind, errors and conflicts, the summary")
 
 
 def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
@@ -193,8 +204,8 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                "  reconcile verify /etc/reconciler                config matches, packets flow?\n"
                "  reconcile watch /etc/reconciler                 keep this host converged\n"
                "\n"
-               "Global options (--netns, -v, --output, --color, --no-color) go before or\n"
-               "after COMMAND; `reconcile COMMAND --help` shows the rest.\n"
+               "Global options (--netns, -v, --output, --color, --no-color, --compact) go\n"
+               "before or after COMMAND; `reconcile COMMAND --help` shows the rest.\n"
                "Exit codes: 0 success or no changes, 2 changes present (plan), 1 error\n"
                "(verify: 1 when the config differs or a probe fails).")
     p.add_argument("--version", action="version", version=f"reconcile {__version__}",
@@ -282,6 +293,7 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
                          "reverter restores the owned state from before it "
                          "(docs/safe-change.md)")
     _probe_options(sp, "do not probe after applying (the configuration is still verified)")
+    _probes_shown(sp)
     _max_disruption(sp, "nothing is changed, exit 1")
 
     sp = sub.add_parser(

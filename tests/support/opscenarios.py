@@ -8,7 +8,9 @@ live fingerprints they feed, of subnet isolation and the loopback guard), and fo
 issue 13 (stable MACs: bridges and eth0 made with a MAC, pins, neighbour entries;
 ``plans-before-stable-macs.json`` keeps the plans before it, which must still
 decode), and for issue 13 item 6 (our neighbour entries, exempt from the kernel's GC,
-deleted with their allocation or as orphans: ``neigh.delete``); ``test_ops`` checks that today's planner prints the same bytes and that every
+deleted with their allocation or as orphans: ``neigh.delete``), and for issue 27 (port
+maps shown on the allocation: the ``added``/``removed`` maps of a ``ports`` attribute, and
+``within``, the bridge an allocation sits in); ``test_ops`` checks that today's planner prints the same bytes and that every
 op survives decode and encode unchanged.
 Regenerate (only for a deliberate change of the plan format) with
 ``python -m tests.support.opscenarios > tests/unit/domain/fixtures/ops/plans.json``.
@@ -239,4 +241,4 @@ def plan_json(plan: Plan) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps({name: p.to_json() for name, p in scenarios()}, indent=2))
+    print(json.dumps({name: json.loads(plan_json(p)) for name, p in scenarios()}, indent=2))

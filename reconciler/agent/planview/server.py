@@ -240,7 +240,8 @@ class PlanServer:
         except ReconcilerError as exc:
             raise Declined(f"the CLI reports this error: {exc}") from None
         text = plan_text(plan, args.output, colour=bool(request.get("colour")),
-                             verbose=int(request.get("verbose", 0)) > 0)
+                         verbose=int(request.get("verbose", 0)) > 0,
+                         compact=getattr(args, "compact", False))
         reply: dict[str, Any] = {"status": "ok", "stdout": text, "rc": plan_exit(plan),
                                  "view": how}
         if args.out:

@@ -101,8 +101,9 @@ def assign_addresses(ctx: PlanContext) -> dict[str, tuple[IPAddr | None, IPAddr 
 # ------------------------------------------------------------------ host ports
 
 
-def _live_dnat(ctx: PlanContext) -> dict[str, list[Mapped]]:
-    """Read the live DNAT rules per alloc id, from their comments (both families)."""
+def live_port_maps(ctx: PlanContext) -> dict[str, list[Mapped]]:
+    """Read the live port maps per alloc id (both families; one map per family), from the
+    live DNAT rules: what auto ports keep and what the plan shows an allocation had."""
     out: dict[str, list[Mapped]] = {}
     rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
              *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
@@ -148,7 +149,7 @@ def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
                             f"alloc {a.id!r} ({a.source}): host port {p.host}/{proto} is already "
                             f"published by Docker (nat/DOCKER: DNAT to {docker[(proto, p.host)]})")
     busy = used | set(ctx.live.listening) | set(docker)
-    live = _live_dnat(ctx)
+    live = live_port_maps(ctx)
     chosen: dict[tuple[str, int], int] = {}
     for a in allocs:  # pass 1: keep live auto ports
         for i, p in enumerate(a.ports):

@@ -26,9 +26,14 @@ from reconciler.domain.ownership import (
     alloc_ns_marks,
     alloc_veth_name,
 )
-from reconciler.domain.plan import Action, AttrChange, Change, Op
+from reconciler.domain.plan import Action, AttrChange, Change, Op, ports_attr
 from reconciler.planner import firewall
-from reconciler.planner.allocs.ipam import Mapped, assign_addresses, assign_ports
+from reconciler.planner.allocs.ipam import (
+    Mapped,
+    assign_addresses,
+    assign_ports,
+    live_port_maps,
+)
 from reconciler.planner.allocs.live import (
     IPAddr,
     describe_link,
@@ -104,9 +109,11 @@ def _view(ctx: PlanContext, aid: str) -> object:
 def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | None],
                maps: list[Mapped], clash: str | None = None,
                seen: frozenset[tuple[int | None, str]] = frozenset(),
-               left: Sequence[StaleNeighbour] = ()) -> Change:
+               left: Sequence[StaleNeighbour] = (),
+               had: Sequence[Mapped] | None = None) -> Change:
     """Plan the change of one declared allocation. ``seen``: :func:`seen_addresses`; ``left``:
-    our neighbour entries of its MAC for addresses it no longer has (deleted)."""
+    our neighbour entries of its MAC for addresses it no longer has (deleted); ``had``: its
+    live port maps (``ipam.live_port_maps``), None when the firewall could not be read."""
     s = ctx.desired.subnets[a.subnet]
     b = ctx.desired.bridges[s.bridge]
     src = str(a.source)
@@ -132,8 +139,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     attach = AllocAttach(a.id, veth_name, b.name, b.mtu, hairpin, mac=derived_mac)
     mark = alloc_ns_alias(ctx.live.host_id)
     configure = AllocConfigure(a.id, tuple(want), tuple(gateways), b.mtu, v6 is not None, mark)
-    ports = sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
-                   for m in maps)
+    ports = _spelled(maps)
     ns = ctx.live.netns.get(a.id)
     veth = ctx.live.links.get(veth_name)
     if is_own_namespace(ctx, ns):
@@ -166,7 +172,7 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         configure = dataclasses.replace(configure, announce=announce)
         attrs = (AttrChange("subnet", None, s.name), AttrChange("address", None, want[0]),
                  *((AttrChange("address6", None, want[1]),) if len(want) > 1 else ()),
-                 *((AttrChange("ports", None, ports),) if ports else ()),
+                 *((ports_attr(None, ports),) if ports else ()),
                  AttrChange("mac", None, derived_mac))
         neigh_attrs, neigh_ops = neighbour_ops(ctx, a, b.name, addrs, derived_mac, left)
         attrs += tuple(neigh_attrs)
@@ -175,9 +181,10 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
         if ns is not None:
             return Change("alloc", a.id, Action.REPLACE,
                           f"/run/netns/{a.id} exists but is not a live namespace",
-                          attrs, made, src)
+                          attrs, made, src, within=f"bridge/{b.name}")
         reason = "not present" if veth is None else "namespace missing (veth left behind)"
-        return Change("alloc", a.id, Action.CREATE, reason, attrs, made, src)
+        return Change("alloc", a.id, Action.CREATE, reason, attrs, made, src,
+                      within=f"bridge/{b.name}")
     if not is_ours(ctx, ns) and not ctx.adopted("alloc", a.id):
         ctx.blocked.add(f"alloc/{a.id}")
         return Change("alloc", a.id, Action.CONFLICT,
@@ -281,11 +288,28 @@ def plan_alloc(ctx: PlanContext, a: Alloc, addrs: tuple[IPAddr | None, IPAddr | 
     neigh_attrs, neigh_ops = neighbour_ops(ctx, a, b.name, addrs, eth0_mac, left)
     attrs_l += neigh_attrs
     ops += neigh_ops
-    if not ops:
+    was = None if had is None else _spelled(dict.fromkeys(had))
+    now = _spelled(m for m in maps if _readable(ctx, m))
+    if was is not None and was != now:
+        # the firewall change makes it; shown here, on the allocation it belongs to (SPEC §13,
+        # docs/decisions/050-output-that-scales.md)
+        attrs_l.append(ports_attr(was, now))
+    if not attrs_l:
         return Change("alloc", a.id, Action.NOOP, source=src)
     return Change("alloc", a.id, Action.UPDATE,
                   "changed: " + ", ".join(dict.fromkeys(x.field for x in attrs_l)),
-                  tuple(attrs_l), tuple(ops), src)
+                  tuple(attrs_l), tuple(ops), src, within=f"bridge/{b.name}")
+
+
+def _readable(ctx: PlanContext, m: Mapped) -> bool:
+    """Tell whether the live rules of ``m`` could be read (an IPv6 host_ip's are IPv6 only)."""
+    return ctx.live.firewall6.available or m.host_ip is None or m.host_ip.version == 4
+
+
+def _spelled(maps: Iterable[Mapped]) -> list[str]:
+    """Spell port maps as plans show them, sorted: ``8080/tcp->80``, ``53/udp->53@127.0.0.1``."""
+    return sorted(f"{m.host}/{m.proto}->{m.to}" + (f"@{m.host_ip}" if m.host_ip else "")
+                  for m in maps)
 
 
 def plan_pruned(ctx: PlanContext,
@@ -337,6 +361,8 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     neighbour_table_warnings(ctx)
     addrs = assign_addresses(ctx)
     ports = assign_ports(ctx)
+    # the port maps each allocation has: unknown where the IPv4 firewall could not be read
+    had = live_port_maps(ctx) if ctx.live.firewall4.available else None
     if ctx.fatal:
         return []
     changes = []
@@ -349,7 +375,7 @@ def plan_allocs(ctx: PlanContext) -> list[Change]:
     for aid in sorted(ctx.desired.allocs):
         a = ctx.desired.allocs[aid]
         change = plan_alloc(ctx, a, addrs[aid], ports[aid], clashes.get(aid), seen,
-                            gone.get(aid, ()))
+                            gone.get(aid, ()), None if had is None else had.get(aid, []))
         changes.append(change)
         if change.action is Action.CONFLICT or f"subnet/{a.subnet}" in ctx.blocked:
             continue  # nothing of a blocked alloc reaches the firewall

@@ -87,6 +87,9 @@ def test_destroy_asks_on_a_terminal_and_only_yes_goes_on(host_ns: Netns,
     rc, screen = on_a_terminal(host_ns.name, "destroy", answer="yes")
     assert rc == 0, screen
     assert host_ns.link(br) is None
+    # the plan stands above the question: after the answer only what it came to (SPEC §13)
+    assert screen.count(f"- bridge {br}: no longer declared") == 1, screen
+    assert screen.count("Plan: 0 to create") == 2, screen
 
 
 def test_destroy_never_asks_with_yes_or_without_a_terminal(host_ns: Netns,
@@ -129,6 +132,7 @@ def test_apply_asks_on_a_terminal_before_it_deletes(host_ns: Netns, tmp_path: An
     rc, screen = on_a_terminal(host_ns.name, "apply", "--no-probe", one, answer="yes")
     assert rc == 0, screen
     assert host_ns.link(br2) is None and host_ns.mtu(br) == 1400
+    assert screen.count(f"- bridge {br2}: no longer") == 1, screen  # not again after "yes"
 
 
 def test_apply_never_asks_with_yes_without_a_terminal_or_for_a_saved_plan(

@@ -83,6 +83,36 @@ def test_apply_probes_what_it_changed(host_ns: Netns, tmp_path: Any) -> None:
     assert doc["ok"] and doc["probes"] == [] and doc["outcomes"] == []
 
 
+def test_apply_json_counts_first_lists_failed_probes_and_shows_the_moved_map(
+        host_ns: Netns, tmp_path: Any) -> None:
+    """SPEC §13: a port map edit is on the allocation (old and new maps); apply --output json
+    starts with the counts and lists the probes that failed (none here) unless --probes all."""
+    alloc = unique("v")
+    assert host_ns.reconcile("apply", _cfg(tmp_path, alloc)).rc == 0
+    with open(_cfg(tmp_path, alloc, name="moved.yaml")) as fh:
+        moved = write(tmp_path, "moved.yaml",
+                      fh.read().replace(f"host: {HOST_PORT}", f"host: {HOST_PORT + 1}"))
+    r = host_ns.reconcile("plan", moved, "--no-agent")
+    assert r.rc == 2 and (f"  ~ alloc {alloc}: changed: ports\n      ports: "
+                          f"{HOST_PORT}/tcp->{TO} => {HOST_PORT + 1}/tcp->{TO}\n") in r.out, r.out
+    r = host_ns.reconcile("apply", moved, "--output", "json")
+    assert r.rc == 0, r.all
+    doc = json.loads(r.out)
+    assert list(doc)[:2] == ["counts", "ok"] and doc["ok"] is True
+    counts = doc["counts"]
+    assert counts["applied"] >= 2 and counts["failed"] == 0, counts  # the alloc, the firewall
+    assert counts["probes"]["held"] > 0 and counts["probes"]["failed"] == 0, counts
+    assert doc["probes"] == [] and doc["probes_listed"] == "failed"
+    (change,) = [c for c in doc["plan"]["changes"] if c["kind"] == "alloc"]
+    (ports,) = change["attrs"]
+    assert ports["removed"] == [{"host": HOST_PORT, "protocol": "tcp", "to": TO, "host_ip": None}]
+    assert ports["added"] == [{"host": HOST_PORT + 1, "protocol": "tcp", "to": TO,
+                               "host_ip": None}]
+    r = host_ns.reconcile("apply", _cfg(tmp_path, alloc), "--output", "json", "--probes", "all")
+    doc = json.loads(r.out)
+    assert r.rc == 0 and len(doc["probes"]) == doc["counts"]["probes"]["total"] > 0, r.all
+
+
 @pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_failed_probe_fails_the_apply_naming_alloc_path_and_cause(host_ns: Netns,
                                                                      tmp_path: Any) -> None:

@@ -1,4 +1,4 @@
-"""Global options (--netns, -v, --output, --color, --no-color) before or after the command:
+"""Global options (--netns, -v, --output, --color, --no-color, --compact) before or after the command:
 every command × every position, through the one parser and, for `plan`, the fast path."""
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ OPTIONS = {
     "output": (["--output", "json"], {"output": "json"}),
     "color": (["--color", "always"], {"color": "always"}),
     "no-color": (["--no-color"], {"color": "never"}),
+    "compact": (["--compact"], {"compact": True}),
 }
 
 #: where the option stands: before the command, right after it, after its arguments
 POSITIONS = ("before", "after-command", "at-end")
 
-DEFAULTS = {"netns": None, "verbose": 0, "output": "text", "color": "auto"}
+DEFAULTS = {"netns": None, "verbose": 0, "output": "text", "color": "auto", "compact": False}
 
 
 def _argv(command: str, option: list[str], position: str) -> list[str]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 from typing import Any
 
 import pytest
 
 from reconciler.domain.ops import OPS, OpError
 from reconciler.domain.plan import Op
-from reconciler.engine import hostops
+from reconciler.engine import hostops, optiming
 from reconciler.engine.handles import HostHandles
 from reconciler.engine.hostops import HostOps
 from tests.support.opscenarios import recorded_ops
@@ -141,3 +143,19 @@ def test_an_op_that_does_not_decode_reaches_no_driver(calls: Calls) -> None:
     with pytest.raises(OpError, match="addr.add: malformed arguments"):
         ops.run(Op("addr.add", {"link": "br0", "address": "10.0.0.300/24"}))
     assert log == []
+
+
+def test_the_bench_timing_hook_records_each_firewall_op_and_nothing_else(
+        calls: Calls, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, log = calls
+    path = tmp_path / "times.jsonl"
+    ops.run(Op("firewall.restore", {"family": 4, "script": "*filter\nCOMMIT\n"}))
+    assert not path.exists()  # off unless the bench asks for it
+    monkeypatch.setenv(optiming.ENV, str(path))
+    ops.run(Op("firewall.restore", {"family": 4, "script": "*filter\nCOMMIT\n"}))
+    ops.run(Op("link.delete", {"name": "x0"}))
+    assert [c[:2] for c in log] == [("ipt4", "restore"), ("ipt4", "restore"),
+                                    ("netlink", "delete_link")]
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["op"] for r in recs] == ["firewall.restore"]
+    assert recs[0]["seconds"] >= 0 and recs[0]["pid"] == os.getpid()

@@ -402,3 +402,17 @@ def test_docker_inspect_containers_become_endpoints_by_name():
     assert net.endpoints == (LiveEndpoint("aaaaaaaaaaaa", "172.30.0.3", None, ("172.30.0.3/16",)),
                              LiveEndpoint("web", "172.30.0.2", "fc00::2",
                                           ("172.30.0.2/16", "fc00::2/64")))
+
+
+def test_a_port_map_edit_colours_the_allocation_and_labels_old_and_new(tmp_path):
+    """SPEC §13: the node of the allocation whose map moves is filled and says old ⇒ new; the
+    map it loses is no longer drawn as if it stayed."""
+    live = a_host()
+    desired = declared(tmp_path, FILES.replace("host: 8080", "host: 8082"))
+    plan = make_plan(desired, live)
+    nodes = svg_nodes(graph.dot(live_topology(live), desired, plan, actions=True))
+    web = texts(nodes["alloc/web-1"])
+    assert web[0] == "~ alloc web-1"
+    assert graph.STYLE[Action.UPDATE][0] in fills(nodes["alloc/web-1"])
+    assert "ports: 8080/tcp → 80 ⇒ 8082/tcp → 80" in web, web
+    assert "8080/tcp → 80" not in web and "5353/udp → 53@127.0.0.1" in web
