@@ -2,7 +2,7 @@
 
 Run as root (it uses a throwaway network namespace as "the host" and the local
 dockerd): ``python bench/soak_crash.py [--trials 50] [--allocs 200]
-[--networks 5] [--seed 7]``. tests/integration/test_crash.py runs a few small
+[--networks 5] [--seed 7]``. tests/integration/crash/test_crash.py runs a few small
 trials of the same engine in CI.
 
 Each trial runs ``python -m reconciler -v --netns H <cmd>`` as a subprocess and

@@ -2,15 +2,15 @@
 attached, under load, at seeded random steps; the next plain `apply` must reattach them all.
 
 Run as root with the local dockerd and an image that has busybox's ``sleep`` and
-``ping`` (tests/integration/docker_fixtures.py builds ``reconciler-test-busybox:1``):
+``ping`` (tests/support/dockerscratch.py builds ``reconciler-test-busybox:1``):
 ``python bench/soak_replace.py [--trials 50] [--containers 4] [--allocs 20] [--seed 7]``.
-tests/integration/test_crash.py runs a few trials in CI.
+tests/integration/crash/test_crash.py runs a few trials in CI.
 
 One throwaway network namespace is the host (``soak_crash.Host``). Every trial flips
 the network's MTU (1400 <-> 1450: Docker cannot change it in place, so it is a replace)
 and the allocations between all and half of them, so the killed run has host work
 around the replace; the containers ping each other throughout (the load a replace
-interrupts). The run is killed (``tests/integration/killpoints.py``) just before or
+interrupts). The run is killed (``tests/support/killpoints.py``) just before or
 right after one randomly chosen daemon request of the replace: a disconnect, the
 removal, the create or a reconnect. Then ``apply`` runs to completion, and with
 `docker inspect` (not our observer) every container must be on the network of that

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
+from tests.support import cli
+from tests.support.forkserver import SERVER
 from tests.support.host import SESSION, is_root
 
 #: where pytest's tmp_path directories go when /tmp is the default: the watch agent refuses
@@ -32,3 +35,17 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["RECONCILER_STATE_DIR"] = os.path.join(TRUSTED_TEMPROOT, f"state-{SESSION}")
         config.add_cleanup(lambda: shutil.rmtree(os.environ["RECONCILER_STATE_DIR"],
                                                  ignore_errors=True))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    SERVER.stop()  # the fork server of tests/support/cli.py, if the session started one
+
+
+@pytest.fixture(autouse=True)
+def real_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``real_process`` runs its ``reconcile(...)`` as real subprocesses."""
+    cli.REAL_PROCESS["on"] = request.node.get_closest_marker("real_process") is not None
+    try:
+        yield
+    finally:
+        cli.REAL_PROCESS["on"] = False

@@ -21,7 +21,7 @@ whether its loop is alive, so a test can pin every reason without an agent.
 
 The seam with safe change (SPEC §8): ``pending`` and ``reverted_revision`` are keys
 that branch writes into the status document (absent = null until then). Their
-reasons are pinned on hand-made documents in tests/unit/test_readiness.py; once the
+reasons are pinned on hand-made documents in tests/unit/agent/test_readiness.py; once the
 agent writes them, a test must reach them through the agent's real document, as
 ``test_status_shape`` does for every other key (its ``SEAM`` set goes away then).
 

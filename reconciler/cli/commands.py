@@ -6,7 +6,7 @@ Commands import what only they need inside themselves: `validate`, `status`
 and `completion` start without the engine, the planner and the agent (~50 ms
 of imports for the engine and planner, ~0.14 s for the agent's modules:
 ``python -X importtime``), and `watch` alone loads prometheus_client and
-watchdog. tests/unit/test_layers.py checks what stays out.
+watchdog. tests/unit/project/test_layers.py checks what stays out.
 
 See docs/decisions/007-start-up-costs.md.
 """

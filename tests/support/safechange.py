@@ -127,6 +127,23 @@ def pending_record(host: Netns) -> dict[str, Any] | None:
         return None
 
 
+def make_overdue(host: Netns) -> dict[str, Any]:
+    """Move the pending record's deadline into the past (the tests' clock seam): what a
+    window waited out would leave, without waiting it out. Only for a record whose reverter
+    is gone; the window's own timing is tested with real windows (tests/integration/
+    safe_change/test_window.py)."""
+    path = os.path.join(scope_dir(host), "pending.json")
+    with open(path) as fh:
+        rec: dict[str, Any] = json.load(fh)
+    rec["deadline"] = min(rec["deadline"], time.time() - 0.5)
+    tmp = path + ".test-tmp"
+    with open(tmp, "w") as fh:
+        json.dump(rec, fh)
+    os.chmod(tmp, os.stat(path).st_mode & 0o777)
+    os.replace(tmp, path)
+    return rec
+
+
 def reverts(host: Netns) -> dict[str, Any]:
     try:
         with open(os.path.join(scope_dir(host), "reverts.json")) as fh:

@@ -230,6 +230,7 @@ def test_auto_picks_are_clear_of_the_host_stable_and_kept_when_more_are_declared
     assert host_ns.reconcile("plan", path).rc == 0
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_an_exhausted_pool_is_a_plan_error_naming_the_pool(host_ns: Netns, tmp_path):
     pool = f"10.{random.randint(100, 199)}.{random.randint(0, 255)}.0/24"
     link = foreign_link(host_ns)
@@ -330,6 +331,7 @@ def test_the_agent_reports_a_foreign_overlap_within_a_second(host_ns: Netns, tmp
 
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_the_address_space_example_applies_and_converges(host_ns: Netns, tmp_path):
     import yaml
 

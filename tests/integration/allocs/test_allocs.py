@@ -358,6 +358,7 @@ def test_declared_address_takes_over_and_the_holder_moves(host_ns: Netns, tmp_pa
     assert addrs_of(a1, version=4) == ["10.77.0.3/24"]  # the old address is gone
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_exhausted_range_is_a_plan_error_and_changes_nothing(host_ns: Netns, tmp_path):
     a0, a1, a2 = alloc_ids(3)
     small = config(tmp_path, [{"id": a0}, {"id": a1}], rng=("10.77.0.10", "10.77.0.11"),
@@ -385,6 +386,7 @@ def test_ipv6_exhaustion_names_the_family(host_ns: Netns, tmp_path):
     assert r.rc == 1 and "IPv6" in r.err and a2 in r.err, r.all
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_host_port_already_listening_is_a_plan_error(host_ns: Netns, tmp_path):
     (aid,) = alloc_ids(1)
     path = config(tmp_path, [{"id": aid, "ports": [{"host": 8080, "to": 80}]}])

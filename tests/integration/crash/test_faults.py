@@ -127,6 +127,7 @@ def test_held_xtables_lock_is_waited_for(host_ns: Netns, tmp_path):
 @pytest.mark.parametrize("fault", ["netns.create:2", "alloc.attach:2", "alloc.configure:3",
                                    "link.add_bridge:1", "addr.add:1", "firewall.restore:1",
                                    "netns.delete:1"])
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_injected_driver_error_is_reported_and_the_next_run_converges(
         host_ns: Netns, tmp_path, fault: str):
     cfg = before = state(tmp_path)

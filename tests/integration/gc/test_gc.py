@@ -64,7 +64,7 @@ def gc(ns: Netns, run_dir: Path, *args: str) -> Result:
 
 
 def with_kill(ns: Netns, run_dir: Path, fault: str, *args: str) -> Result:
-    """`reconcile ARGS` in ``ns``, killed -9 at ``fault`` (tests/integration/faults.py)."""
+    """`reconcile ARGS` in ``ns``, killed -9 at ``fault`` (tests/support/faults.py)."""
     p = subprocess.run([sys.executable, "-m", "tests.support.faults", fault,
                         "--netns", ns.name, *args], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "RECONCILER_LOCK_DIR": str(run_dir)})
@@ -107,6 +107,7 @@ def holder() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait()
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         host_ns: Netns, run_dir: Path, tmp_path: Path,
         holder: list[subprocess.Popen[bytes]]) -> None:
@@ -339,6 +340,7 @@ def killed(ns: Netns, run_dir: Path, spec: str, *args: str) -> Result:
     return Result(p.returncode, p.stdout, p.stderr)
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 @pytest.mark.docker
 def test_gc_finishes_an_interrupted_replace_before_it_collects(
         host_ns: Netns, run_dir: Path, docker_scratch_image: DockerScratch, tmp_path: Path) -> None:

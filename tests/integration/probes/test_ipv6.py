@@ -188,6 +188,7 @@ def test_ipv6_forwarding_off_is_named_on_the_ipv6_external_path(
     assert failures(run_probes(host_ns, path, external=True, allocs={a0})) == []
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_declared_prefix_on_the_reserved_ipv6_pair_is_a_conflict(
         host_ns: Netns, tmp_path: object) -> None:
     cfg = write(tmp_path, "v6.yaml", "\n".join((

@@ -113,6 +113,7 @@ def test_apply_json_counts_first_lists_failed_probes_and_shows_the_moved_map(
     assert r.rc == 0 and len(doc["probes"]) == doc["counts"]["probes"]["total"] > 0, r.all
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_failed_probe_fails_the_apply_naming_alloc_path_and_cause(host_ns: Netns,
                                                                      tmp_path: Any) -> None:
     """A foreign raw DROP on the host port is outside what the config covers: apply converges
@@ -181,6 +182,7 @@ def test_verify_exit_codes_output_and_json_shape(host_ns: Netns, tmp_path: Any) 
     assert _state(host_ns)[0] == before[0], "verify changed the rules"
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_verify_of_a_file_that_does_not_load_is_one_line(host_ns: Netns, tmp_path: Any) -> None:
     bad = write(tmp_path, "bad.yaml", "version: 1\nbridges: [{name: 1}]\n")
     r = host_ns.reconcile("verify", bad)

@@ -23,6 +23,7 @@ from tests.support.safechange import (
     alive,
     apply_ok,
     diff,
+    make_overdue,
     pending_record,
     reverts,
     setup_change,
@@ -34,14 +35,14 @@ pytestmark = pytest.mark.root
 
 
 def _overdue_without_reverter(box: Netns, cfg: str) -> dict[str, Any]:
-    """Apply ``cfg`` under a 1 s window, kill its reverter and wait past the deadline: the
-    next command is the one that must revert it."""
+    """Apply ``cfg`` under a 1 s window, kill its reverter and move the deadline into the
+    past (``make_overdue``): the next command is the one that must revert it."""
     apply_ok(box, cfg, "--confirm-within", "1s")
     rec = pending_record(box)
     assert rec is not None
     os.kill(rec["reverter_pid"], signal.SIGKILL)
     assert wait_gone(rec["reverter_pid"])
-    time.sleep(max(0.0, rec["deadline"] - time.time()) + 0.2)
+    rec = make_overdue(box)
     assert pending_record(box) is not None
     return rec
 

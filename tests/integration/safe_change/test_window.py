@@ -207,6 +207,7 @@ def test_probes_failing_inside_the_window_revert_early(box: Netns, tmp_path: Any
     assert pending_record(box) is None and reverts(box)["last_reason"] == "probes failed"
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_checkpoint_that_cannot_be_written_changes_nothing(box: Netns, tmp_path: Any) -> None:
     _a, b, before, _extra = setup_change(box, tmp_path)
     full = tmp_path / "full"

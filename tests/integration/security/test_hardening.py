@@ -117,7 +117,8 @@ def test_a_link_that_flips_into_a_directory_others_can_write_is_refused(host_ns:
         agent.wait(lambda: agent.status().get("config_error"), 20, "the config error")
         err = agent.status()["config_error"]["message"]
         assert err.startswith(f"{ww} (on the way to ") and "refusing to watch" in err, err
-        time.sleep(2.5)  # a resync more
+        seen = agent.status()["pass_count"]
+        agent.wait(lambda: agent.status()["pass_count"] > seen, 20, "a resync more")
         assert os.path.exists(f"/run/netns/{a}"), "the allocation was pruned"
         assert host_ns.link(BRIDGE) is not None
     finally:

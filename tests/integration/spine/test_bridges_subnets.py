@@ -99,6 +99,7 @@ def test_no_prune_keeps_what_files_dropped(host_ns: Netns, tmp_path):
     assert host_ns.link("rcl0") is not None
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_foreign_bridge_is_a_conflict_and_left_untouched(host_ns: Netns):
     host_ns.run("ip", "link", "add", "rcl0", "mtu", "1450", "type", "bridge")
     host_ns.run("ip", "addr", "add", "192.168.77.1/24", "dev", "rcl0")
@@ -176,6 +177,7 @@ def test_a_saved_plan_records_its_scope_and_is_refused_in_another(host_ns: Netns
     assert host_ns.reconcile("apply", out).rc == 0
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_a_plan_saved_by_an_earlier_version_is_refused_by_name(host_ns: Netns, tmp_path):
     # what the version before derived MACs saved: the same changes without "mac"; the live
     # state is the same, so "the live state changed" would send the operator looking for
@@ -239,6 +241,7 @@ def test_forward_policy_drop_still_forwards_to_the_subnet(host_ns: Netns):
     assert "-A FORWARD -j DOCKER-USER" in rules  # theirs, kept
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_bad_input_changes_nothing_on_the_host(host_ns: Netns, tmp_path):
     bad = write(tmp_path, "bad.yaml", "version: 1\nbridges:\n  - name: rcl0\n    mtu: lots\n")
     before = (_addresses(host_ns), host_ns.iptables_save(4))
@@ -294,6 +297,7 @@ def test_destroy_removes_everything_managed(host_ns: Netns):
     assert not any(shown["firewall"].values())
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_netns_that_does_not_exist_is_a_clear_error():
     from tests.support.cli import reconcile
     from tests.support.host import unique
@@ -365,6 +369,7 @@ def test_saved_plan_keeps_its_options_and_works_from_another_directory(host_ns: 
 
 @pytest.mark.parametrize(("key", "value"), [("adopt", 5), ("adopt", [1]), ("prune", "no"),
                                             ("force_replace", [])])
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_saved_plan_with_a_malformed_option_is_one_clear_line(host_ns: Netns, tmp_path,
                                                                key, value):
     out = tmp_path / "plan.json"

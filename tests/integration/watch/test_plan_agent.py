@@ -199,6 +199,7 @@ def test_file_errors_and_unknown_options_are_worded_by_the_cli(plan_agent: PlanA
     assert refused.rc == 1 and "did not answer" in refused.err
 
 
+@pytest.mark.real_process  # the exit code and error shape of a real process
 def test_out_file_is_left_alone_when_the_plan_fails(plan_agent: PlanAgent, host_ns: Netns,
                                                     tmp_path):
     bad = write(tmp_path, "bad.yaml", "version: 1\nbridges: 7\n")

@@ -3,7 +3,7 @@
 The byte layouts are those the kernel sent for ``iptables-nft -A``, ``iptables-nft -F``
 and ``nft flush ruleset`` in a fresh namespace (nlmsghdr, nfgenmsg, attribute 1 =
 the table; NEWGEN closes each commit); the real socket is exercised by
-tests/integration/test_watch.py and the coexistence matrix.
+tests/integration/watch/test_agent.py and the coexistence matrix.
 """
 
 from __future__ import annotations

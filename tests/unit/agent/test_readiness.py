@@ -3,7 +3,7 @@
 The engines that roll a revision out (a DaemonSet with maxUnavailable, a Nomad system
 job with max_parallel) take the next host only when this one answers 200, so every
 reason to answer 503 is pinned here on a fake reconciler; the real agent on a real
-kernel is tests/integration/test_fleet.py.
+kernel is tests/integration/fleet/test_fleet.py.
 """
 
 from __future__ import annotations

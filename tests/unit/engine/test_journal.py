@@ -2,7 +2,7 @@
 between a step and its record) is carried to the same end by ``resume_replace``; the
 journal file's life; the executor's change journal; finishing an interrupted adopt.
 
-The kill points against the real dockerd and kernel are tests/integration/test_journal.py.
+The kill points against the real dockerd and kernel are tests/integration/crash/test_journal.py.
 """
 
 from __future__ import annotations

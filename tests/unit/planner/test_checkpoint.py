@@ -121,7 +121,7 @@ def test_docker_networks_are_restored_with_their_attachments() -> None:
 
 def test_a_revert_never_deletes_what_was_foreign_at_the_checkpoint() -> None:
     """A foreign bridge, namespace and Docker network became ours within the window (the
-    CLI refuses ``--adopt`` under a window, tests/unit/test_safe_fixes.py; this is the
+    CLI refuses ``--adopt`` under a window, tests/unit/cli/test_safe.py; this is the
     restore plan's own guarantee, for a record from an older version or an agent that
     adopted): the revert never deletes them (deleting them would destroy someone else's
     objects). It cannot give them back either: that is why a window refuses --adopt."""

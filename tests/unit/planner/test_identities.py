@@ -1,5 +1,5 @@
 """Stable identities, pure parts: the MAC derivation and what the planner makes of MACs and
-neighbour entries (issue 13, item 1). The kernel side is tests/integration/test_identities.py.
+neighbour entries (issue 13, item 1). The kernel side is tests/integration/allocs/test_identities.py.
 """
 
 from __future__ import annotations

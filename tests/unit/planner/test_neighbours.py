@@ -1,6 +1,6 @@
 """Our neighbour entries, pure parts: exempt from the kernel's GC, so the planner deletes
 the bridge-side ones of an allocation pruned or re-addressed, and never anyone else's
-(issue 13 item 6). The kernel side is tests/integration/test_neighbours.py.
+(issue 13 item 6). The kernel side is tests/integration/allocs/test_neighbours.py.
 """
 
 from __future__ import annotations

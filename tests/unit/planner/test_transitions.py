@@ -1,7 +1,7 @@
 """Clean transitions, pure parts: conntrack entries on the wire, which entries a change of
 port maps leaves stale, the bridges whose last ports go, the holders of a namespace in /proc.
 
-The real-kernel side is ``tests/integration/test_transitions.py``.
+The real-kernel side is ``tests/integration/allocs/test_transitions.py``.
 """
 
 from __future__ import annotations

@@ -134,3 +134,32 @@ def test_each_guide_points_at_its_example(guide, example):
     with open(os.path.join(REPO, "docs", guide)) as fh:
         assert f"(../{example})" in fh.read()
     assert os.path.exists(os.path.join(REPO, example))
+
+
+#: a path of the test tree as prose names it: ``tests/unit/cli/test_entry.py``, a folder
+TEST_PATH = re.compile(r"\btests/(?:unit|integration|support)/[A-Za-z0-9_./-]*[A-Za-z0-9_]")
+
+
+def _prose_files() -> list[str]:
+    """README, ARCHITECTURE, CONTRIBUTING, docs/, bench/, scripts, the package, the tests."""
+    out = [os.path.join(REPO, f) for f in ("README.md", "ARCHITECTURE.md", "CONTRIBUTING.md",
+                                           "pyproject.toml", os.path.join(".ci", "run"))]
+    for top in ("docs", "bench", "scripts", "reconciler", "tests"):
+        for root, _dirs, files in os.walk(os.path.join(REPO, top)):
+            out += [os.path.join(root, f) for f in files
+                    if f.endswith((".md", ".py", ".sh", ".toml"))]
+    return [f for f in out if os.path.isfile(f)]
+
+
+def test_every_test_path_the_docs_name_exists():
+    """A moved or renamed test file leaves no stale path behind in the prose."""
+    missing = []
+    for path in _prose_files():
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        for m in TEST_PATH.finditer(text):
+            name = m.group(0).split("::")[0]
+            if not os.path.exists(os.path.join(REPO, name)):
+                line = text.count("\n", 0, m.start()) + 1
+                missing.append(f"{os.path.relpath(path, REPO)}:{line}: {name}")
+    assert not missing, "paths of the test tree that do not exist:\n" + "\n".join(missing)
