@@ -56,3 +56,30 @@ def host_alias(host: Netns) -> str:
     return alloc_ns_alias(netns_id(host.name))
 
 
+
+
+def test_gc_leaves_a_veth_whose_peer_a_namespace_without_our_mark_holds(
+        host_ns: Netns, tmp_path: Any) -> None:
+    """Someone moved an allocation's ``eth0`` into a namespace of their own and the allocation's
+    namespace is gone: our veth's peer lives on in a namespace without this host's mark. gc
+    must not cut it, and says why it is not an orphan."""
+    aid, bridge = unique("g") + "-a", unique("b")
+    path = _config(tmp_path, bridge, "10.237.1.0/24", [{"id": aid}])
+    assert host_ns.reconcile("apply", "--no-probe", path).rc == 0
+    veth, theirs = alloc_veth_name(aid), unique("w")
+    sh("ip", "netns", "add", theirs)  # no mark on its file, no alias on its lo
+    try:
+        sh("ip", "-n", aid, "link", "set", "eth0", "netns", theirs)
+        sh("ip", "netns", "del", aid)
+        report = host_ns.reconcile("gc", "--plan", "--output", "json")
+        assert report.rc in (0, 2), report.all
+        doc = json.loads(report.out)
+        assert not [c for c in doc["changes"] if veth in json.dumps(c)], doc["changes"]
+        assert [w for w in doc["warnings"] if veth in w and f"/run/netns/{theirs}" in w
+                and "not an orphan" in w], doc["warnings"]
+        done = host_ns.reconcile("gc")
+        assert done.rc == 0, done.all
+        assert host_ns.link(veth) is not None
+        assert sh("ip", "-n", theirs, "-j", "link", "show", "eth0").stdout.strip() not in ("", "[]")
+    finally:
+        sh("ip", "netns", "del", theirs, check=False)
