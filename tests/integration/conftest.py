@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
 from reconciler.drivers import netns
 from reconciler.drivers.netlink import client as links
+from reconciler.drivers.probe import vantage
 from tests.support.agent import Agent, PlanAgent
 from tests.support.cli import reconcile
 from tests.support.dockerscratch import DockerScratch, client_or_skip, ensure_busybox_image
@@ -43,6 +45,13 @@ def host_ns() -> Iterator[Netns]:
     before = netns_names()
     sh("ip", "netns", "add", name)
     inode = os.stat(f"/run/netns/{name}").st_ino
+    # a namespace inode is reused once its namespace is gone: the probes' vantage a dead
+    # namespace of that inode left (a killed prober, another run's leak) would be taken for
+    # this fresh host's own leftover (gc lists it). No live prober can use it: remove it.
+    stale = f"rcprobe-{inode}"
+    if stale in netns_names() and vantage.namespace_mark(stale) == PROBE_VANTAGE_ALIAS:
+        netns.delete(stale)
+        forget_run_files(inode)
     ns = Netns(name)
     try:
         sh("ip", "-n", name, "link", "set", "lo", "up")

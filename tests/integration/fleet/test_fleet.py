@@ -372,10 +372,12 @@ def test_a_real_prometheus_fires_the_shipped_rules_after_an_injected_failure(
         half = str(next(ipaddress.IPv4Network(cidr).subnets(new_prefix=25)))
         sh("ip", "-n", host_ns.name, "route", "add", half, "dev", link)
         agent.proc.send_signal(signal.SIGHUP)  # a pass now, not at the next resync
-        agent.wait_status(lambda s: (s.get("last_pass") or {}).get("result") == "failed",
+        # SPEC §11: a conflicting resource is blocked, and readiness names it and why
+        agent.wait_status(lambda s: (s.get("last_pass") or {}).get("result") == "blocked",
                           what="the pass to see the conflict")
         code, reason = get(f"http://{agent.addr}/readyz")
-        assert code == 503 and "conflict" in reason, reason
+        assert code == 503 and "blocked" in reason and f"subnet/{br}-net" in reason \
+            and f"overlaps route {half}" in reason, reason
         want = {"ReconcilerAddressOverlap", "ReconcilerNotReady"}
         try:
             wait_for(lambda: want <= prom.firing(), 60, every=0.5, what="the alerts to fire")
@@ -598,7 +600,9 @@ def test_a_bad_commit_stops_the_rollout_at_the_first_host(three_hosts: list[Netn
     assert done == [], done  # stopped at the first host
     a = running[first.name]
     code, reason = get(f"http://{a.addr}/readyz")
-    assert code == 503 and "conflict" in reason, reason
+    # SPEC §11: the conflicting subnet is blocked; readiness names it and the foreign route
+    assert code == 503 and "blocked" in reason and f"subnet/{br}-net" in reason \
+        and f"overlaps route {new_cidr}" in reason, reason
     addrs = first.addrs(br)
     assert not any(ipaddress.ip_interface(x) in ipaddress.ip_network(new_cidr)
                    for x in addrs), addrs  # nothing of the new revision was applied there
