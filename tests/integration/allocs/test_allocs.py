@@ -809,6 +809,8 @@ def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
     assert r.rc == 0, r.all
     assert host_ns.reconcile("plan", path).rc == 0
     assert addrs_of(a, version=4) == ["10.77.0.9/24"]
+    from reconciler.drivers import netns
+    assert netns.file_marks([a])[a] is not None, "adopted, but its file still has no mark"
 
 
 def test_create_refuses_a_namespace_that_appeared_meanwhile():
