@@ -551,6 +551,28 @@ def file_marks(names: Iterable[str]) -> dict[str, str | None]:
     return out
 
 
+def ensure_file_mark(name: str, mark: str) -> None:
+    """Tag a live namespace's /run/netns file beneath its mount (an adopted one has none).
+
+    Best effort, as :func:`set_file_mark`: without ``open_tree`` here the file stays as it is.
+    """
+    fd = _libc.syscall(_SYS_OPEN_TREE, AT_FDCWD, NETNS_RUN_DIR.encode(),
+                       _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        return
+    try:
+        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        if _mark_of(f) != mark:
+            set_file_mark(f, mark)
+    finally:
+        os.close(f)
+        os.close(fd)
+
+
 def delete(name: str) -> bool:
     """Run ``ip netns del NAME``: detach the mount, remove the file. False if absent.
 

@@ -129,6 +129,8 @@ class HostOps:
                 # Netlink.configure_inside); the field stays for the plans that carry it
                 self.netlink.configure_inside(op.netns, op.interfaces(), op.gateway_ips(),
                                               mtu=op.mtu, mark=op.mark, announce=op.announce)
+                if op.mark is not None:  # what ownership rests on: an adopted file has none
+                    netns.ensure_file_mark(op.netns, op.mark)
             case SysctlSet():
                 self._set_sysctl(op)
             case FirewallRestore():

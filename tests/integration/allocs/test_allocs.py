@@ -771,13 +771,35 @@ def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: N
     assert b not in netns_list() and '"reconciler:subnet=sb"' not in host_ns.iptables_save(4)
 
 
+def _unmark_netns_file(name: str) -> None:
+    """Remove our mark from the /run/netns file beneath a live namespace's mount."""
+    import ctypes
+
+    from reconciler.drivers import netns
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(428, -100, b"/run/netns", 1 | os.O_CLOEXEC)  # open_tree(CLONE)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    try:
+        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        try:
+            os.removexattr(f, netns.FILE_MARK_XATTR)
+        finally:
+            os.close(f)
+    finally:
+        os.close(fd)
+    assert netns.file_marks([name]) == {name: None}
+
+
 def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
     """A namespace with the alloc's id that we did not mark: a conflict, then --adopt takes it
     over, including an address that is there without our tag."""
     (a,) = alloc_ids(1)
     path = config(tmp_path, [{"id": a, "address": "10.77.0.9"}], cidr6=False)
     assert host_ns.reconcile("apply", path).rc == 0
-    # make it look like someone else's: no mark on lo, the address re-added untagged
+    # make it look like someone else's: no mark on its /run/netns file (what ownership rests
+    # on) nor on lo (read for a file without one), the address re-added untagged
+    _unmark_netns_file(a)
     sh("ip", "-n", a, "link", "set", "lo", "alias", "")
     sh("ip", "-n", a, "addr", "del", "10.77.0.9/24", "dev", "eth0")
     sh("ip", "-n", a, "addr", "add", "10.77.0.9/24", "dev", "eth0")
@@ -787,6 +809,8 @@ def test_adopting_a_foreign_namespace_converges(host_ns: Netns, tmp_path):
     assert r.rc == 0, r.all
     assert host_ns.reconcile("plan", path).rc == 0
     assert addrs_of(a, version=4) == ["10.77.0.9/24"]
+    from reconciler.drivers import netns
+    assert netns.file_marks([a])[a] is not None, "adopted, but its file still has no mark"
 
 
 def test_create_refuses_a_namespace_that_appeared_meanwhile():

@@ -219,11 +219,12 @@ def test_first_packets_after_apply_flood_no_other_allocation(host_ns: Netns, tmp
     assert inside == {GW: br_mac}, inside
 
 
-def test_a_bridge_mac_changed_by_someone_else_is_read_again_next_pass(host_ns: Netns,
-                                                                    tmp_path):
+def test_a_bridge_mac_changed_by_someone_else_is_restored_next_pass(host_ns: Netns,
+                                                                   tmp_path):
     """One process (as the agent) applies twice; between the passes someone sets the
-    bridge's MAC (a set MAC is kept: it is pinned). The gateway entry a new allocation gets
-    names the bridge's MAC now, not the one read in the first pass."""
+    bridge's MAC. The leased MAC is drift (SPEC §11, issue 25 item 6): the second pass puts
+    it back, and the gateway entry a new allocation gets names the bridge's MAC as it is
+    after the pass, never the foreign one."""
     from reconciler.config.load import load  # noqa: PLC0415 (only this test)
     from reconciler.drivers import netns  # noqa: PLC0415 (only this test)
     from reconciler.engine.reconcile import Reconciler  # noqa: PLC0415 (only this test)
@@ -232,16 +233,20 @@ def test_a_bridge_mac_changed_by_someone_else_is_read_again_next_pass(host_ns: N
     a, b = ids_of(2)
     first = load([config(tmp_path, [a], cidr6=False, name="one.yaml")])
     both = load([config(tmp_path, [a, b], cidr6=False, name="two.yaml")])
+    foreign = "02:00:00:00:be:ef"
     with netns.enter(host_ns.name):
         rec = Reconciler()
         try:
             assert rec.apply(first, PlanOptions(prune=True)).ok
-            host_ns.run("ip", "link", "set", BRIDGE, "address", "02:00:00:00:be:ef")
+            leased = ip(host_ns.name, "link", "show", BRIDGE)[0]["address"]
+            assert leased != foreign
+            host_ns.run("ip", "link", "set", BRIDGE, "address", foreign)
+            assert ip(host_ns.name, "link", "show", BRIDGE)[0]["address"] == foreign
             assert rec.apply(both, PlanOptions(prune=True)).ok
         finally:
             rec.observer.handles.close()
     br_mac = ip(host_ns.name, "link", "show", BRIDGE)[0]["address"]
-    assert br_mac == "02:00:00:00:be:ef"
+    assert br_mac == leased
     inside = {n["dst"]: n.get("lladdr") for n in ip(b, "-4", "neigh", "show")}
     assert inside == {GW: br_mac}, inside
 

@@ -9,6 +9,7 @@ iptables-save and real traffic from a client namespace.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_flushed_firewall_is_healed(host_ns: Netns, tmp_path):
     cfg = state(tmp_path)
     apply(host_ns, cfg)
     for tool in ("iptables", "ip6tables"):
-        for table in ("filter", "nat"):
+        for table in ("filter", "nat", "mangle"):  # mangle: our RECONCILER-MARK chain
             host_ns.run(tool, "-t", table, "-F")
             host_ns.run(tool, "-t", table, "-X")
     assert "RECONCILER" not in host_ns.iptables_save(4)
@@ -141,6 +142,9 @@ def test_injected_driver_error_is_reported_and_the_next_run_converges(
     assert r.rc == 1, r.all
     assert "Traceback" not in r.all and "internal error" not in r.all
     errors = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
+    # SPEC §11: the rest of the plan is applied and a last line counts what was blocked
+    *errors, summary = errors
+    assert re.fullmatch(r"error: \d+ resource\(s\) blocked: .*", summary), r.err
     assert errors and all("injected fault" in ln for ln in errors), r.err
     assert f"{op}: Operation not permitted" in errors[0]
     assert "failed" in r.out and "skipped" in r.out

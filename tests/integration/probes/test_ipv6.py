@@ -142,31 +142,45 @@ def test_open_isolation_expects_the_ipv6_direct_path(host_ns: Netns, tmp_path: o
 
 def test_a_foreign_ip6tables_drop_is_named_by_verify_on_the_ipv6_external_path(
         host_ns: Netns, tmp_path: object) -> None:
-    """A foreign ip6tables DROP in FORWARD for the allocation's IPv6 address: the config
-    matches (``verify --no-probe`` exits 0), the IPv4 paths and the IPv6 paths from inside
-    the host hold, and ``verify`` fails on the IPv6 external path naming the rule."""
+    """A foreign ip6tables DROP in FORWARD for the allocation's IPv6 address: FORWARD now
+    drops, so the config lacks our shim there (SPEC §12: ``verify --no-probe`` exits 1 naming
+    the rule), the IPv4 paths and the IPv6 paths from inside the host hold, and ``verify``
+    fails on the IPv6 external path naming the rule. An apply puts the shim ahead of it and
+    the declared paths hold with the rule still there."""
     path, (a0, _a1) = setup(host_ns, tmp_path)
     addr6 = _alloc6(a0)
     rule = ("FORWARD", "-s", V6_PEER, "-d", addr6, "-j", "DROP")
+    saved = f"-A FORWARD -s {V6_PEER}/128 -d {addr6}/128 -j DROP"
     host_ns.run("ip6tables", "-I", *rule)
     try:
-        assert f"-A FORWARD -s {V6_PEER}/128 -d {addr6}/128 -j DROP" in \
-            host_ns.iptables_save(6)
+        assert saved in host_ns.iptables_save(6)
         config_only = host_ns.reconcile("verify", path, "--no-probe")
-        assert config_only.rc == 0, config_only.all
+        assert config_only.rc == 1, config_only.all
+        assert f"+ shim ip6tables filter/FORWARD: the chain drops ({saved})" in \
+            config_only.out, config_only.all
         r = host_ns.reconcile("verify", path, "--output", "json")
+        assert r.rc == 1, r.all
+        doc = json.loads(r.out)
+        assert doc["config"]["ok"] is False
+        assert [c["kind"] for c in doc["config"]["changes"]] == ["shim"], doc["config"]
+        bad = {(p["alloc"], p["path"], p["proto"], p["family"]): p["cause"]
+               for p in doc["probes"] if not p["ok"] and not p["skipped"]}
+        assert set(bad) == {(a0, "external", "tcp", 6), (a0, "external", "udp", 6)}, bad
+        assert all(f"ip6tables filter/FORWARD: -A FORWARD -s {V6_PEER}/128" in str(c)
+                   for c in bad.values()), bad
+        # the shim, ahead of the foreign DROP, lets the declared paths through it
+        assert host_ns.reconcile("apply", path).rc == 0
+        after = host_ns.iptables_save(6)
+        assert after.index("reconciler:shim") < after.index(saved), after
+        healed = host_ns.reconcile("verify", path)
+        assert healed.rc == 0, healed.all
     finally:
         host_ns.run("ip6tables", "-D", *rule)
-    assert r.rc == 1, r.all
-    doc = json.loads(r.out)
-    assert doc["config"]["ok"] is True
-    bad = {(p["alloc"], p["path"], p["proto"], p["family"]): p["cause"]
-           for p in doc["probes"] if not p["ok"] and not p["skipped"]}
-    assert set(bad) == {(a0, "external", "tcp", 6), (a0, "external", "udp", 6)}, bad
-    assert all(f"ip6tables filter/FORWARD: -A FORWARD -s {V6_PEER}/128" in str(c)
-               for c in bad.values()), bad
     text = host_ns.reconcile("verify", path)
-    assert text.rc == 0, text.all  # the rule is gone: it holds again
+    assert text.rc == 1 and "shim" in text.out, text.all  # no drop left: the shim goes
+    assert host_ns.reconcile("apply", path).rc == 0
+    assert "reconciler:shim" not in host_ns.iptables_save(6)
+    assert host_ns.reconcile("verify", path).rc == 0
 
 
 def test_ipv6_forwarding_off_is_named_on_the_ipv6_external_path(

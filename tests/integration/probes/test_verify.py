@@ -143,7 +143,7 @@ def test_verify_exit_codes_output_and_json_shape(host_ns: Netns, tmp_path: Any) 
     r = host_ns.reconcile("verify", cfg, "--output", "json")
     doc = json.loads(r.out)
     assert r.rc == 0 and set(doc) == {"ok", "config", "probes"} and doc["ok"] is True
-    assert doc["config"] == {"ok": True, "changes": []}
+    assert doc["config"] == {"ok": True, "changes": [], "blocked": []}  # SPEC §11
     assert doc["probes"], "no probe ran"
     for p in doc["probes"]:
         assert {"alloc", "path", "proto", "port", "ok", "skipped", "cause", "ms"} <= set(p)
