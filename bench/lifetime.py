@@ -455,10 +455,13 @@ class Soak:
 
     def schedule(self, rounds: int) -> list[str]:
         """The opening shows the reboot renumbering (names sorting first, then a reboot) and
-        every kind once; the rest is drawn with the seed."""
+        every kind once; the rest is drawn with the seed, by a generator of its own: the
+        rounds' own draws do not depend on how many rounds there are, so ``--rounds N`` with
+        a seed replays the first N rounds of a longer run with that seed."""
         opening = ["add-first", "reboot", "conflict-bridge", "agent-kill", "dockerd-restart",
                    "edit"]
-        rest = self.rng.choices(KINDS, WEIGHTS, k=max(0, rounds - len(opening)))
+        kinds = random.Random(f"{self.fig.seed} schedule")
+        rest = kinds.choices(KINDS, WEIGHTS, k=max(0, rounds - len(opening)))
         return (opening + rest)[:rounds]
 
     def run(self, rounds: int) -> Figures:
