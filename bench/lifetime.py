@@ -29,9 +29,10 @@ verify`` exits 0, a port map answers from the host's loopback and from another
 allocation (a listener inside the allocation), and every identity is read back with
 ``ip -j``, ``iptables-save`` and ``docker network inspect``: the IPv4/IPv6 address and
 MAC of each allocation, its auto port, the auto prefixes of subnets and Docker networks.
-A value that differs from the one first seen, for a resource still declared, is an
-identity moved. Prints ``[figures]`` lines; exits 1 when an invariant breaks. Why it
-reads the host and not the state directory, and the other choices:
+A value that differs from the one first seen, for a resource declared ever since, is an
+identity moved (one removed and declared again later under the same name is a new
+one). Prints ``[figures]`` lines; exits 1 when an invariant breaks. Why it reads the
+host and not the state directory, and the other choices:
 docs/decisions/051-lifetime-soak-reads-the-host.md; what it found: docs/lifetime.md.
 """
 
@@ -200,12 +201,18 @@ class Soak:
     # -- files -------------------------------------------------------------------
 
     def save(self) -> None:
+        """Write the files; forget what was first seen of a resource they drop."""
         assert self.box is not None
         tmp = os.path.join(self.box.conf, ".lifetime.yaml.tmp")
         with open(tmp, "w") as fh:
             fh.write(self.want.yaml())
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.box.config)
+        # its leases go with it (SPEC §11): declared again later, the name reused (names
+        # count down from the lowest in use), it is a new resource with new picks
+        declared = self.want.resources()
+        self.first_seen = {k: v for k, v in self.first_seen.items()
+                           if (k[0], k[1]) in declared}
 
     # -- convergence -------------------------------------------------------------
 
@@ -448,10 +455,13 @@ class Soak:
 
     def schedule(self, rounds: int) -> list[str]:
         """The opening shows the reboot renumbering (names sorting first, then a reboot) and
-        every kind once; the rest is drawn with the seed."""
+        every kind once; the rest is drawn with the seed, by a generator of its own: the
+        rounds' own draws do not depend on how many rounds there are, so ``--rounds N`` with
+        a seed replays the first N rounds of a longer run with that seed."""
         opening = ["add-first", "reboot", "conflict-bridge", "agent-kill", "dockerd-restart",
                    "edit"]
-        rest = self.rng.choices(KINDS, WEIGHTS, k=max(0, rounds - len(opening)))
+        kinds = random.Random(f"{self.fig.seed} schedule")
+        rest = kinds.choices(KINDS, WEIGHTS, k=max(0, rounds - len(opening)))
         return (opening + rest)[:rounds]
 
     def run(self, rounds: int) -> Figures:
