@@ -37,6 +37,7 @@ import ipaddress
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from reconciler.domain import nftable
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
 from reconciler.domain.ownership import ALLOC_IFNAME
@@ -368,14 +369,12 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
     if seen.error is not None:
         return Cause(seen.error)
-    if spec.path == "direct" and seen.reached and not spec.expect:  # isolation: ports
-        ahead = [h for h in (facts.ahead if facts is not None else ()) if h.family == spec.family]
-        if ahead:
-            return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
-                         f"is ports: {ahead[0]} accepts it ahead of the jump to "
-                         f"{firewall.FORWARD} (a pass moves the jump back above it)", ours=True)
+    if spec.path == "direct" and seen.reached and not spec.expect:
+        # nothing another manager accepts can open it: our drop is in our own base chain
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
-                     "is ports: something accepts it before RECONCILER-FORWARD drops it")
+                     f"is ports: the drop in chain {nftable.ISOLATE} of table "
+                     f"{nftable.FAMILY} {nftable.TABLE} did not take it (its entry is missing "
+                     "or the table was changed: a pass rebuilds it)", ours=True)
     if spec.path == "hairpin" and seen.reached and not spec.expect:
         flag_on = facts is not None and facts.port_hairpin is True
         return Cause(f"{spec.proto} to its own host port {spec.dst}:{spec.dport} came back "

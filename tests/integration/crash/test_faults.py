@@ -72,15 +72,16 @@ def test_flushed_firewall_is_healed(host_ns: Netns, tmp_path):
         for table in ("filter", "nat", "mangle"):  # mangle: our RECONCILER-MARK chain
             host_ns.run(tool, "-t", table, "-F")
             host_ns.run(tool, "-t", table, "-X")
-    assert "RECONCILER" not in host_ns.iptables_save(4)
+    host_ns.run("nft", "delete", "table", "inet", "reconciler")
+    assert "RECONCILER" not in host_ns.firewall_text(4)
     r = host_ns.reconcile("plan", cfg.path)
-    assert r.rc == 2 and "firewall ipv4" in r.out
+    assert r.rc == 2 and "firewall nftables" in r.out
     apply(host_ns, cfg)
-    assert f"reconciler:alloc={cfg.allocs[0]}" in host_ns.iptables_save(4)
+    assert f"reconciler:alloc={cfg.allocs[0]}" in host_ns.firewall_text(4)
     converged(host_ns, cfg)
     if shutil.which("nft"):  # the nftables view of the same: everything gone at once
         host_ns.run("nft", "flush", "ruleset")
-        assert "RECONCILER" not in host_ns.iptables_save(4)
+        assert "RECONCILER" not in host_ns.firewall_text(4)
         apply(host_ns, cfg)
         converged(host_ns, cfg)
 

@@ -235,7 +235,7 @@ def test_the_other_iptables_backend_holding_dockers_chains_is_refused(host_ns: N
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 1 and r.err.count("\n") == 1 and r.err.startswith("error: "), r.all
     assert "Docker's chains (DOCKER, DOCKER-USER) are in the" in r.err, r.err
-    assert host_ns.link(BRIDGE) is None and "RECONCILER" not in host_ns.iptables_save(4)
+    assert host_ns.link(BRIDGE) is None and "RECONCILER" not in host_ns.firewall_text(4)
     # with Docker's chains in our backend too, it is Docker's and ours: go ahead
     host_ns.run("iptables", "-N", "DOCKER")
     r = host_ns.reconcile("apply", cfg)

@@ -45,7 +45,7 @@ allocs:
 """)
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 0, r.all
-    rules = host_ns.iptables_save(4)
+    rules = host_ns.firewall_text(4)
     auto = _auto_port(rules, a)
     # every port of both allocations listens, so only the firewall decides what is reachable
     inside = [22, 80, 81, 443, 8080, 1080, 1443, 2000]

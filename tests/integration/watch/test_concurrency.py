@@ -51,7 +51,7 @@ def test_two_applies_with_allocations_at_once(host_ns: Netns, tmp_path):
     # one did the work, the other found nothing left to do
     assert sorted("No changes." in r.out for r in results) == [False, True]
     no_leaks(host_ns, cfg)
-    rules = host_ns.iptables_save(4)
+    rules = host_ns.firewall_text(4)
     assert rules.count("-j RECONCILER-DNAT") == 2 and all(
         rules.count(f"reconciler:alloc={a}\"") == 1 for a in cfg.allocs)
 

@@ -89,7 +89,7 @@ def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: Pla
     check("bridge address deleted", lambda: sh("ip", "-n", host_ns.name, "addr", "flush",
                                                "dev", BRIDGE), "gateway")
     # nf_tables generation
-    rules = host_ns.iptables_save(4)
+    rules = host_ns.firewall_text(4)
     dnat = next(ln for ln in rules.splitlines()
                 if ln.startswith("-A RECONCILER-DNAT") and f"alloc={a}" in ln)
     check("DNAT rule deleted",

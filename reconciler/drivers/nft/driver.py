@@ -1,0 +1,93 @@
+"""Read our table back and change it in one transaction per call.
+
+In this process through libnftables when its context could be made safely at start-up
+(``lib.LibNft.open``), else through an ``nft -j -f -`` process: the same JSON either way.
+
+See docs/decisions/045-nftables-table-of-our-own.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+from typing import Any
+
+from reconciler.domain import nftable
+from reconciler.domain.errors import DriverError, PreconditionError, TemporaryError
+from reconciler.drivers.nft.lib import LibNft
+
+log = logging.getLogger(__name__)
+
+_LIST = f"list table {nftable.FAMILY} {nftable.TABLE}"
+
+
+_shared: tuple[LibNft | None, str] | None = None
+
+
+def shared_lib() -> tuple[LibNft | None, str]:
+    """Return the process's one libnftables context (made on the first call: at start-up)."""
+    global _shared  # noqa: PLW0603 - one context per process, made while fds are few
+    if _shared is None:
+        _shared = LibNft.open()
+    return _shared
+
+
+class NftDriver:
+    """Our table, through libnftables or ``nft``."""
+
+    def __init__(self, lib: LibNft | None = None, *, use_lib: bool = True) -> None:
+        self.why_process = ""
+        if lib is None and use_lib:
+            lib, self.why_process = shared_lib()
+            if lib is None:
+                log.info("nftables through the nft command: %s", self.why_process)
+        self._lib = lib
+
+    @property
+    def in_process(self) -> bool:
+        return self._lib is not None
+
+    def _run(self, command: str, *, json_input: bool) -> tuple[int, str, str]:
+        if self._lib is not None:
+            return self._lib.run(command)
+        if shutil.which("nft") is None:
+            raise PreconditionError("nft is not installed and libnftables.so.1 is not usable "
+                                    f"({self.why_process}): install nftables")
+        args = ["nft", "-j", "-f", "-"] if json_input else ["nft", "-j", *command.split()]
+        try:
+            out = subprocess.run(args, input=command if json_input else None,
+                                 capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise TemporaryError("nft timed out", delay=1.0) from None
+        return out.returncode, out.stdout, out.stderr
+
+    def observe(self, mark: int | None = None) -> nftable.TableState:
+        """Read our table back (its sets' elements included)."""
+        try:
+            rc, out, err = self._run(_LIST, json_input=False)
+        except PreconditionError as exc:
+            return nftable.TableState(available=False, error=str(exc))
+        if rc != 0:
+            if "No such file or directory" in err:
+                return nftable.TableState(exists=False)
+            return nftable.TableState(available=False, error=f"nft {_LIST}: {_last(err)}")
+        try:
+            listing = json.loads(out)
+        except ValueError as exc:
+            return nftable.TableState(available=False, error=f"nft {_LIST}: {exc}")
+        return nftable.parse_table(listing, mark)
+
+    def apply(self, commands: list[dict[str, Any]]) -> None:
+        """Run ``commands`` as one transaction (all or nothing)."""
+        if not commands:
+            return
+        rc, _out, err = self._run(json.dumps({"nftables": commands}), json_input=True)
+        if rc != 0:
+            raise DriverError(f"nftables transaction failed: {_last(err)}")
+
+
+
+def _last(err: str) -> str:
+    return " ".join(err.split())[:300] or "failed"
