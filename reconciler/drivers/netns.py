@@ -220,6 +220,47 @@ def _shared_group(opts: list[str] | None) -> str | None:
     return None
 
 
+def _parent_pid(pid: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            ppid = f.read().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+    return ppid if ppid != "0" else None
+
+
+def _mount_ns_inode(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
+def other_mount_namespace(chain: Iterable[tuple[str, int | None]], mine: int) -> str | None:
+    """Return the first process of ``chain`` (pid, mount namespace inode; None where it cannot
+    be read) whose mount namespace is not ``mine``, or None (pure).
+
+    The chain is pid 1 first, then this process's ancestors from the nearest up. Where init's
+    namespace cannot be read (a sandbox's init, ``/proc/1/ns`` denied) the ancestors stand in
+    for it: ``ip netns exec`` or ``unshare -m`` gave us a namespace our parent does not have.
+    """
+    for pid, inode in chain:
+        if inode is not None and inode != mine:
+            return pid
+        if pid == "1" and inode == mine:
+            return None  # init's own namespace: nothing above it can differ in a way that counts
+    return None
+
+
+def _namespace_chain() -> Iterator[tuple[str, int | None]]:
+    yield "1", _mount_ns_inode("1")
+    pid: str | None = _parent_pid("self")
+    seen = 0
+    while pid is not None and pid != "1" and seen < 64:
+        yield pid, _mount_ns_inode(pid)
+        pid, seen = _parent_pid(pid), seen + 1
+
+
 def private_mount_namespace_problem() -> str | None:
     """Return why namespaces we create would be invisible outside this process, or None.
 
@@ -227,23 +268,23 @@ def private_mount_namespace_problem() -> str | None:
     process its own mount namespace whose mounts are slaves: a bind mount under
     /run/netns made here never reaches the host, outside ``/run/netns/X`` is an
     empty file and the namespace dies with the process (EDGE 37). It is fine
-    when we share the init process's mount namespace, or when the mount holding
-    /run/netns is in the same shared peer group as init's.
+    when we share the mount namespace of init (or, where init's cannot be read,
+    of every ancestor we can read), or when the mount holding /run/netns is in
+    the same shared peer group as that other namespace's.
     """
-    try:
-        mine = os.stat("/proc/self/ns/mnt").st_ino
-        init = os.stat("/proc/1/ns/mnt").st_ino
-    except OSError:
-        init = mine = -1
-    if mine == init and mine != -1:
+    mine = _mount_ns_inode("self")
+    if mine is None:
+        return None  # no /proc to tell by: trust the caller
+    other = other_mount_namespace(_namespace_chain(), mine)
+    if other is None:
         return None
     target = NETNS_RUN_DIR
     my_group = _shared_group(_covering_mount(_mountinfo("self"), target))
     try:
-        init_group = _shared_group(_covering_mount(_mountinfo("1"), target))
+        other_group = _shared_group(_covering_mount(_mountinfo(other), target))
     except OSError:
-        init_group = my_group  # cannot see init: trust our own propagation flags
-    if my_group is not None and my_group == init_group:
+        other_group = my_group  # cannot see it: trust our own propagation flags
+    if my_group is not None and my_group == other_group:
         return None
     return ("this process runs in a private mount namespace (e.g. under `ip netns exec`): "
             f"namespaces created under {NETNS_RUN_DIR} would be visible only to it and vanish "

@@ -186,6 +186,33 @@ def test_covering_mount_and_peer_group() -> None:
                                                      "/run/netns")) is None
 
 
+def test_the_namespace_compared_with_is_init_or_else_the_nearest_readable_ancestor() -> None:
+    mine = 7
+    # init readable: it decides, whatever the ancestors say
+    assert netns.other_mount_namespace([("1", 7), ("40", 9)], mine) is None
+    assert netns.other_mount_namespace([("1", 9), ("40", 7)], mine) == "1"
+    # init unreadable (a sandbox's init, /proc/1/ns denied): the ancestors stand in for it
+    assert netns.other_mount_namespace([("1", None), ("40", 7), ("30", None), ("20", 7)],
+                                       mine) is None
+    assert netns.other_mount_namespace([("1", None), ("40", 9), ("20", 7)], mine) == "40"
+    assert netns.other_mount_namespace([("1", None), ("40", 7), ("20", 9)], mine) == "20"
+    assert netns.other_mount_namespace([("1", None)], mine) is None
+
+
+def test_a_private_root_mount_with_init_unreadable_is_not_a_private_namespace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose / is private (no systemd) and whose init we may not read: this process and
+    its ancestors share one mount namespace, so namespaces created here are the host's."""
+    inodes = {"self": 7, "1": None, "40": 7, "20": 7}
+    parents = {"self": "40", "40": "20", "20": "1"}
+    monkeypatch.setattr(netns, "_mount_ns_inode", lambda pid: inodes[pid])
+    monkeypatch.setattr(netns, "_parent_pid", lambda pid: parents.get(pid))
+    monkeypatch.setattr(netns, "_mountinfo", lambda pid: [("/", []), ("/run", [])])
+    assert netns.private_mount_namespace_problem() is None
+    inodes["40"] = 9  # our parent is elsewhere: `ip netns exec` gave us our own namespace
+    assert "private mount namespace" in (netns.private_mount_namespace_problem() or "")
+
+
 def test_the_tripwire_guards_every_netlink_client() -> None:
     """Unit tests cannot open a real rtnetlink socket, through the reader or the client."""
     from reconciler.drivers.netlink.client import Netlink
