@@ -1,10 +1,10 @@
-"""Allocations against the real kernel and iptables: namespaces, veths, IPAM, port maps.
+"""Allocations against the real kernel and nftables: namespaces, veths, IPAM, port maps.
 
 Each test gets a throwaway namespace acting as the host (``host_ns``); the
 allocation namespaces themselves are global (/run/netns/ID), so their ids
 carry the session prefix and the ``host_ns`` fixture destroys them. Results
-are checked with ``ip``, ``iptables-save`` and real traffic, never with our
-own observer."""
+are checked with ``ip``, ``nft -j`` (our table, read as rules by
+``Netns.our_rules``), ``iptables-save`` and real traffic, never with our own observer."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def dnat_rules(host: Netns, family: int = 4) -> list[str]:
 
 
 def dnat_port(host: Netns, alloc_id: str, to: int, proto: str = "tcp") -> int:
-    """The host port DNAT'd to ``to`` of the allocation, read from iptables-save."""
+    """The host port DNAT'd to ``to`` of the allocation, read from our table."""
     found = set()
     for r in dnat_rules(host):
         if f"alloc={alloc_id}\"" in r and f"-p {proto} " in r and r.endswith(f":{to}"):
