@@ -385,13 +385,10 @@ class Diagnosis:
         nft_after = diagnosis.nft_ruleset() if nft_before is not None else None
         self._nft = (nft_before or "", nft_after) if nft_after is not None else None
         hits: list[plan_probes.RuleHit] = []
-        ahead: list[plan_probes.RuleHit] = []
         for f in families:
             old, new = before[f], diagnosis.save_counters(f)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new)
-                if any(s.path == "direct" and s.family == f for s in specs):
-                    ahead += plan_probes.accepts_ahead(f, old, new)
         for f in legacy:
             old, new = before_legacy[f], diagnosis.save_counters(f, legacy=True)
             if old is not None and new is not None:
@@ -400,7 +397,7 @@ class Diagnosis:
             links = self.handles.netlink.dump_links()
         except DriverError:
             links = dict(self.live.links)
-        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "ahead": tuple(ahead)}
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits)}
         out: list[tuple[runner.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)
