@@ -352,10 +352,11 @@ class Diagnosis:
 
     Before and after the re-run: ``iptables-save -c`` of the families involved (which
     foreign rule's counter rose; iptables-legacy's too where the observation found legacy
-    tables beside our nf_tables backend) and the IPReversePathFilter counter; after it, the
-    sysctls that decide the paths, the hairpin flag of each allocation's bridge port,
-    the host's route and neighbour entry for its address and its eth0's MAC. The
-    planner names the cause from these (``planner.probes.classify``).
+    tables beside our nf_tables backend) and the IPReversePathFilter counter; after it, our
+    table (whether it is as built), the sysctls that decide the paths, the hairpin flag of
+    each allocation's bridge port, the host's route and neighbour entry for its address
+    and its eth0's MAC. The planner names the cause from these
+    (``planner.probes.classify``).
     """
 
     def __init__(self, handles: HostHandles, desired: DesiredState, live: LiveState,
@@ -397,7 +398,9 @@ class Diagnosis:
             links = self.handles.netlink.dump_links()
         except DriverError:
             links = dict(self.live.links)
-        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits)}
+        # our own table: a hand edit (a rule added to a chain, a set changed) drops silently
+        table = plan_probes.table_problem(self.handles.nft.observe())
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "table": table}
         out: list[tuple[runner.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)

@@ -337,6 +337,19 @@ class Facts:
     #: drops in other managers' own nftables tables that can have taken it, most certain
     #: first (``planner.nftforeign``)
     nft_drops: tuple[str, ...] = ()
+    #: what is wrong with our table ``inet reconciler`` read after the re-run: "" when it is
+    #: as built (or cannot be read), else :func:`table_problem`'s words
+    table: str = ""
+
+
+def table_problem(state: nftable.TableState) -> str:
+    """Say what is wrong with our table as read back ("" when it is as built, or unread): the
+    chain or set a hand edit changed, or that it is gone."""
+    if not state.available:
+        return ""
+    if not state.exists:
+        return "is gone"
+    return "" if state.intact else f"is not as built ({state.broken})"
 
 
 @dataclass(frozen=True)
@@ -427,6 +440,10 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
     if f.nft_drops:
         return Cause(f"a foreign rule drops it: {f.nft_drops[0]}")
+    if f.table:
+        # its rules carry no counters: a table not as built is the suspect, not a certainty
+        return Cause(f"our table {nftable.FAMILY} {nftable.TABLE} {f.table}: a pass "
+                     "rebuilds it", ours=True)
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")
