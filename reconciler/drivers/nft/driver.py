@@ -2,6 +2,10 @@
 
 In this process through libnftables when its context could be made safely at start-up
 (``lib.LibNft.open``), else through an ``nft -j -f -`` process: the same JSON either way.
+Both act on the calling thread's network namespace, as the ``iptables`` driver does: a
+thread in another namespace than the context's (an in-process caller inside
+``netns.enter``) runs ``nft`` there, never the context, whose socket would read and change
+the table of the namespace it was made in.
 
 See docs/decisions/045-nftables-table-of-our-own.md.
 """
@@ -61,15 +65,17 @@ class NftDriver:
 
     @property
     def in_process(self) -> bool:
-        return self._lib is not None
+        """Tell whether the calling thread's commands run through libnftables here."""
+        return self._lib is not None and self._lib.here()
 
     def _run(self, command: str, *, json_input: bool) -> tuple[int, str, str]:
         lib = self._writer if json_input else self._lib
-        if lib is not None:
+        if lib is not None and lib.here():
             return lib.run(command)
         if shutil.which("nft") is None:
+            why = self.why_process or "its context is in another network namespace"
             raise PreconditionError("nft is not installed and libnftables.so.1 is not usable "
-                                    f"({self.why_process}): install nftables")
+                                    f"({why}): install nftables")
         args = ["nft", "-j", "-f", "-"] if json_input else ["nft", "-j", *command.split()]
         try:
             out = subprocess.run(args, input=command if json_input else None,

@@ -5,6 +5,10 @@ above overflows the fd_set and glibc aborts the whole process. The context is ma
 start-up, while the process holds few fds, and its socket's fd checked; a context that
 cannot be made so (no library, or the fd too high) is None and the caller runs ``nft``.
 
+The socket lives in the network namespace of the thread that made the context, whatever
+namespace a later caller's thread is in (``netns.enter``): :meth:`LibNft.here` tells a
+caller whether the context reaches its own namespace's table.
+
 See docs/decisions/045-nftables-table-of-our-own.md.
 """
 
@@ -13,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+
+from reconciler.drivers import nsfs
 
 #: libnftables' ``NFT_CTX_OUTPUT_JSON``; input is then read as JSON first
 _OUTPUT_JSON = 1 << 4
@@ -33,6 +39,13 @@ class LibNft:
         self._lib = lib
         self._ctx = ctx
         self._lock = threading.Lock()
+        #: the inode of the namespace the socket was made in: the socket keeps that
+        #: namespace alive, so no other live namespace has this inode while it is open
+        self.netns = nsfs.current_inode()
+
+    def here(self) -> bool:
+        """Tell whether the calling thread is in the namespace of the context's socket."""
+        return nsfs.current_inode() == self.netns
 
     @classmethod
     def open(cls, name: str = "libnftables.so.1") -> tuple[LibNft | None, str]:
