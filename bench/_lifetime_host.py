@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tests.support.host import remove_vantage  # noqa: E402
 from tests.support.privaterun import private_run  # noqa: E402
 
 SCOPE_LABEL = "io.reconciler.scope"
@@ -130,6 +131,10 @@ class Sandbox:
         """
         self.kill_agent()
         self.stop_dockerd()
+        # the probes' vantage the killed agent held goes too (it is named after the host's
+        # inode only: left, it would stay under /run/netns for good)
+        if os.path.exists(f"/run/netns/{self.host}"):
+            remove_vantage(os.stat(f"/run/netns/{self.host}").st_ino)
         for name in self.ours():
             sh("ip", "netns", "del", name, check=False)
         self.foreign.clear()
@@ -307,7 +312,9 @@ class Sandbox:
     def close(self) -> list[str]:
         """Remove everything the soak made; return what could not be removed (leaks)."""
         self.kill_agent()
+        last = None
         if os.path.exists(f"/run/netns/{self.host}"):
+            last = os.stat(f"/run/netns/{self.host}").st_ino
             with contextlib.suppress(Exception):
                 self.cli("destroy", "--yes", "--lock-timeout", "30")
         for name in self.foreign:
@@ -327,4 +334,8 @@ class Sandbox:
         shutil.rmtree(self.dir, ignore_errors=True)
         leaks = [f"namespace {n}" for n in self.ours()]
         leaks += [f"namespace {n} left by destroy" for n in left if n != self.host]
+        # the probes' vantages of the hosts the soak had: one a reboot round left (an
+        # orphan: those inodes may be other hosts' since), or the one destroy did not remove
+        leaks += [f"probe vantage {v}" for i in sorted(self.inodes)
+                  if (v := remove_vantage(i, orphan=i != last)) is not None]
         return leaks

@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 
 from tests.support.figures import SOAK, report
-from tests.support.host import Netns, forget_run_files, sh, unique, write
+from tests.support.host import (
+    Netns,
+    forget_run_files,
+    remove_vantage,
+    sh,
+    unique,
+    wait_for,
+    write,
+)
 from tests.support.safechange import (
     BRIDGE,
     NAMES,
@@ -134,12 +142,14 @@ def test_kill_9_of_the_cli_still_reverts(box: Netns, tmp_path: Any) -> None:
 
 def _reboot(box: Netns, rec: dict[str, Any]) -> None:
     """What a reboot does to the sandbox: every process gone (the reverter), every network
-    namespace and /run gone; the state directory stays."""
+    namespace (the probes' vantage the reverter held too) and /run gone; the state
+    directory stays."""
     os.kill(rec["reverter_pid"], signal.SIGKILL)
     assert wait_gone(rec["reverter_pid"])
     inode = os.stat(f"/run/netns/{box.name}").st_ino
     for name in NAMES:
         sh("ip", "netns", "del", name, check=False)
+    remove_vantage(inode)
     sh("ip", "netns", "del", box.name)
     forget_run_files(inode)
     sh("ip", "netns", "add", box.name)
@@ -154,6 +164,10 @@ def test_a_reboot_with_a_change_pending_is_reverted_first(box: Netns, tmp_path: 
     apply_ok(box, b, "--confirm-within", "5m", env=boot1)
     rec = pending_record(box)
     assert rec is not None
+    # the reverter probes the change every few seconds: the reboot comes once it has (it
+    # holds the probes' vantage then, which the reboot takes away with the sandbox)
+    vantage = f"/run/netns/rcprobe-{os.stat(f'/run/netns/{box.name}').st_ino}"
+    wait_for(lambda: os.path.exists(vantage), 30, what="the reverter's first probes")
     _reboot(box, rec)
     assert state(box)["links"] == {}
     # same boot: not overdue (the deadline is minutes away)
