@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import resource
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -173,6 +177,24 @@ def process_hwm_mb(pid: int) -> float:
 
 def children_maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (for an agent's ``--status-addr``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent_status(addr: str) -> dict[str, Any] | None:
+    """The agent's ``/status`` document at ``addr`` (no proxy), or None while it does not answer."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"http://{addr}/status", timeout=2) as r:
+            doc: dict[str, Any] = json.loads(r.read())
+            return doc
+    except OSError:
+        return None
 
 
 class Sandbox:

@@ -8,7 +8,7 @@
 * a state directory of its own (``RECONCILER_STATE_DIR`` under the soak's temp dir),
   never the machine's ``/var/lib/reconciler``;
 * a private dockerd running in the host namespace, in a mount namespace with a private
-  ``/run`` (``/run/netns`` carried over, as tests/support/cells.py does), its data-root in
+  ``/run`` (``/run/netns`` carried over: tests/support/privaterun.py), its data-root in
   the temp dir and its socket beside it (``DOCKER_HOST`` for the reconciler): restarting it
   never touches the machine's dockerd;
 * the agent: ``reconcile watch`` of the soak's config directory;
@@ -31,22 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.support.host import remove_vantage  # noqa: E402
+from tests.support.privaterun import private_run  # noqa: E402
+
 SCOPE_LABEL = "io.reconciler.scope"
 LOCK_DIR = os.environ.get("RECONCILER_LOCK_DIR", "/run/reconciler")
-
-#: the private dockerd's mount namespace, kept by this shell until it is killed: argv DIR
-KEEPER = r"""
-set -eu
-D=$1
-mkdir -p "$D/keep"
-mount --make-private / 2>/dev/null || true
-mount --bind /run/netns "$D/keep"
-mount -t tmpfs -o mode=0755 tmpfs /run
-mkdir -p /run/netns /run/lock
-mount --move "$D/keep" /run/netns
-echo ready
-exec sleep 1000000
-"""
 
 #: one TCP connection (argv: address, port): the line it reads, or why it failed
 CONNECT = ("import socket,sys\ntry:\n s=socket.create_connection((sys.argv[1],int(sys.argv[2])),"
@@ -118,12 +109,8 @@ class Sandbox:
         self.foreign: list[str] = []  # links of a conflict injected and not yet removed
         self.make_host()
         if docker:
-            self.keeper = subprocess.Popen(["unshare", "-m", "--propagation", "unchanged", "sh",
-                                            "-c", KEEPER, "sh", self.dir],
-                                           stdout=subprocess.PIPE, text=True)
-            assert self.keeper.stdout is not None
-            if self.keeper.stdout.readline().strip() != "ready":
-                raise RuntimeError("the private mount namespace did not come up")
+            # the private dockerd's mount namespace (/run/lock for it)
+            self.keeper = private_run(self.dir, "/run/lock")
             self.start_dockerd()
 
     # -- the host namespace --------------------------------------------------
@@ -145,6 +132,10 @@ class Sandbox:
         """
         self.kill_agent()
         self.stop_dockerd()
+        # the probes' vantage the killed agent held goes too (it is named after the host's
+        # inode only: left, it would stay under /run/netns for good)
+        if os.path.exists(f"/run/netns/{self.host}"):
+            remove_vantage(os.stat(f"/run/netns/{self.host}").st_ino)
         for name in self.ours():
             sh("ip", "netns", "del", name, check=False)
         self.foreign.clear()
@@ -338,7 +329,9 @@ class Sandbox:
     def close(self) -> list[str]:
         """Remove everything the soak made; return what could not be removed (leaks)."""
         self.kill_agent()
+        last = None
         if os.path.exists(f"/run/netns/{self.host}"):
+            last = os.stat(f"/run/netns/{self.host}").st_ino
             with contextlib.suppress(Exception):
                 self.cli("destroy", "--yes", "--lock-timeout", "30")
         for name in self.foreign:
@@ -358,4 +351,8 @@ class Sandbox:
         shutil.rmtree(self.dir, ignore_errors=True)
         leaks = [f"namespace {n}" for n in self.ours()]
         leaks += [f"namespace {n} left by destroy" for n in left if n != self.host]
+        # the probes' vantages of the hosts the soak had: one a reboot round left (an
+        # orphan: those inodes may be other hosts' since), or the one destroy did not remove
+        leaks += [f"probe vantage {v}" for i in sorted(self.inodes)
+                  if (v := remove_vantage(i, orphan=i != last)) is not None]
         return leaks

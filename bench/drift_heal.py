@@ -23,22 +23,21 @@ on exit, even on failure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import agent_status, free_port  # noqa: E402
 
 from reconciler.drivers import netns  # noqa: E402
 from reconciler.drivers.netlink import client as links  # noqa: E402
@@ -56,26 +55,10 @@ def desired(tag: str, allocs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def status(addr: str) -> dict[str, Any] | None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"http://{addr}/status", timeout=2) as r:
-            doc: dict[str, Any] = json.loads(r.read())
-            return doc
-    except OSError:
-        return None
-
-
 def wait_status(addr: str, pred: Any, timeout: float, what: str) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        doc = status(addr)
+        doc = agent_status(addr)
         if doc is not None and pred(doc):
             return doc
         time.sleep(0.002)
@@ -88,7 +71,7 @@ def settled(addr: str, quiet: float = 0.5, timeout: float = 30.0) -> dict[str, A
     last = None
     since = time.monotonic()
     while time.monotonic() < deadline:
-        doc = status(addr)
+        doc = agent_status(addr)
         count = doc["pass_count"] if doc else None
         if count != last:
             last, since = count, time.monotonic()

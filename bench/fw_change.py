@@ -50,14 +50,20 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import MAX_PER_BRIDGE, ROOT, Sandbox, alloc_yaml  # noqa: E402
+from _harness import (  # noqa: E402
+    MAX_PER_BRIDGE,
+    ROOT,
+    Sandbox,
+    agent_status,
+    alloc_yaml,
+    free_port,
+)
 
 from reconciler.drivers import netns  # noqa: E402
 
@@ -164,22 +170,6 @@ class Host:
         self.sb.close()
 
 
-def status(addr: str) -> dict[str, Any] | None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"http://{addr}/status", timeout=2) as r:
-            doc: dict[str, Any] = json.loads(r.read())
-            return doc
-    except OSError:
-        return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def agent(h: Host, timeout: float) -> Iterator[tuple[str, int]]:
     """A ``reconcile watch`` of the host's file with a status address; yields (addr, pid)."""
@@ -195,7 +185,7 @@ def agent(h: Host, timeout: float) -> Iterator[tuple[str, int]]:
     try:
         deadline = time.monotonic() + timeout
         while True:
-            doc = status(addr)
+            doc = agent_status(addr)
             if doc and (doc.get("last_pass") or {}).get("result") in ("ok", "applied"):
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -216,14 +206,14 @@ def agent(h: Host, timeout: float) -> Iterator[tuple[str, int]]:
 def agent_change(h: Host, addr: str, pid: int, timeout: float) -> tuple[float, float]:
     """Save the file with allocation 0 moved; seconds to the agent's converged pass, and the
     firewall seconds of that agent's passes meanwhile."""
-    before = status(addr)
+    before = agent_status(addr)
     count = before["pass_count"] if before else 0
     _, h.offset = records(h.times, h.offset)
     t_wall = time.time()
     h.move()
     deadline = time.monotonic() + timeout
     while True:
-        doc = status(addr)
+        doc = agent_status(addr)
         last = (doc or {}).get("last_pass") or {}
         if (doc and doc["pass_count"] > count and last.get("finished_at", 0) > t_wall
                 and last.get("result") in ("applied", "ok") and not doc.get("errors")):

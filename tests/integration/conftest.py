@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
+from reconciler.domain.ownership import probe_vantage_names
 from reconciler.drivers import netns
 from reconciler.drivers.netlink import client as links
-from reconciler.drivers.probe import vantage
 from tests.support.agent import Agent, PlanAgent
 from tests.support.cli import reconcile
 from tests.support.dockerscratch import DockerScratch, client_or_skip, ensure_busybox_image
@@ -30,6 +29,7 @@ from tests.support.host import (
     host_link_names,
     is_root,
     netns_names,
+    remove_vantage,
     sh,
     unique,
 )
@@ -42,30 +42,45 @@ def host_ns() -> Iterator[Netns]:
     if not is_root():
         pytest.skip("needs root")
     name = unique()
-    before = netns_names()
     sh("ip", "netns", "add", name)
     inode = os.stat(f"/run/netns/{name}").st_ino
     # a namespace inode is reused once its namespace is gone: the probes' vantage a dead
     # namespace of that inode left (a killed prober, another run's leak) would be taken for
     # this fresh host's own leftover (gc lists it). No live prober can use it: remove it.
-    stale = f"rcprobe-{inode}"
-    if stale in netns_names() and vantage.namespace_mark(stale) == PROBE_VANTAGE_ALIAS:
-        netns.delete(stale)
-        forget_run_files(inode)
+    remove_vantage(inode)
+    before = netns_names()
     ns = Netns(name)
     try:
         sh("ip", "-n", name, "link", "set", "lo", "up")
         yield ns
     finally:
+        # a simulated reboot makes the sandbox again under its name: another inode, and
+        # the probes' vantage of each is the sandbox's
+        now = _inode_of(name)
+        inodes = sorted({inode} if now is None else {inode, now})
+        vantages = {probe_vantage_names(str(i))[0] for i in inodes}
         # Allocation namespaces are global (/run/netns/ID) although the host is a
         # sandbox: tear down what the reconciler made there before the sandbox goes.
         new = {n for n in netns_names() - before - {name}
-               if n.startswith(SESSION) or n == f"rcprobe-{inode}"}
+               if n.startswith(SESSION) or n in vantages}
         if new:
             reconcile("destroy", "--yes", "--lock-timeout", "20", netns=name, timeout=120)
         for left in ns.leftovers():
             netns.delete(left)  # live mounts and empty files alike
-        forget_run_files(inode)
+        for i in inodes:
+            forget_run_files(i)
+        # the sandbox is gone: a vantage of it still there is under /run/netns for good
+        # (its name's inode is dead), until a namespace of that inode comes again
+        # (the first inode, when a reboot replaced it, may be another sandbox's since)
+        leaked = [v for i in inodes if (v := remove_vantage(i, orphan=i != now)) is not None]
+        assert not leaked, f"test leaked the probes' vantage namespace: {leaked}"
+
+
+def _inode_of(name: str) -> int | None:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino
+    except FileNotFoundError:
+        return None
 
 
 @pytest.fixture(autouse=True)

@@ -207,6 +207,33 @@ def forget_run_files(inode: int | None) -> None:
             os.close(fd)
 
 
+def remove_vantage(inode: int, *, orphan: bool = False) -> str | None:
+    """Remove the probes' external vantage of the host namespace ``inode`` (``rcprobe-INODE``,
+    only when it carries the vantage's mark) and that host's run files; its name, or None
+    when there was none.
+
+    Its name holds the host's inode, and nothing else ties it to the host: a host deleted
+    while a prober that was SIGKILLed (or is still running) held it leaves it under
+    /run/netns for good, its veth gone with the host. A reboot takes it away with the rest;
+    a test that deletes a sandbox (or simulates a reboot of one) must too. ``orphan``: the
+    host of that inode is gone and the inode may be another's since, so only a vantage
+    whose veth went with a dead host (no ``eth0``) is removed.
+    """
+    from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS, probe_vantage_names
+    from reconciler.drivers import netns
+    from reconciler.drivers.probe import vantage
+
+    name = probe_vantage_names(str(inode))[0]
+    if name not in netns_names() or vantage.namespace_mark(name) != PROBE_VANTAGE_ALIAS:
+        return None
+    if orphan and sh("ip", "-n", name, "link", "show", "dev", "eth0",
+                     check=False).returncode == 0:
+        return None
+    netns.delete(name)
+    forget_run_files(inode)
+    return name
+
+
 #: prints ``<inode>-<cookie>`` of the namespace it runs in (SO_NETNS_COOKIE, Linux >= 5.14)
 _ID = ("import os,socket,struct\n"
        "s=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\n"

@@ -16,7 +16,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from reconciler.drivers import netns
-from tests.support.host import Netns, forget_run_files, ip_json, netns_names, sh
+from tests.support.host import (
+    Netns,
+    forget_run_files,
+    ip_json,
+    netns_names,
+    remove_vantage,
+    sh,
+)
 
 
 def reboot(host: Netns, allocs: Iterable[str]) -> None:
@@ -26,6 +33,7 @@ def reboot(host: Netns, allocs: Iterable[str]) -> None:
         if aid in netns_names():
             netns.delete(aid)
     old = os.stat(f"/run/netns/{host.name}").st_ino
+    remove_vantage(old)  # a prober's (an agent's) that held it: gone with the host too
     sh("ip", "netns", "del", host.name)
     forget_run_files(old)
     sh("ip", "netns", "add", host.name)

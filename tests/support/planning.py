@@ -1,17 +1,21 @@
 """The pure planner on an in-memory host: builders of desired states (a bridge, a subnet,
-allocations with port maps) and plan / converge against a :class:`FakeHost`."""
+allocations with port maps; subnets and Docker networks for the address space) and
+plan / converge against a :class:`FakeHost`."""
 
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
 from reconciler.domain.model import (
     AddrRange,
     Alloc,
     AllocId,
+    AutoPrefix,
     Bridge,
     BridgeName,
     DesiredState,
+    DockerNetwork,
     PortMap,
     Settings,
     Subnet,
@@ -54,6 +58,34 @@ def state(*allocs: Alloc, sub: Subnet | None = None, br: Bridge | None = None,
     b = br or bridge()
     return DesiredState(bridges={b.name: b}, subnets={s.name: s},
                         allocs={a.id: a for a in allocs}, settings=Settings(auto))
+
+
+# ------------------------------------------------------------------ the address space
+
+
+def sub(name: str, bridge: str, cidr: str, cidr6: str | None = None) -> Subnet:
+    """A subnet as the address-space planner takes it: ``cidr`` / ``cidr6`` a prefix or
+    ``auto(pool, size)``; no gateways, no range."""
+    def prefix(text: str | None) -> Any:
+        if text is None:
+            return None
+        if text.startswith("auto "):
+            _auto, pool, size = text.split()
+            return AutoPrefix(ipaddress.ip_network(pool), int(size))
+        return ipaddress.ip_network(text)
+
+    return Subnet(SubnetName(name), BridgeName(bridge), prefix(cidr), None, prefix(cidr6))
+
+
+def auto(pool: str, size: int) -> str:
+    return f"auto {pool} {size}"
+
+
+def desired(*subnets: Subnet, docker: tuple[DockerNetwork, ...] = ()) -> DesiredState:
+    """The subnets with a bridge each (by its name) and the Docker networks."""
+    return DesiredState(bridges={s.bridge: Bridge(s.bridge) for s in subnets},
+                        subnets={s.name: s for s in subnets},
+                        docker_networks={d.name: d for d in docker})
 
 
 def plan(host: FakeHost, desired: DesiredState, **opts: object) -> Plan:

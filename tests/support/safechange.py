@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
 from reconciler.domain.ownership import PROBE_VANTAGE_ALIAS
-from tests.support.host import Netns, sh, unique, write
+from tests.support.host import Netns, forget_run_files, sh, unique, write
 
 BRIDGE = "rsafe0"
 
@@ -30,21 +33,26 @@ allocs:
 """)
 
 
-def config_after(tmp_path: Any, alloc: str, extra: str) -> str:
+def config_after(tmp_path: Any, alloc: str, extra: str | None, *, port: int = PORT_B,
+                 name: str = "b.yaml") -> str:
     """Everything the change can change: the bridge's MTU (the old file left it to the
-    kernel), a port map moved, a new allocation with a port map, an address, a prune."""
-    return write(tmp_path, "b.yaml", f"""version: 1
+    kernel), a port map moved (to ``port``), a new allocation ``extra`` with a port map,
+    an address, a prune. Without ``extra``: the same file that prunes it again."""
+    text = f"""version: 1
 bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
 subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
 allocs:
   - id: {alloc}
     subnet: safe
     address: 10.221.0.9
-    ports: [{{host: {PORT_B}, to: 80}}]
-  - id: {extra}
+    ports: [{{host: {port}, to: 80}}]
+"""
+    if extra is not None:
+        text += f"""  - id: {extra}
     subnet: safe
     ports: [{{host: {PORT_B + 1}, to: 80}}]
-""")
+"""
+    return write(tmp_path, name, text)
 
 
 def _host_view(host: Netns) -> dict[str, Any]:
@@ -217,6 +225,30 @@ def setup_change(box: Netns, tmp_path: Any) -> tuple[str, str, dict[str, Any], s
     before = state(box)
     assert before["allocs"] and before["rules"][4], before
     return a, b, before, extra
+
+
+def kill_apply_at_checkpoint(box: Netns, cfg: str, window: str,
+                             then: float = 0.0) -> tuple[dict[str, Any], int]:
+    """``apply cfg --confirm-within window`` SIGKILLed with its whole process group (a lost
+    ssh session) once it has recorded the checkpoint and started its reverter, ``then``
+    seconds later: the pending record and the CLI's exit status. The killed CLI's run
+    files (its lock) are forgotten."""
+    cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", cfg,
+           "--confirm-within", window]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 30
+        while (rec := pending_record(box)) is None or not rec.get("reverter_pid"):
+            assert time.monotonic() < end and proc.poll() is None, "no pending record"
+            time.sleep(0.005)
+        if then:
+            time.sleep(then)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    forget_run_files(os.stat(f"/run/netns/{box.name}").st_ino)
+    return rec, proc.returncode
 
 
 def read_text(path: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from reconciler.domain.ownership import alloc_veth_name
 from tests.support.allocs import subnet_config as _config
 from tests.support.cli import Result
 from tests.support.host import REPO, Netns, unique
+from tests.support.privaterun import private_run
 
 pytestmark = pytest.mark.root
 
@@ -29,21 +29,6 @@ pytestmark = pytest.mark.root
 
 # ------------------------------------------------------------------ item 3: mount namespaces
 
-#: a mount namespace as the coexistence cells make one: a private /run, and /run/netns bound
-#: back into it without its submounts (``mount --bind``, not ``--rbind``); argv: a directory
-HIDING = r"""
-set -eu
-D=$1
-mkdir -p "$D/keep"
-mount --make-private / 2>/dev/null || true
-mount --bind /run/netns "$D/keep"
-mount -t tmpfs -o mode=0755 tmpfs /run
-mkdir -p /run/netns
-mount --move "$D/keep" /run/netns
-echo ready
-exec sleep 100000
-"""
-
 IS_NAMESPACE = ("import os,sys\n"
                 "print(os.stat(sys.argv[1]).st_dev == os.stat('/proc/self/ns/net').st_dev)")
 
@@ -51,12 +36,8 @@ IS_NAMESPACE = ("import os,sys\n"
 @contextlib.contextmanager
 def hiding_cell(tmp_path: Any) -> Iterator[int]:
     """The pid whose mount namespace is the cell; the cell goes with it (its mounts too)."""
-    keeper = subprocess.Popen(["unshare", "-m", "--propagation", "unchanged", "sh", "-c", HIDING,
-                               "sh", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    keeper = private_run(str(tmp_path))
     try:
-        assert keeper.stdout is not None
-        ready, _, _ = select.select([keeper.stdout], [], [], 20)
-        assert ready and keeper.stdout.readline().strip() == "ready"
         yield keeper.pid
     finally:
         keeper.kill()

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.host import Netns, unique, write
+from tests.support.host import Netns, unique
 from tests.support.safechange import (
-    BRIDGE,
     NAMES,
     PORT_B,
     apply_ok,
@@ -114,15 +113,7 @@ def test_deleting_a_namespace_processes_hold_waits_for_the_confirm(box: Netns, t
     alloc, extra = unique("s"), unique("s")
     NAMES[:] = [alloc, extra]
     both = config_after(tmp_path, alloc, extra)
-    only = write(tmp_path, "only.yaml", f"""version: 1
-bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
-subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
-allocs:
-  - id: {alloc}
-    subnet: safe
-    address: 10.221.0.9
-    ports: [{{host: {PORT_B}, to: 80}}]
-""")
+    only = config_after(tmp_path, alloc, None, name="only.yaml")
     apply_ok(box, both)
     before = state(box)
     holder = subprocess.Popen(["ip", "netns", "exec", extra, "sleep", "600"])

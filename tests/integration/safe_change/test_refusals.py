@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.support.host import Netns, forget_run_files
+from tests.support.host import Netns
 from tests.support.safechange import (
     alive,
     apply_ok,
     diff,
+    kill_apply_at_checkpoint,
     make_overdue,
     pending_record,
     reverts,
@@ -94,19 +95,7 @@ def test_confirm_refuses_a_change_whose_apply_was_killed(box: Netns, tmp_path: A
     """The CLI SIGKILLed right after it recorded the checkpoint: the record says the apply
     did not finish, and `confirm` must not keep a half-made change."""
     _a, b, before, _extra = setup_change(box, tmp_path)
-    cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", b,
-           "--confirm-within", "2m"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        end = time.monotonic() + 30
-        while (rec := pending_record(box)) is None or not rec.get("reverter_pid"):
-            assert time.monotonic() < end and proc.poll() is None, "no pending record"
-            time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    forget_run_files(os.stat(f"/run/netns/{box.name}").st_ino)  # the killed CLI's lock
+    rec, _rc = kill_apply_at_checkpoint(box, b, "2m")
     assert alive(rec["reverter_pid"])
     c = box.reconcile("confirm")
     lines = c.err.strip().splitlines()

@@ -13,14 +13,21 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
 
 from tests.support.figures import SOAK, report
-from tests.support.host import Netns, forget_run_files, sh, unique, write
+from tests.support.host import (
+    Netns,
+    forget_run_files,
+    remove_vantage,
+    sh,
+    unique,
+    wait_for,
+    write,
+)
 from tests.support.safechange import (
     BRIDGE,
     NAMES,
@@ -29,6 +36,7 @@ from tests.support.safechange import (
     apply_ok,
     config_after,
     diff,
+    kill_apply_at_checkpoint,
     pending_record,
     reverts,
     setup_change,
@@ -121,21 +129,9 @@ def test_kill_9_of_the_cli_still_reverts(box: Netns, tmp_path: Any) -> None:
     applies, right after it recorded the checkpoint: the reverter, in a session of its own,
     still restores everything at the deadline, the half-applied change included."""
     _a, b, before, _extra = setup_change(box, tmp_path)
-    cmd = [sys.executable, "-m", "reconciler", "--netns", box.name, "apply", b,
-           "--confirm-within", "3s"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        end = time.monotonic() + 30
-        while (rec := pending_record(box)) is None or not rec.get("reverter_pid"):
-            assert time.monotonic() < end and proc.poll() is None, "no pending record"
-            time.sleep(0.005)
-        time.sleep(0.2)  # into the apply's ops (a kill before the first one is the same case)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    forget_run_files(os.stat(f"/run/netns/{box.name}").st_ino)  # the killed CLI's lock
+    # 0.2 s into the apply's ops (a kill before the first one is the same case)
+    rec, rc = kill_apply_at_checkpoint(box, b, "3s", then=0.2)
+    assert rc == -signal.SIGKILL
     assert alive(rec["reverter_pid"]), "the reverter died with the CLI's session"
     assert wait_gone(rec["reverter_pid"], rec["deadline"] - time.time() + 10)
     at = time.time()
@@ -146,12 +142,14 @@ def test_kill_9_of_the_cli_still_reverts(box: Netns, tmp_path: Any) -> None:
 
 def _reboot(box: Netns, rec: dict[str, Any]) -> None:
     """What a reboot does to the sandbox: every process gone (the reverter), every network
-    namespace and /run gone; the state directory stays."""
+    namespace (the probes' vantage the reverter held too) and /run gone; the state
+    directory stays."""
     os.kill(rec["reverter_pid"], signal.SIGKILL)
     assert wait_gone(rec["reverter_pid"])
     inode = os.stat(f"/run/netns/{box.name}").st_ino
     for name in NAMES:
         sh("ip", "netns", "del", name, check=False)
+    remove_vantage(inode)
     sh("ip", "netns", "del", box.name)
     forget_run_files(inode)
     sh("ip", "netns", "add", box.name)
@@ -166,6 +164,10 @@ def test_a_reboot_with_a_change_pending_is_reverted_first(box: Netns, tmp_path: 
     apply_ok(box, b, "--confirm-within", "5m", env=boot1)
     rec = pending_record(box)
     assert rec is not None
+    # the reverter probes the change every few seconds: the reboot comes once it has (it
+    # holds the probes' vantage then, which the reboot takes away with the sandbox)
+    vantage = f"/run/netns/rcprobe-{os.stat(f'/run/netns/{box.name}').st_ino}"
+    wait_for(lambda: os.path.exists(vantage), 30, what="the reverter's first probes")
     _reboot(box, rec)
     assert state(box)["links"] == {}
     # same boot: not overdue (the deadline is minutes away)
@@ -345,15 +347,7 @@ def test_a_postponed_deletion_does_not_skip_the_probes(box: Netns, tmp_path: Any
     alloc, extra = unique("s"), unique("s")
     NAMES[:] = [alloc, extra]
     closed = PORT_B + 7
-    only = write(tmp_path, "only.yaml", f"""version: 1
-bridges: [{{name: {BRIDGE}, mtu: 1400}}, {{name: {BRIDGE}x}}]
-subnets: [{{name: safe, bridge: {BRIDGE}, cidr: 10.221.0.0/24}}]
-allocs:
-  - id: {alloc}
-    subnet: safe
-    address: 10.221.0.9
-    ports: [{{host: {closed}, to: 80}}]
-""")
+    only = config_after(tmp_path, alloc, None, port=closed, name="only.yaml")
     apply_ok(box, config_after(tmp_path, alloc, extra))
     before = state(box)
     drop = ("-p", "tcp", "--dport", str(closed), "-j", "DROP")

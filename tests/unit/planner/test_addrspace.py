@@ -33,7 +33,6 @@ from reconciler.domain.live import (
 )
 from reconciler.domain.model import (
     AutoPrefix,
-    Bridge,
     BridgeName,
     DesiredState,
     DockerNetwork,
@@ -50,6 +49,7 @@ from reconciler.planner import addrspace, hostspace, make_plan
 from reconciler.ui.render import render_text
 from tests.support.fakehost import FakeHost
 from tests.support.figures import SOAK, report
+from tests.support.planning import auto, desired, sub
 
 # ------------------------------------------------------------------ the files
 
@@ -144,28 +144,6 @@ def test_auto_validates_without_the_host(tmp_path):
 # ------------------------------------------------------------------ helpers
 
 N = ipaddress.ip_network
-
-
-def sub(name: str, bridge: str, cidr: str, cidr6: str | None = None) -> Subnet:
-    def prefix(text: str | None) -> Any:
-        if text is None:
-            return None
-        if text.startswith("auto "):
-            _auto, pool, size = text.split()
-            return AutoPrefix(N(pool), int(size))
-        return N(text)
-
-    return Subnet(SubnetName(name), BridgeName(bridge), prefix(cidr), None, prefix(cidr6))
-
-
-def auto(pool: str, size: int) -> str:
-    return f"auto {pool} {size}"
-
-
-def desired(*subnets: Subnet, docker: tuple[DockerNetwork, ...] = ()) -> DesiredState:
-    return DesiredState(bridges={s.bridge: Bridge(s.bridge) for s in subnets},
-                        subnets={s.name: s for s in subnets},
-                        docker_networks={d.name: d for d in docker})
 
 
 def link(name: str, index: int, *addrs: str, owned: bool = False, kind: str = "veth",

@@ -13,13 +13,9 @@ from reconciler.domain.leases import DECLARED, LEASE, LIVE, NEW, port_field
 from reconciler.domain.live import LiveChainSet, LiveState
 from reconciler.domain.model import (
     AutoPrefix,
-    Bridge,
-    BridgeName,
     DesiredState,
     DockerNetwork,
     DockerNetworkName,
-    Subnet,
-    SubnetName,
 )
 from reconciler.domain.ops import LinkSetMac, decode
 from reconciler.domain.ownership import alloc_mac
@@ -28,7 +24,7 @@ from reconciler.planner import addrspace, make_plan
 from reconciler.planner.leases import Picks, choose, valid_mac
 from reconciler.ui.render import render_text
 from tests.support.fakehost import FakeHost
-from tests.support.planning import alloc, converge, plan, port, state
+from tests.support.planning import alloc, auto, converge, desired, plan, port, state, sub
 
 
 def picked(p: Plan, address: str, field: str) -> tuple[object, str]:
@@ -181,26 +177,18 @@ def test_a_damaged_lease_file_is_one_warning():
 # ------------------------------------------------------------------ auto prefixes
 
 
-def auto_subnet(name: str, pool: str = "10.5.0.0/16") -> Subnet:
-    return Subnet(SubnetName(name), BridgeName(f"b-{name}"),
-                  AutoPrefix(ipaddress.ip_network(pool), 24), None, None)  # type: ignore[arg-type]
-
-
-def resolved(desired: DesiredState, table: dict[str, dict[str, object]]) -> tuple[dict, Picks]:
+def resolved(want: DesiredState, table: dict[str, dict[str, object]]) -> tuple[dict, Picks]:
     p = Picks(table)
-    r = addrspace.resolve(desired, LiveState(firewall4=LiveChainSet(True),
-                                             firewall6=LiveChainSet(True)), picks=p)
+    r = addrspace.resolve(want, LiveState(firewall4=LiveChainSet(True),
+                                          firewall6=LiveChainSet(True)), picks=p)
     assert not r.fatal, r.fatal
     return {n: str(s.cidr) for n, s in r.desired.subnets.items()}, p
 
 
 def auto_state(*names: str) -> DesiredState:
-    subs = [auto_subnet(n) for n in names]
-    return DesiredState(bridges={s.bridge: Bridge(s.bridge) for s in subs},
-                        subnets={s.name: s for s in subs},
-                        docker_networks={DockerNetworkName("ci"): DockerNetwork(
-                            DockerNetworkName("ci"),
-                            auto=AutoPrefix(ipaddress.ip_network("10.5.0.0/16"), 24))})
+    ci = DockerNetwork(DockerNetworkName("ci"),
+                       auto=AutoPrefix(ipaddress.ip_network("10.5.0.0/16"), 24))
+    return desired(*(sub(n, f"b-{n}", auto("10.5.0.0/16", 24)) for n in names), docker=(ci,))
 
 
 def test_leased_auto_prefixes_survive_a_reboot_with_a_name_that_sorts_first():

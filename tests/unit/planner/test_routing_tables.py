@@ -21,18 +21,15 @@ from reconciler.domain.live import (
     LiveState,
 )
 from reconciler.domain.model import (
-    Bridge,
-    BridgeName,
     DesiredState,
     DockerNetwork,
     DockerNetworkName,
-    Subnet,
-    SubnetName,
 )
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 from reconciler.drivers.netlink import listen, parse, wire
 from reconciler.drivers.netlink.wire import NlMsg
 from reconciler.planner import addrspace, hostspace
+from tests.support.planning import desired, sub
 
 # ------------------------------------------------------------------ every routing table
 
@@ -119,10 +116,6 @@ def test_the_alarm_reads_the_routes_of_every_selected_table() -> None:
 # ------------------------------------------------------------------ Docker in another namespace
 
 
-def _subnet(name: str, cidr: str) -> Subnet:
-    return Subnet(SubnetName(name), BridgeName("b0"), ipaddress.IPv4Network(cidr), None, None)
-
-
 def _docker(name: str, subnet: str) -> DockerNetwork:
     return DockerNetwork(DockerNetworkName(name), subnet=ipaddress.IPv4Network(subnet))
 
@@ -140,10 +133,8 @@ def _sandbox(*links: LiveLink) -> LiveState:
 
 
 def test_in_a_sandbox_docker_networks_and_the_routing_here_are_a_warning_apart() -> None:
-    d = DesiredState(bridges={BridgeName("b0"): Bridge(BridgeName("b0"))},
-                     subnets={SubnetName("cni"): _subnet("cni", "10.0.0.0/8")},
-                     docker_networks={DockerNetworkName("ci"): _docker("ci", "10.250.3.0/24"),
-                                      DockerNetworkName("dup"): _docker("dup", "10.240.77.0/25")})
+    d = desired(sub("cni", "b0", "10.0.0.0/8"),
+                docker=(_docker("ci", "10.250.3.0/24"), _docker("dup", "10.240.77.0/25")))
     live = _sandbox()
     assert hostspace.docker_elsewhere(live)
     found = addrspace.check(d, live)
