@@ -270,6 +270,10 @@ def test_show_groups_by_bridge_and_subnet_and_keeps_its_json_keys():
     assert lines[3] == (f"    alloc web-1: 10.9.0.10/24 fd00:9::2/64 mac 02:aa:00:00:00:01 "
                         f"veth {alloc_veth_name('web-1')}")
     assert lines[4] == "      ports 5353/udp->53@127.0.0.1 8080/tcp->80"
+    assert doc["table"]["sets"]["pm4"] == 1 and doc["table"]["intact"]
+    assert lines[5] == ("table inet reconciler: 9 entries (egress4 1, egress6 1, intra4 1, "
+                        "intra6 1, pm4 1, pm6 1, pmip4 1, ports4 1, ports6 1)")
+    assert not any("RECONCILER-" in line for line in lines)  # no chain of ours is left
     assert "netns foreign" in lines and "netns web-1" not in lines
     assert "  container c-1 172.30.0.2/16" in lines
 
