@@ -451,7 +451,8 @@ class Forked:
         got: dict[str, Any] = {}
 
         def drain(name: str) -> None:
-            got[name] = getattr(self, name).read()
+            with getattr(self, name) as stream:
+                got[name] = stream.read()
 
         readers = [threading.Thread(target=drain, args=(n,), daemon=True)
                    for n in ("stdout", "stderr") if getattr(self, n) is not None]
