@@ -155,8 +155,11 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it
         _fresh_streams()
         try:
+            # as nsenter: the directory is opened where the caller is, entered after
+            wd = os.open(req["cwd"], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             _enter(req.get("enter") or [])
-            os.chdir(req["cwd"])  # after a mount namespace, as nsenter --wd
+            os.fchdir(wd)
+            os.close(wd)
         except OSError as exc:
             print(f"forkserver: {exc}", file=sys.stderr)
             raise SystemExit(1) from None

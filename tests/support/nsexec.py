@@ -57,7 +57,8 @@ def run(ns: str, code: str, *args: str, check: bool = True, input: str | None = 
         ) -> subprocess.CompletedProcess[str]:
     """What ``python -c CODE ARGS`` (``-m MODULE`` when ``module``) prints inside network
     namespace ``ns`` (and mount namespace ``mnt``, a path), as ``sh`` gives it: text
-    output, CalledProcessError when ``check`` and it fails, TimeoutExpired."""
+    output, CalledProcessError when ``check`` and it fails, TimeoutExpired. ``cwd`` is
+    resolved where the caller is, as ``nsenter --wd`` does."""
     env = env if env is not None else base_env()
     py = ["-m", module] if module else ["-c", code]
     argv = [sys.executable, *py, *args]
