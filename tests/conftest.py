@@ -40,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """RECONCILER_TEST_IMAGE=1: build the container image while the other tests run, if
     a selected test needs it (tests/support/imagebuild.py)."""
-    if imagebuild.wanted() and is_root() and \
+    if imagebuild.wanted() and is_root() and not session.config.option.collectonly and \
             any("image" in getattr(item, "fixturenames", ()) for item in session.items):
         imagebuild.BUILD.start()
 
