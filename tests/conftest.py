@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import cli
+from tests.support import cli, imagebuild
 from tests.support.forkserver import SERVER
 from tests.support.host import SESSION, is_root
 
@@ -37,8 +37,17 @@ def pytest_configure(config: pytest.Config) -> None:
                                                  ignore_errors=True))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """RECONCILER_TEST_IMAGE=1: build the container image while the other tests run, if
+    a selected test needs it (tests/support/imagebuild.py)."""
+    if imagebuild.wanted() and is_root() and not session.config.option.collectonly and \
+            any("image" in getattr(item, "fixturenames", ()) for item in session.items):
+        imagebuild.BUILD.start()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     SERVER.stop()  # the fork server of tests/support/cli.py, if the session started one
+    imagebuild.BUILD.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -7,12 +7,11 @@ import contextlib
 import hashlib
 import json
 import select
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
-from tests.support.host import sh, unique, write
+from tests.support import nsexec
+from tests.support.host import unique, write
 
 BRIDGE = "rcl0"
 
@@ -76,10 +75,9 @@ def in_ns(ns: str, *args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def listening(ns: str, *specs: str) -> Iterator[subprocess.Popen[str]]:
+def listening(ns: str, *specs: str) -> Iterator[nsexec.Process]:
     """A listener inside namespace ``ns`` (e.g. "tcp:80", "udp:53"); killed on exit."""
-    p = subprocess.Popen(in_ns(ns, sys.executable, "-c", SERVER, *specs),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = nsexec.popen(ns, SERVER, *specs, stdout=nsexec.PIPE, stderr=nsexec.PIPE)
     try:
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], 10)
@@ -93,7 +91,7 @@ def listening(ns: str, *specs: str) -> Iterator[subprocess.Popen[str]]:
 
 def connect_all(ns: str, targets: list[tuple[str, str, int]], timeout: float = 1.5) -> list[str | None]:
     """Answers to each (proto, host, port) from inside ``ns``, in one process."""
-    out = sh(*in_ns(ns, sys.executable, "-c", CLIENT, json.dumps(targets), str(timeout))).stdout
+    out = nsexec.run(ns, CLIENT, json.dumps(targets), str(timeout)).stdout
     return json.loads(out)  # type: ignore[no-any-return]
 
 

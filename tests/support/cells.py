@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from tests.support import nsexec
+from tests.support.forkserver import base_env
 from tests.support.host import REPO, Netns, sh, unique
 
 BACKENDS = ("nft", "legacy")
@@ -96,7 +98,7 @@ class Cell:
                                         "-c", SETUP, "sh", base, backend],
                                        stdout=subprocess.PIPE, text=True)
         assert self.keeper.stdout is not None and self.keeper.stdout.readline().strip() == "ready"
-        self.env = {**os.environ, "PYTHONPATH": REPO}
+        self.env = base_env()  # this tree's package first, as the fork server has it
         self.agent: subprocess.Popen[str] | None = None
         self.interval = LEGACY_INTERVAL if backend == "legacy" else NFT_INTERVAL
         self.status_port = STATUS_PORT + ALL.index((backend, docker, manager))
@@ -120,8 +122,16 @@ class Cell:
         self.procs.append(p)
         return p
 
+    def python(self, code: str, *args: str, module: str | None = None,
+               timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """``python -c CODE`` (``-m MODULE``) inside the cell, as :meth:`run` would run it:
+        a fork that joins the cell's namespaces (tests/support/nsexec.py)."""
+        return nsexec.run(self.host.name, code, *args, module=module, check=False,
+                          timeout=timeout, mnt=f"/proc/{self.keeper.pid}/ns/mnt", cwd=REPO,
+                          env=self.env)
+
     def reconcile(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return self.run(sys.executable, "-m", "reconciler", *args, check=False, timeout=300)
+        return self.python("", *args, module="reconciler", timeout=300)
 
     # -- the agent -----------------------------------------------------------
 
@@ -148,8 +158,7 @@ class Cell:
     def status(self) -> dict[str, Any] | None:
         """The agent's /status, None if it does not answer (ufw's DROP policy after ``iptables
         -F`` drops loopback to it too: only asked before the reloads)."""
-        p = self.run(sys.executable, "-c", STATUS, f"http://127.0.0.1:{self.status_port}/status",
-                     check=False, timeout=20)
+        p = self.python(STATUS, f"http://127.0.0.1:{self.status_port}/status", timeout=20)
         if p.returncode != 0:
             return None
         doc: dict[str, Any] = json.loads(p.stdout)

@@ -41,9 +41,10 @@ def _text(data: bytes) -> str:
 
 def reconcile(*args: str, netns: str | None = None, timeout: float = 300,
               env: dict[str, str] | None = None, cwd: str | None = None,
-              real: bool = False) -> Result:
+              real: bool = False, module: str = "reconciler") -> Result:
     """Run the CLI the way a user does: a separate process (a fork server's child unless
-    ``real``: see the module docstring)."""
+    ``real``: see the module docstring). ``module``: another ``python -m`` entry point
+    that runs the CLI (``tests.support.killpoints``, ``tests.support.faults``)."""
     argv = ["--netns", netns] if netns else []
     argv += list(args)
     full_env = dict(os.environ)
@@ -51,12 +52,12 @@ def reconcile(*args: str, netns: str | None = None, timeout: float = 300,
     # this tree's package, whatever the venv has installed
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, full_env.get("PYTHONPATH")]))
     if not (real or REAL_PROCESS["on"]) and SERVER.serves(full_env):
-        done = SERVER.run(argv, full_env, cwd, timeout)
+        done = SERVER.run(argv, full_env, cwd, timeout, module)
         if done is not None:
             rc, out, err = done
             return Result(rc, _text(out), _text(err))
     # stdin is no terminal (``pytest -s`` keeps the caller's): ``destroy`` asks nothing
-    p = subprocess.run([sys.executable, "-m", "reconciler", *argv], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
                        text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL,
                        cwd=cwd)
     return Result(p.returncode, p.stdout, p.stderr)

@@ -76,7 +76,8 @@ def _preimport() -> None:
     for mod in pkgutil.walk_packages(reconciler.__path__, "reconciler."):
         if not mod.name.endswith("__main__"):
             importlib.import_module(mod.name)
-    for extra in ("jsonschema", "docker", "yaml"):
+    for extra in ("jsonschema", "docker", "yaml", "ctypes", "runpy", "selectors", "json",
+                  "urllib.request"):
         with contextlib.suppress(ImportError):
             importlib.import_module(extra)
 
@@ -103,8 +104,38 @@ def _fresh_streams() -> None:
     sys.stderr = sys.__stderr__ = text(2, "w", True)
 
 
+#: setns(2) flags of the namespaces a request may enter (``nsenter --net= --mount=``)
+_CLONE = {"net": 0x40000000, "mnt": 0x00020000}
+
+
+def _enter(paths: list[list[str]]) -> None:
+    """Join the namespaces ``[[kind, path], ...]`` as nsenter does: every file opened first
+    (resolved where the caller is), then the network namespace before the mount one."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = [(kind, os.open(path, os.O_RDONLY | os.O_CLOEXEC)) for kind, path in paths]
+    for kind, fd in sorted(fds, key=lambda kf: list(_CLONE).index(kf[0])):
+        if libc.setns(fd, _CLONE[kind]) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {kind} {dict(paths)[kind]}: {os.strerror(err)}")
+        os.close(fd)
+
+
+def _run_code(code: str) -> None:
+    """Run ``code`` as ``python -c`` does: in a fresh ``__main__`` module."""
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    exec(compile(code, "<string>", "exec"), main.__dict__)  # noqa: S102 (python -c)
+
+
 def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socket]) -> None:
-    """In the forked child: become the requested process, run the CLI, exit. Never returns."""
+    """In the forked child: become the requested process, run the CLI (or the ``code`` of a
+    ``python -c``), exit. Never returns."""
     rc = 1
     try:
         for s in closing:
@@ -114,7 +145,6 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
         for fd in fds:
             if fd > 2:
                 os.close(fd)
-        os.chdir(req["cwd"])
         os.umask(req["umask"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -124,13 +154,30 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it
         _fresh_streams()
-        sys.argv = ["-m", *req["argv"]]
-        sys.path[0] = req["cwd"]  # what `python -m` puts first
+        try:
+            # as nsenter: the directory is opened where the caller is, entered after
+            wd = os.open(req["cwd"], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            _enter(req.get("enter") or [])
+            os.fchdir(wd)
+            os.close(wd)
+        except OSError as exc:
+            print(f"forkserver: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        code = req.get("code")
+        if code is None:
+            sys.argv = ["-m", *req["argv"]]
+            sys.path[0] = req["cwd"]  # what `python -m` puts first
+        else:
+            sys.argv = ["-c", *req["argv"]]
+            sys.path[0] = ""  # what `python -c` puts first
         import runpy
 
         try:
-            runpy.run_module(req.get("module", "reconciler"), run_name="__main__",
-                             alter_sys=True)
+            if code is None:
+                runpy.run_module(req.get("module", "reconciler"), run_name="__main__",
+                                 alter_sys=True)
+            else:
+                _run_code(code)
             rc = 0
         except SystemExit as exc:
             code = exc.code
@@ -158,6 +205,13 @@ def _run_command(req: dict[str, Any], fds: list[int], closing: list[socket.socke
                 rc = 120  # as the interpreter does when flushing stdout fails at exit
     finally:
         os._exit(rc)
+
+
+def _wait_status(info: Any) -> int:
+    """The wait status ``waitpid`` would give for a ``waitid`` result."""
+    if info.si_code == os.CLD_EXITED:
+        return int((info.si_status & 0xFF) << 8)
+    return int(info.si_status) | (0x80 if info.si_code == os.CLD_DUMPED else 0)
 
 
 def _serve_one(listener: socket.socket, conn: socket.socket) -> None:
@@ -188,8 +242,14 @@ def _serve_one(listener: socket.socket, conn: socket.socket) -> None:
                     os.close(fd)
                 conn.settimeout(None)
                 conn.sendall(f"{pid}\n".encode())
-                _, status = os.waitpid(pid, 0)
-                conn.sendall(f"{status}\n".encode())
+                # not reaped until the client hangs up: while it may still signal the pid,
+                # the pid cannot be another process's
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                conn.sendall(f"{_wait_status(info)}\n".encode())
+                with contextlib.suppress(OSError):
+                    while conn.recv(4096):
+                        pass
+                os.waitpid(pid, 0)
             finally:
                 os._exit(0)
     finally:
@@ -265,7 +325,7 @@ class Server:
         """Whether a fork of the server is the process ``env`` would start here."""
         if self.broken:
             return False
-        if self.proc is None and not self.start(_base_env()):
+        if self.proc is None and not self.start(base_env()):
             return False
         assert self.proc is not None
         if self.proc.poll() is not None:
@@ -274,40 +334,155 @@ class Server:
         return (_start_env(env) == self.start_env and os.geteuid() == self.uid
                 and _namespaces() == self.namespaces)
 
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, fds: list[int], *,
+              module: str = "reconciler", code: str | None = None,
+              enter: list[list[str]] | None = None) -> Forked | None:
+        """Start ``python -m MODULE *argv`` (or ``python -c CODE *argv``) with ``fds`` as its
+        stdin, stdout and stderr, after joining the namespaces ``enter`` (``[[kind, path]]``,
+        kind "net" or "mnt", as nsenter does); None when the server could not take it."""
+        req = {"module": module, "code": code, "argv": argv, "env": env, "enter": enter or [],
+               "cwd": os.path.abspath(cwd or os.getcwd()), "umask": _umask()}
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(10)
+            sock.connect(self.path)
+            socket.send_fds(sock, [json.dumps(req).encode() + b"\n"], fds)
+            lines = _Lines(sock)
+            first = lines.next()
+        except OSError:
+            sock.close()
+            return None
+        if not first.isdigit():
+            sock.close()
+            return None  # refused or gone before forking
+        sock.settimeout(None)
+        return Forked(sock, lines, int(first), ["-c" if code is not None else module, *argv])
+
     def run(self, argv: list[str], env: dict[str, str], cwd: str | None, timeout: float,
-            module: str = "reconciler") -> tuple[int, bytes, bytes] | None:
-        """Run ``python -m reconciler *argv``: (returncode, stdout, stderr), or None when the
-        server could not take it (the caller runs a subprocess). Raises TimeoutExpired."""
-        req = {"module": module, "argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
-               "umask": _umask()}
+            module: str = "reconciler", *, code: str | None = None,
+            enter: list[list[str]] | None = None,
+            input: bytes | None = None) -> tuple[int, bytes, bytes] | None:
+        """Run ``python -m reconciler *argv`` (or as :meth:`spawn` says): (returncode, stdout,
+        stderr), or None when the server could not take it (the caller runs a subprocess).
+        Raises TimeoutExpired."""
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-                open(os.devnull, "rb") as devnull, \
-                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            try:
-                sock.settimeout(10)
-                sock.connect(self.path)
-                socket.send_fds(sock, [json.dumps(req).encode() + b"\n"],
-                                [devnull.fileno(), out.fileno(), err.fileno()])
-                lines = _Lines(sock)
-                first = lines.next()
-            except OSError:
+                tempfile.TemporaryFile() as stdin:
+            if input:
+                stdin.write(input)
+                stdin.flush()
+                stdin.seek(0)
+            proc = self.spawn(argv, env, cwd, [stdin.fileno(), out.fileno(), err.fileno()],
+                              module=module, code=code, enter=enter)
+            if proc is None:
                 return None
-            if not first.isdigit():
-                return None  # refused or gone before forking
-            pid = int(first)
-            sock.settimeout(timeout)
             try:
-                last = lines.next()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
                 raise subprocess.TimeoutExpired(["reconcile", *argv], timeout) from None
-            if not last.lstrip(b"-").isdigit():
-                raise RuntimeError(f"fork server lost command {pid} ({argv})")
-            rc = os.waitstatus_to_exitcode(int(last))
             out.seek(0)
             err.seek(0)
             return rc, out.read(), err.read()
+
+
+class Forked:
+    """A command running as a fork of the server, with what the tests use of
+    ``subprocess.Popen``: pid, poll, wait, signals, the caller's ends of its pipes.
+
+    The server reaps the command only once this object has read its exit status and
+    hung up: until then its pid cannot name another process, so signalling it is safe.
+    """
+
+    def __init__(self, sock: socket.socket, lines: _Lines, pid: int, args: list[str]) -> None:
+        self._sock, self._lines = sock, lines
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self.stdin: Any = None
+        self.stdout: Any = None
+        self.stderr: Any = None
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._lines.buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._sock], [], [], left)
+            if not ready:
+                return None
+            data = self._sock.recv(4096)
+            if not data:
+                raise RuntimeError(f"fork server lost command {self.pid} ({self.args})")
+            self._lines.buf += data
+        last = self._lines.next()
+        if not last.lstrip(b"-").isdigit():
+            raise RuntimeError(f"fork server lost command {self.pid} ({self.args})")
+        self.returncode = os.waitstatus_to_exitcode(int(last))
+        self._sock.close()  # the server reaps it now
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self._status(timeout)
+        if rc is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: str | bytes | None = None,
+                    timeout: float | None = None) -> tuple[Any, Any]:
+        """Write ``input``, close stdin, read stdout and stderr to their end, wait."""
+        import threading
+
+        if self.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                if input:
+                    self.stdin.write(input)
+                self.stdin.close()
+        got: dict[str, Any] = {}
+
+        def drain(name: str) -> None:
+            with getattr(self, name) as stream:
+                got[name] = stream.read()
+
+        readers = [threading.Thread(target=drain, args=(n,), daemon=True)
+                   for n in ("stdout", "stderr") if getattr(self, n) is not None]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return got.get("stdout"), got.get("stderr")
+
+    def close(self) -> None:
+        """Kill it if it runs, close the pipes, wait: what a test's ``finally`` does."""
+        self.kill()
+        self.wait()
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _Lines:
@@ -328,7 +503,7 @@ class _Lines:
         return line.strip()
 
 
-def _base_env() -> dict[str, str]:
+def base_env() -> dict[str, str]:
     """The session's environment with this tree first on PYTHONPATH: what the server starts
     with (not the first request's, which may carry a test's own variables)."""
     env = dict(os.environ)

@@ -12,10 +12,11 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from tests.support import nsexec
 
 if TYPE_CHECKING:
     from tests.support.cli import Result
@@ -244,4 +245,4 @@ _ID = ("import os,socket,struct\n"
 def netns_id(name: str) -> str:
     """Return the id the reconciler marks a sandbox's allocations with: ``<inode>-<cookie>``
     of ``/run/netns/NAME``, read by a process of its own in that namespace (not our code)."""
-    return sh("ip", "netns", "exec", name, sys.executable, "-c", _ID).stdout.strip()
+    return nsexec.run(name, _ID).stdout.strip()

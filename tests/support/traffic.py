@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
+from tests.support import nsexec
 from tests.support.host import Netns, sh, unique
 
 HOST_IP, CLIENT_IP = "192.168.251.1", "192.168.251.2"
@@ -155,9 +154,7 @@ def client_of(host: Netns, *, host_ip: str = HOST_IP, client_ip: str = CLIENT_IP
 @contextlib.contextmanager
 def listening(ns: str, *ports: int) -> Iterator[None]:
     """TCP listeners answering ``ok PORT`` inside namespace ``ns``, stopped afterwards."""
-    p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", LISTEN,
-                          *map(str, ports)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
+    p = nsexec.popen(ns, LISTEN, *map(str, ports), stdin=nsexec.PIPE, stdout=nsexec.PIPE)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         yield
@@ -170,8 +167,7 @@ def listening(ns: str, *ports: int) -> Iterator[None]:
 def serving(ns: str, tcp: tuple[int, ...] = (), udp: tuple[int, ...] = ()) -> Iterator[None]:
     """TCP and UDP listeners on every address (IPv4 and IPv6) inside namespace ``ns``."""
     specs = [f"tcp:{p}" for p in tcp] + [f"udp:{p}" for p in udp]
-    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", LISTEN_ALL,
-                          *specs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = nsexec.popen(ns, LISTEN_ALL, *specs, stdin=nsexec.PIPE, stdout=nsexec.PIPE)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         yield
@@ -182,7 +178,7 @@ def serving(ns: str, tcp: tuple[int, ...] = (), udp: tuple[int, ...] = ()) -> It
 
 def scan_udp(client: Netns, ip: str, ports: list[int]) -> list[int]:
     """UDP ports of ip whose listener's answer reaches ``client`` (bounded: 0.5 s per 200)."""
-    out = client.run(sys.executable, "-c", SCAN_UDP, ip, *map(str, ports)).stdout
+    out = nsexec.run(client.name, SCAN_UDP, ip, *map(str, ports)).stdout
     result: list[int] = json.loads(out)
     return result
 
@@ -192,11 +188,11 @@ def fetch(client: Netns, ip: str, port: int, timeout: float = 2.0) -> str:
     code = ("import socket,sys\ntry:\n s=socket.create_connection((sys.argv[1],int(sys.argv[2])),"
             f"timeout={timeout})\n print(s.makefile().readline().strip())\nexcept OSError:\n"
             " print('')\n")
-    return client.run(sys.executable, "-c", code, ip, str(port)).stdout.strip()
+    return nsexec.run(client.name, code, ip, str(port)).stdout.strip()
 
 
 def scan(client: Netns, ip: str, ports: list[int]) -> list[int]:
     """Open TCP ports of ip:ports as seen from ``client`` (bounded: 0.3 s per 200 ports)."""
-    out = client.run(sys.executable, "-c", SCAN, ip, *map(str, ports)).stdout
+    out = nsexec.run(client.name, SCAN, ip, *map(str, ports)).stdout
     result: list[int] = json.loads(out)
     return result

@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import json
 import select
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.support import nsexec
 from tests.support.host import Netns, sh, unique, write
 
 pytestmark = pytest.mark.root
@@ -167,8 +166,7 @@ while True:
 def floods(ns: str) -> Iterator[list[str]]:
     """The frames flooded to ``ns``'s eth0 while the block runs (after it ends)."""
     seen: list[str] = []
-    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", FLOODS],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = nsexec.popen(ns, FLOODS, stdin=nsexec.PIPE, stdout=nsexec.PIPE)
     try:
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], 10)
@@ -283,8 +281,7 @@ HOST6, CLIENT6 = "fd00:79::1", "fd00:79::2"
 
 @contextlib.contextmanager
 def listener(ns: str) -> Iterator[None]:
-    p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", SERVER],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = nsexec.popen(ns, SERVER, stdout=nsexec.PIPE, stderr=nsexec.PIPE)
     try:
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], 10)
@@ -296,8 +293,7 @@ def listener(ns: str) -> Iterator[None]:
 
 
 def connect(ns: str, targets: list[tuple[str, int]]) -> list[list[object]]:
-    out = sh("nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", CLIENT,
-             json.dumps(targets)).stdout
+    out = nsexec.run(ns, CLIENT, json.dumps(targets)).stdout
     return json.loads(out)  # type: ignore[no-any-return]
 
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support.cli import Result
+from tests.support.cli import Result, reconcile
 from tests.support.host import REPO, SESSION, Netns, unique, write
 from tests.support.traffic import HOST_IP, client_of, fetch, listening
 
@@ -60,9 +60,7 @@ def apply(ns: Netns, cfg: Config, **kw: object) -> None:
 
 def with_faults(ns: Netns, faults: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, its driver ops failing as ``faults`` says (faults.py)."""
-    p = subprocess.run([sys.executable, "-m", "tests.support.faults", faults,
-                        "--netns", ns.name, *args], capture_output=True, text=True, timeout=300)
-    return Result(p.returncode, p.stdout, p.stderr)
+    return reconcile(faults, "--netns", ns.name, *args, module="tests.support.faults")
 
 
 def test_flushed_firewall_is_healed(host_ns: Netns, tmp_path):

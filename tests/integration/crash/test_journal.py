@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cli import Result
+from tests.support.cli import Result, reconcile
 from tests.support.dockercli import (
     assert_all_reattached,
     attachment,
@@ -43,10 +43,8 @@ KILL_POINTS = ["disconnect:1:before", "disconnect:1", "disconnect:2", "disconnec
                "connect:4"]
 def killed(ns: Netns, spec: str, *args: str) -> Result:
     """`reconcile ARGS` in ``ns``, SIGKILLed at ``spec`` (killpoints.py)."""
-    p = subprocess.run([sys.executable, "-m", "tests.support.killpoints", spec,
-                        "--netns", ns.name, *args], capture_output=True, text=True,
-                       timeout=300, cwd=REPO)
-    return Result(p.returncode, p.stdout, p.stderr)
+    return reconcile(spec, "--netns", ns.name, *args, cwd=REPO,
+                     module="tests.support.killpoints")
 
 
 @pytest.mark.docker

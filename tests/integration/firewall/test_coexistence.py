@@ -30,14 +30,13 @@ pair of values of two axes meets in one); ``RECONCILER_SOAK=1`` all twelve.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.support import nsexec
 from tests.support.cells import (
     ALL,
     BRIDGE,
@@ -131,9 +130,8 @@ def _traffic(c: Cell, alloc: str, client: Netns, timeout: float = 0.5) -> list[s
              (c.host.name, HOST_IP, 1080, "ok 80", "host->host:1080"),
              (c.host.name, "127.0.0.1", 1443, "ok 443", "host->127.0.0.1:1443"),
              (alloc, CLIENT_IP, 9999, "ok 9999", "allocation->client:9999")]
-    procs = [(want, what, subprocess.Popen(
-        ["nsenter", f"--net=/run/netns/{ns}", sys.executable, "-c", FETCH, ip, str(port),
-         str(timeout)], stdout=subprocess.PIPE, text=True)) for ns, ip, port, want, what in paths]
+    procs = [(want, what, nsexec.popen(ns, FETCH, ip, str(port), str(timeout)))
+             for ns, ip, port, want, what in paths]
     return [what for want, what, p in procs if p.communicate(timeout=30)[0].strip() != want]
 
 

@@ -4,9 +4,10 @@ The container gets the host network and ``--netns`` points it at this test's
 namespace (via /run/netns mounted shared), so the host's own network is never
 touched; the result is checked from outside with ``ip -n`` and ``nft``.
 
-Runs when RECONCILER_TEST_IMAGE=1 (the image is built first with
-scripts/build-image.sh, which reuses the base image when it exists) or when the
-image already exists (it is then used as is).
+Runs when RECONCILER_TEST_IMAGE=1 (the image is built with scripts/build-image.sh,
+which reuses the base image when it exists: in the background from the end of
+collection on, tests/support/imagebuild.py) or when the image already exists (it is
+then used as is).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
+from tests.support import imagebuild
 from tests.support.cli import reconcile
-from tests.support.host import EXAMPLES, REPO, Netns, sh, unique
+from tests.support.host import EXAMPLES, Netns, sh, unique
 
 pytestmark = [pytest.mark.docker, pytest.mark.image, pytest.mark.root]
 
-IMAGE = os.environ.get("RECONCILER_IMAGE", "reconciler:dev")
+IMAGE = imagebuild.IMAGE
 
 # The documented run line (Containerfile, docs/fleet-with-watch.md), minus the config mount.
 RUN = ["docker", "run", "--rm", "--network", "host", "--pid", "host",
@@ -47,11 +49,10 @@ def _image_exists() -> bool:
 def image() -> str:
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    if os.environ.get("RECONCILER_TEST_IMAGE") == "1":
-        p = subprocess.run(["bash", os.path.join(REPO, "scripts", "build-image.sh")],
-                           capture_output=True, text=True, timeout=900,
-                           env=dict(os.environ, IMAGE=IMAGE))
-        assert p.returncode == 0, f"build-image.sh failed:\n{p.stdout}\n{p.stderr}"
+    if imagebuild.wanted():
+        # started when collection ended (tests/conftest.py), or now
+        rc, out = imagebuild.BUILD.wait()
+        assert rc == 0, f"build-image.sh failed:\n{out}"
     elif not _image_exists():
         pytest.skip(f"image {IMAGE} not built (set RECONCILER_TEST_IMAGE=1 to build it)")
     return IMAGE
@@ -159,7 +160,7 @@ def test_image_watch_converges_and_stops_on_sigterm(image: str, host_ns: Netns,
                 break
             assert time.monotonic() < deadline, (
                 st.all + sh("docker", "logs", name, check=False).stderr)
-            time.sleep(1)
+            time.sleep(0.2)
         assert host_ns.link(names["bridge"]) is not None
         logs = sh("docker", "logs", name, check=False).stderr
         # the documented flags give the plan agent what it needs (NET_BROADCAST)

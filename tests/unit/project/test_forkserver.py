@@ -76,3 +76,46 @@ def test_a_timeout_kills_the_forked_command(tmp_path: Any) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         SERVER.run(["--sleep", "60"], env, str(tmp_path), 0.5,
                    module="tests.support.forkserver")
+
+
+#: what a ``python -c`` process reports of itself (argv, path head, module name, stdin)
+C_REPORT = ("import json, os, sys\n"
+            "print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'name': __name__,\n"
+            "                  'stdin': sys.stdin.read(), 'cwd': os.getcwd()}))\n"
+            "sys.exit(int(sys.argv[1]))\n")
+
+
+def test_code_runs_as_python_c_would(tmp_path: Any) -> None:
+    """``code``: a fork runs it as ``python -c CODE ARGS`` does (tests/support/nsexec.py)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    assert SERVER.serves(env)
+    real = subprocess.run([sys.executable, "-c", C_REPORT, "4", "x y"], capture_output=True,
+                          cwd=tmp_path, env=env, input=b"in put", timeout=60)
+    forked = SERVER.run(["4", "x y"], env, str(tmp_path), 60, code=C_REPORT, input=b"in put")
+    assert forked is not None, "the fork server did not take the code"
+    assert (forked[0], forked[1], forked[2]) == (real.returncode, real.stdout, real.stderr)
+    assert json.loads(real.stdout)["argv"] == ["-c", "4", "x y"] and real.returncode == 4
+
+
+def test_a_forked_process_is_signalled_and_reports_how_it_ended(tmp_path: Any) -> None:
+    """``spawn`` hands back a Popen-like: running (poll None), SIGTERM ends it with -15; its
+    pid stays unreaped until the status is read, so the signal cannot hit another process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    assert SERVER.serves(env)
+    r, w = os.pipe()
+    with open(os.devnull, "rb") as null:
+        proc = SERVER.spawn([], env, str(tmp_path), [null.fileno(), w, w],
+                            code="import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    os.close(w)
+    assert proc is not None
+    with open(r) as out:
+        assert out.readline().strip() == "ready"
+        assert proc.poll() is None
+        with open(f"/proc/{proc.pid}/status") as fh:
+            assert "State:\tZ" not in fh.read()  # our command, alive
+        proc.terminate()
+        assert proc.wait(30) == -15
+        proc.kill()  # after the end: a no-op, never another process
+        assert out.read() == ""
