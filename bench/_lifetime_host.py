@@ -22,7 +22,6 @@ import contextlib
 import ipaddress
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -50,7 +49,9 @@ LISTEN = ("import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,
           "s.settimeout(10)\nprint('ready',flush=True)\nfor _ in range(int(sys.argv[3])):\n"
           " try:\n  c,_a=s.accept()\n except OSError:\n  break\n"
           " c.sendall((sys.argv[2]+'\\n').encode())\n c.close()\n")
-_DNAT = re.compile(r"--dport (\d+) .*reconciler:alloc=([^\" ]+)")
+#: the IPv4 port maps of our nftables table (``inet reconciler``): maps keyed by
+#: ``proto . port`` (or ``address . proto . port``), the owner in each element's comment
+_PORT_MAPS = ("pm4_addr", "pmip4_addr")
 
 
 def sh(*args: str, check: bool = True, timeout: float = 120,
@@ -236,6 +237,24 @@ class Sandbox:
             return json.loads(out) if out.strip() else []
         return []
 
+    def port_maps(self) -> list[tuple[str, str]]:
+        """Return (host port, alloc id) of each IPv4 port map in our nftables table, read
+        with ``nft -j`` (one per map and protocol, as the DNAT rules of earlier versions)."""
+        out = sh("ip", "netns", "exec", self.host, "nft", "-j", "list", "table", "inet",
+                 "reconciler", check=False).stdout
+        found: list[tuple[str, str]] = []
+        with contextlib.suppress(ValueError):
+            for o in json.loads(out or "{}").get("nftables", []):
+                body = o.get("map") if isinstance(o, dict) else None
+                if not body or body.get("name") not in _PORT_MAPS:
+                    continue
+                for raw, _value in body.get("elem", []):
+                    elem = raw.get("elem", {}) if isinstance(raw, dict) else {}
+                    key, owner = elem.get("val", {}).get("concat", []), elem.get("comment", "")
+                    if owner.startswith("alloc=") and key:
+                        found.append((str(key[-1]), owner[len("alloc="):]))
+        return found
+
     def observe(self, allocs: list[str], bridges: dict[str, str]) -> Snapshot:
         """Read every identity with system tools: ``bridges`` maps bridge -> subnet name."""
         snap = Snapshot()
@@ -265,9 +284,7 @@ class Sandbox:
                     if a.get("scope") == "global":
                         fam = "v4" if a["family"] == "inet" else "v6"
                         snap.values[("alloc", aid, fam)] = a["local"]
-        nat = sh("ip", "netns", "exec", self.host, "iptables-save", "-t", "nat",
-                 check=False).stdout
-        for port, aid in _DNAT.findall(nat):
+        for port, aid in self.port_maps():
             key = ("alloc", aid, "port")
             # one map per allocation: two rules for one (a half-healed state) shows as a change
             snap.values[key] = port if key not in snap.values else f"{snap.values[key]}+{port}"

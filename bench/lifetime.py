@@ -27,7 +27,7 @@ Each round is one of:
 After each round: everything declared is present (heal time per event kind), ``reconcile
 verify`` exits 0, a port map answers from the host's loopback and from another
 allocation (a listener inside the allocation), and every identity is read back with
-``ip -j``, ``iptables-save`` and ``docker network inspect``: the IPv4/IPv6 address and
+``ip -j``, ``nft -j`` and ``docker network inspect``: the IPv4/IPv6 address and
 MAC of each allocation, its auto port, the auto prefixes of subnets and Docker networks.
 A value that differs from the one first seen, for a resource declared ever since, is an
 identity moved (one removed and declared again later under the same name is a new

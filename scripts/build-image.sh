@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 SUITE=${SUITE:-bookworm}
 BASE_IMAGE=${BASE_IMAGE:-reconciler-base:$SUITE}
 IMAGE=${IMAGE:-reconciler:dev}
-PACKAGES=python3,python3-venv,iproute2,iptables,git
+PACKAGES=python3,python3-venv,iproute2,iptables,nftables,git
 cleanup=()
 trap 'rm -rf "${cleanup[@]}"' EXIT
 

@@ -36,6 +36,7 @@ need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v iptables-restore >/dev/null || need+=(iptables)
 command -v nft >/dev/null || need+=(nftables)
+ldconfig -p 2>/dev/null | grep -q "libnftables.so.1 " || need+=(libnftables1)  # in-process nft
 command -v nsenter >/dev/null || need+=(util-linux)
 command -v dockerd >/dev/null || need+=(docker.io)
 command -v git >/dev/null || need+=(git)

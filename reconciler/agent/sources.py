@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from reconciler.domain import ownership
+from reconciler.domain import nftable, ownership
 from reconciler.domain.errors import ReconcilerError
 from reconciler.drivers.netlink.listen import (
     GROUPS,
@@ -212,19 +212,23 @@ class NetlinkWatcher(_SocketWatcher):
                 self.on_drift(f"netlink {verb}{ev.what} {what}")
 
 
-#: the iptables tables our chains live in (``ip``/``ip6`` families of nf_tables under
-#: iptables-nft; mangle holds RECONCILER-MARK, filter the shim in others' FORWARD): a
-#: commit that touches one of them may have removed our rules
-IPTABLES_TABLES = frozenset({"filter", "nat", "mangle"})
+#: the iptables tables we keep something in (``ip``/``ip6`` families of nf_tables under
+#: iptables-nft; filter holds the mark shim in others' FORWARD and INPUT, filter and nat
+#: the chains of earlier versions until the upgrade removes them): a commit that touches
+#: one of them may have removed ours
+IPTABLES_TABLES = frozenset({"filter", "nat"})
+#: nfnetlink's family number of an ``inet`` table (NFPROTO_INET): our own table's
+NFPROTO_INET = 1
 
 
 class NftCommitFilter:
     """Which nf_tables commits may have touched our rules: pure, fed datagram by datagram.
 
     A commit's object notifications come before its NEWGEN; it is relevant when one
-    of them names an iptables table of ours in the ``ip`` or ``ip6`` family (rules
-    flushed, chains deleted, ``nft flush ruleset`` dropping the tables). Other tools'
-    own tables (``inet firewalld``, ``ip6 kube-proxy``...) do not wake the loop.
+    of them names our table ``inet reconciler`` (domain.nftable) or an iptables table we
+    keep something in, in the ``ip`` or ``ip6`` family (rules flushed, chains deleted,
+    ``nft flush ruleset`` dropping the tables). Other tools' own tables (``inet
+    firewalld``, ``ip6 kube-proxy``...) do not wake the loop.
     """
 
     def __init__(self, tables: frozenset[str] = IPTABLES_TABLES) -> None:
@@ -239,6 +243,8 @@ class NftCommitFilter:
                 if self._touched:
                     out.append("nftables commit to " + ", ".join(sorted(self._touched)))
                     self._touched.clear()
+            elif n.family == NFPROTO_INET and n.table == nftable.TABLE:
+                self._touched.add(f"{nftable.FAMILY} {nftable.TABLE}")
             elif n.family in (socket.AF_INET, socket.AF_INET6) and n.table in self.tables:
                 self._touched.add(f"{'ip' if n.family == socket.AF_INET else 'ip6'} {n.table}")
         return out

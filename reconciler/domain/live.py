@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from reconciler.domain.nftable import TableState
 from reconciler.domain.ownership import DOCKER_LABEL, DOCKER_LABEL_VALUE
 
 IPInterface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
@@ -198,8 +199,16 @@ class LiveState:
     #: identity of the host: inode of the network namespace the reconciler acts on
     host_id: str = ""
     links: dict[str, LiveLink] = field(default_factory=dict)
+    #: our nftables table as read back (``domain.nftable``); ``firewall4``/``firewall6`` are
+    #: its entries in the planner's rule form (``planner.nftview``)
+    table: TableState = field(default_factory=lambda: TableState(available=False))
     firewall4: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
     firewall6: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
+    #: the iptables rules (``iptables-save``): the ``RECONCILER-*`` chains of earlier
+    #: versions the first apply removes, Docker's published ports, the FORWARD that needs
+    #: the mark accept; unavailable: no iptables here
+    old4: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
+    old6: LiveChainSet = field(default_factory=lambda: LiveChainSet(available=False))
     #: iptables-legacy's rules beside the nf_tables backend we write (``planner.legacy``
     #: names those on a declared path); None: no legacy table here, or legacy is our backend
     legacy4: LiveChainSet | None = None

@@ -32,10 +32,11 @@ from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 from reconciler.domain.checkpoint import NetworkPoint, network_from_json
 from reconciler.domain.docker import SCOPE_LABEL, spec_from_json
 from reconciler.domain.errors import ReconcilerError
-from reconciler.domain.fwmark import is_shim
+from reconciler.domain.fwmark import DEFAULT_MARK, is_one_bit, is_shim
 from reconciler.domain.jsonfields import Mismatch, as_type, describe, show
 from reconciler.domain.live import IPInterface
 from reconciler.domain.model import DockerNetwork
+from reconciler.domain.nftable import Entry
 from reconciler.domain.plan import Json, Op
 
 _OMIT = "omit_default"
@@ -306,15 +307,31 @@ class SysctlSet(_TypedOp):
 
 
 @dataclass(frozen=True)
-class FirewallRestore(_TypedOp):
-    """One ``iptables-restore --noflush`` transaction for IP ``family`` (4 or 6)."""
+class FirewallNft(_TypedOp):
+    """One transaction on our nftables table (``domain.nftable``): its entries deleted and
+    added, or the whole table rebuilt with ``add`` (``rebuild``) or dropped; then the
+    ``RECONCILER-*`` iptables chains of earlier versions removed (``cleanup4``/``6``: an
+    ``iptables-restore --noflush`` script), after the table that replaces them is in place.
+    """
 
-    NAME: ClassVar[str] = "firewall.restore"
-    family: int
-    script: str
+    NAME: ClassVar[str] = "firewall.nft"
+    rebuild: bool = False
+    add: tuple[dict[str, Any], ...] = ()
+    delete: tuple[dict[str, Any], ...] = ()
+    drop_table: bool = False
+    #: the bit a rebuilt forward chain ORs into the packet mark (``settings.firewall_mark``)
+    mark: int = DEFAULT_MARK
+    cleanup4: str = ""
+    cleanup6: str = ""
 
     def check(self) -> None:
-        _ip_version(self.family)
+        if not is_one_bit(self.mark):
+            raise ValueError(f"mark {self.mark:#x} is not one bit")
+        self.entries()
+
+    def entries(self) -> tuple[list[Entry], list[Entry]]:
+        """Return the entries to add and to delete, each checked (ValueError if one is bad)."""
+        return ([Entry.of_wire(d) for d in self.add], [Entry.of_wire(d) for d in self.delete])
 
 
 @dataclass(frozen=True)
@@ -490,7 +507,7 @@ class ConntrackDelete(_TypedOp):
 TypedOp = (LinkAddBridge | LinkSet | LinkDelete | LinkSetHairpin | AddrAdd | AddrDel
            | LinkSetMac | NeighReplace | NeighDelete
            | RouteDelDefault | NetnsCreate | NetnsDelete | AllocAttach | AllocConfigure
-           | SysctlSet | FirewallRestore | FirewallShim | DockerEnsure | DockerReplace
+           | SysctlSet | FirewallNft | FirewallShim | DockerEnsure | DockerReplace
            | DockerDedupe
            | DockerRemove | DockerRestore | ConntrackDelete)
 

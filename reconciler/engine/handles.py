@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from reconciler.drivers.iptables import IptablesDriver
 from reconciler.drivers.netlink.client import Netlink
 from reconciler.drivers.netlink.conntrack import Conntrack
+from reconciler.drivers.nft.driver import NftDriver
 
 if TYPE_CHECKING:
     from reconciler.drivers.docker.client import DockerDriver
@@ -29,6 +30,8 @@ class HostHandles:
         self._ipt: dict[int, IptablesDriver] = {}
         self._docker = docker
         self._conntrack = conntrack
+        #: made now, at start-up, while the process holds few fds (``drivers.nft.lib``)
+        self._nft = NftDriver()
 
     @property
     def netlink(self) -> Netlink:
@@ -40,6 +43,11 @@ class HostHandles:
         if family not in self._ipt:
             self._ipt[family] = IptablesDriver(family)
         return self._ipt[family]
+
+    @property
+    def nft(self) -> NftDriver:
+        """Our nftables table's driver (libnftables in this process, or ``nft``)."""
+        return self._nft
 
     @property
     def conntrack(self) -> Conntrack:

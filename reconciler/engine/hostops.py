@@ -13,7 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, assert_never
 
-from reconciler.domain import ownership
+from reconciler.domain import nftable, ownership
 from reconciler.domain.errors import DriverError, ReconcilerError, StrandedError, TemporaryError
 from reconciler.domain.live import LiveDockerNetwork
 from reconciler.domain.ops import (
@@ -27,7 +27,7 @@ from reconciler.domain.ops import (
     DockerRemove,
     DockerReplace,
     DockerRestore,
-    FirewallRestore,
+    FirewallNft,
     FirewallShim,
     LinkAddBridge,
     LinkDelete,
@@ -133,8 +133,8 @@ class HostOps:
                     netns.ensure_file_mark(op.netns, op.mark)
             case SysctlSet():
                 self._set_sysctl(op)
-            case FirewallRestore():
-                self.iptables(op.family).restore(op.script)
+            case FirewallNft():
+                self._firewall_nft(op)
             case FirewallShim():
                 self.iptables(op.family).shim(op.legacy, op.chain, op.rule, op.position)
             case DockerEnsure():
@@ -152,6 +152,22 @@ class HostOps:
                 self._conntrack_delete(op)
             case _:
                 assert_never(op)
+
+    def _firewall_nft(self, op: FirewallNft) -> None:
+        """Change our table in one transaction, then remove the iptables chains it replaces
+        (their rules and ours overlap meanwhile: the same packets pass both the same way)."""
+        add, delete = op.entries()
+        if op.drop_table:
+            commands = nftable.drop()
+        elif op.rebuild:
+            commands = nftable.rebuild(op.mark, add, exists=True)
+        else:
+            commands = (nftable.element_commands("delete", delete)
+                        + nftable.element_commands("add", add))
+        self.handles.nft.apply(commands)
+        for family, script in ((4, op.cleanup4), (6, op.cleanup6)):
+            if script:
+                self.iptables(family).restore(script)
 
     def _add_address(self, op: AddrAdd) -> None:
         iface = op.interface()

@@ -26,6 +26,7 @@ from reconciler.drivers.nsfs import current_id
 from reconciler.drivers.procfs import listening_ports
 from reconciler.engine import leases
 from reconciler.engine.handles import HostHandles
+from reconciler.planner import nftview
 
 #: sysctls every plan may need to compare
 SYSCTL_KEYS = ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding",
@@ -52,7 +53,8 @@ class Observer:
             None, ({}, None))
 
     def observe(self, desired: DesiredState) -> LiveState:
-        # the two rule saves run in their own processes while the kernel is read here
+        # the two iptables saves (earlier versions' chains, to convert) run in their own
+        # processes while the kernel is read here
         saves = [self.handles.iptables(family).start_observe() for family in (4, 6)]
         try:
             links = self.observe_links(desired)
@@ -74,8 +76,20 @@ class Observer:
                 with contextlib.suppress(Exception):
                     finish()
             raise
-        fields["firewall4"], fields["firewall6"] = (finish() for finish in saves)
+        fields["old4"], fields["old6"] = (finish() for finish in saves)
+        fields.update(self.observe_table())
         return dataclasses.replace(LiveState(), **fields)
+
+    def observe_table(self) -> dict[str, Any]:
+        """Read our nftables table back: the entries, and their rule form for each family."""
+        table = self.handles.nft.observe()
+        return {"table": table, "firewall4": nftview.view(table, 4),
+                "firewall6": nftview.view(table, 6)}
+
+    def observe_firewall(self) -> dict[str, Any]:
+        """Read our table and the iptables chains of earlier versions (the plan agent)."""
+        return {**self.observe_table(), "old4": self.handles.iptables(4).observe(),
+                "old6": self.handles.iptables(6).observe()}
 
     def observe_leases(self) -> dict[str, Any]:
         """Read the scope's lease table (``engine/leases``): the ``leases`` and

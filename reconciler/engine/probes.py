@@ -352,10 +352,11 @@ class Diagnosis:
 
     Before and after the re-run: ``iptables-save -c`` of the families involved (which
     foreign rule's counter rose; iptables-legacy's too where the observation found legacy
-    tables beside our nf_tables backend) and the IPReversePathFilter counter; after it, the
-    sysctls that decide the paths, the hairpin flag of each allocation's bridge port,
-    the host's route and neighbour entry for its address and its eth0's MAC. The
-    planner names the cause from these (``planner.probes.classify``).
+    tables beside our nf_tables backend) and the IPReversePathFilter counter; after it, our
+    table (whether it is as built), the sysctls that decide the paths, the hairpin flag of
+    each allocation's bridge port, the host's route and neighbour entry for its address
+    and its eth0's MAC. The planner names the cause from these
+    (``planner.probes.classify``).
     """
 
     def __init__(self, handles: HostHandles, desired: DesiredState, live: LiveState,
@@ -385,13 +386,10 @@ class Diagnosis:
         nft_after = diagnosis.nft_ruleset() if nft_before is not None else None
         self._nft = (nft_before or "", nft_after) if nft_after is not None else None
         hits: list[plan_probes.RuleHit] = []
-        ahead: list[plan_probes.RuleHit] = []
         for f in families:
             old, new = before[f], diagnosis.save_counters(f)
             if old is not None and new is not None:
                 hits += plan_probes.foreign_hits(f, old, new)
-                if any(s.path == "direct" and s.family == f for s in specs):
-                    ahead += plan_probes.accepts_ahead(f, old, new)
         for f in legacy:
             old, new = before_legacy[f], diagnosis.save_counters(f, legacy=True)
             if old is not None and new is not None:
@@ -400,7 +398,9 @@ class Diagnosis:
             links = self.handles.netlink.dump_links()
         except DriverError:
             links = dict(self.live.links)
-        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "ahead": tuple(ahead)}
+        # our own table: a hand edit (a rule added to a chain, a set changed) drops silently
+        table = plan_probes.table_problem(self.handles.nft.observe())
+        shared = {"rp_filter_drops": rp_drops, "hits": tuple(hits), "table": table}
         out: list[tuple[runner.Outcome, Cause | None]] = []
         for s, o in zip(specs, outcomes, strict=True):
             seen = _sighting(o)

@@ -18,7 +18,7 @@ from typing import Protocol
 from reconciler.domain.errors import ConflictError, PreconditionError, StalePlanError
 from reconciler.domain.live import LiveState
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallRestore, NetnsCreate, decode
+from reconciler.domain.ops import AddrAdd, AllocConfigure, FirewallNft, NetnsCreate, decode
 from reconciler.domain.ownership import alloc_ns_alias
 from reconciler.domain.plan import Action, Blocked, Change, Plan
 from reconciler.domain.probes import VANTAGE_NETS, ProbeResult
@@ -403,9 +403,9 @@ def preflight(plan: Plan, subnet_bridges: Sequence[str] = ()) -> None:
         marked=alloc_ns_alias(str(nsfs.current_inode())))
     if problem is not None:
         raise PreconditionError(problem)
-    families = {typed.family for c in plan.actionable for op in c.ops
-                if op.name == FirewallRestore.NAME
-                and isinstance(typed := decode(op), FirewallRestore)}
+    families = {family for c in plan.actionable for op in c.ops
+                if op.name == FirewallNft.NAME and isinstance(typed := decode(op), FirewallNft)
+                for family, script in ((4, typed.cleanup4), (6, typed.cleanup6)) if script}
     for family in sorted(families):
         # our rules in one iptables backend, Docker's in the other: neither sees the other's
         problem = iptables.check_backend_mismatch(family)

@@ -23,6 +23,7 @@ from reconciler.planner import (
     hostlinks,
     impact,
     legacy,
+    nftplan,
     shim,
 )
 from reconciler.planner.allocs import plan as alloc_plan
@@ -143,26 +144,23 @@ def make_plan(desired: DesiredState, live: LiveState, options: PlanOptions | Non
         raise PlanError("\n".join(ctx.fatal))
     changes += _sysctl_changes(ctx)
     _keep_rules(ctx)
-    for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
-                                      (6, ctx.rules6, live.firewall6)):
-        has_desired = any(rules.chains.values())
-        if not live_rules.available:
-            if has_desired:
-                ctx.errors.append(f"ipv{family} firewall: {live_rules.error or 'unavailable'}")
-            continue
-        if not ctx.options.prune and not has_desired:
-            continue
-        d = firewall.diff(rules, live_rules)
-        ctx.warnings.extend(d.warnings)
-        ctx.observed[f"firewall/ipv{family}"] = {
-            f"{t}/{c}": list(r) for (t, c), r in sorted(live_rules.chains.items())
-            if c.startswith(CHAIN_PREFIX) or c in ("FORWARD", "INPUT", "POSTROUTING",
-                                                               "PREROUTING", "OUTPUT")}
+    if not live.table.available:
+        if any(rs.chains.values() for rs in (ctx.rules4, ctx.rules6)):
+            ctx.errors.append(f"nftables: {live.table.error or 'unavailable'}")
+    else:
+        ch, fw_warnings = nftplan.plan_table(nftplan.entries((ctx.rules4, ctx.rules6)), live,
+                                             prune=ctx.options.prune, bit=bit)
+        ctx.warnings.extend(fw_warnings)
+        ctx.observed["firewall/nftables"] = nftplan.observed(live)
         planned = [n for n in desired.subnets if f"subnet/{n}" not in ctx.blocked]
-        ch = firewall.firewall_change(family, d,
-                                      firewall.change_notes(desired, live_rules, family, planned))
         if ch is not None:
-            changes.append(_with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules)))
+            for family, rules, live_rules in ((4, ctx.rules4, live.firewall4),
+                                              (6, ctx.rules6, live.firewall6)):
+                notes = firewall.change_notes(desired, live_rules, family, planned)
+                if notes:
+                    ch = dataclasses.replace(ch, reason="; ".join((ch.reason, *notes)))
+                ch = _with_conntrack(ch, family, conntrack.stale_maps(rules, live_rules))
+            changes.append(ch)
     for family, rules, old in ((4, ctx.rules4, live.legacy4), (6, ctx.rules6, live.legacy6)):
         # iptables-legacy beside our nf_tables rules: a rule there on a declared path is named
         # (what the shim lets by is not: it is walked with the shim in place)
@@ -234,7 +232,8 @@ def _keep_rules(ctx: PlanContext) -> None:
     if ctx.options.prune:
         declared = set()
     declared -= kept
-    for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6)):
+    for rules, live in ((ctx.rules4, ctx.live.firewall4), (ctx.rules6, ctx.live.firewall6),
+                        (ctx.rules4, ctx.live.old4), (ctx.rules6, ctx.live.old6)):
         # chain by chain, in live order: the kept rules stay where they are
         for (_table, chain), live_rules in sorted(live.chains.items()):
             if not chain.startswith(CHAIN_PREFIX):

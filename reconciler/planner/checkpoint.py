@@ -24,6 +24,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 
+from reconciler.domain import fwmark
 from reconciler.domain.checkpoint import (
     AllocPoint,
     Checkpoint,
@@ -32,7 +33,7 @@ from reconciler.domain.checkpoint import (
     network_to_json,
 )
 from reconciler.domain.hints import command
-from reconciler.domain.live import LiveLink, LiveState
+from reconciler.domain.live import LiveChainSet, LiveLink, LiveState
 from reconciler.domain.model import Bridge, BridgeName, DesiredState
 from reconciler.domain.ops import (
     AddrAdd,
@@ -42,7 +43,6 @@ from reconciler.domain.ops import (
     ConntrackDelete,
     DockerRemove,
     DockerRestore,
-    FirewallRestore,
     LinkAddBridge,
     LinkDelete,
     LinkSet,
@@ -55,6 +55,7 @@ from reconciler.domain.ops import (
     RouteDelDefault,
     SysctlSet,
     TypedOp,
+    decode,
     encode,
 )
 from reconciler.domain.ownership import (
@@ -65,7 +66,7 @@ from reconciler.domain.ownership import (
     alloc_veth_name,
 )
 from reconciler.domain.plan import Action, AttrChange, Change, Plan, fingerprint
-from reconciler.planner import conntrack, firewall
+from reconciler.planner import conntrack, firewall, nftplan, nftview
 from reconciler.planner.allocs.live import owned_ns
 from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.hostlinks import is_temp_bridge_name
@@ -412,24 +413,31 @@ def _sysctls(cp: Checkpoint, now: Checkpoint, out: _Changes) -> None:
 
 
 def _firewall(cp: Checkpoint, live: LiveState, out: _Changes) -> None:
-    for family, live_rules in ((4, live.firewall4), (6, live.firewall6)):
-        recorded = cp.firewall.get(family)
-        if recorded is None or not live_rules.available:
-            continue
+    """Put our table's entries back as recorded (the record is their rule form)."""
+    if not cp.firewall or not live.table.available:
+        return
+    sets = []
+    for family in (4, 6):
         rs = firewall.RuleSet(family)
-        rs.mark = firewall.live_mark(recorded) or rs.mark  # the bit recorded
-        for (table, chain), rules in sorted(recorded.items()):
+        for (table, chain), rules in sorted(cp.firewall.get(family, {}).items()):
             if rs.table_of(chain) == table:
                 rs.chains[chain] = list(rules)
-        d = firewall.diff(rs, live_rules, marks=("mangle", firewall.MARK) in recorded)
-        if not d.changed:
-            continue
-        ops: list[TypedOp] = [FirewallRestore(family, d.script)]
+        sets.append(rs)
+    recorded = nftview.entries_of(sets)
+    if recorded == set(live.table.entries) and live.table.intact:
+        return
+    no_old = dataclasses.replace(live, old4=LiveChainSet(False), old6=LiveChainSet(False))
+    change, _ = nftplan.plan_table(recorded, no_old, prune=True,
+                                   bit=live.table.mark or fwmark.DEFAULT_MARK)
+    if change is None:
+        return
+    ops: list[TypedOp] = [decode(o) for o in change.ops]
+    for family, rs, live_rules in ((4, sets[0], live.firewall4), (6, sets[1], live.firewall6)):
         stale = conntrack.stale_maps(rs, live_rules)
         if stale:
             ops.append(ConntrackDelete(family, tuple(str(m) for m in stale)))
-        out.add("firewall", f"ipv{family}", Action.UPDATE, "rules changed by the change", ops,
-                d.attrs)
+    out.add("firewall", nftplan.NAME, Action.UPDATE, "rules changed by the change", ops,
+            change.attrs)
 
 
 def _docker(was: Iterable[NetworkPoint], now: Iterable[NetworkPoint], out: _Changes,

@@ -1,6 +1,11 @@
-"""Desired iptables rules (pure) and the one restore transaction that converges them.
+"""What each resource needs of the firewall, in iptables rule form (pure).
 
-Every rule we write is in a chain we own (``RECONCILER-*``) except one jump
+The rules are the planner's statement of what each subnet, bridge and allocation needs;
+they are written as entries of our nftables table (``planner.nftview``,
+docs/decisions/045-nftables-table-of-our-own.md). :func:`diff` against an empty rule set
+is the script that removes the ``RECONCILER-*`` chains of earlier versions (046).
+
+In those versions every rule is in a chain we own (``RECONCILER-*``) except one jump
 per chain from the built-in chain that feeds it (and, where dockerd has it, one first in
 ``DOCKER-USER``), kept ahead of every rule of others that could accept what our isolation
 drops. Rules carry a comment naming
@@ -16,7 +21,6 @@ See docs/decisions/049-diagnosis-names-what-issue-26-saw.md.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,18 +29,17 @@ from dataclasses import dataclass, field
 from reconciler.domain import fwmark
 from reconciler.domain.live import LiveChainSet
 from reconciler.domain.model import DesiredState, Subnet, SubnetName
-from reconciler.domain.ops import FirewallRestore, encode
 from reconciler.domain.ownership import CHAIN_PREFIX, RULE_COMMENT
-from reconciler.domain.plan import Action, AttrChange, Change
+from reconciler.domain.plan import AttrChange
 from reconciler.planner import fwpaths
 
 FORWARD = CHAIN_PREFIX + "FORWARD"
 POSTROUTING = CHAIN_PREFIX + "POSTROUTING"
 DNAT = CHAIN_PREFIX + "DNAT"
 INPUT = CHAIN_PREFIX + "INPUT"
-#: mangle FORWARD (priority -150: before every filter chain of either backend) ORs our mark
-#: into what RECONCILER-FORWARD will accept, so the shim (``planner.shim``) in another
-#: manager's dropping chain lets exactly that by
+#: the mangle FORWARD chain of the version before our nftables table, which ORed our mark
+#: in: known here so that the upgrade (``nftplan.cleanup_scripts``) removes it with its jump;
+#: the table's forward chain marks now (``domain.nftable``)
 MARK = CHAIN_PREFIX + "MARK"
 
 #: conntrack states admitted into an isolated subnet from outside it: replies, and what a
@@ -80,38 +83,6 @@ def jumps_of(family: int, chain: str) -> tuple[tuple[str, tuple[str, ...]], ...]
     if family == 6 and chain == DNAT:
         out = tuple((b, (*_NOT_LOOPBACK6, *m) if b == "OUTPUT" else m) for b, m in out)
     return out
-
-
-def marking(rules: Iterable[str], bit: int) -> list[str]:
-    """Return RECONCILER-MARK's rules for RECONCILER-FORWARD's ``rules``: the same matches in the
-    same order, an accept ORing the mark in (MARK does not end the chain, a later one ORs the
-    same bit again) and a drop returning unmarked. So a packet carries the mark exactly when
-    our chain's first decision for it is an accept: the shim lets by nothing our isolation
-    drops."""
-    out = []
-    for r in rules:
-        if r.endswith(" -j ACCEPT"):
-            out.append(r[: -len("-j ACCEPT")] + " ".join(fwmark.set_mark_target(bit)))
-        elif r.endswith(" -j DROP"):
-            out.append(r[: -len("DROP")] + "RETURN")
-    return out
-
-
-def with_marks(rs: RuleSet) -> RuleSet:
-    """Return the rules with RECONCILER-MARK following RECONCILER-FORWARD, whoever filled it
-    (the plan, ``gc``, a revert)."""
-    return RuleSet(rs.family, {**rs.chains, MARK: marking(rs.chains.get(FORWARD, ()), rs.mark)},
-                   rs.mark)
-
-
-def live_mark(chains: Mapping[tuple[str, str], Sequence[str]]) -> int | None:
-    """Read the mark bit our live RECONCILER-MARK ORs in (None: no such rule)."""
-    for r in chains.get(("mangle", MARK), ()):
-        t = r.split()
-        if "--set-xmark" in t[:-1]:
-            with contextlib.suppress(ValueError):
-                return int(t[t.index("--set-xmark") + 1].split("/")[0], 16)
-    return None
 
 
 _OWNER = re.compile(r"--comment " + re.escape(RULE_COMMENT) + r":(\S+)")
@@ -195,7 +166,7 @@ class RuleSet:
 
     family: int
     chains: dict[str, list[str]] = field(default_factory=dict)
-    #: the bit RECONCILER-MARK ORs in (``settings.firewall_mark``)
+    #: the bit our table's forward chain ORs in (``settings.firewall_mark``)
     mark: int = fwmark.DEFAULT_MARK
     _heads: dict[str, int] = field(default_factory=dict)
 
@@ -422,19 +393,14 @@ class FirewallDiff:
         return bool(self.script)
 
 
-def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True,
-         marks: bool = True) -> FirewallDiff:
+def diff(rs: RuleSet, live: LiveChainSet, *, add_jumps: bool = True) -> FirewallDiff:
     """Compare desired and live owned chains; build the restore script that converges them.
 
     ``add_jumps=False`` (``reconcile gc``, which only removes) leaves a missing jump
-    missing: everything else the script does is then a removal. ``marks=False`` (a state
-    from before RECONCILER-MARK: ``gc`` of an old host, a revert to an old checkpoint) adds
-    no mark chain.
+    missing: everything else the script does is then a removal.
     """
     owned = _owned_chains(live)
     live_jumps = _live_jumps(live)
-    if marks:
-        rs = with_marks(rs)
     # per table, in the order iptables-restore needs: declarations, rules, jumps, removals
     per_table: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {}
 
@@ -548,23 +514,3 @@ def _docker_user(rules: tuple[str, ...], table: str, chain: str, want: str,
         elif len(mine) > 1:
             attrs.append(AttrChange(field_, f"{len(mine)} copies", "1 copy"))
     return (want, *(r for r in rules if r != want))
-
-
-def firewall_change(family: int, d: FirewallDiff, notes: Iterable[str] = ()) -> Change | None:
-    if not d.changed:
-        return None
-    if d.empty_live:
-        action, reason = Action.CREATE, "owned chains missing"
-    elif d.empty_desired:
-        action, reason = Action.DELETE, "no resource needs rules any more"
-    else:
-        parts = []
-        if d.missing_owners:
-            parts.append("rules missing for " + ", ".join(sorted(d.missing_owners)))
-        if d.stale_owners - d.missing_owners:
-            parts.append("stale rules of " + ", ".join(sorted(d.stale_owners - d.missing_owners)))
-        parts += d.ahead
-        action, reason = Action.UPDATE, "; ".join(parts) or "rules or jumps differ"
-    reason = "; ".join((reason, *notes))
-    return Change("firewall", f"ipv{family}", action, reason, d.attrs,
-                  (encode(FirewallRestore(family, d.script)),))

@@ -35,15 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from reconciler.domain import fwmark
 from reconciler.domain.docker import network_scope
 from reconciler.domain.errors import PlanError
 from reconciler.domain.hints import command
-from reconciler.domain.live import LiveChainSet, LiveNeighbour, LiveState
+from reconciler.domain.live import LiveNeighbour, LiveState
 from reconciler.domain.model import DesiredState
+from reconciler.domain.nftable import Entry
 from reconciler.domain.ops import (
     AddrDel,
     DockerRemove,
-    FirewallRestore,
+    FirewallNft,
     LinkDelete,
     LinkSet,
     NeighDelete,
@@ -51,9 +53,9 @@ from reconciler.domain.ops import (
     decode,
     encode,
 )
-from reconciler.domain.ownership import CHAIN_PREFIX, alloc_ns_alias, alloc_veth_name
+from reconciler.domain.ownership import alloc_ns_alias, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Plan
-from reconciler.planner import change_order, firewall, make_plan
+from reconciler.planner import change_order, firewall, make_plan, nftplan
 from reconciler.planner.allocs.live import owned_ns, peer_held, peer_held_warning, veth_pair_ok
 from reconciler.planner.allocs.neighbours import own_neighbour
 from reconciler.planner.context import PlanOptions, index_neighbours
@@ -109,10 +111,9 @@ def gc_plan(live: LiveState, desired: DesiredState | None = None, *,
                     or _keeps_mtu(c, live):
                 found[c.address] = c
         drop = _undeclared_owners(live, desired)
-    for family, chains in ((4, live.firewall4), (6, live.firewall6)):
-        change = _rules_without(family, chains, drop, warnings)
-        if change is not None:
-            found[change.address] = change
+    change = _rules_without(live, drop)
+    if change is not None:
+        found[change.address] = change
     plan = Plan(tuple(sorted(found.values(), key=change_order)), "",
                 desired.file_hashes if desired is not None else (), tuple(warnings),
                 tuple(errors), {"gc": True, "files": desired is not None})
@@ -255,42 +256,20 @@ def _undeclared_owners(live: LiveState, desired: DesiredState) -> set[str]:
     return {o for o in _live_owners(live) if o not in declared}
 
 
-def _rules_without(family: int, live: LiveChainSet, drop: set[str],
-                   warnings: list[str]) -> Change | None:
-    """Plan the firewall change that removes the rules of the owners in ``drop``, nothing else.
-
-    The owned chains are written back as they are without those rules (a chain left
-    empty goes with its jumps, as after a prune); no rule and no jump is added.
-    """
-    if not live.available or not drop:
+def _rules_without(live: LiveState, drop: set[str]) -> Change | None:
+    """Plan the firewall change that removes the entries of the owners in ``drop``, nothing
+    else: element deletions in our table, no element added and no rebuild."""
+    if not live.table.available or not drop:
         return None
-    owned = {k: v for k, v in live.chains.items() if k[1].startswith(CHAIN_PREFIX)}
-    if not any(firewall.owner_of(r) in drop for rules in owned.values() for r in rules):
-        return None
-    rs = firewall.RuleSet(family)
-    rs.mark = firewall.live_mark(live.chains) or rs.mark  # rewritten with the bit it has
-    for (table, chain), rules in sorted(owned.items()):
-        if chain not in firewall.JUMPS or rs.table_of(chain) != table:
-            warnings.append(f"ipv{family} {table}/{chain}: a chain of ours this version does "
-                            "not know; the firewall is left as it is")
-            return None
-        for r in rules:
-            if firewall.owner_of(r) not in drop:
-                rs.add_rule(chain, r)
-    d = firewall.diff(rs, live, add_jumps=False,
-                      marks=("mangle", firewall.MARK) in live.chains)
-    change = firewall.firewall_change(family, d)
-    if change is None:
-        return None
-    if d.missing_owners:  # every kept rule is a live one: nothing can be missing
-        raise PlanError(f"gc: ipv{family} rules would be added for "
-                        f"{', '.join(sorted(d.missing_owners))}")
+    keep = {e for e in live.table.entries if e.owner not in drop}
+    change, _ = nftplan.plan_table(keep, live, prune=True, removal_only=True,
+                                   bit=live.table.mark or fwmark.DEFAULT_MARK)
     return change
 
 
 #: the ops a gc plan may hold
-_REMOVALS = (LinkDelete, NetnsDelete, AddrDel, DockerRemove, FirewallRestore, LinkSet,
-             NeighDelete)
+_REMOVALS = (LinkDelete, NetnsDelete, AddrDel, DockerRemove, FirewallNft,
+             LinkSet, NeighDelete)
 
 
 def only_removals(plan: Plan, live: LiveState) -> None:
@@ -309,26 +288,12 @@ def only_removals(plan: Plan, live: LiveState) -> None:
                 ok = not op.owned and op.up is None and op.netns is None and (
                     (op.master == "" and op.mtu is None)
                     or (op.master is None and link is not None and op.mtu == link.mtu))
-            elif isinstance(op, FirewallRestore):
-                ok = _removal_script(op.script, live.firewall4 if op.family == 4
-                                     else live.firewall6)
+            elif isinstance(op, FirewallNft):
+                ok = (not op.add and not op.rebuild and not op.drop_table and not op.cleanup4
+                      and not op.cleanup6
+                      and {Entry.of_wire(d) for d in op.delete} <= live.table.entries)
             if not ok:
                 raise PlanError(f"gc: {c.kind} {c.name}: {raw.describe()} is not a removal; "
                                 "nothing collected")
 
-
-def _removal_script(script: str, live: LiveChainSet) -> bool:
-    """Tell whether every line of a restore script declares, flushes or deletes, and every ``-A`` is
-    a live rule of that chain (a chain rewritten without some of its rules)."""
-    table = ""
-    for line in script.splitlines():
-        if line.startswith("*"):
-            table = line[1:]
-        elif line.startswith("-A "):
-            chain, _, rule = line[3:].partition(" ")
-            if rule not in live.chains.get((table, chain), ()):
-                return False
-        elif not (line == "COMMIT" or line.startswith((":", "-D ", "-F ", "-X "))):
-            return False
-    return True
 

@@ -23,7 +23,7 @@ from reconciler.domain.ops import (
 )
 from reconciler.domain.ownership import ZERO_MAC, alloc_veth_name, bridge_mac, temp_bridge_mac
 from reconciler.domain.plan import Action, AttrChange, Change, Op
-from reconciler.planner import firewall
+from reconciler.planner import firewall, nftview
 from reconciler.planner.context import PlanContext
 from reconciler.planner.leases import choose, valid_mac
 
@@ -224,12 +224,18 @@ def annotate_rules(ctx: PlanContext, changes: list[Change]) -> list[Change]:
 
     The firewall change does the work; this tells the reader which subnet it is for.
     """
-    wanted = {f: firewall.by_owner(firewall.with_marks(rs).chains.items())
+    wanted = {f: firewall.by_owner(rs.chains.items())
               for f, rs in ((4, ctx.rules4), (6, ctx.rules6))}
+    live = {(e.set, e.key, e.data) for e in ctx.live.table.entries}
 
     def differ(family: int, owner: str) -> bool:
-        want = sorted(f"{chain} {r}" for chain, r in wanted[family].get(owner, ()))
-        return want != sorted(_rules_of(ctx, family, owner))
+        # compared as our table's entries: a key two subnets share (a bridge's) is held
+        # once, under the first owner, and is the other's too
+        want = {(e.set, e.key, e.data) for chain, r in wanted[family].get(owner, ())
+                if (e := nftview.entry_of(family, chain, r)) is not None}
+        held = {(e.set, e.key, e.data) for e in ctx.live.table.entries
+                if e.owner == owner and nftview.family_of(e) == family}
+        return bool(want - live or held - want)
 
     out = []
     for c in changes:

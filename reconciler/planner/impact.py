@@ -74,8 +74,8 @@ _DISRUPTIVE = frozenset({NetnsDelete.NAME, LinkDelete.NAME, LinkSet.NAME, AddrDe
 
 
 def _impact_of(ctx: PlanContext, c: Change, deleted: set[str]) -> list[Impact]:
-    if c.kind == "firewall":
-        return _port_maps(ctx, 4 if c.name == "ipv4" else 6)
+    if c.kind == "firewall":  # one change for our table: both families
+        return _port_maps(ctx, 4) + _port_maps(ctx, 6)
     ops = [t for t in (_typed(o) for o in c.ops if o.name in _DISRUPTIVE) if t is not None]
     if c.kind == "alloc":
         one = _alloc(ctx, c, ops)

@@ -56,11 +56,12 @@ def _host(net: ipaddress.IPv4Address | ipaddress.IPv6Address) -> fwpaths.IPNet:
 def declared_paths(desired: DesiredState, rules: firewall.RuleSet,
                    family: int) -> dict[tuple[str, str], list[Flow]]:
     """Return the declared paths of one family, by the (table, chain) they cross. What crosses
-    ``FORWARD`` carries our mark (``firewall.MARK`` ORs it into all of it)."""
+    filter ``FORWARD`` or ``INPUT`` carries our mark (our table's forward and guard chains OR
+    it into all of it: ``domain.nftable``)."""
     out: dict[tuple[str, str], list[Flow]] = {}
 
     def add(table: str, chain: str, flow: Flow) -> None:
-        if (table, chain) == ("filter", "FORWARD"):
+        if table == shim.TABLE and chain in shim.CHAINS:
             flow = dataclasses.replace(flow, mark=rules.mark)
         out.setdefault((table, chain), []).append(flow)
 
@@ -105,15 +106,17 @@ def findings(desired: DesiredState, rules: firewall.RuleSet, legacy: LiveChainSe
              family: int, bit: int = fwmark.DEFAULT_MARK) -> list[Finding]:
     """Find the legacy rules and policies on the declared paths of ``family``, one each. The
     chains are walked as the shim leaves them (``planner.shim``: in place where it is
-    wanted), so a ``FORWARD`` DROP it lets declared traffic past is no finding."""
+    wanted), so a ``FORWARD`` or ``INPUT`` DROP it lets declared traffic past is no finding."""
     tool = "iptables-legacy" if family == 4 else "ip6tables-legacy"
     if not legacy.available:
         return [Finding(False, f"{tool}: legacy tables exist beside the nf_tables backend "
                                f"but could not be read ({legacy.error}): a rule there may "
                                "block a declared path unseen")]
     hit_by: dict[tuple[str, str, str], tuple[fwpaths.Hit, list[str], bool]] = {}
-    chains = (shim.with_shim(legacy, bit) if shim.wants(desired, legacy, family)
-              else legacy.chains)
+    chains = dict(legacy.chains)
+    for chain in shim.CHAINS:
+        if shim.wants(desired, legacy, family, chain):
+            chains = shim.with_shim(LiveChainSet(True, chains, legacy.policies), bit, chain)
     for (table, chain), flows in declared_paths(desired, rules, family).items():
         for flow in flows:
             w = fwpaths.walk(chains, table, chain, flow, _RECORD[table],

@@ -4,10 +4,11 @@
   into ``ProbeSpec``s: per allocation the gateway echo (per family); per port
   map (per protocol and family, unless ``probe: false``) the paths a client can
   take. Targets come from live state — the owned addresses of the
-  allocation's ``eth0``, the host ports of its DNAT rules (their
-  ``reconciler:alloc=ID`` comments) — so the probes test what the host has,
-  not what the files hope for; the map's flag and the subnet's isolation come
-  from the desired state.
+  allocation's ``eth0``, the host ports of its port-map entries in our table
+  ``inet reconciler`` (their ``alloc=ID`` comments; read in the planner's rule
+  form, ``planner.nftview``) — so the probes test what the host has, not what
+  the files hope for; the map's flag and the subnet's isolation come from the
+  desired state.
 * :func:`probe_targets` is "what changed": the allocations a plan's changes touch.
 * :func:`classify` turns the facts gathered around a failed probe into its cause line
   and whether a reconcile pass owns (and heals) that cause.
@@ -37,6 +38,7 @@ import ipaddress
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from reconciler.domain import nftable
 from reconciler.domain.live import LiveNetns, LiveState
 from reconciler.domain.model import Alloc, DesiredState, PortMap
 from reconciler.domain.ownership import ALLOC_IFNAME
@@ -94,7 +96,8 @@ def eth0_mtu(ns: LiveNetns | None, host_id: str) -> int | None:
 
 
 def live_maps(live: LiveState) -> dict[str, list[tuple[int, Mapped]]]:
-    """Map every live DNAT rule of ours to (family, map), by alloc id."""
+    """Map every live port map of ours (our table's entries as DNAT rules) to (family, map),
+    by alloc id."""
     out: dict[str, list[tuple[int, Mapped]]] = {}
     for family, chains in ((4, live.firewall4), (6, live.firewall6)):
         for d in firewall.dnat_rules(chains.chains.get(("nat", firewall.DNAT), ())):
@@ -275,8 +278,8 @@ def _external_specs(desired: DesiredState, a: Alloc, family: int, m: Mapped,
 
 
 def has_ipv6_maps(live: LiveState) -> bool:
-    """Tell whether some allocation has an IPv6 port map (a DNAT rule of ours in ip6tables): only
-    then does the vantage's IPv6 pair need looking at."""
+    """Tell whether some allocation has an IPv6 port map (an IPv6 entry of our table): only then
+    does the vantage's IPv6 pair need looking at."""
     return bool(live.firewall6.chains.get(("nat", firewall.DNAT)))
 
 
@@ -329,35 +332,30 @@ class Facts:
     #: (address, output link) of the host's route back to where the probe came from, when
     #: that is not the allocation (the external vantage)
     route_back: tuple[str, str | None] | None = None
-    #: others' accepts above our jump to RECONCILER-FORWARD (those whose counter rose first)
-    ahead: tuple[RuleHit, ...] = ()
     #: the host's interfaces a forwarded probe arrives on (its bridge, the vantage link)
     ingress: tuple[str, ...] = ()
     #: drops in other managers' own nftables tables that can have taken it, most certain
     #: first (``planner.nftforeign``)
     nft_drops: tuple[str, ...] = ()
+    #: what is wrong with our table ``inet reconciler`` read after the re-run: "" when it is
+    #: as built (or cannot be read), else :func:`table_problem`'s words
+    table: str = ""
+
+
+def table_problem(state: nftable.TableState) -> str:
+    """Say what is wrong with our table as read back ("" when it is as built, or unread): the
+    chain or set a hand edit changed, or that it is gone."""
+    if not state.available:
+        return ""
+    if not state.exists:
+        return "is gone"
+    return "" if state.intact else f"is not as built ({state.broken})"
 
 
 @dataclass(frozen=True)
 class Cause:
     line: str
     ours: bool = False  # a reconcile pass owns this and heals it
-
-
-def accepts_ahead(family: int, before: str, after: str) -> list[RuleHit]:
-    """Find others' accepts above our jump to RECONCILER-FORWARD that let through some of
-    what our isolation drops (``firewall.accepts_ahead``, read from the snapshot after the
-    re-run): those whose counter rose between the snapshots first."""
-    chains = fwpaths.chains_of_counters(after)
-    flows = firewall.guarded_flows(chains.get(("filter", firewall.FORWARD), ()))
-    found = firewall.accepts_ahead(chains, "filter", "FORWARD", firewall.FORWARD, flows)
-    if not found:
-        return []
-    old, new = parse_counters(before), parse_counters(after)
-    rose = {(t, c, r) for (t, c, r, _n), (packets, _t) in new.items()
-            if packets > old.get((t, c, r, _n), (0, ""))[0]}
-    hits = [RuleHit(family, h.table, h.chain, f"-A {h.chain} {h.rule}") for h in found]
-    return sorted(hits, key=lambda h: (h.table, h.chain, h.rule) not in rose)
 
 
 _FORWARDED = ("hairpin", "external", "direct")  # paths the host routes through FORWARD
@@ -368,14 +366,12 @@ def classify(spec: ProbeSpec, seen: Sighting, facts: Facts | None = None) -> Cau
     reconcile pass owns it. ``facts`` (the re-run's) name the cause where they can."""
     if seen.error is not None:
         return Cause(seen.error)
-    if spec.path == "direct" and seen.reached and not spec.expect:  # isolation: ports
-        ahead = [h for h in (facts.ahead if facts is not None else ()) if h.family == spec.family]
-        if ahead:
-            return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
-                         f"is ports: {ahead[0]} accepts it ahead of the jump to "
-                         f"{firewall.FORWARD} (a pass moves the jump back above it)", ours=True)
+    if spec.path == "direct" and seen.reached and not spec.expect:
+        # nothing another manager accepts can open it: our drop is in our own base chain
         return Cause(f"reached {spec.dst}:{spec.to} directly although the subnet's isolation "
-                     "is ports: something accepts it before RECONCILER-FORWARD drops it")
+                     f"is ports: the drop in chain {nftable.ISOLATE} of table "
+                     f"{nftable.FAMILY} {nftable.TABLE} did not take it (its entry is missing "
+                     "or the table was changed: a pass rebuilds it)", ours=True)
     if spec.path == "hairpin" and seen.reached and not spec.expect:
         flag_on = facts is not None and facts.port_hairpin is True
         return Cause(f"{spec.proto} to its own host port {spec.dst}:{spec.dport} came back "
@@ -444,6 +440,10 @@ def _named_cause(spec: ProbeSpec, seen: Sighting, f: Facts) -> Cause | None:
         return Cause(f"a foreign rule drops it: {hit}{exposed}")
     if f.nft_drops:
         return Cause(f"a foreign rule drops it: {f.nft_drops[0]}")
+    if f.table:
+        # its rules carry no counters: a table not as built is the suspect, not a certainty
+        return Cause(f"our table {nftable.FAMILY} {nftable.TABLE} {f.table}: a pass "
+                     "rebuilds it", ours=True)
     if v == 4 and f.rp_filter_drops > 0:  # IPv6 has no rp_filter (a host-wide v4 counter)
         strict = sorted(k.split("/")[3] for k, val in f.sysctls.items()
                         if k.endswith("/rp_filter") and val == "1")

@@ -351,8 +351,9 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "destroy", help="remove everything the reconciler manages on this host",
         description="Remove every object the reconciler owns on this host (or in --netns "
-                    "NAME): owned links, addresses, allocation namespaces, RECONCILER-* "
-                    "chains and owned Docker networks. Objects it did not create are kept.")
+                    "NAME): owned links, addresses, allocation namespaces, the nftables "
+                    "table inet reconciler with its mark shim rules, and owned Docker "
+                    "networks. Objects it did not create are kept.")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
     sp.add_argument("--yes", action="store_true",
                     help="do not ask: needed without a terminal (scripts, cron, CI), where "
@@ -365,10 +366,11 @@ def build_parser(mark: Marker = _unmarked) -> argparse.ArgumentParser:
         "gc", help="remove leftovers: broken halves, stale files (with PATH: also what no "
                    "file declares)",
         description="Remove what the reconciler owns and nothing uses: veths whose allocation "
-                    "namespace is gone, allocation namespaces without their veth, firewall "
-                    "rules of allocations that are gone, and stale lock, socket and "
-                    "temporary files. With PATH, also every owned object (Docker networks of "
-                    "this scope included) that the files no longer declare, as a prune would. "
+                    "namespace is gone, allocation namespaces without their veth, the entries "
+                    "of our nftables table for allocations that are gone, and stale lock, "
+                    "socket and temporary files. With PATH, also every owned object (Docker "
+                    "networks of this scope included) that the files no longer declare, as a "
+                    "prune would. "
                     "Never creates or changes anything, and never touches objects without "
                     "the reconciler's mark. Takes the host lock when it removes. Exit 0 "
                     "when done (--plan: nothing to collect), 2 with --plan and something to "

@@ -2,10 +2,12 @@
 
 One line per bridge, its subnets under it and their allocations under those, each
 allocation with its addresses, MAC, host veth and port maps; then what belongs to no
-bridge of ours, the owned firewall chains, leftover namespaces, the probes' vantage and
+bridge of ours, our nftables table's entries per set, leftover namespaces, the probes' vantage and
 Docker networks with their containers. ``--output json`` keeps the keys it always had
 (``links``, ``firewall``, ``netns``, ``probe_vantage``, ``docker_networks``: scripts
-read them) and adds ``bridges`` (the same tree as the text), ``allocs`` (flat) and
+read them; ``firewall`` holds the table's entries in the planner's rule form) and adds
+``table`` (``inet reconciler``: how many entries each set holds), ``bridges`` (the same
+tree as the text), ``allocs`` (flat) and
 ``picks`` (where each picked value comes from: its lease, or the live value with no
 lease yet; docs/lifetime.md).
 
@@ -14,8 +16,10 @@ See docs/decisions/033-show-and-graph-read-the-host.md.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
+from reconciler.domain import nftable
 from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.leases import LEASE, LIVE
 from reconciler.domain.live import LiveState
@@ -60,6 +64,9 @@ def view(live: LiveState, probe_vantage: str | None) -> dict[str, Any]:
         "firewall": {f"ipv{fam}": {f"{t}/{c}": list(r) for (t, c), r in sorted(fw.chains.items())
                                    if c.startswith(CHAIN_PREFIX)}
                      for fam, fw in ((4, live.firewall4), (6, live.firewall6))},
+        "table": {"name": f"{nftable.FAMILY} {nftable.TABLE}", "exists": live.table.exists,
+                  "intact": live.table.intact,
+                  "sets": dict(sorted(Counter(e.set for e in live.table.entries).items()))},
         "netns": sorted(live.netns),
         "probe_vantage": probe_vantage,
         "docker_networks": [{"name": n.name, "id": n.id[:12], "subnets": list(n.subnets),
@@ -141,9 +148,12 @@ def text(doc: dict[str, Any]) -> str:
         master = f" master {lk['master']}" if lk["master"] else ""
         lines.append(f"{lk['kind'] or 'link'} {lk['name']}: mtu {lk['mtu']} "
                      f"{'up' if lk['up'] else 'down'}{master} {addrs}".rstrip())
-    for fam, chains in doc["firewall"].items():
-        for chain, rules in chains.items():
-            lines.append(f"{fam} {chain}: {len(rules)} rules")
+    table = doc["table"]
+    if table["exists"]:
+        sets = ", ".join(f"{name} {n}" for name, n in table["sets"].items())
+        lines.append(f"table {table['name']}: {sum(table['sets'].values())} entries"
+                     + (f" ({sets})" if sets else "")
+                     + ("" if table["intact"] else "; not as this version writes it"))
     for ns in doc["netns"]:
         if ns not in shown_ns:
             lines.append(f"netns {ns}")
@@ -155,7 +165,7 @@ def text(doc: dict[str, Any]) -> str:
                      f"{' '.join(dn['subnets'])}{scope}")
         for c in dn["containers"]:
             lines.append(f"  container {c['name']} {' '.join(c['addresses'])}".rstrip())
-    if not any((doc["links"], any(doc["firewall"].values()), doc["netns"],
+    if not any((doc["links"], table["exists"], doc["netns"],
                 doc["docker_networks"], doc["probe_vantage"])):
         lines.append("Nothing managed by the reconciler on this host.")
     return "\n".join(lines) + "\n"

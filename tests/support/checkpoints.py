@@ -18,7 +18,9 @@ from reconciler.domain.live import (
 )
 from reconciler.domain.ownership import LINK_ALIAS, alloc_mac, alloc_ns_alias, alloc_veth_name
 from reconciler.engine import safechange
+from reconciler.planner import nftview
 from reconciler.planner.checkpoint import take
+from tests.support.fakehost import table_from
 
 HOST = "4026531840"
 
@@ -63,8 +65,9 @@ def live_host(*, bridge_mtu: int = 1500, hairpin: bool = True, allocs: tuple[str
     if extra_bridge:
         links["br1"] = LiveLink("br1", 9, "bridge", 1500, True, True, alias=LINK_ALIAS,
                                 mac="02:00:00:00:00:09")
-    return LiveState(host_id=HOST, links=links, firewall4=fw,
-                     firewall6=LiveChainSet(available=True),
+    table = table_from(fw)
+    return LiveState(host_id=HOST, links=links, table=table,
+                     firewall4=nftview.view(table, 4), firewall6=nftview.view(table, 6),
                      sysctls={"net/ipv4/ip_forward": "1", "net/ipv6/conf/all/forwarding": "0",
                               "net/ipv4/conf/br0/route_localnet": "0"},
                      netns={a: live_alloc(a, mtu=bridge_mtu) for a in allocs})

@@ -20,13 +20,15 @@ from reconciler.domain.live import (
     LiveState,
 )
 from reconciler.domain.model import DesiredState
+from reconciler.domain.nftable import Entry as NftEntry
+from reconciler.domain.nftable import TableState
 from reconciler.domain.ops import (
     AddrAdd,
     AddrDel,
     AllocAttach,
     AllocConfigure,
     ConntrackDelete,
-    FirewallRestore,
+    FirewallNft,
     FirewallShim,
     LinkAddBridge,
     LinkDelete,
@@ -45,6 +47,7 @@ from reconciler.domain.ops import (
 from reconciler.domain.ownership import LINK_ALIAS, NEIGH_PROTO, alloc_ns_alias
 from reconciler.domain.plan import Op
 from reconciler.drivers.netlink.conntrack import PROTOCOLS, Entry, IPAddress
+from reconciler.planner import firewall, nftview
 
 HOST_ID = "4026531840"
 
@@ -133,12 +136,53 @@ class FakeFirewall:
                             policies=dict(self.policies))
 
 
+def table_from(fw4: LiveChainSet, fw6: LiveChainSet | None = None) -> TableState:
+    """Our table holding the entries that rules of ours (in the planner's form) stand for."""
+    sets = []
+    for family, fw in ((4, fw4), (6, fw6)):
+        rs = firewall.RuleSet(family)
+        for (_t, chain), rules in (fw.chains.items() if fw is not None else ()):
+            for r in rules:
+                rs.add_rule(chain, r)
+        sets.append(rs)
+    entries = frozenset(nftview.entries_of(sets))
+    return TableState(exists=bool(entries), intact=bool(entries), entries=entries)
+
+
+class FakeTable:
+    """Our nftables table as entries: what ``firewall.nft`` ops leave in it."""
+
+    def __init__(self) -> None:
+        self.exists = False
+        self.entries: set[NftEntry] = set()
+        #: the bit the table's rules OR into the mark (set by a rebuild)
+        self.mark: int | None = None
+
+    def apply(self, op: FirewallNft) -> None:
+        add, delete = op.entries()
+        if op.drop_table:
+            self.exists, self.entries = False, set()
+        elif op.rebuild:
+            self.exists, self.entries, self.mark = True, set(add), op.mark
+        else:
+            assert self.exists, "elements changed in a table that does not exist"
+            assert set(delete) <= self.entries, "deleting elements that are not there"
+            self.entries = (self.entries - set(delete)) | set(add)
+
+    def live(self) -> TableState:
+        return TableState(exists=self.exists, intact=self.exists,
+                          entries=frozenset(self.entries),
+                          mark=self.mark if self.exists else None)
+
+
 class FakeHost:
     """Observer + OpRunner in one, over in-memory state."""
 
     def __init__(self) -> None:
         self.links: dict[str, LiveLink] = {}
+        #: iptables (Docker's chains, earlier versions' chains) and our table
         self.fw = {4: FakeFirewall(), 6: FakeFirewall()}
+        self.table = FakeTable()
         self.sysctls = {"net/ipv4/ip_forward": "0", "net/ipv6/conf/all/forwarding": "0"}
         self.handles = self  # the observer and the runner in one
         self.log: list[Op] = []
@@ -162,6 +206,10 @@ class FakeHost:
         #: the scope's lease table, as the state directory would keep it (``save``)
         self.leases: dict[str, dict[str, Any]] = {}
 
+    def ours(self, family: int) -> dict[tuple[str, str], list[str]]:
+        """Our table's entries of ``family`` in the planner's rule form, by (table, chain)."""
+        return {k: list(v) for k, v in nftview.view(self.table.live(), family).chains.items()}
+
     # Observer interface
     def observe(self, desired: DesiredState) -> LiveState:
         mark = alloc_ns_alias(self.host_id)
@@ -170,7 +218,10 @@ class FakeHost:
                  if name in desired.allocs or (ns.usable and "lo" in ns.links
                                                and ns.links["lo"].alias == mark)}
         return LiveState(host_id=self.host_id, links=dict(self.links),
-                         firewall4=self.fw[4].live(), firewall6=self.fw[6].live(),
+                         table=self.table.live(),
+                         firewall4=nftview.view(self.table.live(), 4),
+                         firewall6=nftview.view(self.table.live(), 6),
+                         old4=self.fw[4].live(), old6=self.fw[6].live(),
                          sysctls=dict(self.sysctls), netns=netns,
                          listening=frozenset(self.listening) if desired.allocs
                          else frozenset(), routes=self._routes(desired),
@@ -279,8 +330,11 @@ class FakeHost:
                 links[op.link] = dataclasses.replace(link, addresses=tuple(addrs))
             case SysctlSet():
                 self.sysctls[op.key] = op.value
-            case FirewallRestore():
-                self.fw[op.family].restore(op.script)
+            case FirewallNft():
+                self.table.apply(op)
+                for family, script in ((4, op.cleanup4), (6, op.cleanup6)):
+                    if script:
+                        self.fw[family].restore(script)
             case FirewallShim():
                 assert not op.legacy, "the fake host has no iptables-legacy"
                 rules = self.fw[op.family].chains[("filter", op.chain)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -144,6 +145,27 @@ class Netns:
 
     def iptables_save(self, family: int = 4) -> str:
         return self.run("iptables-save" if family == 4 else "ip6tables-save").stdout
+
+    def our_rules(self, family: int = 4) -> str:
+        """Read our nftables table (``nft -j``) in the planner's rule form, one ``-A CHAIN rule``
+        line per rule, as the iptables chains of earlier versions read."""
+        import json
+
+        from reconciler.domain import nftable
+        from reconciler.planner import nftview
+        out = self.run("nft", "-j", "list", "table", "inet", "reconciler", check=False)
+        if out.returncode != 0:
+            return ""
+        state = nftable.parse_table(json.loads(out.stdout))
+        chains = nftview.view(state, family).chains
+        text = "".join(f"-A {chain} {r}\n" for (_t, chain), rules in sorted(chains.items())
+                       for r in rules)
+        # quoted as iptables-save quotes a comment with a colon
+        return re.sub(r"--comment (reconciler:\S+)", r'--comment "\1"', text)
+
+    def firewall_text(self, family: int = 4) -> str:
+        """Return ``iptables-save`` followed by our table's rules (:meth:`our_rules`)."""
+        return self.iptables_save(family) + self.our_rules(family)
 
     def inode(self) -> int:
         return os.stat(f"/run/netns/{self.name}").st_ino

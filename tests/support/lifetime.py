@@ -3,7 +3,7 @@
 ``reboot`` deletes every namespace of a sandbox (its allocations' and the sandbox
 itself, with its links, routes and rules) and makes the sandbox again under the same
 name, so the state directory of its scope (``netns-NAME``) is the one kept.
-``identities`` reads, with independent tools (``ip -j``, ``iptables-save``), every value
+``identities`` reads, with independent tools (``ip -j``, ``nft -j``), every value
 the reconciler picks: addresses, MACs, ``auto`` host ports and prefixes.
 """
 
@@ -50,10 +50,11 @@ def eth0(aid: str) -> dict[str, Any]:
 
 
 def auto_ports(host: Netns, aid: str) -> list[int]:
-    """Return the host ports of ``aid``'s DNAT rules (iptables-save of the sandbox)."""
-    save = host.run("iptables-save", "-t", "nat").stdout
+    """Return the host ports of ``aid``'s DNAT rules: our nftables table's port-map entries
+    of the sandbox, read with ``nft -j`` (``Netns.our_rules``)."""
+    save = host.our_rules(4)
     return sorted({int(m.group(1)) for line in save.splitlines() if f"alloc={aid}" in line
-                   and (m := re.search(r"--dport (\d+)", line))})
+                   and "-j DNAT" in line and (m := re.search(r"--dport (\d+)", line))})
 
 
 def identities(host: Netns, allocs: Iterable[str], bridges: Iterable[str]) -> dict[str, Any]:

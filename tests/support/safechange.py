@@ -1,7 +1,7 @@
 """Safe change against the real kernel, as independent tools see it: the host's state read
-with ``ip -j``, ``iptables-save`` / ``ip6tables-save`` (without counters) and ``/proc/sys``, never
-our own observer; the pending record and the reverter's process; a before and an after
-desired state; an agent under ``--confirm-within``."""
+with ``ip -j``, ``nft -j list table inet reconciler``, ``iptables-save`` (without counters)
+and ``/proc/sys``, never our own observer; the pending record and the reverter's process; a
+before and an after desired state; an agent under ``--confirm-within``."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ allocs:
 
 
 def _host_view(host: Netns) -> dict[str, Any]:
-    """The sandbox's links, addresses, rules and sysctls, from ip -j and iptables-save."""
+    """The sandbox's links, addresses, rules and sysctls, from ip -j, nft -j and iptables-save."""
     links = {}
     for lk in host.ip_json("addr", "show"):
         if lk["ifname"] == "lo" or lk.get("ifalias") == PROBE_VANTAGE_ALIAS:
@@ -69,13 +69,35 @@ def _host_view(host: Netns) -> dict[str, Any]:
             "hairpin": slave.get("hairpin"), "alias": lk.get("ifalias"),
             "addresses": sorted(f"{a['local']}/{a['prefixlen']}" for a in lk["addr_info"]
                                 if a.get("scope") != "link")}
-    # our chains and our jumps into them (foreign rules are no part of the owned state)
-    rules = {family: [ln for ln in host.iptables_save(family).splitlines()
-                      if ln.startswith(("-A", ":RECONCILER")) and "RECONCILER" in ln]
-             for family in (4, 6)}
+    # our table, and in iptables only what names us (the shim's accept, chains of earlier
+    # versions): foreign rules are no part of the owned state
+    rules: dict[Any, list[str]] = {**_table_view(host), **{
+        f"iptables{family}": [ln for ln in host.iptables_save(family).splitlines()
+                              if ln.startswith(("-A", ":")) and "reconciler" in ln.lower()]
+        for family in (4, 6)}}
     sysctls = {k: host.run("cat", f"/proc/sys/net/{k}").stdout.strip()
                for k in ("ipv4/ip_forward", "ipv6/conf/all/forwarding")}
     return {"links": links, "rules": rules, "sysctls": sysctls}
+
+
+def _table_view(host: Netns) -> dict[Any, list[str]]:
+    """Our table as ``nft -j list table inet reconciler`` shows it: per family (4, 6: the
+    sets named so; 4 also the unsuffixed ones) every element with its comment, and under
+    "chains" every rule's expressions (without handles); empty lists when there is none."""
+    out: dict[Any, list[str]] = {4: [], 6: [], "chains": []}
+    p = host.run("nft", "-j", "list", "table", "inet", "reconciler", check=False)
+    if p.returncode != 0:
+        return out
+    for obj in json.loads(p.stdout)["nftables"]:
+        body = obj.get("set") or obj.get("map")
+        if body is not None:
+            family = 6 if body["name"].split("_")[0].endswith("6") else 4
+            out[family] += sorted(f"{body['name']}: {json.dumps(e, sort_keys=True)}"
+                                  for e in body.get("elem", ()))
+        elif "rule" in obj:
+            r = obj["rule"]
+            out["chains"].append(f"{r['chain']}: {json.dumps(r['expr'], sort_keys=True)}")
+    return out
 
 
 def _alloc_view(name: str) -> dict[str, Any] | None:

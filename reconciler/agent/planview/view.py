@@ -188,8 +188,7 @@ class LiveView:
         fresh["neighbours"] = self.observer.observe_neighbours(
             desired, fresh.get("links", self.live.links))
         if "firewall" in dirty or self.firewall_volatile:
-            fresh["firewall4"] = self.observer.handles.iptables(4).observe()
-            fresh["firewall6"] = self.observer.handles.iptables(6).observe()
+            fresh.update(self.observer.observe_firewall())
         if "routes" in dirty or "links" in dirty:
             # a link going down drops its IPv4 routes without a route notification
             fresh["routes"] = self.observer.observe_routes(desired)

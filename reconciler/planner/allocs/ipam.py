@@ -169,17 +169,22 @@ def live_port_maps(ctx: PlanContext) -> dict[str, list[Mapped]]:
     """Read the live port maps per alloc id (both families; one map per family), from the
     live DNAT rules: what auto ports keep and what the plan shows an allocation had."""
     out: dict[str, list[Mapped]] = {}
-    rules = (*ctx.live.firewall4.chains.get(("nat", firewall.DNAT), ()),
-             *ctx.live.firewall6.chains.get(("nat", firewall.DNAT), ()))
-    for d in firewall.dnat_rules(rules):
-        out.setdefault(d.alloc, []).append(Mapped.of(d))
+    # our table's, then (the first apply after an upgrade) the iptables chains of earlier
+    # versions': an "auto" host port keeps its number across the conversion
+    for fw in ((ctx.live.firewall4, ctx.live.firewall6), (ctx.live.old4, ctx.live.old6)):
+        rules = (*fw[0].chains.get(("nat", firewall.DNAT), ()),
+                 *fw[1].chains.get(("nat", firewall.DNAT), ()))
+        if out and fw[0] is ctx.live.old4:
+            break
+        for d in firewall.dnat_rules(rules):
+            out.setdefault(d.alloc, []).append(Mapped.of(d))
     return out
 
 
 def _docker_published(ctx: PlanContext) -> dict[tuple[str, int], str]:
     """Find the host ports Docker publishes through DNAT (``nat/DOCKER``, userland proxy off)."""
     out: dict[tuple[str, int], str] = {}
-    for fw in (ctx.live.firewall4, ctx.live.firewall6):
+    for fw in (ctx.live.old4, ctx.live.old6):  # iptables-save: Docker's chains
         for r in fw.chains.get(("nat", "DOCKER"), ()):
             t = r.split()
             try:
@@ -271,7 +276,16 @@ def assign_ports(ctx: PlanContext) -> dict[str, list[Mapped]]:
         for i, p in enumerate(a.ports):
             if p.host is not None or (a.id, i) in with_lease:
                 continue
-            for m in live.get(a.id, ()):
+            have = live.get(a.id, [])
+            protos: dict[tuple[int, int, object], set[str]] = {}
+            for m in have:
+                protos.setdefault((m.host, m.to, m.host_ip), set()).add(m.proto)
+            # a live port that carries exactly this map's protocols first: the table's
+            # entries have no order, so a "both" map finds its tcp+udp port, a tcp one its own
+            want = set(p.protocols)
+            ordered = [m for m in have if protos[(m.host, m.to, m.host_ip)] == want] + [
+                m for m in have if protos[(m.host, m.to, m.host_ip)] != want]
+            for m in ordered:
                 ports = {(proto, m.host) for proto in p.protocols}
                 if (m.proto == p.protocols[0] and m.to == p.to and lo <= m.host <= hi
                         and m.host_ip == p.host_ip and not ports & busy):

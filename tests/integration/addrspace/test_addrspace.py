@@ -222,8 +222,8 @@ def test_auto_picks_are_clear_of_the_host_stable_and_kept_when_more_are_declared
     assert (pick_of(host_ns, b1), pick_of(host_ns, b2), pick_of(host_ns, b1, 6)) == (m, w, m6)
     a = pick_of(host_ns, b3)
     assert not any(a.overlaps(n) for n in (m, w, taken_route, taken_addr)), a
-    # the rules flushed by someone: the bridge's gateway still says which prefix it is
-    host_ns.run("iptables", "-F", "RECONCILER-FORWARD")
+    # our table deleted by someone: the bridge's gateway still says which prefix it is
+    host_ns.run("nft", "delete", "table", "inet", "reconciler")
     r = host_ns.reconcile("apply", path)
     assert r.rc == 0, r.all
     assert (pick_of(host_ns, b1), pick_of(host_ns, b2), pick_of(host_ns, b3)) == (m, w, a)

@@ -1,10 +1,10 @@
-"""Allocations against the real kernel and iptables: namespaces, veths, IPAM, port maps.
+"""Allocations against the real kernel and nftables: namespaces, veths, IPAM, port maps.
 
 Each test gets a throwaway namespace acting as the host (``host_ns``); the
 allocation namespaces themselves are global (/run/netns/ID), so their ids
 carry the session prefix and the ``host_ns`` fixture destroys them. Results
-are checked with ``ip``, ``iptables-save`` and real traffic, never with our
-own observer."""
+are checked with ``ip``, ``nft -j`` (our table, read as rules by
+``Netns.our_rules``), ``iptables-save`` and real traffic, never with our own observer."""
 
 from __future__ import annotations
 
@@ -71,12 +71,12 @@ def ipv4_of(ns: str) -> str:
 
 
 def dnat_rules(host: Netns, family: int = 4) -> list[str]:
-    return [ln for ln in host.iptables_save(family).splitlines()
+    return [ln for ln in host.firewall_text(family).splitlines()
             if ln.startswith("-A RECONCILER-DNAT")]
 
 
 def dnat_port(host: Netns, alloc_id: str, to: int, proto: str = "tcp") -> int:
-    """The host port DNAT'd to ``to`` of the allocation, read from iptables-save."""
+    """The host port DNAT'd to ``to`` of the allocation, read from our table."""
     found = set()
     for r in dnat_rules(host):
         if f"alloc={alloc_id}\"" in r and f"-p {proto} " in r and r.endswith(f":{to}"):
@@ -93,7 +93,7 @@ def host_snapshot(host: Netns) -> tuple[object, ...]:
                                  if a.get("scope") != "link")))
                    for lk in host.ip_json("addr", "show"))
     mine = {n for n in netns_list() if n.startswith(SESSION) and n != host.name}
-    return links, strip(host.iptables_save(4)), strip(host.iptables_save(6)), mine
+    return links, strip(host.firewall_text(4)), strip(host.firewall_text(6)), mine
 
 
 def apply_ok(host: Netns, path: str, *extra: str) -> None:
@@ -506,11 +506,12 @@ def test_drift_namespace_deleted_while_something_keeps_it_alive(host_ns: Netns, 
     works(host_ns, a0, 8080)
 
 
-def test_drift_our_chains_flushed(host_ns: Netns, two_allocs):
+def test_drift_our_maps_flushed(host_ns: Netns, two_allocs):
     path, a0, a1 = two_allocs
-    host_ns.run("iptables", "-t", "nat", "-F", "RECONCILER-DNAT")
-    out = heal(host_ns, path, "firewall ipv4", f"alloc={a0}", f"alloc={a1}")
-    assert "~ firewall ipv4" in out
+    for m in ("pm4_addr", "pm4_port"):
+        host_ns.run("nft", "flush", "map", "inet", "reconciler", m)
+    out = heal(host_ns, path, "firewall nftables", f"alloc={a0}", f"alloc={a1}")
+    assert "~ firewall nftables" in out
     assert len(dnat_rules(host_ns)) == 2
     works(host_ns, a0, 8080)
 
@@ -747,7 +748,8 @@ def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: N
            f"  - {{name: sb, bridge: {BRIDGE}, cidr: 10.79.0.0/24, cidr6: 'fd00:79::/64'}}\n"
            f"allocs:\n  - {{id: {a}, subnet: sa, ports: [{{host: 8080, to: 80}}]}}\n"
            f"  - {{id: {b}, subnet: sb, ports: [{{host: 8081, to: 80}}]}}\n")
-    assert host_ns.reconcile("apply", write(tmp_path, "two.yaml", two)).rc == 0
+    r0 = host_ns.reconcile("apply", write(tmp_path, "two.yaml", two))
+    assert r0.rc == 0, r0.err
     held = addrs_of(b, version=4)
     # sb and its alloc leave the file; a new alloc arrives on sa
     one = (f"version: 1\nbridges: [{{name: {BRIDGE}}}]\nsubnets:\n"
@@ -755,12 +757,12 @@ def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: N
            f"allocs:\n  - {{id: {a}, subnet: sa, ports: [{{host: 8080, to: 80}}]}}\n"
            f"  - {{id: {c}, subnet: sa}}\n")
     path = write(tmp_path, "one.yaml", one)
-    before = host_ns.iptables_save(4)
+    before = host_ns.firewall_text(4)
     r = host_ns.reconcile("apply", "--no-prune", path)
     assert r.rc == 0, r.all
     assert "- " not in r.out.replace("-/+", "")  # nothing deleted
     assert host_ns.addrs(BRIDGE) == sorted(["10.78.0.1/24", "10.79.0.1/24", "fd00:79::1/64"])
-    after = host_ns.iptables_save(4)
+    after = host_ns.firewall_text(4)
     for rule in (f'"reconciler:alloc={b}"', '"reconciler:subnet=sb"'):
         assert before.count(rule) == after.count(rule) > 0
     assert addrs_of(b, version=4) == held and b in netns_list()
@@ -768,7 +770,7 @@ def test_no_prune_keeps_undeclared_subnets_allocs_rules_and_addresses(host_ns: N
     assert host_ns.reconcile("plan", "--no-prune", path).rc == 0
     # with pruning, they go
     assert host_ns.reconcile("apply", path).rc == 0
-    assert b not in netns_list() and '"reconciler:subnet=sb"' not in host_ns.iptables_save(4)
+    assert b not in netns_list() and '"reconciler:subnet=sb"' not in host_ns.firewall_text(4)
 
 
 def _unmark_netns_file(name: str) -> None:

@@ -327,7 +327,7 @@ def test_an_alloc_held_by_a_process_is_pruned_in_one_run(
         assert r.rc == 0, r.all
         assert f"pid {pid} (sleep)" in r.all, r.all
         assert host_ns.link(veth_of(a)) is None
-        assert not [ln for ln in host_ns.iptables_save(4).splitlines() if f"alloc={a}" in ln]
+        assert not [ln for ln in host_ns.firewall_text(4).splitlines() if f"alloc={a}" in ln]
         if command == "apply":
             again = host_ns.reconcile("plan", path)
             assert again.rc == 0 and "No changes." in again.out, again.all

@@ -3,7 +3,7 @@ lock held, Docker rewriting its chains, netlink errors injected — each healed 
 next apply or reported as one clear error, never a traceback or a half-made object.
 
 Everything happens in a throwaway "host" namespace (``host_ns``); checks use ip,
-iptables-save and real traffic from a client namespace.
+``nft list table inet reconciler``, iptables and real traffic from a client namespace.
 """
 
 from __future__ import annotations
@@ -67,18 +67,19 @@ def test_flushed_firewall_is_healed(host_ns: Netns, tmp_path):
     cfg = state(tmp_path)
     apply(host_ns, cfg)
     for tool in ("iptables", "ip6tables"):
-        for table in ("filter", "nat", "mangle"):  # mangle: our RECONCILER-MARK chain
+        for table in ("filter", "nat", "mangle"):  # everything of earlier versions, and the shim
             host_ns.run(tool, "-t", table, "-F")
             host_ns.run(tool, "-t", table, "-X")
-    assert "RECONCILER" not in host_ns.iptables_save(4)
+    host_ns.run("nft", "delete", "table", "inet", "reconciler")
+    assert "RECONCILER" not in host_ns.firewall_text(4)
     r = host_ns.reconcile("plan", cfg.path)
-    assert r.rc == 2 and "firewall ipv4" in r.out
+    assert r.rc == 2 and "firewall nftables" in r.out
     apply(host_ns, cfg)
-    assert f"reconciler:alloc={cfg.allocs[0]}" in host_ns.iptables_save(4)
+    assert f"reconciler:alloc={cfg.allocs[0]}" in host_ns.firewall_text(4)
     converged(host_ns, cfg)
     if shutil.which("nft"):  # the nftables view of the same: everything gone at once
         host_ns.run("nft", "flush", "ruleset")
-        assert "RECONCILER" not in host_ns.iptables_save(4)
+        assert "RECONCILER" not in host_ns.firewall_text(4)
         apply(host_ns, cfg)
         converged(host_ns, cfg)
 
@@ -124,7 +125,7 @@ def test_held_xtables_lock_is_waited_for(host_ns: Netns, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["netns.create:2", "alloc.attach:2", "alloc.configure:3",
-                                   "link.add_bridge:1", "addr.add:1", "firewall.restore:1",
+                                   "link.add_bridge:1", "addr.add:1", "firewall.nft:1",
                                    "netns.delete:1"])
 @pytest.mark.real_process  # the exit code and error shape of a real process
 def test_injected_driver_error_is_reported_and_the_next_run_converges(
@@ -176,25 +177,40 @@ def docker_rewrites_its_chains(ns: Netns, flush_forward: bool) -> None:
     ns.run("iptables", "-P", "FORWARD", "DROP")
 
 
-def test_docker_rewriting_its_chains_keeps_our_jumps_and_traffic(host_ns: Netns, tmp_path):
+#: the mark shim as ``iptables -S`` prints it (SPEC §12, planner.shim)
+SHIM = '-A FORWARD -m mark --mark 0x2000/0x2000 -m comment --comment "reconciler:shim" -j ACCEPT'
+
+
+def test_docker_rewriting_its_chains_keeps_our_shim_and_traffic(host_ns: Netns, tmp_path):
     cfg = state(tmp_path, 1)
     apply(host_ns, cfg)
     with client_of(host_ns) as client, listening(cfg.allocs[0], 80):
         assert fetch(client, HOST_IP, 8080) == "ok 80"
+        assert SHIM not in host_ns.run("iptables", "-S", "FORWARD").stdout  # nothing drops yet
+        # dockerd's start: its policy DROP stops our traffic until a pass puts the shim there
         docker_rewrites_its_chains(host_ns, flush_forward=False)
-        forward = host_ns.run("iptables", "-S", "FORWARD").stdout
-        assert forward.index("-j DOCKER-USER") < forward.index("-j RECONCILER-FORWARD")
-        assert "-P FORWARD DROP" in forward
-        assert fetch(client, HOST_IP, 8080) == "ok 80"  # our jump still lets it through
-        # dockerd keeps DOCKER-USER first: our jump goes first in it too (decision 034)
+        assert fetch(client, HOST_IP, 8080, timeout=1) == ""
+        r = host_ns.reconcile("plan", cfg.path)
+        assert r.rc == 2 and "filter/FORWARD" in r.out, r.all
         apply(host_ns, cfg)
-        user = host_ns.run("iptables", "-S", "DOCKER-USER").stdout.splitlines()
-        assert "-j RECONCILER-FORWARD" in user[1], user
+        forward = host_ns.run("iptables", "-S", "FORWARD").stdout.splitlines()
+        assert "-P FORWARD DROP" in forward and forward.count(SHIM) == 1, forward
+        assert fetch(client, HOST_IP, 8080) == "ok 80"  # the shim lets our marked traffic by
         converged(host_ns, cfg)
-        # a restart that rebuilt FORWARD from scratch dropped our jump: traffic stops, apply heals
+        # our forward chain flushed (what flushing RECONCILER-FORWARD was): nothing is
+        # marked, Docker's DROP stops the traffic, and a pass rebuilds the chain
+        host_ns.run("nft", "flush", "chain", "inet", "reconciler", "isolate")
+        assert fetch(client, HOST_IP, 8080, timeout=1) == ""
+        r = host_ns.reconcile("plan", cfg.path)
+        assert r.rc == 2 and "firewall nftables" in r.out, r.all
+        apply(host_ns, cfg)
+        assert fetch(client, HOST_IP, 8080) == "ok 80"
+        converged(host_ns, cfg)
+        # a restart that rebuilt FORWARD from scratch dropped the shim: traffic stops, apply heals
         docker_rewrites_its_chains(host_ns, flush_forward=True)
         assert fetch(client, HOST_IP, 8080, timeout=1) == ""
         apply(host_ns, cfg)
         assert fetch(client, HOST_IP, 8080) == "ok 80"
-        assert "-j DOCKER-USER" in host_ns.run("iptables", "-S", "FORWARD").stdout  # theirs kept
+        forward = host_ns.run("iptables", "-S", "FORWARD").stdout.splitlines()
+        assert "-A FORWARD -j DOCKER-USER" in forward and forward.count(SHIM) == 1, forward
         converged(host_ns, cfg)

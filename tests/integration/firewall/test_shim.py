@@ -103,7 +103,7 @@ def test_no_drop_no_shim_and_no_chain_made_for_it(host_ns: Netns, tmp_path: Any)
 
 
 def test_the_mark_bit_is_a_setting(host_ns: Netns, tmp_path: Any) -> None:
-    """``settings.firewall_mark`` moves the bit: our mark chain ORs it in, the shim accepts it,
+    """``settings.firewall_mark`` moves the bit: our table's forward chain ORs it in, the shim accepts it,
     and a change of it replaces the shim (one copy)."""
     a = unique("h")
     host_ns.run("iptables", "-P", "FORWARD", "DROP")
@@ -112,8 +112,9 @@ def test_the_mark_bit_is_a_setting(host_ns: Netns, tmp_path: Any) -> None:
     assert r.rc == 0, r.all
     forward = [line for line in _forward(host_ns, "iptables") if "reconciler:shim" in line]
     assert forward == [SHIM_TEXT.replace("0x2000/0x2000", "0x100000/0x100000")], forward
-    mangle = host_ns.run("iptables", "-t", "mangle", "-S", "RECONCILER-MARK").stdout
-    assert "--set-xmark 0x100000/0x100000" in mangle and "0x2000" not in mangle, mangle
+    table = host_ns.run("nft", "list", "table", "inet", "reconciler").stdout
+    assert "meta mark set meta mark | 0x00100000" in table, table
+    assert "0x00002000" not in table, table
     bad = host_ns.reconcile("plan", _cfg(tmp_path, a, mark="0x3000"))
     assert bad.rc != 0 and "firewall_mark" in bad.all and "single bit" in bad.all, bad.all
 

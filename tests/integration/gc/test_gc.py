@@ -183,7 +183,7 @@ def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         host_links = links(host_ns)
         assert alloc_veth_name(a2) not in host_links
         assert {alloc_veth_name(a4), alloc_veth_name(a5), look_alike, BRIDGE} <= host_links
-        rules = host_ns.iptables_save(4).splitlines()
+        rules = host_ns.firewall_text(4).splitlines()
         ours = [r for r in rules if r.startswith("-A RECONCILER-")]
         for a in (a1, a2, a3, a4):
             assert [r for r in ours if f"alloc={a}" in r], a
@@ -200,7 +200,7 @@ def test_gc_collects_exactly_the_broken_halves_and_stale_files(
         last = allocs_file(tmp_path, "c.yaml", [a4, a5], ports)
         r = gc(host_ns, run_dir, "gc", last)
         assert r.rc == 0, r.all
-        rules = host_ns.iptables_save(4).splitlines()
+        rules = host_ns.firewall_text(4).splitlines()
         ours = [r for r in rules if r.startswith("-A RECONCILER-")]
         for a in (a1, a2, a3):
             assert not [r for r in ours if f"alloc={a}" in r], a
@@ -274,13 +274,13 @@ def test_gc_with_files_collects_what_no_file_declares_docker_networks_included(
         r = gc(host_ns, run_dir, "gc", "--plan", "--output", "json", fewer)
         assert r.rc == 2, r.all
         changes, files = report(r)
-        assert changes == {f"alloc/{x2}", f"docker_network/{n2}", "firewall/ipv4"}, r.out
+        assert changes == {f"alloc/{x2}", f"docker_network/{n2}", "firewall/nftables"}, r.out
         assert files == set()
         r = gc(host_ns, run_dir, "gc", fewer)
         assert r.rc == 0, r.all
         assert {n1, foreign, other_scope} <= network_names() and n2 not in network_names()
         assert x2 not in netns_names() and x1 in netns_names()
-        assert f"alloc={x2}" not in host_ns.iptables_save(4)
+        assert f"alloc={x2}" not in host_ns.firewall_text(4)
         assert alloc_veth_name(x1) in links(host_ns)
         r = gc(host_ns, run_dir, "gc", "--plan", fewer)
         assert r.rc == 0 and "Nothing to collect." in r.out, r.all

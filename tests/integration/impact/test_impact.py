@@ -5,8 +5,8 @@ tools of their own: established TCP connections through each port map (do they s
 answer, and from whom), a connection from inside each allocation to its gateway,
 ``/run/netns``, ``docker inspect``'s endpoints. Flow counts are checked against
 connections the test holds open (and one from the host itself on a probe's reserved
-source port, which is what a probe looks like and must not count). ``--max-disruption`` must refuse with nothing changed: ``iptables-save``
-and ``ip -j`` the same before and after.
+source port, which is what a probe looks like and must not count). ``--max-disruption`` must refuse with nothing changed: ``iptables-save``,
+our table (``nft list``) and ``ip -j`` the same before and after.
 
 The host is a throwaway namespace (``host_ns``), the client another one routed to it.
 """
@@ -147,7 +147,8 @@ def snapshot(host: Netns) -> dict[str, Any]:
         return [ln for ln in host.iptables_save(family).splitlines()
                 if not ln.startswith("#") and not ln.startswith(":")]  # counters, dates
 
-    return {"ipv4": save(4), "ipv6": save(6),
+    table = host.run("nft", "list", "table", "inet", "reconciler", check=False).stdout
+    return {"ipv4": save(4), "ipv6": save(6), "table": table.splitlines(),
             "links": [(lk["ifname"], lk.get("master"), lk["operstate"], lk.get("mtu"))
                       for lk in host.ip_json("link", "show")],
             "addrs": [(a["ifname"], sorted(x["local"] for x in a["addr_info"]))
@@ -191,6 +192,7 @@ def test_predicted_disconnections_are_exactly_the_observed_ones(
         second = config({b: [], c: [PORT_B, PORT_C]})
         write(tmp_path, "i.yaml", second)
         before = snapshot(host_ns)
+        assert any("alloc=" in ln for ln in before["table"]), before  # our port maps there
         refused = host_ns.reconcile("apply", "--no-probe", "--max-disruption", "2", path)
         assert refused.rc == 1, refused.all
         err = [ln for ln in refused.err.splitlines() if ln.strip()]
@@ -252,6 +254,7 @@ def test_watch_refuses_a_pass_over_max_disruption(host_ns: Netns, tmp_path: obje
     assert host_ns.reconcile("apply", "--no-probe", path).rc == 0
     write(conf, "w.yaml", config({}))
     before = snapshot(host_ns)
+    assert any("alloc=" in ln for ln in before["table"]), before
     agent = Agent(host_ns, [conf], "--max-disruption", "1", "--no-probe")  # type: ignore[arg-type]
     try:
         status = agent.wait_status(lambda s: (s.get("last_pass") or {}).get("result")

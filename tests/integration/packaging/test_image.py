@@ -2,7 +2,7 @@
 
 The container gets the host network and ``--netns`` points it at this test's
 namespace (via /run/netns mounted shared), so the host's own network is never
-touched; the result is checked from outside with ``ip -n`` and iptables-save.
+touched; the result is checked from outside with ``ip -n`` and ``nft``.
 
 Runs when RECONCILER_TEST_IMAGE=1 (the image is built with scripts/build-image.sh,
 which reuses the base image when it exists: in the background from the end of
@@ -119,7 +119,7 @@ def test_image_plans_applies_and_destroys_in_a_namespace(image: str, host_ns: Ne
         assert os.path.ismount(f"/run/netns/{a}"), f"alloc namespace {a} not visible on the host"
     web = Netns(allocs[0])
     assert "172.26.64.10/20" in web.addrs("eth0")
-    rules = host_ns.iptables_save()
+    rules = host_ns.firewall_text()  # our table, in the rule form of earlier versions
     assert "RECONCILER-" in rules and "172.26.64.10:80" in rules
 
     p = _run(image, conf, *ns, "plan", "/etc/reconciler")
@@ -129,7 +129,8 @@ def test_image_plans_applies_and_destroys_in_a_namespace(image: str, host_ns: Ne
     assert p.returncode == 0, p.stdout + p.stderr
     assert host_ns.link(names["bridge"]) is None
     assert not any(os.path.exists(f"/run/netns/{a}") for a in allocs)
-    assert "RECONCILER-" not in host_ns.iptables_save()
+    assert "RECONCILER-" not in host_ns.firewall_text()
+    assert host_ns.run("nft", "list", "table", "inet", "reconciler", check=False).returncode != 0
 
 
 def _free_port() -> int:

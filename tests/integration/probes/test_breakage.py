@@ -5,7 +5,7 @@ Each breakage is what an operator or another tool does to a host in real life â€
 forwarding turned off, a foreign DROP rule, strict rp_filter on an asymmetric
 route, br_netfilter exposing a bridge-port rule, a route gone, route_localnet
 off, hairpin off, a stale neighbour entry, an MTU black hole â€” injected with the
-ordinary tools (`sysctl` through /proc, `iptables`, `ip`) inside the sandbox,
+ordinary tools (`sysctl` through /proc, `iptables`, `nft`, `ip`) inside the sandbox,
 and restored exactly before the next (the test checks `verify` holds again).
 For each it also records whether `reconcile plan` alone (the config comparison)
 shows anything, and for the causes the config does not cover asserts that plan
@@ -112,6 +112,17 @@ def _nft_table_drop(box: Sandbox) -> Restore:
            "{ type filter hook forward priority 0; policy accept; }")
     box.sh("nft", "add", "rule", "inet", "rbrkx", "brkfw", "ip", "daddr", box.alloc_ip, "drop")
     return _run(box, "nft", "delete", "table", "inet", "rbrkx")
+
+
+def _our_table_edited(box: Sandbox) -> Restore:
+    """A rule added by hand to our own table's isolation chain, dropping what is forwarded to
+    the allocation: its rules carry no counters, and no other manager's table drops it."""
+    out = box.sh("nft", "--echo", "--handle", "insert", "rule", "inet", "reconciler", "isolate",
+                 "ip", "daddr", box.alloc_ip, "drop")
+    m = re.search(r"# handle (\d+)", out)
+    assert m is not None, out
+    return _run(box, "nft", "delete", "rule", "inet", "reconciler", "isolate", "handle",
+                m.group(1))
 
 
 RP_TABLE = RP_MARK = 7714
@@ -257,6 +268,9 @@ BREAKAGES = [
              False),
     Breakage("a drop in another manager's nftables table", _nft_table_drop,
              r"nftables inet rbrkx/brkfw \(hook forward\): ip daddr \S+ drop", False),
+    # issue 26 item 8: the plan rebuilds the table; the probes name it and its chain
+    Breakage("a drop added to our own table by hand", _our_table_edited,
+             r"our table inet reconciler is not as built \(chain isolate", True),
 ]
 
 

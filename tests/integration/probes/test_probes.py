@@ -72,16 +72,22 @@ def test_a_path_that_must_not_arrive_but_does_is_caught(host_ns: Netns,
                                                        tmp_path: object) -> None:
     """The probes that must not arrive are sent first and watched for a margin from their
     own send, timed by the kernel's stamps: a rule that lets the direct path through
-    (isolation: ports says it must not) is still seen arriving and fails the probe."""
+    (isolation: ports says it must not) is still seen arriving and fails the probe.
+
+    Another manager's accept cannot undo our drop (a drop in any nftables base chain is
+    final): only a hand edit of our own table's isolation chain opens the path."""
     path, (a0, _a1) = setup(host_ns, tmp_path)
     addrs = json.loads(sh("ip", "-n", a0, "-j", "-4", "addr", "show", "dev", "eth0").stdout)
     ip = addrs[0]["addr_info"][0]["local"]
-    sh("ip", "netns", "exec", host_ns.name, "iptables", "-I", "FORWARD", "1", "-d", ip, "-p",
-       "tcp", "--dport", "80", "-j", "ACCEPT")
+    sh("ip", "netns", "exec", host_ns.name, "nft", "insert", "rule", "inet", "reconciler",
+       "isolate", "ip", "daddr", ip, "tcp", "dport", "80", "accept")
     with recording(a0, "tcp:80") as seen:
         results = probe(host_ns, path, external=True, allocs={a0})
     direct = {(r.proto, r.port, r.family): r for r in results if r.path == "direct"}
     assert not direct["tcp", 80, 4].ok and not direct["tcp", 80, 4].skipped, direct
+    # the cause names our table's chain, whose drop did not take it, and a pass heals it
+    assert "chain isolate of table inet reconciler" in (direct["tcp", 80, 4].cause or ""), direct
+    assert direct["tcp", 80, 4].ours, direct
     assert direct["udp", 53, 4].ok and direct["tcp", 443, 4].ok, direct  # still held back
     assert direct["tcp", 80, 6].ok and direct["udp", 53, 6].ok, direct  # the rule is IPv4
     assert ("tcp", 80) in {(p, q) for p, q, _ in seen}  # it did arrive: the alloc saw it

@@ -224,22 +224,44 @@ def test_idle_connections_of_an_unprivileged_user_do_not_exhaust_the_agent(host_
 # ----------------------------------------------------------------- the machine says no
 
 
-def test_the_other_iptables_backend_holding_dockers_chains_is_refused(host_ns: Netns, tmp_path):
+def test_the_other_iptables_backend_holding_dockers_chains_refuses_the_upgrade(
+        host_ns: Netns, tmp_path):
+    """Converting an earlier version's RECONCILER-* chains (decision 046) while Docker's
+    chains live in the other iptables backend: refused, nothing changed. Without chains to
+    convert there is nothing to mix: our table is in neither backend, and the mark shim
+    passes the other one's drops (SPEC §12)."""
     active = host_ns.run("iptables", "-V").stdout
     other = "iptables-legacy" if "nf_tables" in active else "iptables-nft"
     if shutil.which(other) is None:
         pytest.skip(f"{other} is not installed")
     for chain in ("DOCKER", "DOCKER-USER"):  # what dockerd of the other backend leaves here
         host_ns.run(other, "-N", chain)
+    # what an earlier version left in the backend it used
+    host_ns.run("iptables", "-N", "RECONCILER-FORWARD")
+    host_ns.run("iptables", "-A", "RECONCILER-FORWARD", "-d", "10.217.0.0/24", "-o", BRIDGE,
+                "-m", "comment", "--comment", "reconciler:subnet=hn", "-j", "DROP")
+    host_ns.run("iptables", "-I", "FORWARD", "1", "-m", "comment", "--comment", "reconciler",
+                "-j", "RECONCILER-FORWARD")
+    old = host_ns.iptables_save(4)
     cfg = write(tmp_path, "s.yaml", _state(None))
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 1 and r.err.count("\n") == 1 and r.err.startswith("error: "), r.all
     assert "Docker's chains (DOCKER, DOCKER-USER) are in the" in r.err, r.err
-    assert host_ns.link(BRIDGE) is None and "RECONCILER" not in host_ns.iptables_save(4)
+    assert host_ns.link(BRIDGE) is None and "RECONCILER" not in host_ns.our_rules(4)
+    strip = lambda s: [ln for ln in s.splitlines() if not ln.startswith("#")]  # noqa: E731
+    assert strip(host_ns.iptables_save(4)) == strip(old)
     # with Docker's chains in our backend too, it is Docker's and ours: go ahead
     host_ns.run("iptables", "-N", "DOCKER")
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 0, r.all
+    assert "converting the RECONCILER-* iptables chains" in r.out, r.out
+    assert "RECONCILER-FORWARD" not in host_ns.iptables_save(4)
+    # nothing to convert: a fresh apply goes ahead with Docker's chains only in the other
+    assert host_ns.reconcile("destroy", "--yes").rc == 0
+    host_ns.run("iptables", "-X", "DOCKER")
+    r = host_ns.reconcile("apply", cfg)
+    assert r.rc == 0, r.all
+    assert "reconciler:subnet=hn" in host_ns.our_rules(4)
 
 
 def test_write_errors_are_one_line(host_ns: Netns, tmp_path):

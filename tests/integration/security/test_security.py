@@ -45,7 +45,7 @@ allocs:
 """)
     r = host_ns.reconcile("apply", cfg)
     assert r.rc == 0, r.all
-    rules = host_ns.iptables_save(4)
+    rules = host_ns.firewall_text(4)
     auto = _auto_port(rules, a)
     # every port of both allocations listens, so only the firewall decides what is reachable
     inside = [22, 80, 81, 443, 8080, 1080, 1443, 2000]
@@ -193,12 +193,17 @@ allocs:
         with listening(a, 443):
             assert fetch(host_ns, "127.0.0.1", 1443) == "ok 443"
         # and it is the guard that stops the attack: without it, the same attempt reads
-        host_ns.run("iptables", "-F", "RECONCILER-INPUT")
-        assert fetch(alloc, "127.0.0.1", 7777) == "secret"
-        # a pass puts the guard back
-        r = host_ns.reconcile("apply", cfg)
-        assert r.rc == 0 and "rules missing for bridge=" in r.all, r.all
-        assert fetch(alloc, "127.0.0.1", 7777) == ""
+        # (our table's input chain flushed, or the bridge's entry in its set removed)
+        for breaker, drift in ((("flush", "chain", "inet", "reconciler", "guard"),
+                                "chain guard holds 0 rules, not 3"),
+                               (("delete", "element", "inet", "reconciler", "guarded",
+                                 f'{{ "{BRIDGE}" }}'), f"entries missing for bridge={BRIDGE}")):
+            host_ns.run("nft", *breaker)
+            assert fetch(alloc, "127.0.0.1", 7777) == "secret"
+            # a pass puts the guard back
+            r = host_ns.reconcile("apply", cfg)
+            assert r.rc == 0 and drift in r.all, r.all
+            assert fetch(alloc, "127.0.0.1", 7777) == ""
     finally:
         secret.kill()
         secret.wait()

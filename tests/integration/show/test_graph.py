@@ -79,9 +79,10 @@ def eth0(alloc: str) -> tuple[list[str], str]:
 
 
 def dnat_ports(host: Netns, alloc: str) -> set[str]:
-    """``HOST/PROTO->TO`` of the allocation's DNAT rules in iptables-save."""
+    """``HOST/PROTO->TO`` of the allocation's DNAT rules: our table's port-map entries in
+    their rule form (``Netns.our_rules``)."""
     out = set()
-    for line in host.iptables_save(4).splitlines():
+    for line in host.our_rules(4).splitlines():
         if re.search(f'--comment "?reconciler:alloc={re.escape(alloc)}"? ', line) \
                 and "-j DNAT" in line:
             proto = re.search(r"-p (\w+)", line)

@@ -39,8 +39,9 @@ def test_apply_example_then_plan_is_empty(host_ns: Netns):
     assert link["mtu"] == 1500 and "UP" in link["flags"]
     assert link.get("ifalias") == "managed-by=reconciler"
     assert host_ns.addrs("rcl0") == ["172.26.64.1/20", "fd00:a:b::1/64"]
-    v4 = host_ns.iptables_save(4)
-    assert "-A FORWARD -m comment --comment reconciler -j RECONCILER-FORWARD" in v4
+    v4 = host_ns.firewall_text(4)
+    isolate = host_ns.run("nft", "list", "chain", "inet", "reconciler", "isolate").stdout
+    assert "hook forward priority filter - 10" in isolate  # before every other filter chain
     # isolation ports (the default): replies and DNAT in, the subnet itself, the rest dropped
     assert ("-A RECONCILER-FORWARD -d 172.26.64.0/20 -o rcl0 -m conntrack --ctstate "
             "RELATED,ESTABLISHED,DNAT -m comment --comment "
@@ -49,16 +50,16 @@ def test_apply_example_then_plan_is_empty(host_ns: Netns):
             '"reconciler:subnet=rcl-net" -j DROP') in v4
     assert ("-A RECONCILER-POSTROUTING -s 172.26.64.0/20 ! -d 172.26.64.0/20 -m comment "
             '--comment "reconciler:subnet=rcl-net" -j MASQUERADE') in v4
-    assert "-A RECONCILER-FORWARD -d fd00:a:b::/64 -o rcl0" in host_ns.iptables_save(6)
+    assert "-A RECONCILER-FORWARD -d fd00:a:b::/64 -o rcl0" in host_ns.firewall_text(6)
     assert host_ns.run("cat", "/proc/sys/net/ipv4/ip_forward").stdout.strip() == "1"
 
-    before = (_addresses(host_ns), host_ns.iptables_save(4))
+    before = (_addresses(host_ns), host_ns.firewall_text(4))
     r = host_ns.reconcile("plan", EXAMPLE)
     assert r.rc == 0, r.all
     assert "No changes." in r.out
     r = host_ns.reconcile("apply", EXAMPLE)
     assert r.rc == 0
-    after = (_addresses(host_ns), host_ns.iptables_save(4))
+    after = (_addresses(host_ns), host_ns.firewall_text(4))
     strip = lambda s: [ln for ln in s[1].splitlines() if not ln.startswith("#")]  # noqa: E731
     assert before[0] == after[0] and strip(before) == strip(after)
 
@@ -83,7 +84,7 @@ def test_removing_resources_plans_delete_and_removes_them(host_ns: Netns, tmp_pa
     assert r.rc == 2 and "- subnet rcl-net" in r.out
     assert host_ns.reconcile("apply", only_bridge).rc == 0
     assert host_ns.addrs("rcl0") == []
-    assert "RECONCILER" not in host_ns.iptables_save(4)
+    assert "RECONCILER" not in host_ns.firewall_text(4)
     empty = write(tmp_path, "e.yaml", "version: 1\n")
     r = host_ns.reconcile("apply", empty)
     assert r.rc == 0 and "- bridge rcl0" in r.out
@@ -110,7 +111,7 @@ def test_foreign_bridge_is_a_conflict_and_left_untouched(host_ns: Netns):
     r = host_ns.reconcile("apply", EXAMPLE)
     assert r.rc == 1 and "bridge rcl0" in r.err and "blocked" in r.err and "Traceback" not in r.all
     assert host_ns.run("ip", "-d", "addr", "show", "rcl0").stdout == before
-    assert "RECONCILER" not in host_ns.iptables_save(4)
+    assert "RECONCILER" not in host_ns.firewall_text(4)
     # destroy never touches it either
     assert host_ns.reconcile("destroy", "--yes").rc == 0
     assert host_ns.link("rcl0") is not None
@@ -211,11 +212,11 @@ def test_plan_json_output(host_ns: Netns):
 def test_drift_is_healed(host_ns: Netns):
     host_ns.reconcile("apply", EXAMPLE)
     host_ns.run("ip", "addr", "del", "172.26.64.1/20", "dev", "rcl0")
-    host_ns.run("iptables", "-t", "nat", "-F", "RECONCILER-POSTROUTING")
-    host_ns.run("iptables", "-D", "FORWARD", "-m", "comment", "--comment", "reconciler",
-                "-j", "RECONCILER-FORWARD")
+    host_ns.run("nft", "flush", "chain", "inet", "reconciler", "masq")
+    host_ns.run("nft", "delete", "element", "inet", "reconciler", "ports4",
+                '{ "rcl0" . 172.26.64.0/20 }')
     r = host_ns.reconcile("plan", EXAMPLE)
-    assert r.rc == 2 and "~ subnet rcl-net" in r.out and "firewall ipv4" in r.out
+    assert r.rc == 2 and "~ subnet rcl-net" in r.out and "firewall nftables" in r.out
     assert host_ns.reconcile("apply", EXAMPLE).rc == 0
     assert "172.26.64.1/20" in host_ns.addrs("rcl0")
     assert host_ns.reconcile("plan", EXAMPLE).rc == 0
@@ -231,24 +232,29 @@ def test_bridge_deleted_out_of_band_is_recreated(host_ns: Netns):
 
 
 def test_forward_policy_drop_still_forwards_to_the_subnet(host_ns: Netns):
-    """Like dockerd does: policy DROP on FORWARD, our jump is what lets traffic through."""
+    """Like dockerd does: policy DROP on FORWARD; one rule accepting our mark, ahead of the
+    drop, is what lets our traffic through (ahead of theirs: the chain has no drop rule)."""
     host_ns.run("iptables", "-P", "FORWARD", "DROP")
     host_ns.run("iptables", "-N", "DOCKER-USER")
     host_ns.run("iptables", "-A", "FORWARD", "-j", "DOCKER-USER")
     assert host_ns.reconcile("apply", EXAMPLE).rc == 0
     rules = host_ns.run("iptables", "-S", "FORWARD").stdout
-    assert "-P FORWARD DROP" in rules and "-j RECONCILER-FORWARD" in rules
+    assert "-P FORWARD DROP" in rules
+    assert "-A FORWARD -m mark --mark 0x2000/0x2000 " in rules, rules
     assert "-A FORWARD -j DOCKER-USER" in rules  # theirs, kept
+    assert host_ns.run("iptables", "-C", "FORWARD", "-m", "mark", "--mark", "0x2000/0x2000",
+                       "-m", "comment", "--comment", "reconciler:shim", "-j", "ACCEPT",
+                       check=False).returncode == 0  # iptables -C reads it back
 
 
 @pytest.mark.real_process  # the exit code and error shape of a real process
 def test_bad_input_changes_nothing_on_the_host(host_ns: Netns, tmp_path):
     bad = write(tmp_path, "bad.yaml", "version: 1\nbridges:\n  - name: rcl0\n    mtu: lots\n")
-    before = (_addresses(host_ns), host_ns.iptables_save(4))
+    before = (_addresses(host_ns), host_ns.firewall_text(4))
     for cmd in ("plan", "apply"):
         r = host_ns.reconcile(cmd, bad)
         assert r.rc == 1 and f"{bad}:4:" in r.err and "Traceback" not in r.all
-    after = (_addresses(host_ns), host_ns.iptables_save(4))
+    after = (_addresses(host_ns), host_ns.firewall_text(4))
     assert before[0] == after[0]
 
 
@@ -264,7 +270,10 @@ def test_two_applies_at_once_are_serialised(host_ns: Netns):
     for t in threads:
         t.join()
     assert [r.rc for r in results] == [0, 0, 0], [r.all for r in results]
-    assert host_ns.iptables_save(4).count("-j RECONCILER-FORWARD") == 1
+    assert host_ns.run("nft", "list", "tables").stdout.count("inet reconciler") == 1
+    drops = [ln for ln in host_ns.firewall_text(4).splitlines()
+             if ln.startswith("-A RECONCILER-FORWARD") and ln.endswith("-j DROP")]
+    assert len(drops) == 1, drops  # one subnet's isolation drop, once
     assert host_ns.reconcile("plan", EXAMPLE).rc == 0
 
 
@@ -291,7 +300,7 @@ def test_destroy_removes_everything_managed(host_ns: Netns):
     r = host_ns.reconcile("destroy", "--yes")
     assert r.rc == 0, r.all
     assert host_ns.link("rcl0") is None
-    assert "RECONCILER" not in host_ns.iptables_save(4) + host_ns.iptables_save(6)
+    assert "RECONCILER" not in host_ns.firewall_text(4) + host_ns.firewall_text(6)
     shown = json.loads(host_ns.reconcile("show", "--output", "json").out)
     assert shown["links"] == [] and shown["netns"] == []
     assert not any(shown["firewall"].values())
@@ -321,24 +330,29 @@ def test_lock_dir_problem_is_one_clear_error(host_ns: Netns):
         "a directory" in r.err and "internal error" not in r.err
 
 
-def test_foreign_rules_referring_to_our_chains_are_never_touched(host_ns: Netns, tmp_path):
-    assert host_ns.reconcile("apply", EXAMPLE).rc == 0
+def test_foreign_rules_referring_to_our_old_chains_are_never_touched(host_ns: Netns, tmp_path):
+    """An earlier version's chain with someone's jump to it: the upgrade builds the table,
+    removes our jump and empties the chain, keeps it (their rule needs it) and says so."""
+    host_ns.run("iptables", "-N", "RECONCILER-FORWARD")
+    host_ns.run("iptables", "-A", "RECONCILER-FORWARD", "-d", "172.26.64.0/20", "-o", "rcl0",
+                "-m", "comment", "--comment", "reconciler:subnet=rcl-net", "-j", "DROP")
+    host_ns.run("iptables", "-I", "FORWARD", "1", "-m", "comment", "--comment", "reconciler",
+                "-j", "RECONCILER-FORWARD")
     # someone adds their own jump to our chain, with a comment that needs quoting
     host_ns.run("iptables", "-A", "FORWARD", "-m", "comment", "--comment", "added by ops team",
                 "-j", "RECONCILER-FORWARD")
     r = host_ns.reconcile("apply", EXAMPLE)
     assert r.rc == 0, r.all
+    assert "converting the RECONCILER-* iptables chains" in r.out, r.out
+    assert "added by ops team" in r.all and "kept" in r.all, r.all
     assert host_ns.reconcile("plan", EXAMPLE).rc == 0
-    rules = host_ns.run("iptables", "-S", "FORWARD").stdout
-    assert '--comment "added by ops team" -j RECONCILER-FORWARD' in rules
-    assert rules.count("--comment reconciler -j RECONCILER-FORWARD") == 1
-    # destroy keeps (empties) the chain their rule needs, says so, and is then stable
-    r = host_ns.reconcile("destroy", "--yes")
-    assert r.rc == 0, r.all
-    assert "added by ops team" in r.out and "kept" in r.out
     save = host_ns.iptables_save(4)
     assert ":RECONCILER-FORWARD" in save and "-A RECONCILER-FORWARD" not in save
     assert '--comment "added by ops team" -j RECONCILER-FORWARD' in save
+    assert "--comment reconciler -j RECONCILER-FORWARD" not in save
+    r = host_ns.reconcile("destroy", "--yes")
+    assert r.rc == 0, r.all
+    assert host_ns.run("nft", "list", "table", "inet", "reconciler", check=False).returncode != 0
     empty = write(tmp_path, "e.yaml", "version: 1\n")
     assert host_ns.reconcile("plan", empty).rc == 0
 

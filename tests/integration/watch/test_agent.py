@@ -8,19 +8,24 @@ it is stopped in a finally, killed if it does not stop.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support.agent import agent_env, bridge_yaml, confdir
-from tests.support.host import REPO, Netns, sh, wait_for
+from tests.support.host import REPO, Netns, sh, unique, wait_for
 from tests.support.host import save as write
+from tests.support.traffic import HOST_IP, client_of, fetch, serving
 
 pytestmark = pytest.mark.root
 
@@ -156,20 +161,83 @@ def test_out_of_band_bridge_deletion_is_healed_quickly(host_ns: Netns, agents: A
     assert agent.stop() == 0
 
 
-def test_iptables_drift_is_healed_by_the_periodic_resync(host_ns: Netns, agents: Any,
-                                                         tmp_path: Any) -> None:
-    d = confdir(tmp_path)
-    write(os.path.join(d, "a.yaml"), bridge_yaml("rti0", 1400))
-    agent = agents(host_ns, [d], "--interval", "1")
+#: the mark shim in another manager's dropping FORWARD, as ``iptables -S`` prints it (SPEC §12)
+SHIM = ("-m", "mark", "--mark", "0x2000/0x2000", "-m", "comment", "--comment",
+        "reconciler:shim", "-j", "ACCEPT")
+SHIM_TEXT = ('-A FORWARD -m mark --mark 0x2000/0x2000 -m comment --comment "reconciler:shim" '
+             "-j ACCEPT")
+
+
+def _mapped_yaml(bridge: str, alloc: str) -> str:
+    """A bridge, its subnet, and one allocation mapping host port 8080 to its port 80."""
+    return (bridge_yaml(bridge, 1500) + f"allocs:\n  - id: {alloc}\n    subnet: {bridge}-net\n"
+            "    ports: [{host: 8080, to: 80}]\n")
+
+
+def _normal(value: Any) -> Any:
+    """``nft -j`` output without the handles a rebuild renumbers, set elements in order."""
+    if isinstance(value, dict):
+        return {k: sorted((_normal(e) for e in v), key=json.dumps)
+                if k == "elem" and isinstance(v, list) else _normal(v)
+                for k, v in value.items() if k != "handle"}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    return value
+
+
+def _table(host: Netns) -> Any:
+    """Our table as ``nft -j list table inet reconciler`` prints it (None: there is none)."""
+    out = sh("ip", "netns", "exec", host.name, "nft", "-j", "list", "table", "inet",
+             "reconciler", check=False)
+    if out.returncode != 0:
+        return None
+    return [_normal(i) for i in json.loads(out.stdout)["nftables"] if "metainfo" not in i]
+
+
+@contextlib.contextmanager
+def _stopped(agent: Any) -> Iterator[None]:
+    """The agent stopped (SIGSTOP) while a test breaks the host and sees it broken: the
+    kernel queues the events on its sockets, and it hears them once continued."""
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+def _healed_by(agent: Any, after: int, reason: str) -> None:
+    """Wait for a converged pass after ``after``; one of those passes, asked for by
+    ``reason``, applied the heal."""
+    agent.converged(after=after)
+    try:  # the pass's log line may come after its status
+        wait_for(lambda: [r for r in agent.passes(reason)
+                          if r["pass_number"] > after and r.get("result") == "applied"],
+                 5, what=f"a pass for {reason} that applied")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agent.log_text()}") from None
+
+
+def test_iptables_legacy_drift_is_healed_by_the_periodic_resync(host_ns: Netns, agents: Any,
+                                                                tmp_path: Any) -> None:
+    """iptables-legacy notifies nobody: the shim taken from its dropping FORWARD comes back
+    at the resync, and with it the traffic of the port map."""
+    if shutil.which("iptables-legacy") is None:
+        pytest.skip("needs iptables-legacy")
+    d, alloc = confdir(tmp_path), unique("a")
+    write(os.path.join(d, "a.yaml"), _mapped_yaml("rti0", alloc))
+    host_ns.run("iptables-legacy", "-P", "FORWARD", "DROP")
+    agent = agents(host_ns, [d], "--interval", "1", "--probe-interval", "off")
     agent.converged()
-
-    def forward_rules() -> str:
-        return sh("ip", "netns", "exec", host_ns.name, "iptables", "-S", "RECONCILER-FORWARD",
-                  check=False).stdout
-
-    assert "rti0" in forward_rules()
-    sh("ip", "netns", "exec", host_ns.name, "iptables", "-F", "RECONCILER-FORWARD")
-    wait_for(lambda: "rti0" in forward_rules(), 10, what="the forward rule back")
+    assert SHIM_TEXT in host_ns.run("iptables-legacy", "-S", "FORWARD").stdout
+    with client_of(host_ns) as client, serving(alloc, (80,)):
+        assert fetch(client, HOST_IP, 8080) == "ok 80"
+        n = _settled(agent)
+        with _stopped(agent):
+            host_ns.run("iptables-legacy", "-D", "FORWARD", *SHIM)
+            assert fetch(client, HOST_IP, 8080, timeout=1) == ""  # the legacy DROP stops it
+        _healed_by(agent, n, "resync")
+        assert SHIM_TEXT in host_ns.run("iptables-legacy", "-S", "FORWARD").stdout
+        assert fetch(client, HOST_IP, 8080) == "ok 80"
     assert agent.stop() == 0
 
 
@@ -185,34 +253,66 @@ def _settled(agent: Any) -> int:
     return counts[-1]
 
 
-def test_iptables_nft_flush_is_healed_by_the_nftables_event(host_ns: Netns, agents: Any,
-                                                            tmp_path: Any) -> None:
-    """iptables-nft: the commit's notification asks for the pass, not the interval."""
-    if "nf_tables" not in sh("ip", "netns", "exec", host_ns.name, "iptables", "-V").stdout:
-        pytest.skip("iptables is not the nf_tables backend here")
-    d = confdir(tmp_path)
-    write(os.path.join(d, "a.yaml"), bridge_yaml("rtn0", 1400))
-    agent = agents(host_ns, [d], "--interval", "3600")  # only an nf_tables event can heal it
+#: what breaks our table, each heard as an nf_tables commit (SPEC §12)
+TABLE_BREAKERS = (
+    ("flush", "table", "inet", "reconciler"),
+    ("delete", "element", "inet", "reconciler", "pm4_addr", "{ tcp . 8080 }"),
+    ("flush", "ruleset"),
+    ("delete", "table", "inet", "reconciler"),
+)
+
+
+def test_nftables_drift_is_healed_at_the_nf_tables_event(host_ns: Netns, agents: Any,
+                                                         tmp_path: Any) -> None:
+    """Our table broken (flushed, a port map's element deleted, the ruleset flushed, the
+    table deleted) and, with iptables-nft, the shim's FORWARD made to drop or the shim
+    deleted: the commit's notification asks for the pass, not the interval, and the
+    table comes back as it was, traffic with it."""
+    d, alloc = confdir(tmp_path), unique("a")
+    write(os.path.join(d, "a.yaml"), _mapped_yaml("rtn0", alloc))
+    # only an nf_tables event can heal it: no resync, no probe timer
+    agent = agents(host_ns, [d], "--interval", "3600", "--probe-interval", "off")
     agent.converged()
-
-    def forward_rules() -> str:
-        return sh("ip", "netns", "exec", host_ns.name, "iptables", "-S", "RECONCILER-FORWARD",
-                  check=False).stdout
-
-    for breaker in (("iptables", "-F", "RECONCILER-FORWARD"), ("nft", "flush", "ruleset")):
-        n = _settled(agent)  # no pass of its own under way that could heal it by chance
-        sh("ip", "netns", "exec", host_ns.name, *breaker)
-        assert "rtn0" not in forward_rules()
-        wait_for(lambda: "rtn0" in forward_rules(), 10, every=0.02,
-                 what=f"the forward rule back after {' '.join(breaker)}")
-        agent.converged(after=n)
-    healers = [r for r in agent.passes("nftables drift") if r.get("result") == "applied"]
-    assert len(healers) >= 2, agent.log_text()
-    # our own iptables-restore is heard too: its echo is a no-op pass, not a loop
-    n = _settled(agent)
-    time.sleep(1.5)
-    assert agent.status()["pass_count"] == n, agent.log_text()  # type: ignore[index]
+    table = _table(host_ns)
+    assert table and any("rtn0" in json.dumps(i) for i in table), table
+    with client_of(host_ns) as client, serving(alloc, (80,)):
+        assert fetch(client, HOST_IP, 8080) == "ok 80"
+        for breaker in TABLE_BREAKERS:
+            n = _settled(agent)  # no pass of its own under way that could heal it by chance
+            with _stopped(agent):
+                host_ns.run("nft", *breaker)
+                assert _table(host_ns) != table, breaker
+                assert fetch(client, HOST_IP, 8080, timeout=1) == "", breaker
+            _healed_by(agent, n, "nftables drift")
+            assert _table(host_ns) == table, breaker
+            assert fetch(client, HOST_IP, 8080) == "ok 80", breaker
+        if "nf_tables" in host_ns.run("iptables", "-V").stdout:
+            # another manager's FORWARD starts dropping (dockerd's policy): the shim goes
+            # there at once; then someone deletes the shim: back at once
+            for breaker in (("-P", "FORWARD", "DROP"), ("-D", "FORWARD", *SHIM)):
+                n = _settled(agent)
+                with _stopped(agent):
+                    host_ns.run("iptables", *breaker)
+                    assert fetch(client, HOST_IP, 8080, timeout=1) == "", breaker
+                _healed_by(agent, n, "nftables drift")
+                assert SHIM_TEXT in host_ns.run("iptables", "-S", "FORWARD").stdout
+                assert fetch(client, HOST_IP, 8080) == "ok 80", breaker
+        # our own commits are heard too: their echo is a no-op pass, not a loop (other
+        # events, a link's, may still ask for a pass: only nf_tables drift is counted)
+        _settled(agent)
+        heard = _drift_events(agent, "nftables")
+        assert heard >= len(TABLE_BREAKERS), agent.get("/metrics")
+        time.sleep(1.5)
+        assert _drift_events(agent, "nftables") == heard, agent.log_text()
     assert agent.stop() == 0
+
+
+def _drift_events(agent: Any, source: str) -> float:
+    """The agent's count of drift events from ``source``, from its /metrics."""
+    for line in (agent.get("/metrics") or "").splitlines():
+        if line.startswith(f'reconciler_drift_events_total{{source="{source}"}}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_sigterm_mid_pass_exits_0_and_the_next_run_converges(host_ns: Netns, agents: Any,

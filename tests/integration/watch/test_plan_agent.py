@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -89,11 +88,11 @@ def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: Pla
     check("bridge address deleted", lambda: sh("ip", "-n", host_ns.name, "addr", "flush",
                                                "dev", BRIDGE), "gateway")
     # nf_tables generation
-    rules = host_ns.iptables_save(4)
-    dnat = next(ln for ln in rules.splitlines()
-                if ln.startswith("-A RECONCILER-DNAT") and f"alloc={a}" in ln)
-    check("DNAT rule deleted",
-          lambda: host_ns.run("iptables", "-t", "nat", *shlex.split(dnat.replace("-A ", "-D ", 1))),
+    assert "alloc=" + a in host_ns.run("nft", "list", "map", "inet", "reconciler",
+                                       "pm4_addr").stdout
+    check("port map element deleted",
+          lambda: host_ns.run("nft", "delete", "element", "inet", "reconciler", "pm4_addr",
+                              "{ tcp . 18080 }"),
           "firewall")
     # sysctl (no event exists: read on every request)
     check("ip_forward off", lambda: host_ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0"),
@@ -112,7 +111,7 @@ def test_agent_plans_match_in_process_after_every_kind_of_change(plan_agent: Pla
     # the files
     edited = alloc_config(tmp_path, [a, b], extra_port=True)
     r = same_as_in_process(plan_agent, edited)
-    assert r.rc == 2 and "4 rules -> 5 rules" in r.out, r.all
+    assert r.rc == 2 and "set pm4: 4 entries -> 5 entries" in r.out, r.all
     alloc_config(tmp_path, [a, b])
     assert same_as_in_process(plan_agent, path).rc == 0
     assert not plan_agent.counts().get("declined"), plan_agent.counts()
@@ -422,10 +421,12 @@ def test_random_changes_agent_and_in_process_plans_stay_identical(
         ("bridge addr flush", lambda: sh("ip", "-n", h, "addr", "flush", "dev", BRIDGE,
                                          check=False)),
         ("bridge down", lambda: sh("ip", "-n", h, "link", "set", BRIDGE, "down", check=False)),
-        ("dnat flush", lambda: host_ns.run("iptables", "-t", "nat", "-F", "RECONCILER-DNAT",
-                                           check=False)),
-        ("forward flush", lambda: host_ns.run("ip6tables", "-F", "RECONCILER-FORWARD",
-                                              check=False)),
+        ("port map flush", lambda: host_ns.run("nft", "flush", "map", "inet", "reconciler",
+                                               "pm4_addr", check=False)),
+        ("isolation flush", lambda: host_ns.run("nft", "flush", "set", "inet", "reconciler",
+                                                "ports6", check=False)),
+        ("forward chain flush", lambda: host_ns.run("nft", "flush", "chain", "inet",
+                                                    "reconciler", "isolate", check=False)),
         ("ip_forward off", lambda: host_ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0")),
         ("foreign veth", lambda: sh("ip", "-n", h, "link", "add", f"rcx{rng.randint(0, 9999)}",
                                     "type", "veth", "peer", "name",

@@ -65,10 +65,16 @@ def test_a_commit_is_relevant_when_it_touches_an_iptables_table_of_ours() -> Non
              + nft_msg(DELTABLE, IPV6, "nat") + newgen(6))
     assert f.feed(parse_nft_notices(flush)) == ["nftables commit to ip filter, ip6 nat"]
     # other tools' own tables and families, and iptables tables we keep nothing in
-    # mangle holds RECONCILER-MARK now: a flush of it is drift
-    assert f.feed(parse_nft_notices(nft_msg(DELRULE, IPV4, "mangle") + newgen(7))) == [
-        "nftables commit to ip mangle"]
+    # our own table: an element deleted, the table flushed or dropped is drift
+    assert f.feed(parse_nft_notices(nft_msg(DELRULE, INET, "reconciler") + newgen(7))) == [
+        "nftables commit to inet reconciler"]
+    assert f.feed(parse_nft_notices(nft_msg(DELTABLE, INET, "reconciler")
+                                    + nft_msg(DELRULE, IPV4, "filter") + newgen(7))) == [
+        "nftables commit to inet reconciler, ip filter"]
+    # mangle holds nothing of ours any more (the table marks); a table named reconciler in
+    # another family is not ours
     for other in (nft_msg(NEWRULE, INET, "firewalld"), nft_msg(NEWRULE, IPV4, "raw"),
+                  nft_msg(NEWRULE, IPV4, "mangle"), nft_msg(NEWRULE, IPV4, "reconciler"),
                   nft_msg(NEWRULE, 7, "filter"), nft_msg(NEWRULE, IPV6, "kube-proxy")):
         assert f.feed(parse_nft_notices(other + newgen(7))) == []
 

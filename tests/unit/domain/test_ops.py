@@ -23,7 +23,7 @@ def test_the_planner_writes_the_bytes_it_wrote_before_typed_ops() -> None:
 
 def test_the_scenarios_hold_every_op() -> None:
     assert {o["op"] for o in recorded_ops()} == set(OPS)
-    assert len(OPS) == 23
+    assert len(OPS) == 23  # firewall.restore gone; firewall.nft, firewall.shim new
 
 
 @pytest.mark.parametrize("raw", recorded_ops(), ids=lambda o: f"{o['op']}({','.join(o['args'])})")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from reconciler.domain import nftable
 from reconciler.domain.ops import OPS, OpError
 from reconciler.domain.plan import Op
 from reconciler.engine import hostops, optiming
@@ -31,6 +32,7 @@ class Sysctl(Recorder):
 
 
 Calls = tuple[HostOps, list[tuple[Any, ...]]]
+_GUARD = nftable.Entry("guarded", ("br9",), (), "bridge=br9")
 
 
 @pytest.fixture
@@ -40,6 +42,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
                           docker=Recorder("docker", log),  # type: ignore[arg-type]
                           conntrack=Recorder("conntrack", log))  # type: ignore[arg-type]
     handles._ipt = {4: Recorder("ipt4", log), 6: Recorder("ipt6", log)}  # type: ignore[dict-item]
+    handles._nft = Recorder("nft", log)  # type: ignore[assignment]
     ops = HostOps(handles)
     monkeypatch.setattr(hostops, "sysctl", Sysctl(log))
     return ops, log
@@ -84,8 +87,8 @@ def test_every_op_the_planner_writes_reaches_one_driver_call(calls: Calls) -> No
      ("netlink", "add_address", ("br0", ipaddress.ip_interface("10.0.0.1/24")), {"ns": None})),
     (Op("addr.add", {"link": "eth0", "address": "fd00::2/64", "netns": "a"}),
      ("netlink", "add_address", ("eth0", ipaddress.ip_interface("fd00::2/64")), {"ns": "a"})),
-    (Op("firewall.restore", {"family": 6, "script": "*filter\nCOMMIT\n"}),
-     ("ipt6", "restore", ("*filter\nCOMMIT\n",), {})),
+    (Op("firewall.nft", {"delete": [_GUARD.wire()]}),
+     ("nft", "apply", (nftable.element_commands("delete", [_GUARD]),), {})),
     (Op("sysctl.set", {"key": "net/ipv4/ip_forward", "value": "1"}),
      ("sysctl", "write", ("net/ipv4/ip_forward", "1"), {})),
 ])
@@ -149,13 +152,13 @@ def test_the_bench_timing_hook_records_each_firewall_op_and_nothing_else(
         calls: Calls, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     ops, log = calls
     path = tmp_path / "times.jsonl"
-    ops.run(Op("firewall.restore", {"family": 4, "script": "*filter\nCOMMIT\n"}))
+    ops.run(Op("firewall.nft", {"delete": [_GUARD.wire()]}))
     assert not path.exists()  # off unless the bench asks for it
     monkeypatch.setenv(optiming.ENV, str(path))
-    ops.run(Op("firewall.restore", {"family": 4, "script": "*filter\nCOMMIT\n"}))
+    ops.run(Op("firewall.nft", {"delete": [_GUARD.wire()]}))
     ops.run(Op("link.delete", {"name": "x0"}))
-    assert [c[:2] for c in log] == [("ipt4", "restore"), ("ipt4", "restore"),
+    assert [c[:2] for c in log] == [("nft", "apply"), ("nft", "apply"),
                                     ("netlink", "delete_link")]
     recs = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [r["op"] for r in recs] == ["firewall.restore"]
+    assert [r["op"] for r in recs] == ["firewall.nft"]
     assert recs[0]["seconds"] >= 0 and recs[0]["pid"] == os.getpid()

@@ -37,7 +37,7 @@ def v6(host: FakeHost, aid: str) -> str:
 
 
 def dnat(host: FakeHost, family: int = 4) -> list[str]:
-    return host.fw[family].chains.get(("nat", "RECONCILER-DNAT"), [])
+    return host.ours(family).get(("nat", "RECONCILER-DNAT"), [])
 
 
 def host_port(host: FakeHost, aid: str, to: int, proto: str = "tcp") -> int:

@@ -77,10 +77,10 @@ def test_what_the_change_created_goes_first_and_what_it_deleted_comes_back() -> 
     configure = next(a for n, a in ops if n == "alloc.configure")
     assert configure["addresses"] == ["10.0.0.2/24"] and configure["gateways"] == ["10.0.0.1"]
     assert ("link.set_mac", {"name": VETH, "mac": "aa:00:00:00:00:06"}) in ops
-    # the rules, as one transaction, with the jumps every apply writes
-    script = next(a["script"] for n, a in ops if n == "firewall.restore")
-    assert ":RECONCILER-DNAT - [0:0]" in script and "-I PREROUTING 1" in script
-    assert names[-1] == "firewall.restore"
+    # the rules, as one transaction: the table rebuilt with every recorded entry
+    fw = next(a for n, a in ops if n == "firewall.nft")
+    assert fw["rebuild"] and {d["set"] for d in fw["add"]} == {"pm4", "open4"}, fw
+    assert names[-1] == "firewall.nft"
     for c in plan.actionable:  # every op is one the executor can decode
         for op in c.ops:
             decode(op)

@@ -93,7 +93,9 @@ RECORDED: dict[tuple[str, str], tuple[str, ...]] = {
     ("AllocConfigure", "mtu"): ("AllocPoint.eth0_mtu",),
     ("AllocConfigure", "mark"): ("AllocPoint.mark",),
     ("SysctlSet", "value"): ("Checkpoint.sysctls",),
-    ("FirewallRestore", "script"): ("Checkpoint.firewall",),
+    ("FirewallNft", "add"): ("Checkpoint.firewall",),
+    ("FirewallNft", "delete"): ("Checkpoint.firewall",),
+
 }
 
 #: what names the object an op acts on (recorded as the key of its record)
@@ -134,7 +136,11 @@ NOT_RECORDED: dict[tuple[str, str], str] = {
     ("AllocConfigure", "ipv6"): "not read (see its declaration)",
     ("AllocConfigure", "announce"): "how: a gratuitous ARP and NA, no state",
     ("SysctlSet", "key"): IDENTITY,
-    ("FirewallRestore", "family"): IDENTITY,
+    ("FirewallNft", "rebuild"): "how the entries are written (the whole table at once), no state",
+    ("FirewallNft", "mark"): "derived from settings.firewall_mark, read back as the table's",
+    ("FirewallNft", "drop_table"): "how no entry is left: the table goes, no state",
+    ("FirewallNft", "cleanup4"): "earlier versions' chains: gone for good after the upgrade",
+    ("FirewallNft", "cleanup6"): "earlier versions' chains: gone for good after the upgrade",
     ("FirewallShim", "family"): IDENTITY,
     ("FirewallShim", "legacy"): IDENTITY,
     ("FirewallShim", "chain"): IDENTITY,

@@ -1,12 +1,8 @@
-"""The stopgap on today's iptables backend (issue 26, item 0), as pure logic.
+"""Other firewall managers beside our table (issue 26), as pure logic.
 
-* Our jump to ``RECONCILER-FORWARD`` (and ``RECONCILER-INPUT``) is kept ahead of every rule
-  another manager puts above it that can accept what our isolation drops: first in
-  dockerd's ``DOCKER-USER`` when that chain exists (dockerd keeps it first in FORWARD),
-  moved back to the top of the built-in chain otherwise; the plan shows it as drift.
 * iptables-legacy rules beside our nf_tables backend are followed along each declared path:
   one that blocks a path whole is a plan error, one that names part of one a warning.
-* The probes' diagnosis names an accept above our jump and a legacy rule.
+* The probes' diagnosis names our chain for a direct reach, and a legacy rule.
 
 ``FakeHost`` runs the planner's restore scripts the way iptables-restore would.
 """
@@ -29,7 +25,6 @@ from reconciler.planner.probes import (
     Facts,
     RuleHit,
     Sighting,
-    accepts_ahead,
     classify,
     foreign_hits,
 )
@@ -103,150 +98,6 @@ def test_ports_states_and_protocols_compare_as_sets() -> None:
     assert fwpaths.match("--dport 2000:3000 -j DROP", wide).match is Match.SOME
 
 
-# ------------------------------------------------------------------ (a) the jump's position
-
-
-def test_an_accept_above_the_jump_is_drift_moved_back_to_the_top() -> None:
-    host, d = fresh(), desired()
-    converge(host, d)
-    fw(host)[("filter", "FORWARD")].insert(0, "-i cni0 ! -o cni0 -j ACCEPT")
-    p = plan(host, d)
-    [ch] = p.actionable
-    assert (ch.kind, ch.name) == ("firewall", "ipv4")
-    assert ch.reason == ("filter/FORWARD: -A FORWARD -i cni0 ! -o cni0 -j ACCEPT accepts "
-                         "ahead of the jump to RECONCILER-FORWARD")
-    assert [(a.field, a.before, a.after) for a in ch.attrs] == [
-        ("filter/FORWARD jump to RECONCILER-FORWARD", "behind accepting rules", "first")]
-    converge(host, d)
-    assert fw(host)[("filter", "FORWARD")] == [JUMP, "-i cni0 ! -o cni0 -j ACCEPT"]
-    assert not plan(host, d).has_changes
-
-
-@pytest.mark.parametrize("harmless", [
-    "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",  # replies: ours accepts them too
-    "-o docker0 -j ACCEPT",  # into another bridge
-    "-j DOCKER-ISOLATION-STAGE-1",  # a chain that only drops and returns
-])
-def test_what_cannot_accept_into_the_subnet_may_stay_above(harmless: str) -> None:
-    host, d = fresh(), desired()
-    converge(host, d)
-    chains = fw(host)
-    chains[("filter", "DOCKER-ISOLATION-STAGE-1")] = ["-i docker0 ! -o docker0 -j DROP",
-                                                      "-j RETURN"]
-    chains[("filter", "FORWARD")].insert(0, harmless)
-    assert not plan(host, d).has_changes
-
-
-#: FORWARD and Docker's chains after dockerd (20.10) started behind an apply
-DOCKERD = {
-    ("filter", "FORWARD"): ["-j DOCKER-USER", "-j DOCKER-ISOLATION-STAGE-1",
-                            "-o docker0 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-                            "-o docker0 -j DOCKER", "-i docker0 ! -o docker0 -j ACCEPT",
-                            "-i docker0 -o docker0 -j ACCEPT"],
-    ("filter", "DOCKER"): [],
-    ("filter", "DOCKER-ISOLATION-STAGE-1"): [
-        "-i docker0 ! -o docker0 -j DOCKER-ISOLATION-STAGE-2", "-j RETURN"],
-    ("filter", "DOCKER-ISOLATION-STAGE-2"): ["-o docker0 -j DROP", "-j RETURN"],
-    ("filter", "DOCKER-USER"): ["-j RETURN"],
-}
-
-
-def _dockerd_starts(host: FakeHost, family: int = 4) -> None:
-    chains = fw(host, family)
-    for key, rules in DOCKERD.items():
-        chains[key] = list(rules) + (chains.get(key, []) if key[1] == "FORWARD" else [])
-
-
-def test_with_dockerd_the_jump_goes_first_into_docker_user_and_stays_behind_its_accepts() -> None:
-    host, d = fresh(), desired()
-    converge(host, d)
-    _dockerd_starts(host)
-    p = plan(host, d)
-    [ch] = p.actionable
-    assert "-A FORWARD -i docker0 ! -o docker0 -j ACCEPT accepts ahead of the jump" in ch.reason
-    assert [(a.field, a.before, a.after) for a in ch.attrs] == [
-        ("filter/DOCKER-USER jump to RECONCILER-FORWARD", None, "present")]
-    converge(host, d)
-    chains = fw(host)
-    assert chains[("filter", "DOCKER-USER")] == [JUMP, "-j RETURN"]
-    # FORWARD's own jump stays where it was: DOCKER-USER decides first
-    assert chains[("filter", "FORWARD")][-1] == JUMP
-    assert not plan(host, d).has_changes
-    # dockerd creates a network: its accepts land on top of FORWARD, above DOCKER-USER's jump
-    # for a moment, then it puts its DOCKER-USER jump back first: nothing for us to do
-    forward = chains[("filter", "FORWARD")]
-    forward.remove("-j DOCKER-USER")
-    forward[:0] = ["-j DOCKER-USER", "-o br-1 -j DOCKER", "-i br-1 ! -o br-1 -j ACCEPT"]
-    assert not plan(host, d).has_changes
-
-
-def test_an_accept_above_our_jump_in_docker_user_moves_it_back_to_the_top() -> None:
-    host, d = fresh(), desired()
-    _dockerd_starts(host)
-    converge(host, d)
-    assert fw(host)[("filter", "DOCKER-USER")] == [JUMP, "-j RETURN"]
-    fw(host)[("filter", "DOCKER-USER")].insert(0, "-s 192.0.2.0/24 -j ACCEPT")
-    [ch] = plan(host, d).actionable
-    assert ch.reason.startswith("filter/DOCKER-USER: -A DOCKER-USER -s 192.0.2.0/24 -j ACCEPT")
-    assert ("filter/DOCKER-USER jump to RECONCILER-FORWARD", "behind accepting rules",
-            "first") in [(a.field, a.before, a.after) for a in ch.attrs]
-    converge(host, d)
-    assert fw(host)[("filter", "DOCKER-USER")] == [JUMP, "-s 192.0.2.0/24 -j ACCEPT",
-                                                   "-j RETURN"]
-    assert not plan(host, d).has_changes
-
-
-def test_no_docker_user_no_jump_there_and_we_never_create_it() -> None:
-    host, d = fresh(), desired()
-    converge(host, d)
-    assert ("filter", "DOCKER-USER") not in fw(host)
-
-
-def test_removing_the_subnet_removes_our_jump_from_docker_user_too() -> None:
-    host, d = fresh(), desired()
-    _dockerd_starts(host)
-    converge(host, d)
-    converge(host, DesiredState(), prune=True)
-    assert fw(host)[("filter", "DOCKER-USER")] == ["-j RETURN"]
-    assert not any("RECONCILER" in r for rules in fw(host).values() for r in rules)
-
-
-def test_both_families_and_the_loopback_guard() -> None:
-    host, d = fresh(), desired(v6=True)
-    converge(host, d)
-    fw(host, 6)[("filter", "FORWARD")].insert(0, "-d fd00:1::/64 -j ACCEPT")
-    fw(host, 4)[("filter", "INPUT")].insert(0, "-i br0 -p tcp -m tcp --dport 22 -j ACCEPT")
-    p = plan(host, d)
-    reasons = {c.name: c.reason for c in p.actionable}
-    assert reasons == {
-        "ipv6": "filter/FORWARD: -A FORWARD -d fd00:1::/64 -j ACCEPT accepts ahead of the jump "
-                "to RECONCILER-FORWARD",
-        "ipv4": "filter/INPUT: -A INPUT -i br0 -p tcp -m tcp --dport 22 -j ACCEPT accepts "
-                "ahead of the jump to RECONCILER-INPUT"}
-    converge(host, d)
-    assert fw(host, 6)[("filter", "FORWARD")][0] == JUMP
-    assert fw(host, 4)[("filter", "INPUT")][0].endswith("-j RECONCILER-INPUT")
-    assert not plan(host, d).has_changes
-
-
-def test_an_open_subnet_has_nothing_to_keep_ahead_of() -> None:
-    host, d = fresh(), desired(isolation="open")
-    converge(host, d)
-    fw(host)[("filter", "FORWARD")].insert(0, "-j ACCEPT")
-    assert not plan(host, d).has_changes
-
-
-def test_gc_only_removes_it_never_moves_a_jump() -> None:
-    host, d = fresh(), desired()
-    converge(host, d)
-    fw(host)[("filter", "FORWARD")].insert(0, "-j ACCEPT")
-    rs = firewall.RuleSet(4)
-    for (_table, chain), rules in fw(host).items():
-        if chain.startswith("RECONCILER-"):
-            rs.chains[chain] = list(rules)
-    assert not firewall.diff(rs, host.fw[4].live(), add_jumps=False).changed
-
-
 # ------------------------------------------------------------------ (b) iptables-legacy
 
 LEGACY_EMPTY = """*filter
@@ -272,21 +123,25 @@ def _legacy_plan(host: FakeHost, d: DesiredState, chains: LiveChainSet,
     return plan(host, d, **{f"legacy{family}": chains})
 
 
-@pytest.mark.parametrize("chains", [
-    _legacy(forward="DROP"),
-    _legacy("-A FORWARD -d 10.0.0.0/24 -j DROP\n"),
-    _legacy("-A FORWARD -o br0 -p tcp -j REJECT\n"),
-    _legacy("-A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 -j REJECT\n"),
+@pytest.mark.parametrize(("chains", "chain"), [
+    (_legacy(forward="DROP"), "FORWARD"),
+    (_legacy("-A FORWARD -d 10.0.0.0/24 -j DROP\n"), "FORWARD"),
+    (_legacy("-A FORWARD -o br0 -p tcp -j REJECT\n"), "FORWARD"),
+    (_legacy("-A FORWARD -s 10.0.0.0/24 -p tcp -m tcp --dport 25 -j REJECT\n"), "FORWARD"),
+    # the replies to the host's own port-map connections: our table's guard marks them
+    (_legacy(input_="DROP"), "INPUT"),
 ])
-def test_a_legacy_forward_drop_is_passed_by_the_shim_not_named(chains: LiveChainSet) -> None:
-    """The shim goes first in the legacy FORWARD (planner.shim): declared traffic carries our
-    mark past every DROP there, so none is an error or a warning any more (decision 048)."""
+def test_a_legacy_forward_drop_is_passed_by_the_shim_not_named(chains: LiveChainSet,
+                                                               chain: str) -> None:
+    """The shim goes first in the legacy FORWARD or INPUT (planner.shim): declared traffic
+    carries our mark past every DROP there, so none is an error or a warning any more
+    (decision 048)."""
     host, d = fresh(), desired()
     converge(host, d)
     p = _legacy_plan(host, d, chains)
     assert (p.errors, p.warnings) == ((), ())
     [c] = p.actionable
-    assert (c.kind, c.name, c.action.value) == ("shim", "iptables-legacy filter/FORWARD",
+    assert (c.kind, c.name, c.action.value) == ("shim", f"iptables-legacy filter/{chain}",
                                                 "create")
     assert [(o.name, o.args["legacy"], o.args["position"]) for o in c.ops] == [
         ("firewall.shim", True, 1)]
@@ -295,8 +150,6 @@ def test_a_legacy_forward_drop_is_passed_by_the_shim_not_named(chains: LiveChain
 
 
 @pytest.mark.parametrize(("chains", "named"), [
-    (_legacy(input_="DROP"), "iptables-legacy filter/INPUT: policy DROP drops port map "
-                             "8080/tcp of alloc a1, port map 127.0.0.1:8443/tcp of alloc a1"),
     (_legacy(nat="-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9\n"),
      "iptables-legacy nat/PREROUTING: -A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT "
      "--to-ports 9 sends port map 8080/tcp of alloc a1 elsewhere"),
@@ -348,20 +201,24 @@ def test_legacy_rules_off_the_declared_paths_are_not_named(chains: LiveChainSet)
 def test_a_legacy_rule_on_part_of_a_path_it_names_is_a_warning() -> None:
     host, d = fresh(), desired()
     converge(host, d)
-    p = _legacy_plan(host, d, _legacy("-A INPUT -s 10.0.0.0/24 -p tcp -m tcp --dport 40000 "
+    # (a REJECT in INPUT or FORWARD is passed by the shim there: filter OUTPUT has none)
+    p = _legacy_plan(host, d, _legacy("-A OUTPUT -d 10.0.0.0/24 -p tcp -m tcp --sport 40000 "
                                       "-j REJECT\n"))
     assert p.errors == ()
     [w] = p.warnings
-    assert w.startswith("iptables-legacy filter/INPUT: -A INPUT -s 10.0.0.0/24 -p tcp -m tcp "
-                        "--dport 40000 -j REJECT drops some of port map 8080/tcp of alloc a1")
+    assert w.startswith("iptables-legacy filter/OUTPUT: -A OUTPUT -d 10.0.0.0/24 -p tcp -m tcp "
+                        "--sport 40000 -j REJECT drops some of port map 8080/tcp of alloc a1")
 
 
 def test_ip6tables_legacy_is_read_for_the_ipv6_paths() -> None:
     host, d = fresh(), desired(v6=True)
     converge(host, d)
-    p = _legacy_plan(host, d, _legacy(input_="DROP"), family=6)
+    p = _legacy_plan(host, d, _legacy("-A OUTPUT -d fd00:1::/64 -j DROP\n"), family=6)
     assert [e.split(" drops ")[0] for e in p.errors] == [
-        "ip6tables-legacy filter/INPUT: policy DROP"]
+        "ip6tables-legacy filter/OUTPUT: -A OUTPUT -d fd00:1::/64 -j DROP"]
+    p = _legacy_plan(host, d, _legacy(input_="DROP"), family=6)
+    assert p.errors == () and [c.name for c in p.actionable] == [
+        "ip6tables-legacy filter/INPUT"]
     p = _legacy_plan(host, d, _legacy(forward="DROP"), family=6)
     assert p.errors == () and [c.name for c in p.actionable] == [
         "ip6tables-legacy filter/FORWARD"]
@@ -424,18 +281,14 @@ COMMIT
 """
 
 
-def test_the_accept_whose_counter_rose_is_named_first() -> None:
-    after = BEFORE.replace("[3:180] -A FORWARD -d", "[4:240] -A FORWARD -d")
-    hits = accepts_ahead(4, BEFORE, after)
-    assert [h.rule for h in hits] == ["-A FORWARD -d 10.0.0.0/24 -j ACCEPT",
-                                      "-A FORWARD -i br-1 ! -o br-1 -j ACCEPT"]
+def test_a_direct_reach_names_our_chain() -> None:
     spec = ProbeSpec("a1", "direct", "tcp", 4, "external", "10.0.0.2", 80, 80, 80, False)
-    cause = classify(spec, Sighting(True, "connected"), Facts(ahead=tuple(hits)))
+    cause = classify(spec, Sighting(True, "connected"), Facts())
     assert cause.ours
     assert cause.line == ("reached 10.0.0.2:80 directly although the subnet's isolation is "
-                          "ports: filter/FORWARD: -A FORWARD -d 10.0.0.0/24 -j ACCEPT accepts it "
-                          "ahead of the jump to RECONCILER-FORWARD (a pass moves the jump back "
-                          "above it)")
+                          "ports: the drop in chain isolate of table inet reconciler did not "
+                          "take it (its entry is missing or the table was changed: a pass "
+                          "rebuilds it)")
 
 
 def test_legacy_counters_name_drops_and_redirects() -> None:
@@ -455,3 +308,23 @@ def test_legacy_counters_name_drops_and_redirects() -> None:
                           "-A PREROUTING -p tcp -m tcp --dport 8080 -j REDIRECT --to-ports 9")
     assert str(RuleHit(6, "filter", "FORWARD", "policy DROP", legacy=True)) == \
         "ip6tables-legacy filter/FORWARD: policy DROP"
+
+
+def test_the_upgrade_removes_the_mark_chain_of_the_version_before_the_table() -> None:
+    """A host the iptables version with the shim ran on: RECONCILER-MARK (mangle) goes with
+    the other RECONCILER-* chains once the table marks; the shim itself stays (same text)."""
+    from reconciler.planner import nftplan
+    old = parse_save(
+        "*mangle\n:FORWARD ACCEPT [0:0]\n:RECONCILER-MARK - [0:0]\n"
+        "-A FORWARD -m comment --comment reconciler -j RECONCILER-MARK\n"
+        "-A RECONCILER-MARK -o br0 -m comment --comment reconciler:subnet=net "
+        "-j MARK --set-xmark 0x2000/0x2000\nCOMMIT\n"
+        "*filter\n:FORWARD DROP [0:0]\n"
+        "-A FORWARD -m mark --mark 0x2000/0x2000 -m comment --comment reconciler:shim "
+        "-j ACCEPT\nCOMMIT\n")
+    host, d = fresh(), desired()
+    converge(host, d)
+    c4, _c6, warnings = nftplan.cleanup_scripts(dataclasses.replace(host.observe(d), old4=old))
+    assert warnings == []
+    assert c4 == ("*mangle\n-D FORWARD -m comment --comment reconciler -j RECONCILER-MARK\n"
+                  "-F RECONCILER-MARK\n-X RECONCILER-MARK\nCOMMIT\n"), c4

@@ -17,7 +17,8 @@ from reconciler.domain.docker import SCOPE_LABEL
 from reconciler.domain.errors import PlanError
 from reconciler.domain.live import LiveDocker, LiveDockerNetwork, LiveLink
 from reconciler.domain.model import DesiredState
-from reconciler.domain.ops import AddrAdd, FirewallRestore, LinkAddBridge, LinkDelete, encode
+from reconciler.domain.nftable import Entry
+from reconciler.domain.ops import AddrAdd, FirewallNft, LinkAddBridge, LinkDelete, encode
 from reconciler.domain.ownership import DOCKER_LABEL, alloc_veth_name
 from reconciler.domain.plan import Action, Change, Op, Plan
 from reconciler.drivers import rundir, statedir
@@ -42,7 +43,7 @@ def three(host: FakeHost) -> DesiredState:
 
 
 def dnat(host: FakeHost) -> list[str]:
-    return host.fw[4].chains.get(("nat", firewall.DNAT), [])
+    return host.ours(4).get(("nat", firewall.DNAT), [])
 
 
 def collect(host: FakeHost, desired: DesiredState | None, tmp_path: Path,
@@ -80,7 +81,7 @@ def test_broken_halves_are_collected_whole_allocations_are_not():
     assert addresses(p) == {"alloc/a": Action.DELETE,
                             f"veth/{alloc_veth_name('b')}": Action.DELETE,
                             "neighbour/br0/10.0.0.3": Action.DELETE,
-                            "firewall/ipv4": Action.UPDATE}
+                            "firewall/nftables": Action.UPDATE}
     # a's goes with its namespace
     (gone,) = [c for c in p.actionable if c.address == "alloc/a"]
     assert [(o.name, o.args.get("address")) for o in gone.ops][-1] == ("neigh.delete",
@@ -104,17 +105,20 @@ def test_rules_of_a_vanished_alloc_go_with_nothing_added(tmp_path, monkeypatch):
     assert set(host.netns) == {"a", "b"}
 
 
-def test_a_missing_jump_is_not_added_back():
+def test_a_missing_entry_is_not_added_back():
     host = FakeHost()
     three(host)
     host.netns.pop("c")
     host.links.pop(alloc_veth_name("c"))
-    host.fw[4].chains[("nat", "OUTPUT")] = []  # someone deleted our jump
+    # someone deleted one of a's elements: gc only deletes, it never adds it back
+    host.table.entries = {e for e in host.table.entries
+                          if not (e.owner == "alloc=a" and e.set == "pm4")}
     kept = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
     fw = next(c for c in gc_plan(host.observe(kept), kept).actionable
               if c.kind == "firewall")
-    script = fw.ops[0].args["script"]
-    assert "-I " not in script and "-D " not in script and "-A RECONCILER-DNAT" in script
+    args = fw.ops[0].args
+    assert not args["add"] and not args["rebuild"], args
+    assert {d["owner"] for d in args["delete"]} == {"alloc=c"}
 
 
 def test_foreign_look_alikes_are_never_listed():
@@ -142,7 +146,7 @@ def test_a_held_namespace_without_veth_is_left_alone_without_files():
     assert "alloc/a" not in addresses(p)
     assert any("pid 4242" in w for w in p.warnings)
     # its rules stay with it
-    assert "firewall/ipv4" not in addresses(p)
+    assert "firewall/nftables" not in addresses(p)
     # declared: healed by apply, never collected
     assert "alloc/a" not in addresses(gc_plan(host.observe(desired), desired))
 
@@ -152,7 +156,7 @@ def test_with_files_also_what_a_prune_removes_and_only_that(tmp_path, monkeypatc
     three(host)
     kept = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)))
     p = gc_plan(host.observe(kept), kept)
-    assert addresses(p) == {"alloc/c": Action.DELETE, "firewall/ipv4": Action.UPDATE}
+    assert addresses(p) == {"alloc/c": Action.DELETE, "firewall/nftables": Action.UPDATE}
     # the declared ones need no change: nothing of them is in the plan either way
     host.netns["a"].links["eth0"] = dataclasses.replace(host.netns["a"].links["eth0"],
                                                         addresses=())
@@ -213,10 +217,12 @@ def test_a_plan_with_anything_but_removals_is_refused():
     for op in (encode(LinkAddBridge("br9", None)), encode(AddrAdd("br9", "10.0.0.1/24"))):
         with pytest.raises(PlanError, match="is not a removal"):
             only_removals(Plan((Change("bridge", "br9", Action.DELETE, ops=(op,)),)), live)
-    add_rule = "*nat\n-A RECONCILER-DNAT -j ACCEPT\nCOMMIT\n"
-    with pytest.raises(PlanError, match="is not a removal"):
-        only_removals(Plan((Change("firewall", "ipv4", Action.UPDATE, ops=(
-            encode(FirewallRestore(4, add_rule)),)),)), live)
+    entry = Entry("guarded", ("br9",), (), "bridge=br9").wire()
+    for fw in (FirewallNft(add=(entry,)), FirewallNft(rebuild=True), FirewallNft(delete=(entry,)),
+               FirewallNft(cleanup4="*filter\n-I FORWARD 1 -j ACCEPT\nCOMMIT\n")):
+        with pytest.raises(PlanError, match="is not a removal"):
+            only_removals(Plan((Change("firewall", "nftables", Action.UPDATE,
+                                       ops=(encode(fw),)),)), live)
 
 
 def test_text_and_exit_codes():
@@ -320,18 +326,18 @@ def test_ipv6_rules_of_a_vanished_alloc_go_too(tmp_path, monkeypatch):
     desired = state(alloc("a", port(8080, 80)), alloc("b", port(8081, 80)),
                     sub=subnet(cidr6="fd00::/64"))
     converge(host, desired)
-    assert any("alloc=b" in r for r in host.fw[6].chains[("nat", firewall.DNAT)])
+    assert any("alloc=b" in r for r in host.ours(6)[("nat", firewall.DNAT)])
     host.netns.pop("b")
     host.links.pop(alloc_veth_name("b"))
     kept = state(alloc("a", port(8080, 80)), sub=subnet(cidr6="fd00::/64"))
     p = gc_plan(host.observe(kept), kept)
-    assert addresses(p) == {"firewall/ipv4": Action.UPDATE, "firewall/ipv6": Action.UPDATE,
+    assert addresses(p) == {"firewall/nftables": Action.UPDATE,
                             "neighbour/br0/10.0.0.3": Action.DELETE,
                             "neighbour/br0/fd00::3": Action.DELETE}
     assert collect(host, kept, tmp_path, monkeypatch).ok
     assert sorted(n.address for n in host.neighbours) == ["10.0.0.2", "fd00::2"]
     for family in (4, 6):
-        rules = host.fw[family].chains[("nat", firewall.DNAT)]
+        rules = host.ours(family)[("nat", firewall.DNAT)]
         assert not [r for r in rules if "alloc=b" in r] and [r for r in rules if "alloc=a" in r]
 
 

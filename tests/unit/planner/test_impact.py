@@ -74,11 +74,11 @@ def test_a_pruned_alloc_and_its_port_map_are_the_impact_and_nothing_else() -> No
     plan = make_plan(state(alloc("b", port(8081, 80), address="10.0.0.3")),
                      host.observe(two_allocs()))
     found = impacts(plan)
-    assert set(found) == {("alloc/a", "alloc", "a"), ("firewall/ipv4", "port_map", "8080/tcp")}
+    assert set(found) == {("alloc/a", "alloc", "a"), ("firewall/nftables", "port_map", "8080/tcp")}
     a = found[("alloc/a", "alloc", "a")]
     assert (a.effect, a.addresses, a.flows) == ("deleted: loses connectivity", ("10.0.0.2",),
                                                 None)
-    m = found[("firewall/ipv4", "port_map", "8080/tcp")]
+    m = found[("firewall/nftables", "port_map", "8080/tcp")]
     assert m.effect == "closed (it sent to alloc a at 10.0.0.2:80)"
     assert [(i.type, i.name) for i in plan.impacted] == [("alloc", "a"), ("port_map", "8080/tcp")]
 
@@ -102,7 +102,7 @@ def test_a_moved_map_and_a_new_address_are_said_in_plain_words() -> None:
                                                          address="10.0.0.3"))
     plan = make_plan(moved, host.observe(moved))
     found = impacts(plan)
-    assert found[("firewall/ipv4", "port_map", "8080/tcp")].effect == \
+    assert found[("firewall/nftables", "port_map", "8080/tcp")].effect == \
         "moves from alloc a at 10.0.0.2:80 to alloc b at 10.0.0.3:80"
     a = found[("alloc/a", "alloc", "a")]
     assert (a.effect, a.addresses) == ("loses address 10.0.0.2/24", ("10.0.0.2",))
@@ -131,7 +131,7 @@ def test_dual_stack_maps_are_one_item_and_the_gateway_loss_is_said() -> None:
     plan = make_plan(state(sub=subnet(cidr6="fd00::/64")), host.observe(dual))
     found = impacts(plan)
     assert {k for k in found if k[1] == "port_map"} == {
-        ("firewall/ipv4", "port_map", "8080/tcp"), ("firewall/ipv6", "port_map", "8080/tcp")}
+        ("firewall/nftables", "port_map", "8080/tcp")}  # both families: one change, one item
     # counted once: one declared map serves both families
     assert sorted((i.type, i.name) for i in plan.impacted) == [("alloc", "a"),
                                                                ("port_map", "8080/tcp")]
@@ -193,7 +193,7 @@ def test_flows_are_counted_for_what_is_disrupted_and_probes_are_left_out() -> No
                           PlanOptions())
     found = impacts(plan)
     assert found[("alloc/a", "alloc", "a")].flows == 3
-    assert found[("firewall/ipv4", "port_map", "8080/tcp")].flows == 2
+    assert found[("firewall/nftables", "port_map", "8080/tcp")].flows == 2
     assert host.conntrack.asked == [(4, frozenset({IP("10.0.0.2")}),
                                      frozenset({("tcp", 8080)}))]
     text = render_text(plan)

@@ -28,10 +28,11 @@ from reconciler.config.load import load
 from reconciler.domain.errors import ConfigError, DriverError
 from reconciler.domain.live import LiveChainSet, LiveDocker, LiveState
 from reconciler.domain.model import Bridge, BridgeName, DesiredState, Subnet, SubnetName
+from reconciler.domain.nftable import TableState
 from reconciler.domain.ops import (
     AllocAttach,
     AllocConfigure,
-    FirewallRestore,
+    FirewallNft,
     NetnsCreate,
     NetnsDelete,
     SysctlSet,
@@ -182,8 +183,11 @@ def check_ops(desired: DesiredState, live: LiveState) -> int:
         for op in change.ops:
             a = op.args
             typed = decode(op)
-            if isinstance(typed, FirewallRestore):
-                for line in typed.script.splitlines():
+            if isinstance(typed, FirewallNft):
+                add, delete = typed.entries()  # each checked: values of their types only
+                lines += len(add) + len(delete)
+                assert all(e.owner in declared | {"subnet=old"} for e in add + delete)
+                for line in (typed.cleanup4 + typed.cleanup6).splitlines():
                     lines += 1
                     assert RESTORE_LINE.fullmatch(line), line
                     toks = line.split(" ")
@@ -229,10 +233,10 @@ def test_no_accepted_file_can_inject(request: pytest.FixtureRequest):
         docker = LiveDocker(available=True, default_mtu=1500)
         for fw in (LiveChainSet(True), STALE):
             counts["lines"] += check_ops(desired, LiveState(
-                host_id="1", firewall4=fw, firewall6=fw, docker=docker))
+                host_id="1", table=TableState(), old4=fw, old6=fw, docker=docker))
 
     prop()
     report(request, f"{sum(counts.values()) - counts['lines']} generated files: "
                     f"{counts['accepted']} accepted and planned, {counts['rejected']} rejected; "
-                    f"{counts['lines']} restore lines checked, 0 unsafe")
+                    f"{counts['lines']} table entries and restore lines checked, 0 unsafe")
     assert counts["accepted"] >= EXAMPLES // 5 and counts["rejected"] >= EXAMPLES // 10

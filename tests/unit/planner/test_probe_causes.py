@@ -4,9 +4,10 @@ per-interface forwarding off, another manager's DNAT of a mapped host port, and 
 
 from __future__ import annotations
 
+from reconciler.domain.nftable import TableState
 from reconciler.domain.probes import ProbeSpec
 from reconciler.planner import nftforeign
-from reconciler.planner.probes import Facts, RuleHit, Sighting, classify, foreign_hits
+from reconciler.planner.probes import Facts, Sighting, classify, foreign_hits, table_problem
 
 NEVER = Sighting(reached=False, answer="timeout")
 
@@ -66,9 +67,6 @@ def test_an_open_subnet_is_never_blamed_on_isolation_ports() -> None:
     arrived = Sighting(reached=True, answer="timeout")
     line = classify(spec, arrived, Facts()).line
     assert "isolation is ports" not in line and "nothing came back" in line, line
-    ahead = RuleHit(4, "filter", "FORWARD", "-A FORWARD -j ACCEPT")
-    line = classify(spec, arrived, Facts(ahead=(ahead,))).line
-    assert "isolation is ports" not in line, line
     # with isolation ports (expected not to arrive) it still is
     assert "isolation is ports" in classify(_spec("direct", expect=False), arrived, Facts()).line
 
@@ -115,3 +113,22 @@ def test_a_drop_in_another_managers_nftables_table_is_named() -> None:
     facts = Facts(nft_drops=tuple(r.where() for r in found))
     assert classify(_spec(), NEVER, facts).line == (
         "a foreign rule drops it: nftables inet foo/fwd (hook forward): tcp dport 9999 drop")
+
+
+def test_a_hand_edit_of_our_table_is_named_with_its_chain() -> None:
+    """Issue 26 item 8: a rule added to our table's isolation chain drops a declared path
+    (its rules carry no counters); the cause names the table and what differs from the
+    skeleton, and a pass heals it. A foreign drop whose counter rose stays the cause."""
+    edited = TableState(exists=True, intact=False, broken="chain isolate holds 7 rules, not 6")
+    problem = table_problem(edited)
+    cause = classify(_spec("external"), NEVER, Facts(table=problem))
+    assert cause.line == ("our table inet reconciler is not as built (chain isolate holds 7 "
+                          "rules, not 6): a pass rebuilds it"), cause.line
+    assert cause.ours
+    assert table_problem(TableState(exists=False)) == "is gone"
+    # as built, or unread (no nft here): nothing to say
+    assert table_problem(TableState(exists=True, intact=True)) == ""
+    assert table_problem(TableState(available=False, error="no nft")) == ""
+    assert "our table" not in classify(_spec("external"), NEVER, Facts()).line
+    foreign = Facts(table=problem, nft_drops=("nftables inet foo/fwd (hook forward): drop",))
+    assert classify(_spec(), NEVER, foreign).line.startswith("a foreign rule drops it")

@@ -222,7 +222,7 @@ def test_a_map_that_moves_deletes_its_entries_after_the_restore() -> None:
     moved = _desired((_alloc("b", PortMap(5353, 54, "udp", None)),))
     plan = make_plan(moved, host.observe(moved), PlanOptions())
     fw = next(c for c in plan.changes if c.kind == "firewall")
-    assert [o.name for o in fw.ops] == ["firewall.restore", "conntrack.delete"]
+    assert [o.name for o in fw.ops] == ["firewall.nft", "conntrack.delete"]
     assert fw.ops[1].args == {"family": 4, "maps": ["udp/5353>10.0.0.2:54"]}
     Reconciler(host, runner=host, sleep=lambda _s: None).apply(  # type: ignore[arg-type]
         moved, PlanOptions())

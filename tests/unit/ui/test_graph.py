@@ -38,6 +38,7 @@ from reconciler.planner import make_plan
 from reconciler.ui import graph, show
 from reconciler.ui.progress import Progress, wanted
 from reconciler.ui.topology import PortView, live_topology
+from tests.support.fakehost import table_from
 from tests.support.host import EXAMPLES, REPO
 
 HOST = "4026532999"
@@ -100,7 +101,7 @@ def a_host() -> LiveState:
                "eth9": LiveLink("eth9", 2, "", 1500, True, False),
                alloc_veth_name("web-1"): veth("web-1", "br9"),
                alloc_veth_name("db-1"): veth("db-1", "br9")},
-        firewall4=fw4, firewall6=fw6,
+        firewall4=fw4, firewall6=fw6, table=table_from(fw4, fw6),
         netns={"web-1": alloc_ns("web-1", "02:aa:00:00:00:01", "10.9.0.10/24", "fd00:9::2/64"),
                "db-1": alloc_ns("db-1", "02:aa:00:00:00:02", "10.9.0.11/24"),
                "foreign": alloc_ns("foreign", "02:bb:00:00:00:01", "10.9.0.99/24",
@@ -221,7 +222,7 @@ def test_plan_colours_each_action_and_the_legend_spells_the_symbols(tmp_path):
     assert "mtu: 1400 → 1500" in texts(nodes["bridge/br9"])
     legend = set(texts(nodes["legend"]))
     assert {"+ create", "~ update", "-/+ replace", "- delete"} <= legend
-    assert any(t.startswith("~ firewall ipv4") for t in legend)  # the changes that are no node
+    assert any(t.startswith("~ firewall nftables") for t in legend)  # the changes that are no node
     # without --plan: the same nodes, no colours, the files' view still drawn
     plain = svg_nodes(graph.dot(live_topology(live), desired, plan))
     assert not fills(plain["alloc/new-1"]) & {f for f, _b in graph.STYLE.values()}
@@ -269,6 +270,10 @@ def test_show_groups_by_bridge_and_subnet_and_keeps_its_json_keys():
     assert lines[3] == (f"    alloc web-1: 10.9.0.10/24 fd00:9::2/64 mac 02:aa:00:00:00:01 "
                         f"veth {alloc_veth_name('web-1')}")
     assert lines[4] == "      ports 5353/udp->53@127.0.0.1 8080/tcp->80"
+    assert doc["table"]["sets"]["pm4"] == 1 and doc["table"]["intact"]
+    assert lines[5] == ("table inet reconciler: 9 entries (egress4 1, egress6 1, intra4 1, "
+                        "intra6 1, pm4 1, pm6 1, pmip4 1, ports4 1, ports6 1)")
+    assert not any("RECONCILER-" in line for line in lines)  # no chain of ours is left
     assert "netns foreign" in lines and "netns web-1" not in lines
     assert "  container c-1 172.30.0.2/16" in lines
 

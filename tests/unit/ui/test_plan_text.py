@@ -71,7 +71,7 @@ def test_a_port_map_edit_reads_on_the_allocation_in_text_and_json() -> None:
     assert web.action is Action.UPDATE and web.ops == ()
     text = render.render_text(plan)
     assert "  ~ alloc web: changed: ports\n      ports: 8080/tcp->80 => 8082/tcp->80\n" in text
-    assert "~ firewall ipv4" in text.split("~ alloc web")[1]
+    assert "~ firewall nftables" in text.split("~ alloc web")[1]
     (attr,) = json.loads(json.dumps(plan.to_json()))["changes"][
         [c.kind for c in plan.actionable].index("alloc")]["attrs"]
     assert attr == {"field": "ports", "before": ["5353/udp->53", "8080/tcp->80"],

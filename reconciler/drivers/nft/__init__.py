@@ -1,0 +1,1 @@
+"""Read and change our nftables table through libnftables, or an ``nft`` process."""
