@@ -88,6 +88,8 @@ class SafeWatch:
         #: the revision applied last (a new one is what a window is for)
         self.applied_revision: str | None = None
         self._counted = safechange.revert_count()[0]
+        #: whether the status shows a pending change (published last)
+        self._shown = False
         self.publish()
 
     # -- status ------------------------------------------------------------------------
@@ -103,6 +105,7 @@ class SafeWatch:
         if count > self._counted:
             self.metrics.reverts.inc(count - self._counted)
             self._counted = count
+        self._shown = p is not None
         self.metrics.pending_change.set(1 if p is not None else 0)
         self.board.update(
             pending=None if p is None else {"deadline": safechange.iso(p.deadline),
@@ -157,6 +160,10 @@ class SafeWatch:
             self.own = self.confirm_at = None  # confirmed or reverted by someone else
             self.own_desired = None
             self.publish()
+        elif self._shown:
+            # gone since it was shown (its reverter undid it at the deadline, or an operator
+            # confirmed or reverted it): the status and /readyz must stop saying it waits
+            self.publish(None, read=False)
         _count, last = safechange.revert_count()
         if self.window is not None and revision is not None and revision == last:
             return (f"revision {revision} was reverted; it is not applied again until the "

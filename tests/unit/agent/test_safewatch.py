@@ -275,3 +275,21 @@ def test_status_says_what_is_pending_and_what_was_reverted() -> None:
     assert "pending: a change of revision abc123 until 2026-12-01T14:27:57Z" in text
     assert "reverted: revision sha256:0f0f" in text
     assert "pending" not in render({"pending": None, "reverted_revision": None, "paths": []})
+
+
+def test_a_change_its_reverter_undid_is_no_longer_shown_pending(watch: Any,
+                                                                monkeypatch: Any) -> None:
+    """The agent showed an operator's pending change, then the change's own reverter undid it
+    at the deadline before an agent pass did: the next pass finds no record, and the status
+    (and /readyz) must stop saying a change waits for confirmation."""
+    sw, board, metrics = watch
+    monkeypatch.setenv(safechange.BOOT_ID_ENV, "b")
+    monkeypatch.setattr(safechange, "reverter_alive", lambda _p: True)
+    directory = safechange.scope_dir("netns/x")
+    safechange._write(directory, dataclasses.replace(
+        pending_record(time.time() + 60, "b"), applied=True, reverter_pid=os.getpid()))
+    assert sw.gate(None, None, "rev1", _lock) is not None
+    assert board.doc["pending"] is not None and metrics.pending_change.value == 1
+    os.unlink(os.path.join(directory, safechange.PENDING))  # the reverter's revert, done
+    assert sw.gate(None, None, "rev1", _lock) is None
+    assert board.doc["pending"] is None and metrics.pending_change.value == 0
