@@ -200,8 +200,10 @@ def _with_conntrack(ch: Change, family: int, stale: list[StaleMap]) -> Change:
     if not stale:
         return ch
     maps = tuple(str(m) for m in stale)
+    # one change serves both families: the line names its own
+    said = f"IPv{family} entries of " + ", ".join(maps)
     return dataclasses.replace(
-        ch, attrs=(*ch.attrs, AttrChange("conntrack", "entries of " + ", ".join(maps), None)),
+        ch, attrs=(*ch.attrs, AttrChange("conntrack", said, None)),
         ops=(*ch.ops, encode(ConntrackDelete(family, maps))))
 
 

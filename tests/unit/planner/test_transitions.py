@@ -230,6 +230,27 @@ def test_a_map_that_moves_deletes_its_entries_after_the_restore() -> None:
     assert not make_plan(moved, host.observe(moved), PlanOptions()).has_changes
 
 
+def test_each_family_s_stale_entries_are_named_with_their_family() -> None:
+    """Our table's change serves both families: its two conntrack lines once read the same
+    (``conntrack: entries of tcp/8080 -> (none)`` twice)."""
+    net, net6 = ipaddress.IPv4Network("10.0.0.0/24"), ipaddress.IPv6Network("fd00:9::/64")
+
+    def dual(port: int) -> DesiredState:
+        s = Subnet(SubnetName("net"), BridgeName("br0"), net, None, net6)
+        return DesiredState(bridges={BridgeName("br0"): Bridge(BridgeName("br0"), None, True)},
+                            subnets={s.name: s},
+                            allocs={AllocId("a"): _alloc("a", PortMap(port, 80, "tcp", None))},
+                            settings=Settings((20000, 32000)))
+
+    host = _converged(dual(8080))
+    moved = dual(8082)
+    fw = next(c for c in make_plan(moved, host.observe(moved), PlanOptions()).changes
+              if c.kind == "firewall")
+    lines = [a.before for a in fw.attrs if a.field == "conntrack"]
+    assert len(lines) == 2 and lines[0] != lines[1], lines
+    assert [str(x).split()[0] for x in lines] == ["IPv4", "IPv6"], lines
+
+
 def test_the_last_ports_of_a_bridge_go_first_and_its_mtu_is_set_again() -> None:
     host = _converged(_desired((_alloc("a"), _alloc("b"))))
     empty = _desired(())

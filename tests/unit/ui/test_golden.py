@@ -70,7 +70,7 @@ def create_plan() -> Plan:
     for family in (4, 6):
         changes.append(Change("firewall", f"ipv{family}", Action.CREATE, "owned chains missing",
                               (AttrChange("nat/RECONCILER-DNAT", None, f"{3 * N} rules"),
-                               AttrChange("conntrack", "entries of " + udp, None)),
+                               AttrChange("conntrack", f"IPv{family} entries of " + udp, None)),
                               (Op("firewall.restore", {"family": family}),)))
     warnings = tuple(f"alloc {_alloc_id(i)!r} ports[0]: host_ip {FLOATING} is not an address "
                      "of this host right now (a floating address?): the map takes effect once it "
