@@ -32,7 +32,7 @@ _NETLINK_NETFILTER = 12
 
 def _sockets() -> set[int]:
     """Return this process's socket fds (the listing's own fd is a directory: not counted)."""
-    out = set()
+    out: set[int] = set()
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
