@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import threading
 
 from reconciler.drivers import nsfs
@@ -25,11 +26,42 @@ _OUTPUT_JSON = 1 << 4
 FD_SETSIZE = 1024
 
 
-def _fds() -> set[int]:
+#: ``NETLINK_NETFILTER``: the socket libnftables opens in ``nft_ctx_new``
+_NETLINK_NETFILTER = 12
+
+
+def _sockets() -> set[int]:
+    """Return this process's socket fds (the listing's own fd is a directory: not counted)."""
+    out: set[int] = set()
     try:
-        return {int(n) for n in os.listdir("/proc/self/fd")}
+        names = os.listdir("/proc/self/fd")
     except OSError:
-        return set()
+        return out
+    for n in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").startswith("socket:"):
+                out.add(int(n))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _netfilter_socket_problem() -> str | None:
+    """Say why libnftables could not open its socket here, or None.
+
+    ``nft_ctx_new`` calls ``exit()`` when its netlink socket cannot be opened (no nfnetlink
+    in the kernel or sandbox, AF_NETLINK filtered, no fd left): the whole process would end
+    with rc 3. Try the same socket first; the lowest free fd is also the one it would get.
+    """
+    try:
+        probe = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+    except OSError as exc:
+        return f"netfilter netlink socket: {exc.strerror or exc}"
+    fd = probe.fileno()
+    probe.close()
+    if fd >= FD_SETSIZE:
+        return f"libnftables' socket would get fd {fd} (>= {FD_SETSIZE})"
+    return None
 
 
 class LibNft:
@@ -66,14 +98,17 @@ class LibNft:
         lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
         lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
-        before = _fds()
+        problem = _netfilter_socket_problem()
+        if problem is not None:
+            return None, problem
+        before = _sockets()
         ctx = lib.nft_ctx_new(0)  # NFT_CTX_DEFAULT: opens its netlink socket now
         if not ctx:
             return None, "nft_ctx_new failed"
         lib.nft_ctx_output_set_flags(ctx, _OUTPUT_JSON)
         lib.nft_ctx_buffer_output(ctx)
         lib.nft_ctx_buffer_error(ctx)
-        new = _fds() - before
+        new = _sockets() - before
         high = sorted(fd for fd in new if fd >= FD_SETSIZE)
         if high or not new:
             # checked before the socket is ever used: select() on it would abort us

@@ -53,3 +53,29 @@ def test_changes_go_through_a_context_that_never_lists() -> None:
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_a_process_that_cannot_open_the_netfilter_socket_falls_back_instead_of_exiting() -> None:
+    """``nft_ctx_new`` calls exit() when its socket cannot be opened (no nfnetlink, AF_NETLINK
+    filtered, no fd left): the process ended with rc 3 and a line of libmnl's. Here every fd
+    is used when the driver is made."""
+    out = _run("""
+        import ctypes, os, resource
+        from reconciler.drivers.nft.driver import NftDriver
+        ctypes.CDLL("libnftables.so.1")  # loaded: opening it again needs no fd
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        d = NftDriver()
+        for fd in held[-8:]:
+            os.close(fd)
+        print(d.in_process, d.observe().available, "|", d.why_process)
+    """)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    in_process, available = out.stdout.split("|")[0].split()
+    assert (in_process, available) == ("False", "True"), out.stdout
+    assert "netfilter netlink socket" in out.stdout, out.stdout
